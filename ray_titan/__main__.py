@@ -1,0 +1,5 @@
+import sys
+
+from ray_titan.cli import main
+
+sys.exit(main())

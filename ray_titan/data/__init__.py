@@ -1,0 +1,1 @@
+"""Data: tokenizers, corpus sources, packing into sequences and per-DP-rank loading."""

@@ -1,0 +1,212 @@
+"""The Ray side: cluster, metrics collector actor, TorchTrainer, and the :class:`RunResult`.
+
+:func:`train` validates the config before anything starts, joins the Ray cluster named by
+``RAY_ADDRESS`` (or the one this process is already connected to, or starts a local one sized for
+the job), creates the metrics collector actor (``num_cpus=0``, owned by the driver so it outlives
+the worker group), runs the train loop on ``pp × dp_shard`` Ray Train workers, prints the
+collector's console lines as they come, and returns the run's metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from ray_titan.config import ConfigError, JobConfig, load_config, validate_job
+
+__all__ = ["RunResult", "train", "make_run_dir", "resolve_paths"]
+
+
+@dataclass
+class RunResult:
+    """What a run produced.
+
+    ``steps``: the per-step, per-rank metrics (``metrics/steps.parquet``; schema
+    ``ray_titan.metrics.sinks.STEP_SCHEMA``). ``final_loss``: the last step's loss (token-weighted
+    mean over the last pipeline stage's DP ranks, nats per token). ``errors``: steps the
+    collector could not assemble or reports it found wrong (empty for a healthy run).
+    """
+
+    run_dir: Path
+    steps: pa.Table
+    final_loss: float | None
+    errors: list[str] = field(default_factory=list)
+    config: JobConfig | None = None
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics" / "steps.parquet"
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.run_dir / "tb"
+
+    def losses(self) -> list[float]:
+        """The step losses in step order (one value per step)."""
+        rows = self.steps.filter(pa.compute.equal(self.steps["rank"], 0))
+        return rows.sort_by("step")["step_loss"].to_pylist()
+
+
+def make_run_dir(cfg: JobConfig) -> Path:
+    """``<dump_folder>/<job.name>-<UTC timestamp>``, absolute, created."""
+    stamp = datetime.utcnow().strftime("%Y%m%d-%H%M%S-%f")
+    run_dir = Path(cfg.job.dump_folder).expanduser().resolve() / f"{cfg.job.name}-{stamp}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    return run_dir
+
+
+def resolve_paths(cfg: JobConfig) -> JobConfig:
+    """A copy with every user path made absolute: Ray Train changes a worker's working directory."""
+    data = cfg.data.model_copy(update={
+        k: str(Path(v).expanduser().resolve())
+        for k in ("path", "tokenizer_path", "cache_dir")
+        if (v := getattr(cfg.data, k))
+    })
+    job = cfg.job.model_copy(update={"dump_folder": str(Path(cfg.job.dump_folder).expanduser().resolve())})
+    return cfg.model_copy(update={"data": data, "job": job})
+
+
+def _connect(cfg: JobConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return
+    num_cpus = cfg.ray.num_cpus or os.cpu_count() or 1
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+
+
+def _cpus_per_worker(cfg: JobConfig) -> float:
+    import ray
+
+    if cfg.ray.cpus_per_worker is not None:
+        return cfg.ray.cpus_per_worker
+    cpus = ray.cluster_resources().get("CPU", 1.0)
+    # Fractions where the cluster has fewer cores than workers; never more than one core each.
+    return min(1.0, round(cpus / cfg.world_size, 3))
+
+
+def _worker_entry(loop_config: dict[str, Any]) -> None:
+    """Ray Train's ``train_loop_per_worker``: rebuild the config, report to the collector."""
+    from ray_titan.metrics.report import CollectorReporter
+    from ray_titan.train import train_loop
+
+    cfg = JobConfig.model_validate(loop_config["config"])
+    reporter = CollectorReporter(
+        loop_config["collector"], cfg.metrics.max_inflight_reports, cfg.metrics.max_buffered_reports
+    )
+    train_loop(cfg, reporter)
+
+
+class _LinePrinter(threading.Thread):
+    """Polls the collector for console lines and prints them on the driver."""
+
+    def __init__(self, collector, interval_s: float = 0.5):
+        super().__init__(daemon=True, name="ray_titan-console")
+        self.collector, self.interval_s = collector, interval_s
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        import ray
+
+        while not self.stop_event.wait(self.interval_s):
+            try:
+                for line in ray.get(self.collector.drain_lines.remote(), timeout=30):
+                    print(line, flush=True)
+            except Exception:  # the collector is busy or gone; finish() reports what it has
+                pass
+
+
+def train(config: JobConfig | str | Path, overrides: list[str] | None = None) -> RunResult:
+    """Run a training job on Ray and return its :class:`RunResult`.
+
+    ``config`` is a :class:`JobConfig` or the path of a TOML job config; ``overrides`` are
+    dotted flags (``["--training.steps=50"]``). Raises :class:`ConfigError` for an invalid job
+    before any worker starts, and ``ray.train.TrainingFailedError`` if training fails (the
+    metrics recorded until then stay in the run directory).
+    """
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from ray_titan.metrics.collector import MetricsCollector
+    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.train import parallel_dims
+
+    if isinstance(config, JobConfig):
+        cfg = config
+        if overrides:
+            from ray_titan.config import apply_overrides
+
+            cfg = JobConfig.from_dict(apply_overrides(cfg.model_dump(), overrides))
+    else:
+        cfg = load_config(config, overrides)
+    cfg = resolve_paths(cfg)
+    validate_job(cfg)  # also materialises the built-in corpus, once, before workers read it
+
+    run_dir = make_run_dir(cfg)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    _connect(cfg)
+    dims = parallel_dims(cfg)
+    cpus = _cpus_per_worker(cfg)
+    if cfg.training.threads_per_worker is None:
+        cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
+            update={"threads_per_worker": max(1, int(cpus + 0.999))})})
+    collector = ray.remote(MetricsCollector).options(num_cpus=0, max_restarts=0).remote(
+        str(run_dir), dims.world_size, dims.last_stage_ranks(), cfg.training.steps,
+        cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
+    )
+    print(
+        f"ray_titan: run {run_dir.name}: {dims.world_size} workers (pp={dims.pp} × "
+        f"dp_shard={dims.dp_shard}, {cpus} CPU each), {cfg.model.name}/{cfg.model.flavor}, "
+        f"{cfg.training.steps} steps; last stage on ranks {dims.last_stage_ranks()}; run dir {run_dir}",
+        flush=True,
+    )
+    trainer = TorchTrainer(
+        _worker_entry,
+        train_loop_config={"config": cfg.model_dump(), "collector": collector},
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=dims.world_size, use_gpu=False, resources_per_worker={"CPU": cpus}
+        ),
+        run_config=RunConfig(
+            name=run_dir.name,
+            storage_path=str(run_dir / "ray_train"),
+            failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
+        ),
+    )
+    printer = _LinePrinter(collector)
+    printer.start()
+    failure: BaseException | None = None
+    try:
+        trainer.fit()
+    except BaseException as e:  # keep the metrics recorded so far, then re-raise
+        failure = e
+    finally:
+        printer.stop_event.set()
+        printer.join()
+        summary = ray.get(collector.finish.remote(), timeout=120)
+        for line in summary["lines"]:
+            print(line, flush=True)
+        ray.kill(collector)
+    if failure is not None:
+        print(f"ray_titan: run failed; metrics so far in {run_dir / 'metrics'}", file=sys.stderr)
+        raise failure
+    for err in summary["errors"]:
+        print(f"ray_titan: metrics error: {err}", file=sys.stderr)
+    result = RunResult(
+        run_dir=run_dir, steps=read_steps(run_dir), final_loss=summary["final_loss"],
+        errors=summary["errors"], config=cfg,
+    )
+    print(f"ray_titan: done: final loss {result.final_loss}, metrics {result.metrics_path}", flush=True)
+    return result

@@ -1,0 +1,1 @@
+"""Metrics: per-rank memory sampling, step reports, the collector actor and its sinks."""

@@ -1,0 +1,180 @@
+"""The metrics collector: one place that sees every rank at every step.
+
+Used as a Ray actor (``ray.remote(MetricsCollector).options(num_cpus=0)``, owned by the driver)
+or as a plain object in-process. Workers call :meth:`MetricsCollector.report` with batches of
+step reports; when every rank has reported a step, the collector assembles it:
+
+- loss: the token-weighted mean of the losses of the ranks that hold the last pipeline stage
+  (given by the stage-to-rank mapping, ``last_stage_ranks``), and their max. A last-stage rank
+  without a loss, or a non-last-stage rank with one, is recorded as an error, not filled in.
+- tokens/s: tokens of the step (summed over the last stage's DP ranks) over the slowest rank's
+  step time.
+- one row per rank (timings, memory, GC pause) to Parquet, scalars to TensorBoard, and a console
+  line every ``log_freq`` steps (and at the last step) that the driver drains and prints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ray_titan.metrics.memory import MEMORY_FIELDS
+from ray_titan.metrics.sinks import ParquetSink, TensorBoardSink
+
+__all__ = ["MetricsCollector", "format_step_line"]
+
+MiB = 2**20
+
+
+def format_step_line(step: int, total: int, s: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The console line of a step: loss of the last stage, throughput, times, and every rank's
+    memory (host RSS, and device allocated / peak reserved where there is a device)."""
+    loss = "loss     n/a" if s["loss"] is None else f"loss {s['loss']:8.4f}"
+    mem = " ".join(f"r{r['rank']}:{r['host_rss_bytes'] / MiB:.0f}" for r in rows)
+    line = (
+        f"step {step:>{len(str(total))}}/{total} | {loss} | {s['tokens_per_s']:9.0f} tok/s | "
+        f"step {s['step_time_s']:.3f}s | lr {s['lr']:.2e} | gnorm {s['grad_norm']:.3f} | "
+        f"rss MiB {mem}"
+    )
+    if rows[0].get("device_allocated_bytes") is not None:
+        dev = " ".join(
+            f"r{r['rank']}:{r['device_allocated_bytes'] / MiB:.0f}/{r['device_peak_reserved_bytes'] / MiB:.0f}"
+            for r in rows
+        )
+        line += f" | dev alloc/peak MiB {dev}"
+    return line
+
+
+class MetricsCollector:
+    """Assembles steps from all ranks' reports and writes them to the sinks.
+
+    Args:
+        run_dir: the run directory; metrics go to ``metrics/`` and ``tb/`` inside it.
+        world_size: number of ranks that report every step.
+        last_stage_ranks: global ranks holding the last pipeline stage.
+        total_steps: steps of the run (for the console line).
+        log_freq: console line every this many steps.
+        flush_every_steps: Parquet part and TensorBoard flush every this many assembled steps.
+        enable_tensorboard: write TensorBoard event files.
+    """
+
+    def __init__(
+        self,
+        run_dir: str,
+        world_size: int,
+        last_stage_ranks: list[int],
+        total_steps: int,
+        log_freq: int = 10,
+        flush_every_steps: int = 20,
+        enable_tensorboard: bool = True,
+    ):
+        self.run_dir = Path(run_dir)
+        self.world_size, self.last = world_size, sorted(last_stage_ranks)
+        self.total_steps, self.log_freq, self.flush_every = total_steps, log_freq, flush_every_steps
+        self.parquet = ParquetSink(self.run_dir / "metrics")
+        self.tb = TensorBoardSink(self.run_dir / "tb") if enable_tensorboard else None
+        self._pending: dict[int, dict[int, dict[str, Any]]] = {}
+        self._lines: list[str] = []
+        self.errors: list[str] = []
+        self.assembled = 0
+        self.last_step = 0
+        self.final_loss: float | None = None
+        self.dropped: dict[int, int] = {}
+        self._since_flush = 0
+        self._closed = False
+
+    # -- worker-facing -------------------------------------------------------------------------
+    def report(self, batch: list[dict[str, Any]], dropped: int = 0) -> None:
+        """Accept a batch of step reports (``StepReport.to_dict()``) from one rank."""
+        for rep in batch:
+            self._pending.setdefault(rep["step"], {})[rep["rank"]] = rep
+            if dropped:
+                self.dropped[rep["rank"]] = dropped
+        for step in sorted(s for s, reps in self._pending.items() if len(reps) == self.world_size):
+            self._assemble(step, self._pending.pop(step))
+
+    # -- driver-facing -------------------------------------------------------------------------
+    def drain_lines(self) -> list[str]:
+        """Console lines produced since the last call."""
+        lines, self._lines = self._lines, []
+        return lines
+
+    def finish(self) -> dict[str, Any]:
+        """Record incomplete steps as errors, flush and close the sinks, and summarise.
+
+        Returns ``{"steps": n, "last_step", "final_loss", "errors": [...], "lines": [...],
+        "steps_path"}``. Idempotent.
+        """
+        if not self._closed:
+            for step in sorted(self._pending):
+                missing = sorted(set(range(self.world_size)) - set(self._pending[step]))
+                self.errors.append(f"step {step}: no report from rank(s) {missing}")
+            self._pending.clear()
+            for rank, n in sorted(self.dropped.items()):
+                self.errors.append(f"rank {rank} dropped {n} report(s): the collector was too slow")
+            steps_path = self.parquet.close()
+            if self.tb:
+                self.tb.close()
+            self._closed = True
+            self._steps_path = str(steps_path)
+        return {
+            "steps": self.assembled,
+            "last_step": self.last_step,
+            "final_loss": self.final_loss,
+            "errors": list(self.errors),
+            "lines": self.drain_lines(),
+            "steps_path": self._steps_path,
+        }
+
+    # -- internals -----------------------------------------------------------------------------
+    def _assemble(self, step: int, reps: dict[int, dict[str, Any]]) -> None:
+        rows = [reps[r] for r in sorted(reps)]
+        last = [reps[r] for r in self.last if r in reps]
+        for r in rows:
+            if r["rank"] in self.last and r["loss"] is None:
+                self.errors.append(f"step {step}: last-stage rank {r['rank']} reported no loss")
+            if r["rank"] not in self.last and r["loss"] is not None:
+                self.errors.append(f"step {step}: rank {r['rank']} is not on the last stage but reported a loss")
+        with_loss = [r for r in last if r["loss"] is not None]
+        tokens = sum(r["tokens"] for r in with_loss)
+        loss = sum(r["loss"] * r["tokens"] for r in with_loss) / tokens if tokens else None
+        step_time = max(r["step_time_s"] for r in rows)
+        summary = {
+            "loss": loss,
+            "loss_max": max((r["loss"] for r in with_loss), default=None),
+            "tokens": sum(r["tokens"] for r in last),
+            "step_time_s": step_time,
+            "lr": rows[0]["lr"],
+            "grad_norm": rows[0]["grad_norm"],
+        }
+        summary["tokens_per_s"] = summary["tokens"] / step_time if step_time > 0 else 0.0
+        flat = [self._row(r, summary) for r in rows]
+        self.parquet.add(flat)
+        if self.tb:
+            self.tb.add_step(step, {k: summary[k] for k in ("loss", "loss_max", "tokens_per_s", "lr", "grad_norm", "step_time_s")}, flat)
+        if step % self.log_freq == 0 or step == self.total_steps or step == 1:
+            self._lines.append(format_step_line(step, self.total_steps, summary, flat))
+        self.assembled += 1
+        self.last_step = max(self.last_step, step)
+        if loss is not None and step >= self.last_step:
+            self.final_loss = loss
+        self._since_flush += 1
+        if self._since_flush >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        self.parquet.flush()
+        if self.tb:
+            self.tb.flush()
+        self._since_flush = 0
+
+    @staticmethod
+    def _row(r: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
+        row = {k: r[k] for k in ("step", "rank", "is_last_stage", "loss", "tokens", "step_time_s",
+                                  "data_time_s", "fwd_bwd_time_s", "optim_time_s", "grad_norm",
+                                  "lr", "gc_pause_s", "time")}
+        row["pp"], row["dp_shard"] = r["coords"].get("pp", 0), r["coords"].get("dp_shard", 0)
+        row.update({k: r["memory"].get(k) for k in MEMORY_FIELDS})
+        row.update(step_loss=s["loss"], step_loss_max=s["loss_max"], step_tokens=s["tokens"],
+                   step_tokens_per_s=s["tokens_per_s"])
+        return row

@@ -1,0 +1,114 @@
+"""The worker side of metrics: :class:`StepReport` and the reporters that deliver it.
+
+A report holds host scalars only, never tensors (DESIGN.md, Contracts). :class:`CollectorReporter`
+sends to the collector actor without waiting and is bounded: at most ``max_inflight`` calls in
+flight and at most ``max_buffered`` reports held while the collector is slow, so a slow or stuck
+collector can neither stall nor grow a worker. :class:`LocalReporter` hands reports to an
+in-process collector, for the train loop run without Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["StepReport", "Reporter", "CollectorReporter", "LocalReporter"]
+
+
+@dataclass
+class StepReport:
+    """What one rank says about one optimizer step. Times in seconds, memory in bytes.
+
+    ``loss`` is the mean cross-entropy (nats per token) over this rank's tokens on ranks holding
+    the last pipeline stage, and ``None`` on every other rank: never a placeholder number.
+    ``tokens`` is the number of label tokens this rank's data-parallel slice held in the step.
+    """
+
+    step: int
+    rank: int
+    coords: dict[str, int]
+    is_last_stage: bool
+    loss: float | None
+    tokens: int
+    step_time_s: float
+    data_time_s: float
+    fwd_bwd_time_s: float
+    optim_time_s: float
+    grad_norm: float
+    lr: float
+    memory: dict[str, int | None]
+    gc_pause_s: float
+    time: float = 0.0
+    """Wall-clock time (Unix seconds) at the end of the step."""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Reporter:
+    """Where a worker's reports go: :meth:`report` must not block on the consumer."""
+
+    def report(self, rep: StepReport) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Deliver everything still held; called once when training ends."""
+
+
+class CollectorReporter(Reporter):
+    """Fire-and-forget delivery to the collector actor (``handle.report.remote(batch)``).
+
+    Reports queue locally while ``max_inflight`` calls are unanswered and are sent as one batch
+    when a slot frees; beyond ``max_buffered`` queued reports the oldest are dropped and counted
+    in ``dropped`` (sent with the next batch), so memory stays bounded.
+    """
+
+    def __init__(self, handle, max_inflight: int = 16, max_buffered: int = 10_000):
+        self.handle = handle
+        self.max_inflight, self.max_buffered = max_inflight, max_buffered
+        self._pending: list = []
+        self._queue: deque[dict[str, Any]] = deque()
+        self.dropped = 0
+
+    def report(self, rep: StepReport) -> None:
+        self._queue.append(rep.to_dict())
+        while len(self._queue) > self.max_buffered:
+            self._queue.popleft()
+            self.dropped += 1
+        self._send()
+
+    def _send(self) -> None:
+        import ray
+
+        if self._pending:
+            _, self._pending = ray.wait(
+                self._pending, num_returns=len(self._pending), timeout=0, fetch_local=False
+            )
+        if self._queue and len(self._pending) < self.max_inflight:
+            batch = list(self._queue)
+            self._queue.clear()
+            self._pending.append(self.handle.report.remote(batch, self.dropped))
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        import ray
+
+        while self._queue:
+            if self._pending:
+                ray.wait(self._pending, num_returns=1, timeout=timeout_s)
+            self._send()
+        if self._pending:
+            ray.get(self._pending, timeout=timeout_s)  # surfaces a collector error here
+        self._pending = []
+
+
+class LocalReporter(Reporter):
+    """Synchronous delivery to a collector object in this process (no Ray)."""
+
+    def __init__(self, collector):
+        self.collector = collector
+
+    def report(self, rep: StepReport) -> None:
+        self.collector.report([rep.to_dict()])

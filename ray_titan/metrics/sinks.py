@@ -1,0 +1,120 @@
+"""Where assembled metrics go: Parquet (pyarrow) and TensorBoard (tensorboardX).
+
+Parquet: rows are appended in parts, ``<run_dir>/metrics/parts/part-NNNNN.parquet``, each written
+whole (temporary file, then rename) so a crash loses at most the rows not yet flushed. On close
+the parts are consolidated into ``<run_dir>/metrics/steps.parquet``. :func:`read_steps` reads the
+consolidated file, or the parts when a crash left no consolidated file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+__all__ = ["STEP_SCHEMA", "ParquetSink", "TensorBoardSink", "read_steps"]
+
+_I, _F, _B = pa.int64(), pa.float64(), pa.bool_()
+STEP_SCHEMA = pa.schema(
+    [
+        ("step", _I), ("rank", _I), ("pp", _I), ("dp_shard", _I), ("is_last_stage", _B),
+        ("loss", _F), ("tokens", _I), ("step_time_s", _F), ("data_time_s", _F),
+        ("fwd_bwd_time_s", _F), ("optim_time_s", _F), ("grad_norm", _F), ("lr", _F),
+        ("gc_pause_s", _F), ("time", _F),
+        ("host_rss_bytes", _I), ("host_peak_rss_bytes", _I),
+        ("device_allocated_bytes", _I), ("device_active_bytes", _I), ("device_reserved_bytes", _I),
+        ("device_peak_active_bytes", _I), ("device_peak_reserved_bytes", _I),
+        ("device_alloc_retries", _I), ("device_ooms", _I), ("device_capacity_bytes", _I),
+        # Step-level figures, the same on every row of a step:
+        ("step_loss", _F), ("step_loss_max", _F), ("step_tokens", _I), ("step_tokens_per_s", _F),
+    ]
+)
+"""One row per step per rank. ``loss`` is the rank's own (null off the last stage);
+``step_loss`` is the step's loss: token-weighted mean over the last stage's DP ranks."""
+
+
+class ParquetSink:
+    """Appends rows (dicts with :data:`STEP_SCHEMA`'s keys) and flushes them as Parquet parts."""
+
+    def __init__(self, metrics_dir: str | Path):
+        self.dir = Path(metrics_dir)
+        self.parts = self.dir / "parts"
+        self.parts.mkdir(parents=True, exist_ok=True)
+        self._rows: list[dict[str, Any]] = []
+        self._n = len(list(self.parts.glob("part-*.parquet")))
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        self._rows.extend(rows)
+
+    def flush(self) -> None:
+        if not self._rows:
+            return
+        table = pa.Table.from_pylist(self._rows, schema=STEP_SCHEMA)
+        path = self.parts / f"part-{self._n:05d}.parquet"
+        tmp = path.with_suffix(".tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+        self._n += 1
+        self._rows = []
+
+    def close(self) -> Path:
+        """Flush, write ``steps.parquet`` from all parts (sorted by step, rank) and remove the parts."""
+        self.flush()
+        table = _read_parts(self.parts)
+        out = self.dir / "steps.parquet"
+        tmp = out.with_suffix(".tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, out)
+        for p in self.parts.glob("part-*.parquet"):
+            p.unlink()
+        self.parts.rmdir()
+        return out
+
+
+def _read_parts(parts: Path) -> pa.Table:
+    files = sorted(parts.glob("part-*.parquet"))
+    if not files:
+        return STEP_SCHEMA.empty_table()
+    table = pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA) for f in files])
+    return table.sort_by([("step", "ascending"), ("rank", "ascending")])
+
+
+def read_steps(run_dir: str | Path) -> pa.Table:
+    """The per-step, per-rank metrics of a run: ``steps.parquet``, or the flushed parts if the
+    run ended before consolidating them. An empty table (with the schema) if neither exists."""
+    metrics = Path(run_dir) / "metrics"
+    if (metrics / "steps.parquet").exists():
+        return pq.read_table(metrics / "steps.parquet")
+    if (metrics / "parts").is_dir():
+        return _read_parts(metrics / "parts")
+    return STEP_SCHEMA.empty_table()
+
+
+class TensorBoardSink:
+    """Scalars to ``<run_dir>/tb`` with tensorboardX: ``loss``, ``loss_max``, ``tokens_per_s``,
+    ``lr``, ``grad_norm``, ``step_time_s`` and ``memory/rank{r}/<field>`` (MiB)."""
+
+    def __init__(self, tb_dir: str | Path):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(str(tb_dir))
+
+    def add_step(self, step: int, scalars: dict[str, float], rows: list[dict[str, Any]]) -> None:
+        for k, v in scalars.items():
+            if v is not None:
+                self.writer.add_scalar(k, v, step)
+        for row in rows:
+            for k in ("host_rss_bytes", "host_peak_rss_bytes", "device_allocated_bytes",
+                      "device_reserved_bytes", "device_peak_active_bytes", "device_peak_reserved_bytes"):
+                if row.get(k) is not None:
+                    name = k.removesuffix("_bytes") + "_mib"
+                    self.writer.add_scalar(f"memory/rank{row['rank']}/{name}", row[k] / 2**20, step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

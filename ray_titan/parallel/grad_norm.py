@@ -1,0 +1,38 @@
+"""Gradient-norm clipping over the whole model when it is split by PP and sharded by FSDP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+__all__ = ["clip_grad_norm_"]
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Clip gradients in place to a total L2 norm of ``max_norm`` (no clipping if 0) and return
+    the total norm before clipping, a 0-dim tensor.
+
+    The norm is that of the whole model: FSDP-sharded gradients (``DTensor``) are reduced over
+    their mesh by ``full_tensor()``, and the squared norms of the stages on different pp ranks
+    are summed over ``pp_group``. Every rank gets the same value.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        sq = norm**2
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
+        norm = sq.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

@@ -1,0 +1,92 @@
+"""Pipeline parallel: split the model into stages by layers and build the schedule.
+
+Uses ``torch.distributed.pipelining``. Stages are contiguous runs of transformer blocks; the
+embedding and the final norm plus output head each weigh as much as one block when balancing
+(as torchtitan counts them), and every stage keeps at least one block.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    ScheduleGPipe,
+    Schedule1F1B,
+    ScheduleInterleaved1F1B,
+)
+
+__all__ = ["split_layers", "build_stage_module", "build_pipeline_schedule", "SCHEDULES"]
+
+SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
+
+
+def split_layers(n_layers: int, num_stages: int) -> list[list[int]]:
+    """Layer indices of each stage: contiguous, each stage >= 1 layer, balanced with the
+    embedding counted as a layer of the first stage and the output head as one of the last.
+
+    Raises ``ValueError`` if ``n_layers < num_stages``.
+    """
+    if n_layers < num_stages:
+        raise ValueError(f"{n_layers} layers cannot fill {num_stages} pipeline stages")
+    counts = [1] * num_stages
+    extra = [0] * num_stages
+    extra[0] += 1
+    extra[-1] += 1
+    for _ in range(n_layers - num_stages):
+        # Next layer goes to the lightest stage; ties to the earliest, keeping the split stable.
+        s = min(range(num_stages), key=lambda i: (counts[i] + extra[i], i))
+        counts[s] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out
+
+
+def build_stage_module(whole: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:
+    """A copy of ``whole`` (normally on the meta device) keeping only ``layers``, the embedding
+    if ``first`` and the final norm and output head if ``last``. Parameter names are unchanged."""
+    stage = copy.deepcopy(whole)
+    keep = {str(i) for i in layers}
+    for name in list(stage.layers.keys()):
+        if name not in keep:
+            del stage.layers[name]
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+def build_pipeline_schedule(
+    schedule: str,
+    stage_modules: dict[int, nn.Module],
+    num_stages: int,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+    pp_group,
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """The ``torch.distributed.pipelining`` schedule for this rank's stages (``stage index ->
+    module``). Gradients are scaled by ``1 / n_microbatches``, so with a per-microbatch mean
+    loss they are the gradient of the mean over the rank's batch. Raises ``ValueError`` for an
+    unknown schedule or a single-stage schedule given several stages."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallelism.pipeline_schedule = {schedule!r}; valid: {sorted(SCHEDULES)}")
+    cls = SCHEDULES[schedule]
+    stages = [
+        PipelineStage(mod, idx, num_stages, device, group=pp_group)
+        for idx, mod in sorted(stage_modules.items())
+    ]
+    if issubclass(cls, PipelineScheduleSingle):
+        if len(stages) != 1:
+            raise ValueError(f"{schedule} runs one stage per rank, this rank has {len(stages)}")
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -1,0 +1,232 @@
+"""The per-worker train loop.
+
+:func:`train_loop` is a plain function of (config, reporter): Ray Train runs it on every worker
+(see ``driver.py``), and it also runs without Ray, in one process or under ``torchrun``
+(``python -m ray_titan.train --config ...``), which is how the CUDA paths are exercised on a
+machine without Ray.
+
+Per step: data → forward/backward (pipeline schedule when pp > 1, else gradient accumulation over
+microbatches) → clip gradients over the whole model → optimizer → LR step → the loss becomes a
+host float on last-stage ranks → synchronized GC → memory sample → one StepReport, sent without
+waiting. Nothing from a step outlives it on the device (DESIGN.md, lesson 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ray_titan.config import JobConfig, load_config
+from ray_titan.data.corpus import load_texts
+from ray_titan.data.loader import PackedLoader
+from ray_titan.data.tokenizer import build_tokenizer
+from ray_titan.gc import GarbageCollection
+from ray_titan.metrics.memory import sample_memory
+from ray_titan.metrics.report import Reporter, StepReport
+from ray_titan.models.registry import build_model
+from ray_titan.parallel.dims import ParallelDims
+from ray_titan.parallel.fsdp import apply_fsdp, resolve_reshard_after_forward
+from ray_titan.parallel.grad_norm import clip_grad_norm_
+from ray_titan.parallel.pipeline import build_pipeline_schedule, build_stage_module, split_layers
+
+__all__ = ["train_loop", "cross_entropy_loss", "build_lr_lambda", "parallel_dims"]
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy in nats per token. ``logits (batch, seq, vocab)``, ``labels (batch, seq)``
+    int64. Computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def build_lr_lambda(cfg: JobConfig):
+    """Multiplier of ``optimizer.lr`` at scheduler step ``i`` (0-based): linear warm-up over
+    ``warmup_steps``, then cosine or linear decay to ``min_lr_ratio`` at ``training.steps``."""
+    warmup, total = cfg.lr_scheduler.warmup_steps, cfg.training.steps
+    decay, floor = cfg.lr_scheduler.decay, cfg.lr_scheduler.min_lr_ratio
+
+    def lr_lambda(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        if decay == "none" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (i - warmup) / max(1, total - warmup))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
+        return floor + (1 - floor) * shape
+
+    return lr_lambda
+
+
+def parallel_dims(cfg: JobConfig) -> ParallelDims:
+    par = cfg.parallelism
+    return ParallelDims(pp=par.pp, dp_shard=par.dp_shard, stages_per_rank=par.stages_per_rank)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def _build_optimizer(cfg: JobConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    if o.name == "SGD":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay)
+    cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
+    return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+
+
+def train_loop(cfg: JobConfig, reporter: Reporter) -> dict[str, Any]:
+    """Train ``cfg`` on this rank, sending one :class:`StepReport` per step to ``reporter``.
+
+    Needs ``torch.distributed`` initialised with ``world_size == cfg.world_size`` unless the mesh
+    is a single rank. Returns a small summary of this rank (``rank``, ``steps``, ``last_loss``).
+    Raises ``RuntimeError`` when the process group does not match the mesh.
+    """
+    dims = parallel_dims(cfg)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != dims.world_size:
+        raise RuntimeError(f"{world} processes, but the mesh needs {dims.world_size} ({dims})")
+    coords = dims.coords(rank)
+    device = _device()
+    threads = cfg.training.threads_per_worker
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(cfg.training.seed)
+
+    # Data: every rank builds the same stream and keeps its DP slice.
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+    loader = PackedLoader(
+        load_texts(cfg.data), tokenizer, cfg.training.seq_len, cfg.training.global_batch_size,
+        dp_rank=coords["dp_shard"], dp_degree=dims.dp_shard, seed=cfg.training.seed,
+    )
+
+    # Model: whole model on meta, this rank's stages cut out, parallelized, then materialised.
+    mesh = dims.build_mesh(device.type) if world > 1 else None
+    with torch.device("meta"):
+        whole = build_model(cfg.model.name, cfg.model.flavor, vocab_size=tokenizer.vocab_size)
+    split = split_layers(whole.args.n_layers, dims.num_stages)
+    stage_ids = dims.stages_on_pp_rank(coords["pp"])
+    pp_on = dims.pp > 1
+    reshard = resolve_reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pp_on)
+    stages: dict[int, torch.nn.Module] = {}
+    for s in stage_ids:
+        mod = build_stage_module(whole, split[s], first=s == 0, last=s == dims.num_stages - 1)
+        if dims.dp_shard > 1:
+            apply_fsdp(mod, mesh["dp_shard"], reshard)
+        mod.to_empty(device=device)
+        mod.init_weights(cfg.training.seed)
+        mod.train()
+        stages[s] = mod
+    del whole
+    params = [p for m in stages.values() for p in m.parameters()]
+    optimizer = _build_optimizer(cfg, params)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, build_lr_lambda(cfg))
+    n_mb = cfg.parallelism.microbatches
+    has_first = 0 in stages
+    is_last = dims.is_last_stage_rank(rank)
+    schedule = None
+    if pp_on:
+        schedule = build_pipeline_schedule(
+            cfg.parallelism.pipeline_schedule, stages, dims.num_stages, n_mb,
+            cross_entropy_loss, device, mesh["pp"].get_group(),
+        )
+    pp_group = mesh["pp"].get_group() if pp_on else None
+    model = stages[stage_ids[0]]
+
+    gc_policy = GarbageCollection(cfg.training.gc_freq)
+    last_loss = None
+    try:
+        for step in range(1, cfg.training.steps + 1):
+            t0 = time.perf_counter()
+            inputs, labels = next(loader)
+            inputs, labels = inputs.to(device), labels.to(device)
+            t1 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            if schedule is not None:
+                losses: list[torch.Tensor] | None = [] if is_last else None
+                args = (inputs,) if has_first else ()
+                schedule.step(*args, target=labels if is_last else None, losses=losses)
+                # Host float right away; the list (and its graph-free tensors) dies here.
+                loss = torch.stack(losses).mean().item() if is_last else None
+                del losses
+            else:
+                total = torch.zeros((), device=device)
+                for i, (x, y) in enumerate(zip(inputs.chunk(n_mb), labels.chunk(n_mb))):
+                    if dims.dp_shard > 1:
+                        model.set_requires_gradient_sync(i == n_mb - 1)
+                    mb_loss = cross_entropy_loss(model(x), y)
+                    (mb_loss / n_mb).backward()
+                    total += mb_loss.detach()
+                loss = (total / n_mb).item()
+                del total, mb_loss
+            t2 = time.perf_counter()
+            grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group).item()
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            t3 = time.perf_counter()
+            gc_pause = gc_policy.run(step)
+            memory = sample_memory(device)
+            t4 = time.perf_counter()
+            reporter.report(StepReport(
+                step=step, rank=rank, coords=coords, is_last_stage=is_last, loss=loss,
+                tokens=labels.numel(), step_time_s=t4 - t0, data_time_s=t1 - t0,
+                fwd_bwd_time_s=t2 - t1, optim_time_s=t3 - t2, grad_norm=grad_norm, lr=lr,
+                memory=memory, gc_pause_s=gc_pause, time=time.time(),
+            ))
+            last_loss = loss
+            del inputs, labels
+    finally:
+        gc_policy.close()
+        reporter.close()
+    return {"rank": rank, "steps": cfg.training.steps, "last_loss": last_loss}
+
+
+def _main(argv: list[str] | None = None) -> None:
+    """``python -m ray_titan.train --config X.toml [--section.key=value ...]`` without Ray: one
+    process, or every rank of a ``torchrun`` launch. Metrics go to ``<run_dir>/metrics``."""
+    from ray_titan.driver import make_run_dir
+    from ray_titan.metrics.collector import MetricsCollector
+    from ray_titan.metrics.report import LocalReporter
+
+    ap = argparse.ArgumentParser(prog="python -m ray_titan.train", description=_main.__doc__)
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--run-dir", default=None)
+    args, overrides = ap.parse_known_args(argv)
+    cfg = load_config(args.config, overrides)
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if cfg.world_size != (dist.get_world_size() if dist.is_initialized() else 1):
+        raise SystemExit(f"this launch has the wrong number of processes for mesh {cfg.world_size}")
+    if cfg.world_size > 1:
+        raise SystemExit("without Ray, use pp = dp_shard = 1 (multi-rank runs go through `ray-titan train`)")
+    run_dir = Path(args.run_dir) if args.run_dir else make_run_dir(cfg)
+    collector = MetricsCollector(
+        str(run_dir), 1, [0], cfg.training.steps, cfg.metrics.log_freq,
+        cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
+    )
+
+    class _Printing(LocalReporter):
+        def report(self, rep):
+            super().report(rep)
+            for line in self.collector.drain_lines():
+                print(line, flush=True)
+
+    train_loop(cfg, _Printing(collector))
+    summary = collector.finish()
+    print(f"run dir: {run_dir}  final loss: {summary['final_loss']}")
+
+
+if __name__ == "__main__":
+    _main()
