@@ -1,16 +1,35 @@
 """ray_titan: a distributed LLM trainer on Ray (PP × FSDP2) with a metrics collector that reports
-the real last-stage loss and every rank's memory."""
+the real last-stage loss and every rank's memory.
+
+The driver API is :func:`train`; the per-worker loop is ``ray_titan.train_loop``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from ray_titan.config import ConfigError, JobConfig, load_config
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ray_titan.driver import RunResult
 
 __all__ = ["ConfigError", "JobConfig", "RunResult", "load_config", "train"]
 __version__ = "0.1.0"
 
 
-def __getattr__(name):
-    # The driver imports Ray; keep `import ray_titan` light for workers and tools.
-    if name in ("train", "RunResult"):
-        from ray_titan import driver
+def train(config: "JobConfig | str | Path", overrides: list[str] | None = None) -> "RunResult":
+    """Run a training job on Ray; see :func:`ray_titan.driver.train` (imported lazily, so that
+    ``import ray_titan`` does not import Ray)."""
+    from ray_titan.driver import train as _train
 
-        return getattr(driver, name)
+    return _train(config, overrides)
+
+
+def __getattr__(name: str):
+    if name == "RunResult":
+        from ray_titan.driver import RunResult
+
+        return RunResult
     raise AttributeError(name)

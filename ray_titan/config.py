@@ -115,6 +115,8 @@ class Metrics(_Section):
     enable_tensorboard: bool = True
     flush_every_steps: int = Field(20, gt=0)
     """The collector writes a Parquet part and flushes TensorBoard every this many assembled steps."""
+    save_rank_reports: bool = False
+    """Each rank also writes its own reports to ``<run_dir>/metrics/ranks/rank{r}.jsonl``."""
     max_inflight_reports: int = Field(16, gt=0)
     """Report batches a worker may have in flight to the collector before it buffers locally."""
     max_buffered_reports: int = Field(10_000, gt=0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ray_titan.config import ConfigError, JobConfig, load_config, validate_job
+from ray_titan.config import JobConfig, apply_overrides, load_config, validate_job
 
 __all__ = ["RunResult", "train", "make_run_dir", "resolve_paths"]
 
@@ -83,7 +82,8 @@ def _connect(cfg: JobConfig) -> None:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return
     num_cpus = cfg.ray.num_cpus or os.cpu_count() or 1
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    # The dashboard serves the state API that Ray Train V2 polls to clean up after a run.
+    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
 
 
 def _cpus_per_worker(cfg: JobConfig) -> float:
@@ -98,13 +98,19 @@ def _cpus_per_worker(cfg: JobConfig) -> float:
 
 def _worker_entry(loop_config: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``: rebuild the config, report to the collector."""
-    from ray_titan.metrics.report import CollectorReporter
-    from ray_titan.train import train_loop
+    import ray.train
+
+    from ray_titan.metrics.report import CollectorReporter, JsonlReporter
+    from ray_titan.train_loop import train_loop
 
     cfg = JobConfig.model_validate(loop_config["config"])
     reporter = CollectorReporter(
         loop_config["collector"], cfg.metrics.max_inflight_reports, cfg.metrics.max_buffered_reports
     )
+    if cfg.metrics.save_rank_reports:
+        rank = ray.train.get_context().get_world_rank()
+        path = Path(loop_config["run_dir"]) / "metrics" / "ranks" / f"rank{rank}.jsonl"
+        reporter = JsonlReporter(path, reporter)
     train_loop(cfg, reporter)
 
 
@@ -141,13 +147,11 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
 
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.sinks import read_steps
-    from ray_titan.train import parallel_dims
+    from ray_titan.train_loop import parallel_dims
 
     if isinstance(config, JobConfig):
         cfg = config
         if overrides:
-            from ray_titan.config import apply_overrides
-
             cfg = JobConfig.from_dict(apply_overrides(cfg.model_dump(), overrides))
     else:
         cfg = load_config(config, overrides)
@@ -174,7 +178,7 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
     )
     trainer = TorchTrainer(
         _worker_entry,
-        train_loop_config={"config": cfg.model_dump(), "collector": collector},
+        train_loop_config={"config": cfg.model_dump(), "collector": collector, "run_dir": str(run_dir)},
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(
             num_workers=dims.world_size, use_gpu=False, resources_per_worker={"CPU": cpus}

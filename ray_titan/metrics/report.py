@@ -10,11 +10,13 @@ in-process collector, for the train loop run without Ray.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-__all__ = ["StepReport", "Reporter", "CollectorReporter", "LocalReporter"]
+__all__ = ["StepReport", "Reporter", "CollectorReporter", "LocalReporter", "JsonlReporter"]
 
 
 @dataclass
@@ -112,3 +114,25 @@ class LocalReporter(Reporter):
 
     def report(self, rep: StepReport) -> None:
         self.collector.report([rep.to_dict()])
+
+
+class JsonlReporter(Reporter):
+    """Writes every report of this rank as one JSON line to ``path`` (flushed each step), then
+    passes it on to ``inner``. The rank's own record: it survives a collector crash and lets a
+    test compare what the collector assembled with what each rank computed."""
+
+    def __init__(self, path: str | Path, inner: Reporter | None = None):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8")
+        self.inner = inner
+
+    def report(self, rep: StepReport) -> None:
+        self._file.write(json.dumps(rep.to_dict()) + "\n")
+        self._file.flush()
+        if self.inner is not None:
+            self.inner.report(rep)
+
+    def close(self) -> None:
+        self._file.close()
+        if self.inner is not None:
+            self.inner.close()

@@ -2,7 +2,7 @@
 
 :func:`train_loop` is a plain function of (config, reporter): Ray Train runs it on every worker
 (see ``driver.py``), and it also runs without Ray, in one process or under ``torchrun``
-(``python -m ray_titan.train --config ...``), which is how the CUDA paths are exercised on a
+(``python -m ray_titan.train_loop --config ...``), which is how the CUDA paths are exercised on a
 machine without Ray.
 
 Per step: data → forward/backward (pipeline schedule when pp > 1, else gradient accumulation over
@@ -194,13 +194,13 @@ def train_loop(cfg: JobConfig, reporter: Reporter) -> dict[str, Any]:
 
 
 def _main(argv: list[str] | None = None) -> None:
-    """``python -m ray_titan.train --config X.toml [--section.key=value ...]`` without Ray: one
+    """``python -m ray_titan.train_loop --config X.toml [--section.key=value ...]`` without Ray: one
     process, or every rank of a ``torchrun`` launch. Metrics go to ``<run_dir>/metrics``."""
     from ray_titan.driver import make_run_dir
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.report import LocalReporter
 
-    ap = argparse.ArgumentParser(prog="python -m ray_titan.train", description=_main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m ray_titan.train_loop", description=_main.__doc__)
     ap.add_argument("--config", default=None)
     ap.add_argument("--run-dir", default=None)
     args, overrides = ap.parse_known_args(argv)

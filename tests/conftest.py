@@ -1,0 +1,39 @@
+"""Shared fixtures: one local Ray cluster for the whole session (DESIGN.md, Testing)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Set before Ray is imported anywhere: the tests' local cluster runs without token auth.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster shared by every integration test; its GCS address is returned."""
+    import ray
+
+    temp_dir = tempfile.mkdtemp(prefix="rt_ray_", dir="/tmp")
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir,
+        log_to_driver=True,
+    )
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def corpus_cache(tmp_path_factory) -> str:
+    """A cache dir holding the materialised python_stdlib corpus, shared by the session."""
+    from ray_titan.data.corpus import materialize_python_stdlib
+
+    path = tmp_path_factory.mktemp("corpus_cache")
+    materialize_python_stdlib(path)
+    return str(path)

@@ -1,0 +1,98 @@
+"""The metrics collector as a plain object (no Ray): assembly, errors, sinks, crash safety."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_titan.metrics.collector import MetricsCollector
+from ray_titan.metrics.memory import MEMORY_FIELDS, host_memory, sample_memory
+from ray_titan.metrics.report import StepReport
+from ray_titan.metrics.sinks import read_steps
+from ray_titan.parallel.dims import ParallelDims
+
+
+def _report(step, rank, dims, loss=None, tokens=256, step_time=0.5, rss=100 << 20):
+    mem = dict.fromkeys(MEMORY_FIELDS)
+    mem.update(host_rss_bytes=rss + rank, host_peak_rss_bytes=rss + rank + 1)
+    return StepReport(
+        step=step, rank=rank, coords=dims.coords(rank), is_last_stage=dims.is_last_stage_rank(rank),
+        loss=loss, tokens=tokens, step_time_s=step_time, data_time_s=0.01, fwd_bwd_time_s=0.3,
+        optim_time_s=0.1, grad_norm=1.5, lr=1e-3, memory=mem, gc_pause_s=0.0, time=1000.0 + step,
+    ).to_dict()
+
+
+def _collector(tmp_path, dims, steps=10, **kw):
+    return MetricsCollector(str(tmp_path), dims.world_size, dims.last_stage_ranks(), steps, **kw)
+
+
+def test_loss_is_the_token_weighted_mean_of_the_last_stage(tmp_path):
+    dims = ParallelDims(pp=2, dp_shard=2)
+    c = _collector(tmp_path, dims, steps=1, log_freq=1)
+    # Ranks report in any order and in separate batches.
+    c.report([_report(1, 3, dims, loss=3.0, tokens=300, step_time=0.6)])
+    c.report([_report(1, 0, dims)])
+    c.report([_report(1, 2, dims, loss=2.0, tokens=100)])
+    assert c.assembled == 0  # rank 1 has not reported
+    c.report([_report(1, 1, dims)])
+    summary = c.finish()
+    assert summary["errors"] == []
+    assert summary["final_loss"] == pytest.approx((2.0 * 100 + 3.0 * 300) / 400)
+    t = read_steps(tmp_path)
+    assert t.num_rows == 4 and t["rank"].to_pylist() == [0, 1, 2, 3]
+    assert t["loss"].to_pylist() == [None, None, 2.0, 3.0]
+    assert t["pp"].to_pylist() == [0, 0, 1, 1] and t["dp_shard"].to_pylist() == [0, 1, 0, 1]
+    assert set(t["step_loss_max"].to_pylist()) == {3.0}
+    assert t["step_tokens_per_s"].to_pylist() == pytest.approx([400 / 0.6] * 4)
+    line = summary["lines"][0]
+    assert "loss   2.7500" in line and "r0:100 r1:100 r2:100 r3:100" in line
+
+
+def test_missing_or_misplaced_loss_is_an_error_not_a_gap(tmp_path):
+    dims = ParallelDims(pp=2, dp_shard=1)
+    c = _collector(tmp_path, dims, steps=3)
+    c.report([_report(1, 0, dims), _report(1, 1, dims, loss=None)])  # last stage without loss
+    c.report([_report(2, 0, dims, loss=1.0), _report(2, 1, dims, loss=2.0)])  # placeholder on stage 0
+    c.report([_report(3, 0, dims)])  # rank 1 never reports step 3
+    errors = c.finish()["errors"]
+    assert "step 1: last-stage rank 1 reported no loss" in errors
+    assert "step 2: rank 0 is not on the last stage but reported a loss" in errors
+    assert "step 3: no report from rank(s) [1]" in errors
+    t = read_steps(tmp_path)
+    assert t.filter(t["step"].to_numpy() == 2)["step_loss"].to_pylist() == [2.0, 2.0]
+
+
+def test_every_step_recorded_whatever_log_freq(tmp_path):
+    dims = ParallelDims(pp=1, dp_shard=2)
+    c = _collector(tmp_path, dims, steps=25, log_freq=1000, flush_every_steps=7)
+    for step in range(1, 26):
+        c.report([_report(step, r, dims, loss=1.0) for r in range(2)])
+    summary = c.finish()
+    assert [l.split("|")[0].split()[1] for l in summary["lines"]] == ["1/25", "25/25"]
+    t = read_steps(tmp_path)
+    assert t.num_rows == 50 and sorted(set(t["step"].to_pylist())) == list(range(1, 26))
+
+
+def test_flushed_parts_survive_a_crash(tmp_path):
+    dims = ParallelDims(pp=1, dp_shard=1)
+    c = _collector(tmp_path, dims, steps=100, flush_every_steps=10)
+    for step in range(1, 26):
+        c.report([_report(step, 0, dims, loss=1.0)])
+    # No finish(): the collector died. Every flushed step is readable, the tail (21..25) is lost.
+    t = read_steps(tmp_path)
+    assert t["step"].to_pylist() == list(range(1, 21))
+    assert not (tmp_path / "metrics" / "steps.parquet").exists()
+
+
+def test_memory_sample_reads_proc():
+    rss, peak = host_memory()
+    assert 10 << 20 < rss <= peak
+    import torch
+
+    s = sample_memory(torch.device("cpu"))
+    assert set(s) == set(MEMORY_FIELDS)
+    assert s["host_rss_bytes"] > 0 and s["device_allocated_bytes"] is None
+    before = host_memory()[0]
+    block = bytearray(64 << 20)
+    block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page
+    assert host_memory()[0] - before > 48 << 20
+    del block

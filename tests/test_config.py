@@ -1,0 +1,101 @@
+"""Config loading, overrides and validation (no Ray)."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import ray_titan.driver as driver
+from ray_titan.config import ConfigError, JobConfig, load_config, validate_job
+from tests.conftest import REPO
+
+
+def test_defaults_are_the_debug_llama_config():
+    assert load_config(REPO / "configs" / "debug_llama.toml") == JobConfig()
+
+
+def test_every_shipped_config_loads():
+    for path in sorted((REPO / "configs").glob("*.toml")):
+        cfg = load_config(path)
+        assert cfg.model_dump() == JobConfig.from_dict(tomllib.loads(path.read_text())).model_dump()
+
+
+def test_overrides_are_parsed_as_toml_values():
+    cfg = load_config(None, ["--training.steps=7", "--optimizer.lr=1e-4", "--job.name=abc",
+                             "--metrics.enable_tensorboard=false", "parallelism.pipeline_schedule=GPipe"])
+    assert cfg.training.steps == 7 and cfg.optimizer.lr == 1e-4 and cfg.job.name == "abc"
+    assert cfg.metrics.enable_tensorboard is False
+    assert cfg.parallelism.pipeline_schedule == "GPipe"
+
+
+def test_unknown_key_is_an_error(tmp_path):
+    (tmp_path / "c.toml").write_text("[training]\nstepz = 3\n")
+    with pytest.raises(ConfigError, match="unknown setting 'training.stepz'"):
+        load_config(tmp_path / "c.toml")
+    with pytest.raises(ConfigError, match="unknown setting 'nosection'"):
+        load_config(None, ["--nosection.x=1"])
+
+
+def test_wrong_type_is_an_error(tmp_path):
+    (tmp_path / "c.toml").write_text('[training]\nsteps = "100"\n')
+    with pytest.raises(ConfigError, match=r"training.steps = '100'"):
+        load_config(tmp_path / "c.toml")
+    with pytest.raises(ConfigError, match="parallelism.pipeline_schedule"):
+        load_config(None, ["--parallelism.pipeline_schedule=ZeroBubble"])
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="--section.key=value"):
+        load_config(None, ["--steps"])
+
+
+def _cfg(*overrides: str) -> JobConfig:
+    return load_config(None, list(overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--ray.num_workers=3"], r"ray.num_workers = 3 but the mesh needs parallelism.pp × parallelism.dp_shard = 2 × 2 = 4"),
+        (["--parallelism.pp=4", "--parallelism.dp_shard=1", "--parallelism.pipeline_schedule=GPipe",
+          "--parallelism.stages_per_rank=1", "--model.flavor=debug", "--parallelism.pp=5"],
+         r"n_layers = 4, fewer than the 5 pipeline stages"),
+        (["--parallelism.microbatches=1", "--training.global_batch_size=16"],
+         r"parallelism.microbatches = 1 is fewer than the 2 pipeline ranks .* 1F1B needs microbatches >= pp"),
+        (["--parallelism.pipeline_schedule=Interleaved1F1B"],
+         r"stages_per_rank = 1 with pipeline_schedule = 'Interleaved1F1B'.*>= 2 stages per rank"),
+        (["--parallelism.stages_per_rank=2"], r"stages_per_rank = 2 needs pipeline_schedule = 'Interleaved1F1B'"),
+        (["--training.global_batch_size=12"],
+         r"global_batch_size = 12 is not divisible by parallelism.microbatches × parallelism.dp_shard = 4 × 2 = 8"),
+        (["--training.seq_len=4096"], r"training.seq_len = 4096 exceeds the model's maximum sequence length 1024"),
+        (["--data.source=parquet", "--data.path=/nonexistent/x.parquet"], r"data.path = '/nonexistent/x.parquet' does not exist"),
+        (["--model.flavor=huge"], r"model.flavor = 'huge' is unknown .* valid: \['8B', 'debug'\]"),
+    ],
+)
+def test_validation_errors_name_setting_value_and_fix(overrides, message, monkeypatch):
+    # Raised by the driver before it connects to Ray, so before any worker could start.
+    def no_cluster(cfg):
+        raise AssertionError("the driver tried to start Ray for an invalid config")
+
+    monkeypatch.setattr(driver, "_connect", no_cluster)
+    with pytest.raises(ConfigError, match=message):
+        driver.train(_cfg(*overrides))
+
+
+def test_data_without_text_column_is_refused_before_workers(tmp_path, monkeypatch):
+    pq.write_table(pa.table({"content": ["a b c"]}), tmp_path / "d.parquet")
+    monkeypatch.setattr(driver, "_connect", lambda cfg: pytest.fail("connected to Ray"))
+    with pytest.raises(ConfigError, match=r"data.text_column = 'text' is not a column of .*d.parquet.*\['content'\]"):
+        driver.train(_cfg("--data.source=parquet", f"--data.path={tmp_path / 'd.parquet'}"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"has no .jsonl files"):
+        validate_job(_cfg("--data.source=jsonl", f"--data.path={tmp_path / 'empty'}"))
+
+
+def test_valid_layouts_pass():
+    validate_job(_cfg())
+    validate_job(_cfg("--parallelism.pipeline_schedule=Interleaved1F1B", "--parallelism.stages_per_rank=2"))
+    validate_job(_cfg("--parallelism.pp=1", "--parallelism.dp_shard=1"))

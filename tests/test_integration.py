@@ -1,0 +1,146 @@
+"""End to end on the shared local Ray cluster: parity with one worker, the collector's record,
+TensorBoard, user data, and the command-line entry points."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import ray_titan
+from ray_titan.config import load_config
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.ray
+
+STEPS = 10
+SCHEDULES = {
+    "1F1B": ["--parallelism.pipeline_schedule=1F1B"],
+    "GPipe": ["--parallelism.pipeline_schedule=GPipe"],
+    "Interleaved1F1B": ["--parallelism.pipeline_schedule=Interleaved1F1B", "--parallelism.stages_per_rank=2"],
+}
+
+
+def _run(tmp_path_factory, corpus_cache, name, *overrides):
+    cfg = load_config(REPO / "configs" / "debug_llama.toml", [
+        f"--job.name={name}", f"--job.dump_folder={tmp_path_factory.mktemp(name)}",
+        f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}",
+        "--metrics.log_freq=1000", "--metrics.save_rank_reports=true", *overrides,
+    ])
+    return ray_titan.train(cfg)
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tmp_path_factory, corpus_cache):
+    """One worker, no PP, no FSDP: the same model, seed and data."""
+    return _run(tmp_path_factory, corpus_cache, "ref", "--parallelism.pp=1", "--parallelism.dp_shard=1")
+
+
+@pytest.fixture(scope="module", params=list(SCHEDULES))
+def pp_run(request, ray_cluster, tmp_path_factory, corpus_cache):
+    """pp=2 × dp_shard=2 on 4 workers with each schedule."""
+    return request.param, _run(tmp_path_factory, corpus_cache, f"pp_{request.param}", *SCHEDULES[request.param])
+
+
+def _step_column(result, column):
+    t = result.steps.filter(pa.compute.equal(result.steps["rank"], 0)).sort_by("step")
+    return np.array(t[column].to_pylist(), dtype=float)
+
+
+def test_parity_with_one_worker(pp_run, reference):
+    name, run = pp_run
+    ref_loss, loss = _step_column(reference, "step_loss"), _step_column(run, "step_loss")
+    assert len(loss) == len(ref_loss) == STEPS
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-4, err_msg=name)
+    # The gradient norm is of the whole model across stages and shards.
+    np.testing.assert_allclose(_step_column(run, "grad_norm"), _step_column(reference, "grad_norm"), rtol=1e-4)
+    assert ref_loss[-1] < ref_loss[0] - 0.3  # and it learns
+
+
+def test_collector_loss_is_what_the_last_stage_computed(pp_run):
+    name, run = pp_run
+    assert run.errors == []
+    ranks = {}
+    for r in range(4):
+        lines = (run.run_dir / "metrics" / "ranks" / f"rank{r}.jsonl").read_text().splitlines()
+        ranks[r] = {rep["step"]: rep for rep in map(json.loads, lines)}
+    for step in range(1, STEPS + 1):
+        assert ranks[0][step]["loss"] is None and ranks[1][step]["loss"] is None  # never a placeholder
+        last = [ranks[2][step], ranks[3][step]]
+        assert all(rep["is_last_stage"] and rep["loss"] is not None for rep in last)
+        expected = sum(rep["loss"] * rep["tokens"] for rep in last) / sum(rep["tokens"] for rep in last)
+        rows = run.steps.filter(pa.compute.equal(run.steps["step"], step))
+        assert set(rows["step_loss"].to_pylist()) == {expected}
+    assert run.final_loss == _step_column(run, "step_loss")[-1]
+
+
+def test_every_rank_has_a_row_with_memory_at_every_step(pp_run):
+    _, run = pp_run
+    t = run.steps
+    assert t.num_rows == STEPS * 4  # log_freq (1000) is larger than the run
+    for r in range(4):
+        mine = t.filter(pa.compute.equal(t["rank"], r))
+        assert mine["step"].to_pylist() == list(range(1, STEPS + 1))
+        assert all(v > 50 << 20 for v in mine["host_rss_bytes"].to_pylist())
+        assert all(p >= v for p, v in zip(mine["host_peak_rss_bytes"].to_pylist(), mine["host_rss_bytes"].to_pylist()))
+    assert (run.run_dir / "metrics" / "steps.parquet").exists()
+
+
+def test_tensorboard_has_loss_and_every_ranks_memory(reference, pp_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, run = pp_run
+    acc = EventAccumulator(str(run.tensorboard_dir))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"loss", "tokens_per_s", "grad_norm", "lr"} <= tags
+    assert {f"memory/rank{r}/host_rss_mib" for r in range(4)} <= tags
+    losses = [e.value for e in acc.Scalars("loss")]
+    np.testing.assert_allclose(losses, _step_column(run, "step_loss"), rtol=1e-6)
+    assert [e.step for e in acc.Scalars("memory/rank3/host_rss_mib")] == list(range(1, STEPS + 1))
+
+
+def test_user_parquet_file_trains(ray_cluster, tmp_path, corpus_cache):
+    docs = [p.read_text() for p in sorted((REPO / "ray_titan").rglob("*.py"))]
+    pq.write_table(pa.table({"text": docs * 20}), tmp_path / "train.parquet")
+    cfg = load_config(None, [
+        "--job.name=userdata", f"--job.dump_folder={tmp_path}", "--data.source=parquet",
+        f"--data.path={tmp_path / 'train.parquet'}", "--training.steps=20",
+        "--parallelism.pp=1", "--parallelism.dp_shard=2", "--metrics.log_freq=5",
+    ])
+    run = ray_titan.train(cfg)
+    losses = run.losses()
+    assert run.errors == [] and len(losses) == 20 and np.isfinite(losses).all()
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5
+
+
+def test_jobs_entry_point_joins_the_running_cluster(ray_cluster, tmp_path, corpus_cache):
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster, "RAY_AUTH_MODE": "disabled"}
+    out = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(REPO / "configs" / "debug_llama.toml"),
+         "--training.steps=3", "--metrics.log_freq=1", f"--job.dump_folder={tmp_path}",
+         f"--data.cache_dir={corpus_cache}"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Started a local Ray instance" not in out.stdout + out.stderr
+    assert ray_cluster.split(":")[-1] in out.stdout + out.stderr  # connected to the test cluster
+    assert "step 3/3 | loss" in out.stdout
+    assert len(list(tmp_path.glob("debug_llama-*/metrics/steps.parquet"))) == 1
+
+
+def test_cli_config_error_exits_before_starting_ray(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "ray_titan", "train", "--config", str(REPO / "configs" / "debug_llama.toml"),
+         "--training.global_batch_size=10"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, "RAY_ADDRESS": ""},
+    )
+    assert out.returncode == 2
+    assert "training.global_batch_size = 10 is not divisible" in out.stderr
+    assert "Ray" not in out.stdout + out.stderr.replace("ray-titan", "")
