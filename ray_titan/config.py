@@ -132,6 +132,9 @@ class RayConfig(_Section):
     num_cpus: int | None = Field(None, gt=0)
     """CPUs of a local cluster started by the driver (ignored when joining one). Default: this machine's."""
     max_failures: int = Field(0, ge=0)
+    """Worker-group restarts Ray Train may make after a worker fails."""
+    use_gpu: bool = False
+    """One GPU per worker; the process group then uses NCCL (gloo otherwise)."""
 
 
 class JobConfig(_Section):

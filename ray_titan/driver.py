@@ -19,7 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ray_titan.config import JobConfig, apply_overrides, load_config, validate_job
+from ray_titan.config import ConfigError, JobConfig, apply_overrides, load_config, validate_job
 
 __all__ = ["RunResult", "train", "make_run_dir", "resolve_paths"]
 
@@ -162,6 +162,11 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     _connect(cfg)
     dims = parallel_dims(cfg)
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if cfg.ray.use_gpu and gpus < dims.world_size:
+        raise ConfigError(
+            f"ray.use_gpu = true needs {dims.world_size} GPUs (one per worker) but the cluster has {gpus:g}"
+        )
     cpus = _cpus_per_worker(cfg)
     if cfg.training.threads_per_worker is None:
         cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
@@ -179,9 +184,10 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
     trainer = TorchTrainer(
         _worker_entry,
         train_loop_config={"config": cfg.model_dump(), "collector": collector, "run_dir": str(run_dir)},
-        torch_config=TorchConfig(backend="gloo"),
+        torch_config=TorchConfig(backend="nccl" if cfg.ray.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=dims.world_size, use_gpu=False, resources_per_worker={"CPU": cpus}
+            num_workers=dims.world_size, use_gpu=cfg.ray.use_gpu,
+            resources_per_worker={"CPU": cpus, **({"GPU": 1} if cfg.ray.use_gpu else {})},
         ),
         run_config=RunConfig(
             name=run_dir.name,

@@ -71,7 +71,9 @@ def parallel_dims(cfg: JobConfig) -> ParallelDims:
 
 def _device() -> torch.device:
     if torch.cuda.is_available():
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        # Ray Train gives each worker only its own GPU; torchrun shows them all.
+        index = int(os.environ.get("LOCAL_RANK", 0)) if torch.cuda.device_count() > 1 else 0
+        dev = torch.device("cuda", index)
         torch.cuda.set_device(dev)
         return dev
     return torch.device("cpu")
@@ -194,38 +196,74 @@ def train_loop(cfg: JobConfig, reporter: Reporter) -> dict[str, Any]:
 
 
 def _main(argv: list[str] | None = None) -> None:
-    """``python -m ray_titan.train_loop --config X.toml [--section.key=value ...]`` without Ray: one
-    process, or every rank of a ``torchrun`` launch. Metrics go to ``<run_dir>/metrics``."""
-    from ray_titan.driver import make_run_dir
+    """``python -m ray_titan.train_loop --config X.toml [--section.key=value ...]`` without Ray.
+
+    One process, or every rank of a ``torchrun --nproc-per-node=N`` launch (N = the mesh size).
+    One process reports to an in-process collector and prints its lines as it goes; under
+    torchrun each rank writes its reports to ``metrics/ranks/rank{r}.jsonl`` and rank 0 assembles
+    them into the same ``metrics/steps.parquet`` at the end.
+    """
+    import json
+
+    from ray_titan.config import validate_job
+    from ray_titan.driver import make_run_dir, resolve_paths
     from ray_titan.metrics.collector import MetricsCollector
-    from ray_titan.metrics.report import LocalReporter
+    from ray_titan.metrics.report import JsonlReporter, LocalReporter
 
     ap = argparse.ArgumentParser(prog="python -m ray_titan.train_loop", description=_main.__doc__)
-    ap.add_argument("--config", default=None)
-    ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--config", default=None, help="TOML job config (default: the built-in defaults)")
     args, overrides = ap.parse_known_args(argv)
-    cfg = load_config(args.config, overrides)
-    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+    cfg = resolve_paths(load_config(args.config, overrides))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if cfg.world_size != world:
+        raise SystemExit(
+            f"the mesh needs {cfg.world_size} processes (pp × dp_shard = {cfg.parallelism.pp} × "
+            f"{cfg.parallelism.dp_shard}) but this launch has {world}: use torchrun --nproc-per-node={cfg.world_size}"
+        )
+    if world > 1:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if cfg.world_size != (dist.get_world_size() if dist.is_initialized() else 1):
-        raise SystemExit(f"this launch has the wrong number of processes for mesh {cfg.world_size}")
-    if cfg.world_size > 1:
-        raise SystemExit("without Ray, use pp = dp_shard = 1 (multi-rank runs go through `ray-titan train`)")
-    run_dir = Path(args.run_dir) if args.run_dir else make_run_dir(cfg)
-    collector = MetricsCollector(
-        str(run_dir), 1, [0], cfg.training.steps, cfg.metrics.log_freq,
-        cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
-    )
+    rank = dist.get_rank() if world > 1 else 0
+    holder = [None]
+    if rank == 0:
+        validate_job(cfg)
+        holder = [str(make_run_dir(cfg))]
+    if world > 1:
+        dist.broadcast_object_list(holder, src=0)
+    run_dir = Path(holder[0])
+    dims = parallel_dims(cfg)
 
-    class _Printing(LocalReporter):
-        def report(self, rep):
-            super().report(rep)
-            for line in self.collector.drain_lines():
-                print(line, flush=True)
+    def new_collector() -> MetricsCollector:
+        return MetricsCollector(
+            str(run_dir), world, dims.last_stage_ranks(), cfg.training.steps, cfg.metrics.log_freq,
+            cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
+        )
 
-    train_loop(cfg, _Printing(collector))
-    summary = collector.finish()
-    print(f"run dir: {run_dir}  final loss: {summary['final_loss']}")
+    if world == 1:
+        collector = new_collector()
+
+        class _Printing(LocalReporter):
+            def report(self, rep):
+                super().report(rep)
+                for line in self.collector.drain_lines():
+                    print(line, flush=True)
+
+        train_loop(cfg, _Printing(collector))
+    else:
+        train_loop(cfg, JsonlReporter(run_dir / "metrics" / "ranks" / f"rank{rank}.jsonl"))
+        dist.barrier()
+        if rank == 0:
+            collector = new_collector()
+            for r in range(world):
+                lines = (run_dir / "metrics" / "ranks" / f"rank{r}.jsonl").read_text().splitlines()
+                collector.report([json.loads(line) for line in lines])
+        dist.destroy_process_group()
+    if rank == 0:
+        summary = collector.finish()
+        for line in summary["lines"] if world > 1 else []:
+            print(line, flush=True)
+        for err in summary["errors"]:
+            print(f"metrics error: {err}", flush=True)
+        print(f"run dir: {run_dir}  final loss: {summary['final_loss']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""The train loop without Ray: one process, and torchrun ranks (parity with one process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from ray_titan.metrics.sinks import read_steps
+from tests.conftest import REPO
+
+STEPS = 6
+
+
+def _launch(tmp_path, corpus_cache, nproc: int, *overrides: str):
+    dump = tmp_path / f"n{nproc}-{abs(hash(overrides))}"
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
+    out = subprocess.run(
+        [*launcher, "-m", "ray_titan.train_loop", "--config", str(REPO / "configs" / "debug_llama.toml"),
+         f"--training.steps={STEPS}", f"--job.dump_folder={dump}", f"--data.cache_dir={corpus_cache}",
+         "--metrics.log_freq=1", *overrides],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    (run_dir,) = dump.glob("debug_llama-*")
+    steps = read_steps(run_dir)
+    rank0 = steps.filter(pa.compute.equal(steps["rank"], 0)).sort_by("step")
+    return out.stdout, np.array(rank0["step_loss"].to_pylist()), steps
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, corpus_cache):
+    return _launch(tmp_path_factory.mktemp("single"), corpus_cache, 1, "--parallelism.pp=1", "--parallelism.dp_shard=1")
+
+
+def test_single_process_prints_and_records_every_step(single):
+    stdout, losses, steps = single
+    assert steps.num_rows == STEPS and len(losses) == STEPS
+    assert f"step {STEPS}/{STEPS} | loss" in stdout
+    assert losses[0] == pytest.approx(np.log(258), abs=0.1)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("--parallelism.pp=1", "--parallelism.dp_shard=2"),  # FSDP2 + gradient accumulation
+        ("--parallelism.pp=2", "--parallelism.dp_shard=1", "--parallelism.pipeline_schedule=GPipe"),
+    ],
+    ids=["dp_shard2", "pp2_gpipe"],
+)
+def test_torchrun_ranks_match_one_process(tmp_path, corpus_cache, single, overrides):
+    _, losses, steps = _launch(tmp_path, corpus_cache, 2, *overrides)
+    np.testing.assert_allclose(losses, single[1], rtol=1e-4)
+    assert steps.num_rows == 2 * STEPS
