@@ -35,6 +35,8 @@ class _Section(BaseModel):
 
 
 class Job(_Section):
+    """The run's name and where run directories go."""
+
     name: str = "debug_llama"
     """Run name; the run directory is ``<dump_folder>/<name>-<timestamp>``."""
     dump_folder: str = "outputs"
@@ -43,6 +45,8 @@ class Job(_Section):
 
 
 class Model(_Section):
+    """Which model: family and flavor from ``ray_titan.models.registry``."""
+
     name: Literal["llama"] = "llama"
     """Model family in the registry (``ray_titan.models.registry``)."""
     flavor: str = "debug"
@@ -50,6 +54,8 @@ class Model(_Section):
 
 
 class Data(_Section):
+    """Corpus source and tokenizer."""
+
     source: Literal["python_stdlib", "parquet", "jsonl"] = "python_stdlib"
     """``python_stdlib``: the running interpreter's standard library (built in, nothing downloaded);
     ``parquet`` / ``jsonl``: user files given by ``path``."""
@@ -64,6 +70,8 @@ class Data(_Section):
 
 
 class Training(_Section):
+    """Steps, batch (sequences), sequence length (tokens), seed, clipping and GC."""
+
     steps: int = Field(300, gt=0)
     global_batch_size: int = Field(16, gt=0)
     """Sequences per optimizer step, summed over all data-parallel ranks."""
@@ -79,6 +87,8 @@ class Training(_Section):
 
 
 class Parallelism(_Section):
+    """Mesh sizes and the pipeline schedule. Workers = ``pp × dp_shard``."""
+
     pp: int = Field(2, gt=0)
     """Pipeline-parallel degree (mesh axis ``pp``)."""
     dp_shard: int = Field(2, gt=0)
@@ -94,6 +104,8 @@ class Parallelism(_Section):
 
 
 class Optimizer(_Section):
+    """Optimizer and its hyper-parameters (``lr`` is the peak learning rate)."""
+
     name: Literal["AdamW", "Adam", "SGD"] = "AdamW"
     lr: float = Field(3e-3, gt=0)
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -103,6 +115,8 @@ class Optimizer(_Section):
 
 
 class LRScheduler(_Section):
+    """Linear warm-up, then decay to ``min_lr_ratio × lr`` at the last step."""
+
     warmup_steps: int = Field(20, ge=0)
     decay: Literal["cosine", "linear", "none"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -110,6 +124,8 @@ class LRScheduler(_Section):
 
 
 class Metrics(_Section):
+    """What the collector records and prints, and the workers' bounds on reporting."""
+
     log_freq: int = Field(10, gt=0)
     """Console line every ``log_freq`` steps. Every step is recorded whatever this is."""
     enable_tensorboard: bool = True
@@ -125,6 +141,8 @@ class Metrics(_Section):
 
 
 class RayConfig(_Section):
+    """How the job is placed on Ray (section ``[ray]``)."""
+
     num_workers: int | None = Field(None, gt=0)
     """Training workers; must equal the mesh product. Default: the mesh product."""
     cpus_per_worker: float | None = Field(None, gt=0)
@@ -152,10 +170,12 @@ class JobConfig(_Section):
 
     @property
     def world_size(self) -> int:
+        """Number of workers the mesh needs: ``pp × dp_shard``."""
         return self.parallelism.pp * self.parallelism.dp_shard
 
     @property
     def num_stages(self) -> int:
+        """Pipeline stages in the whole model: ``pp × stages_per_rank``."""
         return self.parallelism.pp * self.parallelism.stages_per_rank
 
     @classmethod
@@ -279,6 +299,14 @@ def validate_job(cfg: JobConfig) -> None:
             raise ConfigError(
                 f"parallelism.microbatches = {par.microbatches} is fewer than the {par.pp} pipeline "
                 f"ranks (parallelism.pp): {par.pipeline_schedule} needs microbatches >= pp"
+            )
+    if par.pipeline_schedule == "Interleaved1F1B":
+        rounds = max(1, par.microbatches // par.pp)
+        if par.microbatches % rounds:
+            raise ConfigError(
+                f"parallelism.microbatches = {par.microbatches} with Interleaved1F1B on pp = {par.pp}: "
+                f"the schedule runs {rounds} rounds of {par.pp} microbatches and needs microbatches to "
+                f"be a multiple of {rounds}; use {rounds * par.pp} or {par.pp}"
             )
     per_step = par.microbatches * par.dp_shard
     if tr.global_batch_size % per_step:

@@ -65,6 +65,7 @@ def build_lr_lambda(cfg: JobConfig):
 
 
 def parallel_dims(cfg: JobConfig) -> ParallelDims:
+    """The job's :class:`ParallelDims` (mesh sizes and stages per rank)."""
     par = cfg.parallelism
     return ParallelDims(pp=par.pp, dp_shard=par.dp_shard, stages_per_rank=par.stages_per_rank)
 

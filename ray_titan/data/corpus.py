@@ -29,6 +29,7 @@ _SHARD_BYTES = 4 << 20
 
 
 def default_cache_dir() -> Path:
+    """``$RAY_TITAN_CACHE``, else ``~/.cache/ray_titan``."""
     return Path(os.environ.get("RAY_TITAN_CACHE", Path.home() / ".cache" / "ray_titan"))
 
 

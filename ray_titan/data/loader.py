@@ -88,6 +88,7 @@ class PackedLoader:
         return {"epoch": self.epoch, "doc_pos": self.doc_pos, "buffer": self._buffer.copy()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` of a loader with the same corpus, seed and shapes."""
         self.epoch, self.doc_pos = int(state["epoch"]), int(state["doc_pos"])
         self._order = self._permutation(self.epoch)
         self._buffer = np.asarray(state["buffer"], dtype=np.int64)

@@ -163,6 +163,7 @@ class MetricsCollector:
             self.flush()
 
     def flush(self) -> None:
+        """Write a Parquet part of the assembled rows and flush TensorBoard."""
         self.parquet.flush()
         if self.tb:
             self.tb.flush()

@@ -47,9 +47,11 @@ class ParquetSink:
         self._n = len(list(self.parts.glob("part-*.parquet")))
 
     def add(self, rows: list[dict[str, Any]]) -> None:
+        """Queue rows for the next part (held in memory until :meth:`flush`)."""
         self._rows.extend(rows)
 
     def flush(self) -> None:
+        """Write the queued rows as the next part file (atomically) and forget them."""
         if not self._rows:
             return
         table = pa.Table.from_pylist(self._rows, schema=STEP_SCHEMA)

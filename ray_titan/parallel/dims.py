@@ -40,6 +40,7 @@ class ParallelDims:
         return {"pp": rank // self.dp_shard, "dp_shard": rank % self.dp_shard}
 
     def stage_to_pp_rank(self, stage: int) -> int:
+        """The pp rank holding pipeline stage ``stage`` (loop style)."""
         return stage % self.pp
 
     def stages_on_pp_rank(self, pp_rank: int) -> list[int]:
@@ -47,6 +48,7 @@ class ParallelDims:
         return [s for s in range(self.num_stages) if self.stage_to_pp_rank(s) == pp_rank]
 
     def is_last_stage_rank(self, rank: int) -> bool:
+        """Whether global ``rank`` holds the last pipeline stage."""
         return self.coords(rank)["pp"] == self.stage_to_pp_rank(self.num_stages - 1)
 
     def last_stage_ranks(self) -> list[int]:

@@ -1,0 +1,84 @@
+"""A slow or stuck collector never blocks or grows a worker (CollectorReporter on Ray)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ray_titan.metrics.memory import MEMORY_FIELDS
+from ray_titan.metrics.report import CollectorReporter, StepReport
+
+pytestmark = pytest.mark.ray
+
+
+def _rep(step: int) -> StepReport:
+    return StepReport(step=step, rank=0, coords={"pp": 0, "dp_shard": 0}, is_last_stage=True, loss=1.0,
+                      tokens=1, step_time_s=0.1, data_time_s=0.0, fwd_bwd_time_s=0.0, optim_time_s=0.0,
+                      grad_norm=0.0, lr=0.0, memory=dict.fromkeys(MEMORY_FIELDS), gc_pause_s=0.0)
+
+
+@pytest.fixture
+def stuck_collector(ray_cluster):
+    import ray
+
+    @ray.remote(num_cpus=0, max_concurrency=16)  # > max_inflight, so release() gets a thread
+    class Stuck:
+        """Every report() waits until release(): a collector that has stopped answering."""
+
+        def __init__(self):
+            self.gate = threading.Event()
+            self.steps: list[int] = []
+            self.dropped = 0
+
+        def report(self, batch, dropped=0):
+            self.gate.wait()
+            self.steps.extend(r["step"] for r in batch)
+            self.dropped = max(self.dropped, dropped)
+
+        def release(self):
+            self.gate.set()
+
+        def received(self):
+            return sorted(self.steps), self.dropped
+
+    actor = Stuck.remote()
+    yield actor
+    ray.kill(actor)
+
+
+def _report_all(reporter, steps):
+    done = threading.Event()
+
+    def work():
+        for s in steps:
+            reporter.report(_rep(s))
+            assert len(reporter._pending) <= reporter.max_inflight
+            assert len(reporter._queue) <= reporter.max_buffered
+        done.set()
+
+    threading.Thread(target=work, daemon=True).start()
+    return done.wait(timeout=60)
+
+
+def test_stuck_collector_does_not_block_and_nothing_is_lost(stuck_collector):
+    import ray
+
+    reporter = CollectorReporter(stuck_collector, max_inflight=4, max_buffered=1000)
+    assert _report_all(reporter, range(1, 301)), "report() blocked on a stuck collector"
+    assert len(reporter._pending) == 4 and len(reporter._queue) == 300 - 4
+    ray.get(stuck_collector.release.remote())
+    reporter.close()
+    assert ray.get(stuck_collector.received.remote()) == (list(range(1, 301)), 0)
+
+
+def test_stuck_collector_cannot_grow_a_worker(stuck_collector):
+    import ray
+
+    reporter = CollectorReporter(stuck_collector, max_inflight=2, max_buffered=50)
+    assert _report_all(reporter, range(1, 501))
+    assert len(reporter._queue) == 50 and reporter.dropped == 500 - 2 - 50
+    ray.get(stuck_collector.release.remote())
+    reporter.close()
+    steps, dropped = ray.get(stuck_collector.received.remote())
+    assert steps == [1, 2, *range(451, 501)] and dropped == reporter.dropped  # the collector is told
