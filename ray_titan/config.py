@@ -257,6 +257,7 @@ def validate_job(cfg: JobConfig) -> None:
     what would be valid.
     """
     from ray_titan.data.corpus import check_source
+    from ray_titan.data.tokenizer import build_tokenizer
     from ray_titan.models.registry import get_model_args
 
     par, tr = cfg.parallelism, cfg.training
@@ -321,3 +322,10 @@ def validate_job(cfg: JobConfig) -> None:
             f"{margs.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}); use <= {margs.max_seq_len}"
         )
     check_source(cfg.data)
+    try:
+        build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+    except Exception as e:  # a missing, unreadable or special-token-less tokenizer.json
+        raise ConfigError(
+            f"data.tokenizer = {cfg.data.tokenizer!r}, data.tokenizer_path = "
+            f"{cfg.data.tokenizer_path!r}: {e}"
+        ) from None

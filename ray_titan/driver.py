@@ -155,6 +155,13 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
             cfg = JobConfig.from_dict(apply_overrides(cfg.model_dump(), overrides))
     else:
         cfg = load_config(config, overrides)
+    if not Path(cfg.job.dump_folder).expanduser().is_absolute() and "working_dir_files" in Path.cwd().parts:
+        print(
+            f"ray_titan: warning: job.dump_folder = {cfg.job.dump_folder!r} is relative and this job "
+            "runs in Ray's temporary copy of its working directory, which Ray deletes; pass an "
+            "absolute --job.dump_folder (shared storage on a multi-node cluster) to keep the run",
+            file=sys.stderr, flush=True,
+        )
     cfg = resolve_paths(cfg)
     validate_job(cfg)  # also materialises the built-in corpus, once, before workers read it
 

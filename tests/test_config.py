@@ -74,6 +74,9 @@ def _cfg(*overrides: str) -> JobConfig:
          r"global_batch_size = 12 is not divisible by parallelism.microbatches × parallelism.dp_shard = 4 × 2 = 8"),
         (["--training.seq_len=4096"], r"training.seq_len = 4096 exceeds the model's maximum sequence length 1024"),
         (["--data.source=parquet", "--data.path=/nonexistent/x.parquet"], r"data.path = '/nonexistent/x.parquet' does not exist"),
+        (["--data.tokenizer=huggingface"], r"needs data.tokenizer_path"),
+        (["--data.tokenizer=huggingface", "--data.tokenizer_path=/nonexistent/tokenizer.json"],
+         r"data.tokenizer_path = '/nonexistent/tokenizer.json' does not exist"),
         (["--model.flavor=huge"], r"model.flavor = 'huge' is unknown .* valid: \['8B', 'debug'\]"),
     ],
 )
