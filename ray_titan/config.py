@@ -23,6 +23,7 @@ __all__ = [
     "load_config",
     "apply_overrides",
     "validate_job",
+    "job_warnings",
 ]
 
 
@@ -77,7 +78,7 @@ class Training(_Section):
     """Sequences per optimizer step, summed over all data-parallel ranks."""
     seq_len: int = Field(128, gt=0)
     """Tokens per sequence fed to the model (labels are the same sequence shifted by one)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     max_norm: float = Field(1.0, ge=0)
     """Gradient-norm clipping threshold over the whole model; 0 disables clipping."""
     gc_freq: int = Field(50, gt=0)
@@ -248,6 +249,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return JobConfig.from_dict(apply_overrides(data, overrides or []))
 
 
+def job_warnings(cfg: JobConfig) -> list[str]:
+    """Settings that are valid but probably not what was meant (the driver prints them)."""
+    out = []
+    if cfg.lr_scheduler.warmup_steps >= cfg.training.steps:
+        out.append(
+            f"lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is not below training.steps "
+            f"= {cfg.training.steps}: the learning rate never reaches optimizer.lr = {cfg.optimizer.lr:g}"
+        )
+    return out
+
+
 def validate_job(cfg: JobConfig) -> None:
     """Cross-field checks the driver runs before any worker starts.
 
@@ -266,6 +278,16 @@ def validate_job(cfg: JobConfig) -> None:
         raise ConfigError(
             f"ray.num_workers = {cfg.ray.num_workers} but the mesh needs {mesh} workers; "
             f"set ray.num_workers = {cfg.world_size} (or leave it unset) or change the mesh"
+        )
+    if cfg.ray.max_failures:
+        raise ConfigError(
+            f"ray.max_failures = {cfg.ray.max_failures}: a restarted worker group would start again "
+            "from step 1, since resuming from checkpoints is not implemented yet; use 0"
+        )
+    if cfg.data.source == "python_stdlib" and cfg.data.path:
+        raise ConfigError(
+            f"data.path = {cfg.data.path!r} is set but data.source = 'python_stdlib' ignores it; "
+            "set data.source = 'parquet' or 'jsonl' to train on it"
         )
     try:
         margs = get_model_args(cfg.model.name, cfg.model.flavor)

@@ -19,7 +19,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from ray_titan.config import ConfigError, JobConfig, apply_overrides, load_config, validate_job
+from ray_titan.config import (
+    ConfigError,
+    JobConfig,
+    apply_overrides,
+    job_warnings,
+    load_config,
+    validate_job,
+)
 
 __all__ = ["RunResult", "train", "make_run_dir", "resolve_paths"]
 
@@ -83,7 +90,7 @@ def _connect(cfg: JobConfig) -> None:
         return
     num_cpus = cfg.ray.num_cpus or os.cpu_count() or 1
     # The dashboard serves the state API that Ray Train V2 polls to clean up after a run.
-    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
 
 
 def _cpus_per_worker(cfg: JobConfig) -> float:
@@ -99,6 +106,8 @@ def _cpus_per_worker(cfg: JobConfig) -> float:
 def _worker_entry(loop_config: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``: rebuild the config, report to the collector."""
     import ray.train
+    import ray.train.torch
+    import torch
 
     from ray_titan.metrics.report import CollectorReporter, JsonlReporter
     from ray_titan.train_loop import train_loop
@@ -111,7 +120,9 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         rank = ray.train.get_context().get_world_rank()
         path = Path(loop_config["run_dir"]) / "metrics" / "ranks" / f"rank{rank}.jsonl"
         reporter = JsonlReporter(path, reporter)
-    train_loop(cfg, reporter)
+    # Only a worker that reserved a GPU may use one; Ray does not hide unreserved GPUs.
+    device = ray.train.torch.get_device() if cfg.ray.use_gpu else torch.device("cpu")
+    train_loop(cfg, reporter, device)
 
 
 class _LinePrinter(threading.Thread):
@@ -163,6 +174,8 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
             file=sys.stderr, flush=True,
         )
     cfg = resolve_paths(cfg)
+    for warning in job_warnings(cfg):
+        print(f"ray_titan: warning: {warning}", file=sys.stderr, flush=True)
     validate_job(cfg)  # also materialises the built-in corpus, once, before workers read it
 
     run_dir = make_run_dir(cfg)
@@ -175,6 +188,13 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
             f"ray.use_gpu = true needs {dims.world_size} GPUs (one per worker) but the cluster has {gpus:g}"
         )
     cpus = _cpus_per_worker(cfg)
+    cluster_cpus = ray.cluster_resources().get("CPU", 0)
+    if cpus * dims.world_size > cluster_cpus + 1e-9:
+        raise ConfigError(
+            f"ray.cpus_per_worker = {cpus:g} × {dims.world_size} workers = {cpus * dims.world_size:g} "
+            f"CPUs, but the cluster has {cluster_cpus:g}: the worker group could never start; use "
+            f"ray.cpus_per_worker <= {cluster_cpus / dims.world_size:.3g} (or leave it unset)"
+        )
     if cfg.training.threads_per_worker is None:
         cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
             update={"threads_per_worker": max(1, int(cpus + 0.999))})})
@@ -212,7 +232,10 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
     finally:
         printer.stop_event.set()
         printer.join()
-        summary = ray.get(collector.finish.remote(), timeout=120)
+        try:
+            summary = ray.get(collector.finish.remote(), timeout=120)
+        except Exception as e:  # the flushed parts are on disk; never hide a training error
+            summary = {"lines": [], "errors": [f"metrics collector failed to finish: {e}"], "final_loss": None}
         for line in summary["lines"]:
             print(line, flush=True)
         ray.kill(collector)

@@ -57,7 +57,8 @@ def build_lr_lambda(cfg: JobConfig):
             return (i + 1) / warmup
         if decay == "none" or total <= warmup:
             return 1.0
-        progress = min(1.0, (i - warmup) / max(1, total - warmup))
+        # The last step (index total - 1) runs at exactly the floor.
+        progress = min(1.0, (i + 1 - warmup) / (total - warmup))
         shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
         return floor + (1 - floor) * shape
 
@@ -70,14 +71,13 @@ def parallel_dims(cfg: JobConfig) -> ParallelDims:
     return ParallelDims(pp=par.pp, dp_shard=par.dp_shard, stages_per_rank=par.stages_per_rank)
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        # Ray Train gives each worker only its own GPU; torchrun shows them all.
-        index = int(os.environ.get("LOCAL_RANK", 0)) if torch.cuda.device_count() > 1 else 0
-        dev = torch.device("cuda", index)
-        torch.cuda.set_device(dev)
-        return dev
-    return torch.device("cpu")
+def local_cuda_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` (as torchrun sets it), made the current device; CPU without CUDA."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(dev)
+    return dev
 
 
 def _build_optimizer(cfg: JobConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -88,12 +88,14 @@ def _build_optimizer(cfg: JobConfig, params: list[torch.nn.Parameter]) -> torch.
     return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
-def train_loop(cfg: JobConfig, reporter: Reporter) -> dict[str, Any]:
+def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None = None) -> dict[str, Any]:
     """Train ``cfg`` on this rank, sending one :class:`StepReport` per step to ``reporter``.
 
-    Needs ``torch.distributed`` initialised with ``world_size == cfg.world_size`` unless the mesh
-    is a single rank. Returns a small summary of this rank (``rank``, ``steps``, ``last_loss``).
-    Raises ``RuntimeError`` when the process group does not match the mesh.
+    ``device`` is where this rank computes (default CPU); the caller picks it, since only the
+    launcher knows which GPU, if any, is this rank's. Needs ``torch.distributed`` initialised
+    with ``world_size == cfg.world_size`` unless the mesh is a single rank. Returns a small
+    summary of this rank (``rank``, ``steps``, ``last_loss``). Raises ``RuntimeError`` when the
+    process group does not match the mesh.
     """
     dims = parallel_dims(cfg)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -101,7 +103,7 @@ def train_loop(cfg: JobConfig, reporter: Reporter) -> dict[str, Any]:
     if world != dims.world_size:
         raise RuntimeError(f"{world} processes, but the mesh needs {dims.world_size} ({dims})")
     coords = dims.coords(rank)
-    device = _device()
+    device = device or torch.device("cpu")
     threads = cfg.training.threads_per_worker
     if threads:
         torch.set_num_threads(threads)
@@ -221,15 +223,14 @@ def _main(argv: list[str] | None = None) -> None:
             f"the mesh needs {cfg.world_size} processes (pp × dp_shard = {cfg.parallelism.pp} × "
             f"{cfg.parallelism.dp_shard}) but this launch has {world}: use torchrun --nproc-per-node={cfg.world_size}"
         )
+    validate_job(cfg)  # on every rank, so a bad config stops them all before the process group
+    device = local_cuda_device()
     if world > 1:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if world > 1 else 0
-    holder = [None]
-    if rank == 0:
-        validate_job(cfg)
-        holder = [str(make_run_dir(cfg))]
+    holder = [str(make_run_dir(cfg))] if rank == 0 else [None]
     if world > 1:
-        dist.broadcast_object_list(holder, src=0)
+        dist.broadcast_object_list(holder, src=0, device=device)
     run_dir = Path(holder[0])
     dims = parallel_dims(cfg)
 
@@ -248,9 +249,9 @@ def _main(argv: list[str] | None = None) -> None:
                 for line in self.collector.drain_lines():
                     print(line, flush=True)
 
-        train_loop(cfg, _Printing(collector))
+        train_loop(cfg, _Printing(collector), device)
     else:
-        train_loop(cfg, JsonlReporter(run_dir / "metrics" / "ranks" / f"rank{rank}.jsonl"))
+        train_loop(cfg, JsonlReporter(run_dir / "metrics" / "ranks" / f"rank{rank}.jsonl"), device)
         dist.barrier()
         if rank == 0:
             collector = new_collector()

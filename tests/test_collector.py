@@ -53,7 +53,9 @@ def test_missing_or_misplaced_loss_is_an_error_not_a_gap(tmp_path):
     c.report([_report(1, 0, dims), _report(1, 1, dims, loss=None)])  # last stage without loss
     c.report([_report(2, 0, dims, loss=1.0), _report(2, 1, dims, loss=2.0)])  # placeholder on stage 0
     c.report([_report(3, 0, dims)])  # rank 1 never reports step 3
-    errors = c.finish()["errors"]
+    summary = c.finish()
+    errors = summary["errors"]
+    assert summary["final_loss"] == 2.0  # the newest assembled step; step 3 never completed
     assert "step 1: last-stage rank 1 reported no loss" in errors
     assert "step 2: rank 0 is not on the last stage but reported a loss" in errors
     assert "step 3: no report from rank(s) [1]" in errors
@@ -96,3 +98,36 @@ def test_memory_sample_reads_proc():
     block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page
     assert host_memory()[0] - before > 48 << 20
     del block
+
+
+def test_finish_is_idempotent_and_parts_never_overwritten(tmp_path):
+    dims = ParallelDims(pp=1, dp_shard=1)
+    parts = tmp_path / "metrics" / "parts"
+    parts.mkdir(parents=True)
+    (parts / "part-00003.parquet.tmp").write_bytes(b"torn write from a crash")
+    c = _collector(tmp_path, dims, steps=4, flush_every_steps=2)
+    for step in range(1, 5):
+        c.report([_report(step, 0, dims, loss=float(step))])
+    assert sorted(p.name for p in parts.glob("*.parquet")) == ["part-00000.parquet", "part-00001.parquet"]
+    first = c.finish()
+    again = c.finish()
+    assert first["final_loss"] == again["final_loss"] == 4.0
+    assert read_steps(tmp_path)["step"].to_pylist() == [1, 2, 3, 4]
+    assert not parts.exists()
+
+
+def test_errors_are_bounded(tmp_path):
+    dims = ParallelDims(pp=2, dp_shard=1)
+    c = _collector(tmp_path, dims, steps=3000, flush_every_steps=1000)
+    for step in range(1, 1201):
+        c.report([_report(step, 0, dims), _report(step, 1, dims)])  # the last stage never has a loss
+    summary = c.finish()
+    assert c.errors_total == 1200 and len(summary["errors"]) == MetricsCollector.MAX_ERRORS + 1
+
+
+def test_final_loss_is_never_stale(tmp_path):
+    dims = ParallelDims(pp=1, dp_shard=1)
+    c = _collector(tmp_path, dims, steps=2)
+    c.report([_report(1, 0, dims, loss=3.0), _report(2, 0, dims, loss=None)])
+    summary = c.finish()
+    assert summary["final_loss"] is None and "step 2: last-stage rank 0 reported no loss" in summary["errors"]

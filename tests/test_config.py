@@ -77,6 +77,9 @@ def _cfg(*overrides: str) -> JobConfig:
         (["--data.tokenizer=huggingface"], r"needs data.tokenizer_path"),
         (["--data.tokenizer=huggingface", "--data.tokenizer_path=/nonexistent/tokenizer.json"],
          r"data.tokenizer_path = '/nonexistent/tokenizer.json' does not exist"),
+        (["--ray.max_failures=2"], r"ray.max_failures = 2: a restarted worker group would start again from step 1"),
+        (["--data.path=/some/file.parquet"], r"data.path = '/some/file.parquet' is set but data.source = 'python_stdlib' ignores it"),
+        (["--training.seed=-1"], r"training.seed = -1: Input should be greater than or equal to 0"),
         (["--model.flavor=huge"], r"model.flavor = 'huge' is unknown .* valid: \['8B', 'debug'\]"),
     ],
 )
@@ -95,6 +98,9 @@ def test_data_without_text_column_is_refused_before_workers(tmp_path, monkeypatc
     monkeypatch.setattr(driver, "_connect", lambda cfg: pytest.fail("connected to Ray"))
     with pytest.raises(ConfigError, match=r"data.text_column = 'text' is not a column of .*d.parquet.*\['content'\]"):
         driver.train(_cfg("--data.source=parquet", f"--data.path={tmp_path / 'd.parquet'}"))
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "none.parquet")
+    with pytest.raises(ConfigError, match=r"none.parquet' has no documents \(0 rows in 1 file"):
+        validate_job(_cfg("--data.source=parquet", f"--data.path={tmp_path / 'none.parquet'}"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"has no .jsonl files"):
         validate_job(_cfg("--data.source=jsonl", f"--data.path={tmp_path / 'empty'}"))
@@ -104,3 +110,31 @@ def test_valid_layouts_pass():
     validate_job(_cfg())
     validate_job(_cfg("--parallelism.pipeline_schedule=Interleaved1F1B", "--parallelism.stages_per_rank=2"))
     validate_job(_cfg("--parallelism.pp=1", "--parallelism.dp_shard=1"))
+
+
+def test_lr_schedule_warms_up_to_the_peak_and_ends_at_the_floor():
+    from ray_titan.train_loop import build_lr_lambda
+
+    for decay in ("cosine", "linear"):
+        cfg = _cfg("--training.steps=10", "--lr_scheduler.warmup_steps=2", f"--lr_scheduler.decay={decay}",
+                   "--lr_scheduler.min_lr_ratio=0.1")
+        f = build_lr_lambda(cfg)
+        lrs = [f(i) for i in range(10)]  # scheduler index i is step i + 1
+        assert lrs[:2] == [0.5, 1.0]
+        assert lrs[-1] == pytest.approx(0.1)
+        assert all(a > b for a, b in zip(lrs[1:], lrs[2:]))  # decays monotonically after the peak
+    assert [build_lr_lambda(_cfg("--lr_scheduler.decay=none"))(i) for i in (0, 19, 20, 299)] == [0.05, 1.0, 1.0, 1.0]
+
+
+def test_cpu_request_larger_than_the_cluster_is_refused_before_workers(ray_cluster):
+    with pytest.raises(ConfigError, match=r"ray.cpus_per_worker = 1 × 4 workers = 4 CPUs, but the cluster has 2"):
+        driver.train(_cfg("--ray.cpus_per_worker=1.0"))
+
+
+def test_warmup_longer_than_the_run_is_a_warning_not_an_error():
+    from ray_titan.config import job_warnings
+
+    assert job_warnings(_cfg()) == []
+    (warning,) = job_warnings(_cfg("--training.steps=10"))
+    assert "warmup_steps = 20 is not below training.steps = 10" in warning
+    validate_job(_cfg("--training.steps=10"))

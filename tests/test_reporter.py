@@ -82,3 +82,10 @@ def test_stuck_collector_cannot_grow_a_worker(stuck_collector):
     reporter.close()
     steps, dropped = ray.get(stuck_collector.received.remote())
     assert steps == [1, 2, *range(451, 501)] and dropped == reporter.dropped  # the collector is told
+
+
+def test_close_gives_up_after_its_deadline(stuck_collector):
+    reporter = CollectorReporter(stuck_collector, max_inflight=2, max_buffered=100)
+    assert _report_all(reporter, range(1, 11))
+    reporter.close(timeout_s=1.0)  # the collector never answers: returns, counting the loss
+    assert reporter.dropped == 8 and reporter._pending == [] and len(reporter._queue) == 0

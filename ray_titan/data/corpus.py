@@ -95,16 +95,24 @@ def _read(path: Path, fmt: str, columns: list[str] | None = None) -> pa.Table:
 
 
 def check_source(data: Data) -> None:
-    """Check that every file of the source exists and has ``data.text_column`` as a string column.
+    """Check that every file of the source exists and has ``data.text_column`` as a string
+    column, and that the source has rows.
 
-    Reads only Parquet schemas (cheap); JSON Lines files are parsed. Raises :class:`ConfigError`.
+    Reads only Parquet footers (cheap); JSON Lines files are parsed. Raises :class:`ConfigError`.
     """
     files, fmt = source_files(data)
+    rows = 0
     for f in files:
         try:
-            schema = pq.read_schema(f) if fmt == "parquet" else _read(f, fmt).schema
+            if fmt == "parquet":
+                meta = pq.read_metadata(f)
+                schema, n = meta.schema.to_arrow_schema(), meta.num_rows
+            else:
+                table = _read(f, fmt)
+                schema, n = table.schema, table.num_rows
         except (pa.ArrowInvalid, OSError) as e:
             raise ConfigError(f"data.path file {str(f)!r} is not readable as {fmt}: {e}") from None
+        rows += n
         if data.text_column not in schema.names:
             raise ConfigError(
                 f"data.text_column = {data.text_column!r} is not a column of {str(f)!r}; "
@@ -117,6 +125,8 @@ def check_source(data: Data) -> None:
                 f"data.text_column = {data.text_column!r} in {str(f)!r} has type "
                 f"{schema.field(data.text_column).type}, not string"
             )
+    if rows == 0:
+        raise ConfigError(f"data.path = {data.path!r} has no documents (0 rows in {len(files)} file(s))")
 
 
 def load_texts(data: Data) -> pa.ChunkedArray:

@@ -10,7 +10,8 @@ step reports; when every rank has reported a step, the collector assembles it:
 - tokens/s: tokens of the step (summed over the last stage's DP ranks) over the slowest rank's
   step time.
 - one row per rank (timings, memory, GC pause) to Parquet, scalars to TensorBoard, and a console
-  line every ``log_freq`` steps (and at the last step) that the driver drains and prints.
+  line at the first step, every ``log_freq`` steps and at the last step, which the driver drains
+  and prints.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class MetricsCollector:
         enable_tensorboard: write TensorBoard event files.
     """
 
+    MAX_ERRORS = 1000
+
     def __init__(
         self,
         run_dir: str,
@@ -76,6 +79,7 @@ class MetricsCollector:
         self._pending: dict[int, dict[int, dict[str, Any]]] = {}
         self._lines: list[str] = []
         self.errors: list[str] = []
+        self.errors_total = 0
         self.assembled = 0
         self.last_step = 0
         self.final_loss: float | None = None
@@ -108,10 +112,10 @@ class MetricsCollector:
         if not self._closed:
             for step in sorted(self._pending):
                 missing = sorted(set(range(self.world_size)) - set(self._pending[step]))
-                self.errors.append(f"step {step}: no report from rank(s) {missing}")
+                self._error(f"step {step}: no report from rank(s) {missing}")
             self._pending.clear()
             for rank, n in sorted(self.dropped.items()):
-                self.errors.append(f"rank {rank} dropped {n} report(s): the collector was too slow")
+                self._error(f"rank {rank} dropped {n} report(s): the collector was too slow")
             steps_path = self.parquet.close()
             if self.tb:
                 self.tb.close()
@@ -132,9 +136,9 @@ class MetricsCollector:
         last = [reps[r] for r in self.last if r in reps]
         for r in rows:
             if r["rank"] in self.last and r["loss"] is None:
-                self.errors.append(f"step {step}: last-stage rank {r['rank']} reported no loss")
+                self._error(f"step {step}: last-stage rank {r['rank']} reported no loss")
             if r["rank"] not in self.last and r["loss"] is not None:
-                self.errors.append(f"step {step}: rank {r['rank']} is not on the last stage but reported a loss")
+                self._error(f"step {step}: rank {r['rank']} is not on the last stage but reported a loss")
         with_loss = [r for r in last if r["loss"] is not None]
         tokens = sum(r["tokens"] for r in with_loss)
         loss = sum(r["loss"] * r["tokens"] for r in with_loss) / tokens if tokens else None
@@ -155,12 +159,19 @@ class MetricsCollector:
         if step % self.log_freq == 0 or step == self.total_steps or step == 1:
             self._lines.append(format_step_line(step, self.total_steps, summary, flat))
         self.assembled += 1
-        self.last_step = max(self.last_step, step)
-        if loss is not None and step >= self.last_step:
-            self.final_loss = loss
+        if step >= self.last_step:  # the newest step's loss, None (and an error) if it had none
+            self.last_step, self.final_loss = step, loss
         self._since_flush += 1
         if self._since_flush >= self.flush_every:
             self.flush()
+
+    def _error(self, message: str) -> None:
+        # Bounded: a systematic error would otherwise add one message per step.
+        self.errors_total += 1
+        if len(self.errors) < self.MAX_ERRORS:
+            self.errors.append(message)
+        elif len(self.errors) == self.MAX_ERRORS:
+            self.errors.append("... further errors are counted in errors_total only")
 
     def flush(self) -> None:
         """Write a Parquet part of the assembled rows and flush TensorBoard."""

@@ -65,7 +65,9 @@ class CollectorReporter(Reporter):
 
     Reports queue locally while ``max_inflight`` calls are unanswered and are sent as one batch
     when a slot frees; beyond ``max_buffered`` queued reports the oldest are dropped and counted
-    in ``dropped`` (sent with the next batch), so memory stays bounded.
+    in ``dropped`` (sent with the next batch), so memory stays bounded. A call the collector
+    failed is counted in ``failed_calls`` (its message in ``last_error``) and never stops
+    training.
     """
 
     def __init__(self, handle, max_inflight: int = 16, max_buffered: int = 10_000):
@@ -74,6 +76,8 @@ class CollectorReporter(Reporter):
         self._pending: list = []
         self._queue: deque[dict[str, Any]] = deque()
         self.dropped = 0
+        self.failed_calls = 0
+        self.last_error: str | None = None
 
     def report(self, rep: StepReport) -> None:
         self._queue.append(rep.to_dict())
@@ -86,24 +90,58 @@ class CollectorReporter(Reporter):
         import ray
 
         if self._pending:
-            _, self._pending = ray.wait(
+            ready, self._pending = ray.wait(
                 self._pending, num_returns=len(self._pending), timeout=0, fetch_local=False
             )
+            self._check(ready)
         if self._queue and len(self._pending) < self.max_inflight:
             batch = list(self._queue)
             self._queue.clear()
             self._pending.append(self.handle.report.remote(batch, self.dropped))
 
-    def close(self, timeout_s: float = 120.0) -> None:
+    def _check(self, ready: list) -> None:
         import ray
 
-        while self._queue:
-            if self._pending:
-                ray.wait(self._pending, num_returns=1, timeout=timeout_s)
+        for ref in ready:  # already finished: ray.get does not wait
+            try:
+                ray.get(ref)
+            except Exception as e:
+                self.failed_calls += 1
+                self.last_error = f"{type(e).__name__}: {e}"
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Send what is queued and wait for every call, ``timeout_s`` in all; never raises, so a
+        collector problem cannot fail a finished training. Reports not sent by then are counted
+        in ``dropped`` and a warning goes to this worker's stderr; the collector itself records
+        every step it lacks a rank's report for."""
+        import sys
+        import time
+
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while self._queue and time.monotonic() < deadline:
+            if len(self._pending) >= self.max_inflight:
+                ready, self._pending = ray.wait(
+                    self._pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+                )
+                self._check(ready)
             self._send()
-        if self._pending:
-            ray.get(self._pending, timeout=timeout_s)  # surfaces a collector error here
+        self.dropped += len(self._queue)
+        self._queue.clear()
+        ready, unanswered = ray.wait(
+            self._pending, num_returns=len(self._pending),
+            timeout=max(0.0, deadline - time.monotonic()),
+        ) if self._pending else ([], [])
+        self._check(ready)
         self._pending = []
+        if self.failed_calls or unanswered or self.dropped:
+            print(
+                f"ray_titan: warning: metrics collector: {self.failed_calls} failed and "
+                f"{len(unanswered)} unanswered report call(s), {self.dropped} report(s) dropped; "
+                f"last error: {self.last_error}",
+                file=sys.stderr, flush=True,
+            )
 
 
 class LocalReporter(Reporter):

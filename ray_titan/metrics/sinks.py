@@ -44,7 +44,10 @@ class ParquetSink:
         self.parts = self.dir / "parts"
         self.parts.mkdir(parents=True, exist_ok=True)
         self._rows: list[dict[str, Any]] = []
-        self._n = len(list(self.parts.glob("part-*.parquet")))
+        # Continue after the highest existing part, so a restarted writer never overwrites one.
+        existing = [int(p.stem.split("-")[1]) for p in self.parts.glob("part-*.parquet")]
+        self._n = max(existing, default=-1) + 1
+        self.closed_path: Path | None = None
 
     def add(self, rows: list[dict[str, Any]]) -> None:
         """Queue rows for the next part (held in memory until :meth:`flush`)."""
@@ -63,16 +66,23 @@ class ParquetSink:
         self._rows = []
 
     def close(self) -> Path:
-        """Flush, write ``steps.parquet`` from all parts (sorted by step, rank) and remove the parts."""
+        """Flush, write ``steps.parquet`` from all parts (sorted by step, rank) and remove the
+        parts. Calling it again returns the same path and changes nothing."""
+        if self.closed_path is not None:
+            return self.closed_path
         self.flush()
         table = _read_parts(self.parts)
         out = self.dir / "steps.parquet"
         tmp = out.with_suffix(".tmp")
         pq.write_table(table, tmp)
         os.replace(tmp, out)
-        for p in self.parts.glob("part-*.parquet"):
+        for p in list(self.parts.glob("part-*.parquet")) + list(self.parts.glob("*.tmp")):
             p.unlink()
-        self.parts.rmdir()
+        try:
+            self.parts.rmdir()
+        except OSError:  # something else was put there; the consolidated file is complete anyway
+            pass
+        self.closed_path = out
         return out
 
 
