@@ -133,3 +133,13 @@ def test_jobs_entry_point_joins_the_running_cluster(ray_cluster, tmp_path, corpu
     assert ray_cluster.split(":")[-1] in out.stdout + out.stderr  # connected to the test cluster
     assert "step 3/3 | loss" in out.stdout
     assert len(list(tmp_path.glob("debug_llama-*/metrics/steps.parquet"))) == 1
+
+
+def test_main_job_learns(ray_cluster, tmp_path, corpus_cache):
+    """The README's main job, unchanged but for where it writes: 300 steps of pp=2 × dp_shard=2."""
+    cfg = load_config(REPO / "configs" / "debug_llama.toml", [f"--job.dump_folder={tmp_path}", f"--data.cache_dir={corpus_cache}"])
+    run = ray_titan.train(cfg)
+    losses = np.array(run.losses())
+    assert run.errors == [] and run.steps.num_rows == 300 * 4 and len(losses) == 300
+    assert losses[0] == pytest.approx(np.log(258), abs=0.1)
+    assert losses[-20:].mean() < 3.0
