@@ -93,14 +93,25 @@ def _connect(cfg: JobConfig) -> None:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
 
 
-def _cpus_per_worker(cfg: JobConfig) -> float:
+def _check_cluster(cfg: JobConfig) -> float:
+    """CPUs to reserve per worker; raises :class:`ConfigError` if the connected cluster cannot
+    hold the worker group (its start would otherwise wait forever)."""
     import ray
 
-    if cfg.ray.cpus_per_worker is not None:
-        return cfg.ray.cpus_per_worker
-    cpus = ray.cluster_resources().get("CPU", 1.0)
-    # Fractions where the cluster has fewer cores than workers; never more than one core each.
-    return min(1.0, round(cpus / cfg.world_size, 3))
+    resources = ray.cluster_resources()
+    n = cfg.world_size
+    gpus, cluster_cpus = resources.get("GPU", 0), resources.get("CPU", 0)
+    if cfg.ray.use_gpu and gpus < n:
+        raise ConfigError(f"ray.use_gpu = true needs {n} GPUs (one per worker) but the cluster has {gpus:g}")
+    # Default: fractions where the cluster has fewer cores than workers, never more than one each.
+    cpus = cfg.ray.cpus_per_worker or min(1.0, round(cluster_cpus / n, 3))
+    if cpus * n > cluster_cpus + 1e-9:
+        raise ConfigError(
+            f"ray.cpus_per_worker = {cpus:g} × {n} workers = {cpus * n:g} CPUs, but the cluster "
+            f"has {cluster_cpus:g}: the worker group could never start; use "
+            f"ray.cpus_per_worker <= {cluster_cpus / n:.3g} (or leave it unset)"
+        )
+    return cpus
 
 
 def _worker_entry(loop_config: dict[str, Any]) -> None:
@@ -178,26 +189,14 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
         print(f"ray_titan: warning: {warning}", file=sys.stderr, flush=True)
     validate_job(cfg)  # also materialises the built-in corpus, once, before workers read it
 
-    run_dir = make_run_dir(cfg)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     _connect(cfg)
     dims = parallel_dims(cfg)
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if cfg.ray.use_gpu and gpus < dims.world_size:
-        raise ConfigError(
-            f"ray.use_gpu = true needs {dims.world_size} GPUs (one per worker) but the cluster has {gpus:g}"
-        )
-    cpus = _cpus_per_worker(cfg)
-    cluster_cpus = ray.cluster_resources().get("CPU", 0)
-    if cpus * dims.world_size > cluster_cpus + 1e-9:
-        raise ConfigError(
-            f"ray.cpus_per_worker = {cpus:g} × {dims.world_size} workers = {cpus * dims.world_size:g} "
-            f"CPUs, but the cluster has {cluster_cpus:g}: the worker group could never start; use "
-            f"ray.cpus_per_worker <= {cluster_cpus / dims.world_size:.3g} (or leave it unset)"
-        )
+    cpus = _check_cluster(cfg)
     if cfg.training.threads_per_worker is None:
         cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
             update={"threads_per_worker": max(1, int(cpus + 0.999))})})
+    run_dir = make_run_dir(cfg)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     collector = ray.remote(MetricsCollector).options(num_cpus=0, max_restarts=0).remote(
         str(run_dir), dims.world_size, dims.last_stage_ranks(), cfg.training.steps,
         cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,

@@ -126,9 +126,10 @@ def test_lr_schedule_warms_up_to_the_peak_and_ends_at_the_floor():
     assert [build_lr_lambda(_cfg("--lr_scheduler.decay=none"))(i) for i in (0, 19, 20, 299)] == [0.05, 1.0, 1.0, 1.0]
 
 
-def test_cpu_request_larger_than_the_cluster_is_refused_before_workers(ray_cluster):
+def test_cpu_request_larger_than_the_cluster_is_refused_before_workers(ray_cluster, tmp_path):
     with pytest.raises(ConfigError, match=r"ray.cpus_per_worker = 1 × 4 workers = 4 CPUs, but the cluster has 2"):
-        driver.train(_cfg("--ray.cpus_per_worker=1.0"))
+        driver.train(_cfg("--ray.cpus_per_worker=1.0", f"--job.dump_folder={tmp_path}"))
+    assert list(tmp_path.iterdir()) == []  # not even a run directory
 
 
 def test_warmup_longer_than_the_run_is_a_warning_not_an_error():
