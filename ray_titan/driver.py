@@ -218,7 +218,8 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
         run_config=RunConfig(
             name=run_dir.name,
             storage_path=str(run_dir / "ray_train"),
-            failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
+            # A worker group that cannot start fails the run at once instead of retrying forever.
+            failure_config=FailureConfig(max_failures=cfg.ray.max_failures, controller_failure_limit=0),
         ),
     )
     printer = _LinePrinter(collector)
