@@ -55,10 +55,15 @@ class RunResult:
     def tensorboard_dir(self) -> Path:
         return self.run_dir / "tb"
 
-    def losses(self) -> list[float]:
-        """The step losses in step order (one value per step)."""
+    def step_column(self, column: str) -> list:
+        """A step-level column (``step_loss``, ``grad_norm``, ``lr``, ...) in step order, one value
+        per step (read from rank 0's rows; step-level values are the same on every rank)."""
         rows = self.steps.filter(pa.compute.equal(self.steps["rank"], 0))
-        return rows.sort_by("step")["step_loss"].to_pylist()
+        return rows.sort_by("step")[column].to_pylist()
+
+    def losses(self) -> list[float]:
+        """The step losses (nats per token) in step order."""
+        return self.step_column("step_loss")
 
 
 def make_run_dir(cfg: JobConfig) -> Path:
@@ -120,7 +125,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     import ray.train.torch
     import torch
 
-    from ray_titan.metrics.report import CollectorReporter, JsonlReporter
+    from ray_titan.metrics.report import CollectorReporter, JsonlReporter, rank_reports_path
     from ray_titan.train_loop import train_loop
 
     cfg = JobConfig.model_validate(loop_config["config"])
@@ -129,8 +134,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     )
     if cfg.metrics.save_rank_reports:
         rank = ray.train.get_context().get_world_rank()
-        path = Path(loop_config["run_dir"]) / "metrics" / "ranks" / f"rank{rank}.jsonl"
-        reporter = JsonlReporter(path, reporter)
+        reporter = JsonlReporter(rank_reports_path(loop_config["run_dir"], rank), reporter)
     # Only a worker that reserved a GPU may use one; Ray does not hide unreserved GPUs.
     device = ray.train.torch.get_device() if cfg.ray.use_gpu else torch.device("cpu")
     train_loop(cfg, reporter, device)

@@ -140,13 +140,13 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
     n_mb = cfg.parallelism.microbatches
     has_first = 0 in stages
     is_last = dims.is_last_stage_rank(rank)
+    pp_group = mesh["pp"].get_group() if pp_on else None
     schedule = None
     if pp_on:
         schedule = build_pipeline_schedule(
             cfg.parallelism.pipeline_schedule, stages, dims.num_stages, n_mb,
-            cross_entropy_loss, device, mesh["pp"].get_group(),
+            cross_entropy_loss, device, pp_group,
         )
-    pp_group = mesh["pp"].get_group() if pp_on else None
     model = stages[stage_ids[0]]
 
     gc_policy = GarbageCollection(cfg.training.gc_freq)
@@ -206,12 +206,10 @@ def _main(argv: list[str] | None = None) -> None:
     torchrun each rank writes its reports to ``metrics/ranks/rank{r}.jsonl`` and rank 0 assembles
     them into the same ``metrics/steps.parquet`` at the end.
     """
-    import json
-
     from ray_titan.config import validate_job
     from ray_titan.driver import make_run_dir, resolve_paths
     from ray_titan.metrics.collector import MetricsCollector
-    from ray_titan.metrics.report import JsonlReporter, LocalReporter
+    from ray_titan.metrics.report import JsonlReporter, LocalReporter, rank_reports_path, read_rank_reports
 
     ap = argparse.ArgumentParser(prog="python -m ray_titan.train_loop", description=_main.__doc__)
     ap.add_argument("--config", default=None, help="TOML job config (default: the built-in defaults)")
@@ -251,13 +249,12 @@ def _main(argv: list[str] | None = None) -> None:
 
         train_loop(cfg, _Printing(collector), device)
     else:
-        train_loop(cfg, JsonlReporter(run_dir / "metrics" / "ranks" / f"rank{rank}.jsonl"), device)
+        train_loop(cfg, JsonlReporter(rank_reports_path(run_dir, rank)), device)
         dist.barrier()
         if rank == 0:
             collector = new_collector()
             for r in range(world):
-                lines = (run_dir / "metrics" / "ranks" / f"rank{r}.jsonl").read_text().splitlines()
-                collector.report([json.loads(line) for line in lines])
+                collector.report(read_rank_reports(run_dir, r))
         dist.destroy_process_group()
     if rank == 0:
         summary = collector.finish()

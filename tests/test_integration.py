@@ -3,7 +3,6 @@ TensorBoard, user data, and the command-line entry points."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 
 import ray_titan
 from ray_titan.config import load_config
+from ray_titan.metrics.report import read_rank_reports
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.ray
@@ -49,8 +49,7 @@ def pp_run(request, ray_cluster, tmp_path_factory, corpus_cache):
 
 
 def _step_column(result, column):
-    t = result.steps.filter(pa.compute.equal(result.steps["rank"], 0)).sort_by("step")
-    return np.array(t[column].to_pylist(), dtype=float)
+    return np.array(result.step_column(column), dtype=float)
 
 
 def test_parity_with_one_worker(pp_run, reference):
@@ -66,10 +65,7 @@ def test_parity_with_one_worker(pp_run, reference):
 def test_collector_loss_is_what_the_last_stage_computed(pp_run):
     name, run = pp_run
     assert run.errors == []
-    ranks = {}
-    for r in range(4):
-        lines = (run.run_dir / "metrics" / "ranks" / f"rank{r}.jsonl").read_text().splitlines()
-        ranks[r] = {rep["step"]: rep for rep in map(json.loads, lines)}
+    ranks = {r: {rep["step"]: rep for rep in read_rank_reports(run.run_dir, r)} for r in range(4)}
     for step in range(1, STEPS + 1):
         assert ranks[0][step]["loss"] is None and ranks[1][step]["loss"] is None  # never a placeholder
         last = [ranks[2][step], ranks[3][step]]

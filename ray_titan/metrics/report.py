@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StepReport", "Reporter", "CollectorReporter", "LocalReporter", "JsonlReporter"]
+__all__ = [
+    "StepReport", "Reporter", "CollectorReporter", "LocalReporter", "JsonlReporter",
+    "rank_reports_path", "read_rank_reports",
+]
 
 
 @dataclass
@@ -174,3 +177,13 @@ class JsonlReporter(Reporter):
         self._file.close()
         if self.inner is not None:
             self.inner.close()
+
+
+def rank_reports_path(run_dir: str | Path, rank: int) -> Path:
+    """Where :class:`JsonlReporter` keeps ``rank``'s own reports: ``metrics/ranks/rank{r}.jsonl``."""
+    return Path(run_dir) / "metrics" / "ranks" / f"rank{rank}.jsonl"
+
+
+def read_rank_reports(run_dir: str | Path, rank: int) -> list[dict[str, Any]]:
+    """The reports ``rank`` wrote with :class:`JsonlReporter`, in step order as written."""
+    return [json.loads(line) for line in rank_reports_path(run_dir, rank).read_text().splitlines()]
