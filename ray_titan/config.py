@@ -48,10 +48,18 @@ class Job(_Section):
 class Model(_Section):
     """Which model: family and flavor from ``ray_titan.models.registry``."""
 
-    name: Literal["llama"] = "llama"
-    """Model family in the registry (``ray_titan.models.registry``)."""
+    name: Literal["llama", "deepseek_v2"] = "llama"
+    """Model family in the registry (``ray_titan.models.registry``): dense ``llama`` or the
+    mixture-of-experts ``deepseek_v2``."""
     flavor: str = "debug"
-    """Size within the family, e.g. ``debug`` or ``8B``."""
+    """Size within the family, e.g. ``debug`` or ``8B`` (llama), ``debug`` or ``V2-Lite`` (deepseek_v2)."""
+    load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
+    """MoE only: expert load balancing. ``aux_loss``: DeepSeek-V2's balance loss (per sequence);
+    ``aux_free``: DeepSeek-V3's auxiliary-loss-free router bias; ``none``."""
+    aux_loss_coeff: float = Field(0.001, ge=0)
+    """MoE only: α of the balance loss (DeepSeek-V2-Lite used 0.001)."""
+    bias_update_rate: float = Field(0.001, ge=0)
+    """MoE only: γ, the step of the aux-loss-free bias update per optimizer step (DeepSeek-V3: 0.001)."""
 
 
 class Data(_Section):
@@ -94,6 +102,9 @@ class Parallelism(_Section):
     """Pipeline-parallel degree (mesh axis ``pp``)."""
     dp_shard: int = Field(2, gt=0)
     """FSDP2 sharding degree (mesh axis ``dp_shard``)."""
+    ep: int = Field(1, gt=0)
+    """Expert-parallel degree (mesh axis ``ep``, MoE models only): borrows ranks from ``dp_shard``
+    (must divide it); routed experts are split over ``ep`` and FSDP-sharded over ``dp_shard / ep``."""
     pipeline_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B"] = "1F1B"
     microbatches: int = Field(4, gt=0)
     """Microbatches per step per DP rank (pipeline microbatches; gradient accumulation when pp = 1)."""
@@ -270,7 +281,7 @@ def validate_job(cfg: JobConfig) -> None:
     """
     from ray_titan.data.corpus import check_source
     from ray_titan.data.tokenizer import build_tokenizer
-    from ray_titan.models.registry import get_model_args
+    from ray_titan.models.registry import get_model_args, is_moe
 
     par, tr = cfg.parallelism, cfg.training
     mesh = f"parallelism.pp × parallelism.dp_shard = {par.pp} × {par.dp_shard} = {cfg.world_size}"
@@ -293,6 +304,22 @@ def validate_job(cfg: JobConfig) -> None:
         margs = get_model_args(cfg.model.name, cfg.model.flavor)
     except KeyError as e:
         raise ConfigError(str(e.args[0])) from None
+    if par.ep > 1:
+        if not is_moe(cfg.model.name):
+            raise ConfigError(
+                f"parallelism.ep = {par.ep} but model.name = {cfg.model.name!r} has no experts; "
+                "use ep = 1 or a mixture-of-experts model (deepseek_v2)"
+            )
+        if par.dp_shard % par.ep:
+            raise ConfigError(
+                f"parallelism.ep = {par.ep} must divide parallelism.dp_shard = {par.dp_shard} "
+                "(expert parallelism borrows its ranks from dp_shard)"
+            )
+        if margs.n_routed_experts % par.ep:
+            raise ConfigError(
+                f"parallelism.ep = {par.ep} does not divide the {margs.n_routed_experts} routed experts "
+                f"of {cfg.model.name}/{cfg.model.flavor}; use a divisor of {margs.n_routed_experts}"
+            )
 
     if par.pipeline_schedule == "Interleaved1F1B":
         if par.stages_per_rank < 2:

@@ -31,8 +31,9 @@ from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.gc import GarbageCollection
 from ray_titan.metrics.memory import sample_memory
 from ray_titan.metrics.report import Reporter, StepReport
-from ray_titan.models.registry import build_model
+from ray_titan.models.registry import build_model, is_moe
 from ray_titan.parallel.dims import ParallelDims
+from ray_titan.parallel.expert import MoEStepState, apply_expert_parallel
 from ray_titan.parallel.fsdp import apply_fsdp, resolve_reshard_after_forward
 from ray_titan.parallel.grad_norm import clip_grad_norm_
 from ray_titan.parallel.pipeline import build_pipeline_schedule, build_stage_module, split_layers
@@ -68,7 +69,7 @@ def build_lr_lambda(cfg: JobConfig):
 def parallel_dims(cfg: JobConfig) -> ParallelDims:
     """The job's :class:`ParallelDims` (mesh sizes and stages per rank)."""
     par = cfg.parallelism
-    return ParallelDims(pp=par.pp, dp_shard=par.dp_shard, stages_per_rank=par.stages_per_rank)
+    return ParallelDims(pp=par.pp, dp_shard=par.dp_shard, stages_per_rank=par.stages_per_rank, ep=par.ep)
 
 
 def local_cuda_device() -> torch.device:
@@ -118,8 +119,12 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
 
     # Model: whole model on meta, this rank's stages cut out, parallelized, then materialised.
     mesh = dims.build_mesh(device.type) if world > 1 else None
+    moe_args = {}
+    if is_moe(cfg.model.name):
+        m = cfg.model
+        moe_args = dict(load_balance=m.load_balance, aux_loss_coeff=m.aux_loss_coeff, bias_update_rate=m.bias_update_rate)
     with torch.device("meta"):
-        whole = build_model(cfg.model.name, cfg.model.flavor, vocab_size=tokenizer.vocab_size)
+        whole = build_model(cfg.model.name, cfg.model.flavor, vocab_size=tokenizer.vocab_size, **moe_args)
     split = split_layers(whole.args.n_layers, dims.num_stages)
     stage_ids = dims.stages_on_pp_rank(coords["pp"])
     pp_on = dims.pp > 1
@@ -127,8 +132,10 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
     stages: dict[int, torch.nn.Module] = {}
     for s in stage_ids:
         mod = build_stage_module(whole, split[s], first=s == 0, last=s == dims.num_stages - 1)
+        if dims.ep > 1:
+            apply_expert_parallel(mod, mesh["ep"])
         if dims.dp_shard > 1:
-            apply_fsdp(mod, mesh["dp_shard"], reshard)
+            apply_fsdp(mod, mesh["dp_shard"], reshard, mesh["dp_shard_mod_ep"] if dims.ep > 1 else None)
         mod.to_empty(device=device)
         mod.init_weights(cfg.training.seed)
         mod.train()
@@ -148,6 +155,7 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
             cross_entropy_loss, device, pp_group,
         )
     model = stages[stage_ids[0]]
+    moe = MoEStepState(stages, dims.ep, mesh["dp_shard"].get_group() if dims.dp_shard > 1 else None, n_mb)
 
     gc_policy = GarbageCollection(cfg.training.gc_freq)
     last_loss = None
@@ -171,15 +179,24 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
                     if dims.dp_shard > 1:
                         model.set_requires_gradient_sync(i == n_mb - 1)
                     mb_loss = cross_entropy_loss(model(x), y)
-                    (mb_loss / n_mb).backward()
+                    mb_loss.backward()
                     total += mb_loss.detach()
+                # Accumulated, then scaled once, as the pipeline schedules do (scale_grads): the
+                # MoE balance loss injects its gradient unscaled in every microbatch.
+                if n_mb > 1:
+                    with torch.no_grad():
+                        for p in params:
+                            if p.grad is not None:
+                                p.grad.div_(n_mb)
                 loss = (total / n_mb).item()
                 del total, mb_loss
+            moe.scale_expert_grads()
             t2 = time.perf_counter()
             grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group).item()
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
+            aux_loss, moe_layers, expert_load = moe.end_step()
             t3 = time.perf_counter()
             gc_pause = gc_policy.run(step)
             memory = sample_memory(device)
@@ -189,6 +206,7 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
                 tokens=labels.numel(), step_time_s=t4 - t0, data_time_s=t1 - t0,
                 fwd_bwd_time_s=t2 - t1, optim_time_s=t3 - t2, grad_norm=grad_norm, lr=lr,
                 memory=memory, gc_pause_s=gc_pause, time=time.time(),
+                aux_loss=aux_loss, moe_layers=moe_layers, expert_load=expert_load,
             ))
             last_loss = loss
             del inputs, labels

@@ -22,9 +22,22 @@ from typing import Any
 from ray_titan.metrics.memory import MEMORY_FIELDS
 from ray_titan.metrics.sinks import ParquetSink, TensorBoardSink
 
-__all__ = ["MetricsCollector", "format_step_line"]
+__all__ = ["MetricsCollector", "format_step_line", "expert_load"]
 
 MiB = 2**20
+
+
+def expert_load(rows: list[dict[str, Any]]) -> dict[int, list[int]]:
+    """A step's expert load per MoE layer: tokens (× top-k) routed to each expert, summed over
+    the ranks holding the layer (every data-parallel rank routes its own tokens). ``rows`` are the
+    step's rows (dicts with ``moe_layers`` and ``expert_load``); empty for a dense model."""
+    out: dict[int, list[int]] = {}
+    for r in rows:
+        for layer, counts in zip(r.get("moe_layers") or [], r.get("expert_load") or []):
+            acc = out.setdefault(layer, [0] * len(counts))
+            for e, c in enumerate(counts):
+                acc[e] += c
+    return dict(sorted(out.items()))
 
 
 def format_step_line(step: int, total: int, s: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -37,6 +50,8 @@ def format_step_line(step: int, total: int, s: dict[str, Any], rows: list[dict[s
         f"step {s['step_time_s']:.3f}s | lr {s['lr']:.2e} | gnorm {s['grad_norm']:.3f} | "
         f"rss MiB {mem}"
     )
+    if s.get("moe_imbalance") is not None:
+        line += f" | moe load max/mean {s['moe_imbalance']:.2f}"
     if rows[0].get("device_allocated_bytes") is not None:
         dev = " ".join(
             f"r{r['rank']}:{r['device_allocated_bytes'] / MiB:.0f}/{r['device_peak_reserved_bytes'] / MiB:.0f}"
@@ -152,10 +167,19 @@ class MetricsCollector:
             "grad_norm": rows[0]["grad_norm"],
         }
         summary["tokens_per_s"] = summary["tokens"] / step_time if step_time > 0 else 0.0
+        load = expert_load(rows)
+        aux = [r["aux_loss"] for r in rows if r.get("aux_loss") is not None]
+        # Each DP replica's layers sum to its balance loss; average the replicas.
+        summary["moe/aux_loss"] = sum(aux) / max(1, len(self.last)) if aux else None
+        summary["moe_imbalance"] = max(
+            (max(c) * len(c) / sum(c) for c in load.values() if sum(c)), default=None
+        )
         flat = [self._row(r, summary) for r in rows]
         self.parquet.add(flat)
         if self.tb:
-            self.tb.add_step(step, {k: summary[k] for k in ("loss", "loss_max", "tokens_per_s", "lr", "grad_norm", "step_time_s")}, flat)
+            self.tb.add_step(step, {k: summary[k] for k in ("loss", "loss_max", "tokens_per_s", "lr", "grad_norm", "step_time_s", "moe/aux_loss")}, flat)
+            if load:
+                self.tb.add_expert_load(step, load)
         if step % self.log_freq == 0 or step == self.total_steps or step == 1:
             self._lines.append(format_step_line(step, self.total_steps, summary, flat))
         self.assembled += 1
@@ -185,7 +209,9 @@ class MetricsCollector:
         row = {k: r[k] for k in ("step", "rank", "is_last_stage", "loss", "tokens", "step_time_s",
                                   "data_time_s", "fwd_bwd_time_s", "optim_time_s", "grad_norm",
                                   "lr", "gc_pause_s", "time")}
-        row["pp"], row["dp_shard"] = r["coords"].get("pp", 0), r["coords"].get("dp_shard", 0)
+        row.update({axis: r["coords"].get(axis, 0) for axis in ("pp", "dp_shard", "ep")})
+        row.update(aux_loss=r.get("aux_loss"), moe_layers=r.get("moe_layers") or [],
+                   expert_load=r.get("expert_load") or [])
         row.update({k: r["memory"].get(k) for k in MEMORY_FIELDS})
         row.update(step_loss=s["loss"], step_loss_max=s["loss_max"], step_tokens=s["tokens"],
                    step_tokens_per_s=s["tokens_per_s"])

@@ -48,6 +48,13 @@ class StepReport:
     time: float = 0.0
     """Wall-clock time (Unix seconds) at the end of the step."""
     extra: dict[str, float] = field(default_factory=dict)
+    aux_loss: float | None = None
+    """MoE: the load-balance loss summed over this rank's MoE layers, mean over microbatches."""
+    moe_layers: list[int] = field(default_factory=list)
+    """MoE: indices of the MoE layers this rank holds."""
+    expert_load: list[list[int]] = field(default_factory=list)
+    """MoE: per layer in ``moe_layers``, tokens (× top-k) this rank's router sent to each expert in
+    the step (host ints). Summed over the ranks of a stage it is the layer's load for the step."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

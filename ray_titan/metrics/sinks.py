@@ -20,7 +20,7 @@ __all__ = ["STEP_SCHEMA", "ParquetSink", "TensorBoardSink", "read_steps"]
 _I, _F, _B = pa.int64(), pa.float64(), pa.bool_()
 STEP_SCHEMA = pa.schema(
     [
-        ("step", _I), ("rank", _I), ("pp", _I), ("dp_shard", _I), ("is_last_stage", _B),
+        ("step", _I), ("rank", _I), ("pp", _I), ("dp_shard", _I), ("ep", _I), ("is_last_stage", _B),
         ("loss", _F), ("tokens", _I), ("step_time_s", _F), ("data_time_s", _F),
         ("fwd_bwd_time_s", _F), ("optim_time_s", _F), ("grad_norm", _F), ("lr", _F),
         ("gc_pause_s", _F), ("time", _F),
@@ -28,6 +28,9 @@ STEP_SCHEMA = pa.schema(
         ("device_allocated_bytes", _I), ("device_active_bytes", _I), ("device_reserved_bytes", _I),
         ("device_peak_active_bytes", _I), ("device_peak_reserved_bytes", _I),
         ("device_alloc_retries", _I), ("device_ooms", _I), ("device_capacity_bytes", _I),
+        # MoE (null / empty for dense models): this rank's balance loss, its MoE layers and, per
+        # layer, the tokens (× top-k) its router sent to each expert in the step.
+        ("aux_loss", _F), ("moe_layers", pa.list_(_I)), ("expert_load", pa.list_(pa.list_(_I))),
         # Step-level figures, the same on every row of a step:
         ("step_loss", _F), ("step_loss_max", _F), ("step_tokens", _I), ("step_tokens_per_s", _F),
     ]
@@ -107,7 +110,8 @@ def read_steps(run_dir: str | Path) -> pa.Table:
 
 class TensorBoardSink:
     """Scalars to ``<run_dir>/tb`` with tensorboardX: ``loss``, ``loss_max``, ``tokens_per_s``,
-    ``lr``, ``grad_norm``, ``step_time_s`` and ``memory/rank{r}/<field>`` (MiB)."""
+    ``lr``, ``grad_norm``, ``step_time_s``, ``memory/rank{r}/<field>`` (MiB) and, for MoE models,
+    ``moe/aux_loss``, ``moe/layer{L}/load_max_over_mean`` and ``moe/layer{L}/expert{e}_share``."""
 
     def __init__(self, tb_dir: str | Path):
         from tensorboardX import SummaryWriter
@@ -124,6 +128,17 @@ class TensorBoardSink:
                 if row.get(k) is not None:
                     name = k.removesuffix("_bytes") + "_mib"
                     self.writer.add_scalar(f"memory/rank{row['rank']}/{name}", row[k] / 2**20, step)
+
+    def add_expert_load(self, step: int, load: dict[int, list[int]]) -> None:
+        """Per MoE layer: max over mean of the experts' token counts (1 = perfectly balanced) and
+        each expert's share of the layer's routed tokens."""
+        for layer, counts in load.items():
+            total = sum(counts)
+            if total:
+                mean = total / len(counts)
+                self.writer.add_scalar(f"moe/layer{layer}/load_max_over_mean", max(counts) / mean, step)
+                for e, c in enumerate(counts):
+                    self.writer.add_scalar(f"moe/layer{layer}/expert{e}_share", c / total, step)
 
     def flush(self) -> None:
         self.writer.flush()

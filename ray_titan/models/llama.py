@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LlamaArgs", "Llama", "RMSNorm", "param_seed"]
+__all__ = ["LlamaArgs", "Llama", "Decoder", "RMSNorm", "FeedForward", "param_seed", "count_parameters"]
 
 
 @dataclass(frozen=True)
@@ -151,26 +151,38 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Llama(nn.Module):
-    """Llama-style decoder.
+class Decoder(nn.Module):
+    """Decoder-only language model skeleton shared by the model families.
 
     ``forward`` takes token ids ``(batch, seq)`` int64 when this module holds the embedding,
     otherwise hidden states ``(batch, seq, dim)``; it returns logits ``(batch, seq, vocab_size)``
     when it holds the output head, otherwise hidden states. ``layers`` is a ``ModuleDict`` keyed
     by the layer's index in the whole model, so a pipeline stage keeps the whole model's names.
+    Subclasses provide :meth:`make_layer` and :attr:`rope_dim`.
     """
 
-    def __init__(self, args: LlamaArgs):
+    #: Parameter-name suffixes of residual output projections, scaled by 1/sqrt(2·n_layers).
+    RESIDUAL_OUTPUTS: tuple[str, ...] = ("wo.weight", "w2.weight")
+
+    def __init__(self, args):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.make_layer(i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Not persistent: recomputed by init_weights (also after materialising from meta).
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = rope_tables(self.rope_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def make_layer(self, layer_id: int) -> nn.Module:
+        raise NotImplementedError
+
+    @property
+    def rope_dim(self) -> int:
+        """Per-head dimension that rotary embeddings rotate."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
@@ -188,11 +200,12 @@ class Llama(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter deterministically from ``seed`` and its own name.
 
-        Linear weights: normal(0, ``init_std``), output projections of each block (``wo``,
-        ``w2``) scaled by 1/sqrt(2·n_layers) (GPT-2 style residual scaling); embeddings
-        normal(0, 1); norms ones. Each full tensor is drawn on the CPU from a generator seeded
-        by :func:`param_seed` and copied into the parameter, or into this rank's shard of it when
-        the parameter is an FSDP2 ``DTensor``, so the result is identical whatever the mesh.
+        Weights: normal(0, ``init_std``), residual output projections (:attr:`RESIDUAL_OUTPUTS`)
+        scaled by 1/sqrt(2·n_layers) (GPT-2 style residual scaling); embeddings normal(0, 1);
+        norms ones. Each full tensor is drawn on the CPU from a generator seeded by
+        :func:`param_seed` and copied into the parameter, or into this rank's shard of it when
+        the parameter is a ``DTensor`` (FSDP2, expert parallel), so the result is identical
+        whatever the mesh. Buffers are reset by :meth:`init_buffers`.
         """
         std = self.args.init_std
         for name, param in self.named_parameters():
@@ -204,12 +217,28 @@ class Llama(nn.Module):
                 if name.startswith("tok_embeddings"):
                     full.normal_(0.0, 1.0, generator=g)
                 else:
-                    s = std / math.sqrt(2 * self.args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+                    s = std / math.sqrt(2 * self.args.n_layers) if name.endswith(self.RESIDUAL_OUTPUTS) else std
                     full.normal_(0.0, s, generator=g)
             _copy_full_into(param, full)
-        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the rotary tables (subclasses reset their own buffers too)."""
+        cos, sin = rope_tables(self.rope_dim, self.args.max_seq_len, self.args.rope_theta)
         self.rope_cos = cos.to(self.rope_cos.device)
         self.rope_sin = sin.to(self.rope_sin.device)
+
+
+class Llama(Decoder):
+    """Llama-style decoder (see the module docstring); input/output as :class:`Decoder`."""
+
+    def make_layer(self, layer_id: int) -> nn.Module:
+        return TransformerBlock(self.args)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.args.head_dim
 
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:

@@ -2,6 +2,11 @@
 
 The mesh is ``(pp, dp_shard)`` with those axis names (DESIGN.md, Contracts), row-major, so global
 rank ``r`` has coordinates ``pp = r // dp_shard`` and ``dp_shard = r % dp_shard``.
+
+Expert parallelism borrows its ranks from ``dp_shard``: with ``ep > 1`` the mesh is built as
+``(pp, dp_shard_mod_ep, ep)`` and ``dp_shard`` is the flattened ``(dp_shard_mod_ep, ep)``, so the
+``ep`` coordinate is ``dp_shard % ep`` (consecutive data-parallel ranks exchange tokens) and
+routed experts are FSDP-sharded over ``dp_shard_mod_ep`` (what is left of ``dp_shard``).
 """
 
 from __future__ import annotations
@@ -24,8 +29,13 @@ class ParallelDims:
     pp: int = 1
     dp_shard: int = 1
     stages_per_rank: int = 1
+    ep: int = 1
 
     AXES = ("pp", "dp_shard")
+
+    def __post_init__(self):
+        if self.dp_shard % self.ep:
+            raise ValueError(f"ep = {self.ep} must divide dp_shard = {self.dp_shard}")
 
     @property
     def world_size(self) -> int:
@@ -37,7 +47,8 @@ class ParallelDims:
 
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of global ``rank`` on each mesh axis, by axis name."""
-        return {"pp": rank // self.dp_shard, "dp_shard": rank % self.dp_shard}
+        dp = rank % self.dp_shard
+        return {"pp": rank // self.dp_shard, "dp_shard": dp, "ep": dp % self.ep}
 
     def stage_to_pp_rank(self, stage: int) -> int:
         """The pp rank holding pipeline stage ``stage`` (loop style)."""
@@ -55,6 +66,17 @@ class ParallelDims:
         """Global ranks that hold the last pipeline stage (one per DP rank)."""
         return [r for r in range(self.world_size) if self.is_last_stage_rank(r)]
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """``init_device_mesh`` over the default process group, axes ``("pp", "dp_shard")``."""
-        return init_device_mesh(device_type, (self.pp, self.dp_shard), mesh_dim_names=self.AXES)
+    def build_mesh(self, device_type: str) -> dict[str, DeviceMesh]:
+        """The 1-D meshes of each axis by name, from ``init_device_mesh`` over the default process
+        group: ``"pp"``, ``"dp_shard"``, and with ``ep > 1`` also ``"ep"`` and ``"dp_shard_mod_ep"``
+        (module docstring)."""
+        if self.ep == 1:
+            mesh = init_device_mesh(device_type, (self.pp, self.dp_shard), mesh_dim_names=self.AXES)
+            return {"pp": mesh["pp"], "dp_shard": mesh["dp_shard"]}
+        mesh = init_device_mesh(
+            device_type, (self.pp, self.dp_shard // self.ep, self.ep),
+            mesh_dim_names=("pp", "dp_shard_mod_ep", "ep"),
+        )
+        # Kept as returned: slicing a flattened axis from the root mesh is deprecated.
+        dp = mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        return {"pp": mesh["pp"], "dp_shard": dp, "ep": mesh["ep"], "dp_shard_mod_ep": mesh["dp_shard_mod_ep"]}

@@ -1,4 +1,5 @@
-"""FSDP2: shard every transformer block and the stage's root module over ``dp_shard``."""
+"""FSDP2: shard every transformer block and the stage's root module over ``dp_shard``; routed
+experts under expert parallelism over ``dp_shard_mod_ep`` (what ``ep`` leaves of ``dp_shard``)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,32 @@ def resolve_reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
     return not pp_enabled
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    expert_mesh: DeviceMesh | None = None,
+) -> None:
     """``fully_shard`` each block in ``model.layers`` and then ``model`` itself (the embedding,
     final norm and output head, where this stage has them, are in the root's group).
 
     Parameters become ``DTensor``s sharded on dim 0 over ``dp_mesh``; gradients are
     reduce-scattered (averaged) over it. The root never reshards after forward: its backward
     starts at once.
+
+    ``expert_mesh``: given when expert parallelism has already sharded the routed experts over
+    ``ep`` (``apply_expert_parallel``); it is the ``dp_shard_mod_ep`` mesh. Experts are then
+    FSDP-sharded over it when it has more than one rank, and otherwise left out of FSDP (their
+    ranks hold disjoint experts, so there is nothing to shard or average).
     """
+    ignored: set[nn.Parameter] = set()
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+        moe = getattr(block, "moe", None)
+        if moe is not None and expert_mesh is not None:
+            if expert_mesh.size() > 1:
+                fully_shard(moe.experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward)
+            else:
+                ignored |= set(moe.experts.parameters())
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored or None)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored or None)

@@ -20,19 +20,30 @@ def clip_grad_norm_(
     """Clip gradients in place to a total L2 norm of ``max_norm`` (no clipping if 0) and return
     the total norm before clipping, a 0-dim tensor.
 
-    The norm is that of the whole model: FSDP-sharded gradients (``DTensor``) are reduced over
-    their mesh by ``full_tensor()``, and the squared norms of the stages on different pp ranks
-    are summed over ``pp_group``. Every rank gets the same value.
+    The norm is that of the whole model: sharded gradients (``DTensor``) are grouped by their
+    mesh and placements (FSDP over ``dp_shard``; routed experts over ``ep`` or
+    ``(dp_shard_mod_ep, ep)``), each group's norm is reduced over its mesh by ``full_tensor()``,
+    and the squared norms of the groups, then of the stages on different pp ranks (summed over
+    ``pp_group``), are added. Every rank gets the same value.
     """
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            g = p.grad
+            key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    sq = None
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        sq = norm**2 if sq is None else sq + norm**2
+    if sq is None:
+        sq = torch.zeros(())
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        sq = norm**2
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
-        norm = sq.sqrt()
+    norm = sq.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm

@@ -1,0 +1,330 @@
+"""DeepSeek-V2-style mixture-of-experts decoder.
+
+Architecture after DeepSeek-V2 (DeepSeek-AI 2024, arXiv:2405.04434) and its V2-Lite model card
+(huggingface.co/deepseek-ai/DeepSeek-V2-Lite, ``config.json``):
+
+- **Multi-head latent attention (MLA)**: keys and values are reconstructed from one low-rank
+  latent ``c_KV`` (``kv_lora_rank``) per token; queries optionally from their own latent
+  (``q_lora_rank``; 0 = a plain projection, as in V2-Lite). Rotary embeddings go on a decoupled
+  part of each head (``qk_rope_head_dim``), the rotary key being shared by all heads.
+- **DeepSeekMoE feed-forward** (Dai et al. 2024, arXiv:2401.06066): ``n_routed_experts`` small
+  SwiGLU experts of which a softmax router activates the top ``n_activated_experts`` per token,
+  plus ``n_shared_experts`` always-on experts; the first ``n_dense_layers`` layers are dense.
+- **Load balancing**, chosen by ``load_balance``:
+  ``"aux_loss"``: the expert-level balance loss of DeepSeek-V2 (§2.2.3, ``α Σ_i f_i P_i``),
+  computed per sequence as DeepSeek-V3's complementary sequence-wise loss (arXiv:2412.19437,
+  eq. 17–20), which makes it independent of how the batch is split over ranks and microbatches;
+  ``"aux_free"``: DeepSeek-V3's auxiliary-loss-free balancing (§2.1.2; Wang et al. 2024,
+  arXiv:2408.15664): a per-expert bias added to the scores for top-k *selection only*, moved by
+  ``bias_update_rate · sign(mean load − load)`` after every optimizer step;
+  ``"none"``.
+
+Routing is dropless (no capacity factor): every token reaches its top-k experts. The experts'
+token dispatch and combine, on one rank or across the ``ep`` mesh axis, are in
+``ray_titan.parallel.expert``. YaRN rope scaling of the released checkpoints (for 32k+ contexts)
+is not implemented; it does not change parameter shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ray_titan.models.llama import Decoder, FeedForward, RMSNorm, apply_rope
+
+__all__ = ["DeepSeekV2Args", "DeepSeekV2", "MoE", "Router", "GroupedExperts", "MLA", "activated_parameters"]
+
+
+@dataclass(frozen=True)
+class DeepSeekV2Args:
+    """Hyper-parameters of a DeepSeek-V2-style model. Defaults: DeepSeek-V2-Lite.
+
+    Head dimensions: queries and keys have ``qk_nope_head_dim + qk_rope_head_dim`` per head,
+    values ``v_head_dim``. ``inter_dim`` is the dense layers' SwiGLU hidden size,
+    ``moe_inter_dim`` each expert's; the shared experts form one SwiGLU of
+    ``n_shared_experts × moe_inter_dim``.
+    """
+
+    dim: int = 2048
+    n_layers: int = 27
+    n_dense_layers: int = 1
+    n_heads: int = 16
+    vocab_size: int = 102_400
+    inter_dim: int = 10_944
+    moe_inter_dim: int = 1408
+    n_routed_experts: int = 64
+    n_shared_experts: int = 2
+    n_activated_experts: int = 6
+    route_scale: float = 1.0
+    norm_topk_prob: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    max_seq_len: int = 4096
+    init_std: float = 0.02
+    load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
+    aux_loss_coeff: float = 0.001
+    """α of the balance loss (DeepSeek-V2-Lite: 0.001)."""
+    bias_update_rate: float = 0.001
+    """γ of auxiliary-loss-free balancing (DeepSeek-V3 used 0.001)."""
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(range(self.n_dense_layers, self.n_layers))
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 §2.1), causal, via ``scaled_dot_product_attention``.
+
+    Input and output ``(batch, seq, dim)``. The latent ``c_KV`` is what an inference KV cache
+    would hold; training reconstructs full keys and values from it.
+    """
+
+    def __init__(self, args: DeepSeekV2Args):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.nope, self.rope, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.kv_lora_rank = args.kv_lora_rank
+        q_out = args.n_heads * args.qk_head_dim
+        if args.q_lora_rank > 0:
+            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+            self.wq_b = nn.Linear(args.q_lora_rank, q_out, bias=False)
+        else:
+            self.wq = nn.Linear(args.dim, q_out, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
+        q_nope, q_pe = q.view(bsz, seq, self.n_heads, -1).split([self.nope, self.rope], dim=-1)
+        kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin)  # one rotary key shared by all heads
+        q_pe = apply_rope(q_pe, cos, sin)
+        kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seq, self.n_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class Router(nn.Module):
+    """Softmax top-k router with optional auxiliary-loss-free bias.
+
+    ``forward(x (tokens, dim))`` returns ``(weights (tokens, k) fp32, indices (tokens, k) int64,
+    scores (tokens, n_experts) fp32)``. Scores are the softmax over all experts; the weights are
+    the selected experts' scores (renormalised if ``norm_topk_prob``) times ``route_scale``.
+
+    Buffers: ``expert_bias (n_experts,)`` fp32, persistent (checkpointed), added to the scores
+    for selection only; ``tokens_per_expert (n_experts,)`` int64, the tokens routed to each
+    expert since it was last zeroed (the train loop reads and zeroes it once per step).
+    """
+
+    def __init__(self, args: DeepSeekV2Args):
+        super().__init__()
+        self.top_k, self.route_scale, self.norm_topk_prob = args.n_activated_experts, args.route_scale, args.norm_topk_prob
+        self.use_bias = args.load_balance == "aux_free"
+        self.bias_update_rate = args.bias_update_rate
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim))
+        self.register_buffer("expert_bias", torch.zeros(args.n_routed_experts), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_routed_experts, dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float()).softmax(dim=-1)
+        select = scores + self.expert_bias if self.use_bias else scores
+        indices = select.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, indices)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        with torch.no_grad():
+            self.tokens_per_expert += torch.bincount(indices.flatten(), minlength=scores.shape[-1])
+        return weights * self.route_scale, indices, scores
+
+
+class GroupedExperts(nn.Module):
+    """``n`` SwiGLU experts stored as stacked weights ``w1, w3 (n, hidden, dim)``, ``w2 (n, dim, hidden)``.
+
+    ``forward(x (tokens, dim), counts)`` takes tokens already grouped by expert, ``counts[e]``
+    of them for local expert ``e`` (a list of ints summing to ``tokens``), and returns
+    ``(tokens, dim)``. Under expert parallelism the weights are ``DTensor``s sharded on dim 0
+    over the ``ep`` axis and this rank computes its local experts only.
+    """
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        if _use_grouped_mm(x, w1):
+            offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        # Every local expert appears in the graph, even with no tokens, so every weight gets a
+        # (possibly zero) gradient and the optimizer treats all experts alike on every mesh.
+        outs = [
+            (F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T
+            for e, xe in enumerate(torch.split(x, counts))
+        ]
+        return torch.cat(outs)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # torch._grouped_mm's kernels are for Hopper+ GPUs in bf16; its CPU backward fails on some
+    # shapes (torch 2.13), so the loop is used everywhere else.
+    return (
+        x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Identity on ``x`` whose backward also sends gradient 1 into ``aux_loss``: the balance
+    loss joins the training objective without changing any stage's output, so it works the same
+    under pipeline parallelism, where only the last stage computes the loss."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux_loss.shape
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.aux_shape, device=grad.device, dtype=torch.float32)
+
+
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, n_experts: int, top_k: int) -> torch.Tensor:
+    """Sequence-wise balance loss ``mean_seq Σ_i f_i P_i`` (DeepSeek-V3 eq. 17–20, the
+    expert-level loss of DeepSeek-V2 eq. 12–14 applied to each sequence).
+
+    ``scores (batch, seq, n_experts)`` router probabilities, ``indices (batch, seq, top_k)``.
+    ``f_i = n_experts / (top_k · seq) · #tokens of the sequence routed to i`` (no gradient),
+    ``P_i = mean over the sequence of s_i``. Equals 1 under perfectly uniform routing. 0-dim fp32.
+    """
+    seq = scores.shape[1]
+    counts = torch.zeros(scores.shape[0], n_experts, device=scores.device)
+    counts.scatter_add_(1, indices.flatten(1), torch.ones_like(indices.flatten(1), dtype=counts.dtype))
+    f = counts * (n_experts / (top_k * seq))
+    p = scores.mean(dim=1)
+    return (f * p).sum(dim=1).mean()
+
+
+class MoE(nn.Module):
+    """Routed plus shared experts. Input and output ``(batch, seq, dim)``.
+
+    ``dispatch`` (set by ``ray_titan.parallel.expert``) moves tokens to the experts and back;
+    by default all experts are local.
+    """
+
+    def __init__(self, args: DeepSeekV2Args):
+        super().__init__()
+        self.n_experts, self.top_k = args.n_routed_experts, args.n_activated_experts
+        self.aux_coeff = args.aux_loss_coeff if args.load_balance == "aux_loss" else 0.0
+        self.router = Router(args)
+        self.experts = GroupedExperts(args.n_routed_experts, args.dim, args.moe_inter_dim)
+        self.shared_experts = (
+            FeedForward(args.dim, args.n_shared_experts * args.moe_inter_dim) if args.n_shared_experts else None
+        )
+        self.ep_group = None  # set by apply_expert_parallel
+        # Sum of the balance loss over this step's forwards (microbatches), for reporting;
+        # a fixed buffer updated in place, read and zeroed once per step by the train loop.
+        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ray_titan.parallel.expert import dispatch_combine
+
+        bsz, seq, dim = x.shape
+        flat = x.reshape(-1, dim)
+        weights, indices, scores = self.router(flat)
+        out = dispatch_combine(flat, weights, indices, self.experts, self.n_experts, self.ep_group)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        out = out.view(bsz, seq, dim)
+        if self.aux_coeff > 0 and torch.is_grad_enabled():
+            aux = self.aux_coeff * sequence_balance_loss(
+                scores.view(bsz, seq, -1), indices.view(bsz, seq, -1), self.n_experts, self.top_k
+            )
+            with torch.no_grad():
+                self.aux_loss_sum += aux.detach()
+            out = _AddAuxLoss.apply(out, aux)
+        return out
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm block with MLA and either a dense SwiGLU (``feed_forward``) or :class:`MoE` (``moe``)."""
+
+    def __init__(self, args: DeepSeekV2Args, layer_id: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = MLA(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        if layer_id < args.n_dense_layers:
+            self.feed_forward = FeedForward(args.dim, args.inter_dim)
+        else:
+            self.moe = MoE(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+class DeepSeekV2(Decoder):
+    """DeepSeek-V2-style MoE decoder (module docstring); input/output as :class:`Decoder`."""
+
+    RESIDUAL_OUTPUTS = ("wo.weight", "w2.weight", "experts.w2")
+
+    def make_layer(self, layer_id: int) -> nn.Module:
+        return MoEBlock(self.args, layer_id)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.args.qk_rope_head_dim
+
+    def moe_modules(self) -> dict[int, MoE]:
+        """This module's MoE feed-forwards by layer index (only the layers it holds)."""
+        return {int(i): b.moe for i, b in self.layers.items() if hasattr(b, "moe")}
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        super().init_buffers()
+        for moe in self.moe_modules().values():
+            moe.router.expert_bias.zero_()
+            moe.router.tokens_per_expert.zero_()
+            moe.aux_loss_sum.zero_()
+
+
+def activated_parameters(model: DeepSeekV2) -> int:
+    """Parameters that take part in computing one token: all except the input embedding table (a
+    lookup) and the routed experts not chosen (only ``n_activated / n_routed`` of them count).
+    Works on the meta device. The model card's "activated parameters" count the same way."""
+    a = model.args
+    total = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("tok_embeddings"))
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return total - routed + routed * a.n_activated_experts // a.n_routed_experts

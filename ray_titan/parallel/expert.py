@@ -1,0 +1,170 @@
+"""Expert parallelism (EP): routed experts split over the ``ep`` mesh axis, tokens moved by all-to-all.
+
+Token dispatch and combine use ``all_to_all_single_autograd`` from
+``torch.distributed._functional_collectives``: each forward all-to-all records its backward
+all-to-all in the autograd graph, so the gradients of tokens that visited another rank's
+experts come back, and nothing a step sent outlives its backward (DESIGN.md, lesson 2: a token
+all-to-all whose backward never ran grew device memory every step until OOM).
+
+Per MoE layer and forward, on each rank of an ``ep`` group of size ``E`` holding ``N / E``
+experts each:
+
+1. tokens are sorted by their chosen expert (``top_k`` copies per token);
+2. the per-expert counts ``(N,)`` are exchanged with an (equal-split) all-to-all, so every rank
+   knows how many tokens it sends to and receives from each peer: the only host sync;
+3. dispatch: the sorted tokens go to the ranks owning their experts (uneven splits);
+4. the received tokens, ordered by (source rank, local expert), are regrouped by local expert and
+   run through the local experts;
+5. combine: the inverse all-to-all returns the outputs, which are weighted by the router and
+   summed per token.
+
+Routing is dropless: no capacity limit, no token is dropped or padded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["dispatch_combine", "apply_expert_parallel", "MoEStepState"]
+
+
+def dispatch_combine(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    experts: nn.Module,
+    n_experts: int,
+    ep_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Route ``x (tokens, dim)`` to experts and back: ``Σ_k weights[t, k] · expert_{indices[t, k]}(x_t)``.
+
+    ``weights (tokens, top_k)`` fp32, ``indices (tokens, top_k)`` int64 in ``[0, n_experts)``.
+    ``experts(x_grouped, counts)`` computes this rank's experts (:class:`GroupedExperts`).
+    ``ep_group``: the ``ep`` process group, or ``None`` when every expert is local.
+    Returns ``(tokens, dim)`` in ``x``'s dtype.
+    """
+    top_k = indices.shape[1]
+    flat = indices.flatten()
+    order = torch.argsort(flat, stable=True)
+    token_of = order // top_k
+    counts = torch.bincount(flat, minlength=n_experts)
+    x_sorted = x[token_of]
+    if ep_group is None or dist.get_world_size(ep_group) == 1:
+        y_sorted = experts(x_sorted, counts.tolist())
+    else:
+        y_sorted = _run_remote_experts(x_sorted, counts, experts, ep_group)
+    w = weights.flatten()[order].unsqueeze(-1)
+    contrib = (y_sorted.float() * w).to(x.dtype)
+    return x.new_zeros(x.shape).index_add(0, token_of, contrib)
+
+
+def _run_remote_experts(
+    x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.Module, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Dispatch ``x_sorted`` (grouped by global expert, ``counts (N,)``) over ``group``, run the
+    local experts, combine back. Returns the outputs in ``x_sorted``'s order."""
+    ep = dist.get_world_size(group)
+    n_local = counts.numel() // ep
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    send = counts.view(ep, n_local).sum(1)
+    recv = recv_counts.view(ep, n_local)  # recv[i, e]: tokens from rank i for local expert e
+    send_l, recv_l = send.tolist(), recv.tolist()
+    in_splits, out_splits = send_l, [sum(r) for r in recv_l]
+    x_recv = all_to_all_single_autograd(x_sorted, out_splits, in_splits, group)
+    # Received segments come as (source rank, local expert); regroup them as (expert, source).
+    seg_key = torch.arange(ep * n_local, device=counts.device).view(n_local, ep).T.flatten()
+    keys = torch.repeat_interleave(seg_key, recv.flatten())
+    perm = torch.argsort(keys, stable=True)
+    local_counts = [sum(recv_l[i][e] for i in range(ep)) for e in range(n_local)]
+    y_local = experts(x_recv[perm], local_counts)
+    y_recv = torch.zeros_like(y_local).index_copy(0, perm, y_local)
+    return all_to_all_single_autograd(y_recv, in_splits, out_splits, group)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard every MoE layer's routed experts of ``model`` (a stage module, normally on meta)
+    over ``ep_mesh``: weights become ``DTensor``s ``Shard(0)`` (rank ``j`` holds experts
+    ``[j·N/E, (j+1)·N/E)``), and the layer dispatches tokens over the mesh's group.
+
+    Call before FSDP, before materialising. Raises ``ValueError`` if ``E`` does not divide ``N``.
+    """
+    ep = ep_mesh.size()
+    for moe in model.moe_modules().values():
+        if moe.n_experts % ep:
+            raise ValueError(f"{moe.n_experts} routed experts cannot be split over ep = {ep}")
+        moe.ep_group = ep_mesh.get_group()
+        for name, p in list(moe.experts.named_parameters(recurse=False)):
+            local = torch.empty((p.shape[0] // ep, *p.shape[1:]), dtype=p.dtype, device=p.device)
+            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            moe.experts.register_parameter(name, nn.Parameter(dt))
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The routed experts' parameters of ``model`` (empty for a dense model)."""
+    mods = model.moe_modules().values() if hasattr(model, "moe_modules") else []
+    return [p for moe in mods for p in moe.experts.parameters()]
+
+
+class MoEStepState:
+    """Per-step bookkeeping of this rank's MoE layers, called by the train loop.
+
+    - :meth:`scale_expert_grads` after backward: an expert's gradient sums the contributions of
+      every rank of its ``ep`` group (whose losses are each a mean over their own tokens), so it
+      is divided by ``ep`` to become the gradient of the mean over the data-parallel batch, as
+      FSDP's averaging does for every other parameter.
+    - :meth:`end_step` after the optimizer step: reads and zeroes each layer's token counts and
+      balance-loss sum (one host sync), and with auxiliary-loss-free balancing updates each
+      router's bias from the loads summed over ``dp_group`` (every rank holding that stage), so
+      the bias stays identical on every rank and equal to a one-worker run's.
+    """
+
+    def __init__(self, stages: dict[int, nn.Module], ep: int, dp_group: dist.ProcessGroup | None,
+                 n_microbatches: int):
+        self.moes = {layer: moe for m in stages.values() if hasattr(m, "moe_modules")
+                     for layer, moe in m.moe_modules().items()}
+        self.layers = sorted(self.moes)
+        self.expert_params = [p for m in stages.values() for p in expert_parameters(m)]
+        self.ep, self.dp_group, self.n_mb = ep, dp_group, n_microbatches
+
+    @property
+    def active(self) -> bool:
+        return bool(self.moes)
+
+    @torch.no_grad()
+    def scale_expert_grads(self) -> None:
+        if self.ep > 1:
+            for p in self.expert_params:
+                if p.grad is not None:
+                    p.grad.div_(self.ep)
+
+    @torch.no_grad()
+    def end_step(self) -> tuple[float | None, list[int], list[list[int]]]:
+        """Returns ``(aux_loss, layers, load)``: the balance loss summed over this rank's layers
+        and averaged over microbatches (``None`` without it), the layer indices, and for each
+        the tokens (× top-k) this rank routed to each expert in the step."""
+        if not self.moes:
+            return None, [], []
+        routers = [self.moes[i].router for i in self.layers]
+        counts = torch.stack([r.tokens_per_expert for r in routers])  # (layers, N)
+        aux = torch.stack([self.moes[i].aux_loss_sum for i in self.layers]).sum()
+        load = counts.tolist()
+        use_aux = any(self.moes[i].aux_coeff > 0 for i in self.layers)
+        aux_loss = aux.item() / self.n_mb if use_aux else None
+        if routers[0].use_bias:
+            total = counts.clone()
+            if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+                dist.all_reduce(total, group=self.dp_group)
+            total = total.float()
+            for r, c in zip(routers, total):
+                # DeepSeek-V3 §2.1.2: raise under-loaded experts' bias, lower over-loaded ones'.
+                r.expert_bias.add_(torch.sign(c.mean() - c), alpha=r.bias_update_rate)
+        for i in self.layers:
+            self.moes[i].router.tokens_per_expert.zero_()
+            self.moes[i].aux_loss_sum.zero_()
+        return aux_loss, self.layers, load
