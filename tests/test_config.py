@@ -81,6 +81,13 @@ def _cfg(*overrides: str) -> JobConfig:
         (["--data.path=/some/file.parquet"], r"data.path = '/some/file.parquet' is set but data.source = 'python_stdlib' ignores it"),
         (["--training.seed=-1"], r"training.seed = -1: Input should be greater than or equal to 0"),
         (["--model.flavor=huge"], r"model.flavor = 'huge' is unknown .* valid: \['8B', 'debug'\]"),
+        (["--parallelism.ep=2"], r"parallelism.ep = 2 but model.name = 'llama' has no experts"),
+        (["--model.name=deepseek_v2", "--parallelism.ep=4"],
+         r"parallelism.ep = 4 must divide parallelism.dp_shard = 2 \(expert parallelism borrows its ranks"),
+        (["--model.name=deepseek_v2", "--parallelism.pp=1", "--parallelism.dp_shard=3", "--parallelism.ep=3",
+          "--parallelism.microbatches=1", "--training.global_batch_size=3"],
+         r"parallelism.ep = 3 does not divide the 8 routed experts of deepseek_v2/debug"),
+        (["--model.name=deepseek_v2", "--model.load_balance=sometimes"], r"model.load_balance = 'sometimes'"),
     ],
 )
 def test_validation_errors_name_setting_value_and_fix(overrides, message, monkeypatch):
@@ -110,6 +117,9 @@ def test_valid_layouts_pass():
     validate_job(_cfg())
     validate_job(_cfg("--parallelism.pipeline_schedule=Interleaved1F1B", "--parallelism.stages_per_rank=2"))
     validate_job(_cfg("--parallelism.pp=1", "--parallelism.dp_shard=1"))
+    validate_job(load_config(REPO / "configs" / "debug_deepseek.toml"))
+    validate_job(_cfg("--model.name=deepseek_v2", "--parallelism.pp=1", "--parallelism.dp_shard=4",
+                      "--parallelism.ep=2", "--training.global_batch_size=16"))
 
 
 def test_lr_schedule_warms_up_to_the_peak_and_ends_at_the_floor():
