@@ -148,14 +148,23 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
     has_first = 0 in stages
     is_last = dims.is_last_stage_rank(rank)
     pp_group = mesh["pp"].get_group() if pp_on else None
+    model = stages[stage_ids[0]]
+    moe = MoEStepState(stages, dims.ep, mesh["dp_shard"].get_group() if dims.dp_shard > 1 else None, n_mb)
     schedule = None
     if pp_on:
         schedule = build_pipeline_schedule(
             cfg.parallelism.pipeline_schedule, stages, dims.num_stages, n_mb,
             cross_entropy_loss, device, pp_group,
         )
-    model = stages[stage_ids[0]]
-    moe = MoEStepState(stages, dims.ep, mesh["dp_shard"].get_group() if dims.dp_shard > 1 else None, n_mb)
+        if moe.active:
+            # The schedule infers stage shapes at its first step by running every stage once,
+            # on uninitialised inputs past stage 0: MoE routers would count those phantom tokens
+            # in step 1. So infer now, on a dummy batch, and forget what it counted.
+            dummy = torch.zeros(loader.local_batch, cfg.training.seq_len, dtype=torch.int64, device=device)
+            schedule.step(*((dummy,) if has_first else ()), target=dummy if is_last else None,
+                          losses=[] if is_last else None)
+            optimizer.zero_grad(set_to_none=True)
+            moe.reset()
 
     gc_policy = GarbageCollection(cfg.training.gc_freq)
     last_loss = None

@@ -164,7 +164,12 @@ class MoEStepState:
             for r, c in zip(routers, total):
                 # DeepSeek-V3 §2.1.2: raise under-loaded experts' bias, lower over-loaded ones'.
                 r.expert_bias.add_(torch.sign(c.mean() - c), alpha=r.bias_update_rate)
-        for i in self.layers:
-            self.moes[i].router.tokens_per_expert.zero_()
-            self.moes[i].aux_loss_sum.zero_()
+        self.reset()
         return aux_loss, self.layers, load
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Zero every layer's token counts and balance-loss sum."""
+        for moe in self.moes.values():
+            moe.router.tokens_per_expert.zero_()
+            moe.aux_loss_sum.zero_()
