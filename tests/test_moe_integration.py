@@ -135,3 +135,20 @@ def test_moe_experts_are_balanced_and_it_learns(long_moe_run):
         assert SHARE_BAND[0] <= min(s) and max(s) <= SHARE_BAND[1], f"layer {layer}: {np.round(s, 3)}"
     loss = _col(run, "step_loss")
     assert loss[-20:].mean() < 3.0 < loss[0]
+
+
+def test_expert_load_reaches_tensorboard(moe_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    name, run = moe_run
+    acc = EventAccumulator(str(run.tensorboard_dir))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {f"moe/layer{layer}/expert{e}_share" for layer in (1, 2, 3) for e in range(8)} <= tags
+    rows = run.steps.select(["step", "moe_layers", "expert_load"]).to_pylist()
+    for step in (1, STEPS):
+        counts = expert_load([r for r in rows if r["step"] == step])[2]
+        want = max(counts) * len(counts) / sum(counts)
+        got = [e.value for e in acc.Scalars("moe/layer2/load_max_over_mean") if e.step == step]
+        assert got == [pytest.approx(want, rel=1e-6)], name
+    assert ("moe/aux_loss" in tags) != name.endswith("aux_free")
