@@ -49,7 +49,10 @@ def format_step_line(step: int, total: int, s: dict[str, Any], rows: list[dict[s
 
 def _max_memory(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The rank with the most memory: device peak reserved where there is a device, else host RSS."""
-    key, kind = ("device_peak_reserved_bytes", "dev peak") if rows[0].get("device_peak_reserved_bytes") is not None else ("host_rss_bytes", "rss")
+    if rows[0].get("device_peak_reserved_bytes") is not None:
+        key, kind = "device_peak_reserved_bytes", "dev peak"
+    else:
+        key, kind = "host_rss_bytes", "rss"
     best = max((r for r in rows if r.get(key) is not None), key=lambda r: r[key], default=None)
     return None if best is None else {"rank": best["rank"], "bytes": best[key], "kind": kind}
 
