@@ -10,6 +10,7 @@ with the ETA appended: no carriage returns or redraws end up in a log.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -80,6 +81,13 @@ class LineDisplay:
         self.stream.flush()
 
 
+def _columns(stream: TextIO) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):  # not a terminal, or no file descriptor
+        return 0
+
+
 class BarDisplay:
     """Terminal mode: a tqdm bar (steps done / total, elapsed < ETA, rate) with
     :func:`format_postfix` on its right; console lines are written above the bar."""
@@ -88,7 +96,11 @@ class BarDisplay:
         from tqdm import tqdm
 
         self.stream = stream or sys.stdout
-        self.bar = tqdm(total=total, unit="step", file=self.stream, dynamic_ncols=True, smoothing=0.3,
+        # tqdm draws nothing on a terminal that reports a 0 × 0 window (a pty without one, as
+        # under `script` or some CI runners): give it a fixed size instead of following the window.
+        sized = _columns(self.stream) > 0
+        self.bar = tqdm(total=total, unit="step", file=self.stream, dynamic_ncols=sized,
+                        ncols=None if sized else 120, nrows=None if sized else 40, smoothing=0.3,
                         bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
 
     def update(self, payload: dict[str, Any]) -> None:

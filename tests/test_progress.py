@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import select
 
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.parallel.dims import ParallelDims
@@ -64,12 +65,17 @@ def test_bar_mode_renders_steps_eta_loss_throughput_and_memory():
 
 
 def test_auto_mode_picks_the_bar_on_a_terminal_and_lines_otherwise():
-    master, slave = os.openpty()
+    master, slave = os.openpty()  # a pty that reports no window size, as under `script`
     with os.fdopen(slave, "w") as tty:
-        bar = make_display(5, "auto", tty)
+        bar = make_display(10, "auto", tty)
         assert isinstance(bar, BarDisplay)
+        bar.update({"lines": [], "latest": LATEST})
+        tty.flush()
+        shown = os.read(master, 65536).decode() if select.select([master], [], [], 5)[0] else ""
         bar.close()
     os.close(master)
+    # Drawn at a fixed width, not at the reported width 0 (which would draw nothing).
+    assert re.search(r"30%\|\S+ *\| 3/10 \[", shown) and "loss 2.5000" in shown, shown
     assert isinstance(make_display(5, "auto", io.StringIO()), LineDisplay)
     assert isinstance(make_display(5, "bar", io.StringIO()), BarDisplay)
 
