@@ -101,7 +101,7 @@ class BarDisplay:
         sized = _columns(self.stream) > 0
         self.bar = tqdm(total=total, unit="step", file=self.stream, dynamic_ncols=sized,
                         ncols=None if sized else 120, nrows=None if sized else 40, smoothing=0.3,
-                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
+                        bar_format="{l_bar}{bar:24}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
 
     def update(self, payload: dict[str, Any]) -> None:
         for line in payload.get("lines", []):
