@@ -1,50 +1,124 @@
 """The ``ray-titan`` command (also ``python -m ray_titan``).
 
-``ray-titan train [--config X.toml] [--section.key=value ...]`` runs the driver
+``ray-titan train [--config X.toml] [--progress MODE] [--section.key=value ...]`` runs the driver
 (:func:`ray_titan.driver.train`): on the cluster named by ``RAY_ADDRESS``, or on a local Ray
 cluster it starts. Without ``--config`` the built-in defaults are used, which are
 ``configs/debug_llama.toml``. Exit status: 0 for a complete run, 2 for a config error (before
 any worker starts), 1 for a failed run or one whose metrics have errors.
+
+``ray-titan config show [X.toml] [--section.key=value ...]`` prints the resolved config, every
+default included, as TOML; ``ray-titan config docs`` prints (or writes, ``--output``) the
+configuration reference ``docs/configuration.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 __all__ = ["main"]
 
+_OVERRIDES = (
+    "Any setting can be overridden with --section.key=value (the value is read as TOML: 3, 1e-4, "
+    "true, GPipe); the settings, their types and defaults are in docs/configuration.md"
+)
+
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ray-titan", description="Distributed LLM training on Ray.")
-    sub = ap.add_subparsers(dest="command", required=True)
+    from ray_titan.config_docs import REGENERATE, settings_help
+
+    ap = argparse.ArgumentParser(
+        prog="ray-titan", description="Distributed LLM training on Ray: pipeline parallel × FSDP2, "
+        "with the last stage's loss and every rank's memory at every step.",
+        epilog="Run 'ray-titan COMMAND --help' for a command's options.",
+    )
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     tr = sub.add_parser(
         "train",
-        help="run a training job",
-        description="Run a training job. Any --section.key=value flag overrides the config "
-        "(for example --training.steps=50 --parallelism.pipeline_schedule=GPipe).",
+        help="run a training job (on RAY_ADDRESS's cluster, or a local one it starts)",
+        description="Run a training job on the Ray cluster named by RAY_ADDRESS, the one this "
+        "process runs in (ray job submit), or a local cluster it starts. " + _OVERRIDES + ". "
+        "Exit status: 0 complete run, 2 config error (before any worker starts), 1 failed run.",
+        epilog="settings (--section.key=VALUE):\n" + settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    tr.add_argument("--config", help="TOML job config (default: the built-in debug_llama job)")
+    tr.add_argument("--config", metavar="X.toml", help="TOML job config (default: the built-in defaults, "
+                    "which are configs/debug_llama.toml)")
+    tr.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",
+                    help="progress display: a bar with ETA, loss, tokens/s and max memory over ranks "
+                    "(bar), one line per log step (lines), or bar on a terminal and lines otherwise, "
+                    "as under ray job submit (auto, the default)")
+
+    cf = sub.add_parser("config", help="show a resolved config, or print the configuration reference",
+                        description="Inspect job configs.")
+    csub = cf.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
+    show = csub.add_parser(
+        "show", help="print the resolved config (TOML, every default included)",
+        description="Print the config that a job would run with: the TOML file (or the built-in "
+        "defaults) with the overrides applied and every default filled in, as TOML that "
+        "'ray-titan train --config' accepts. " + _OVERRIDES + ". Exit status 2 for an invalid config.",
+    )
+    show.add_argument("config", nargs="?", metavar="X.toml", help="TOML job config (default: the built-in defaults)")
+    show.add_argument("--validate", action="store_true",
+                      help="also run the checks 'train' runs before workers start (mesh, batch, data "
+                      "path, tokenizer), without starting Ray")
+    docs = csub.add_parser(
+        "docs", help="print the configuration reference (Markdown)",
+        description=f"Render the configuration reference from the config classes. The committed "
+        f"copy is regenerated with: {REGENERATE}",
+    )
+    docs.add_argument("--output", metavar="PATH", help="write to this file instead of stdout")
     return ap
+
+
+def _train(args, overrides: list[str]) -> int:
+    from ray_titan.config import ConfigError
+    from ray_titan.driver import train
+
+    try:
+        result = train(args.config, overrides, progress=args.progress)
+    except ConfigError as e:
+        print(f"ray-titan: config error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # Ray's error carries the failing worker's traceback
+        print(f"ray-titan: training failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 1 if result.errors else 0
+
+
+def _config(args, overrides: list[str]) -> int:
+    from ray_titan.config import ConfigError, load_config, validate_job
+    from ray_titan.config_docs import reference_markdown, to_toml
+
+    if args.config_command == "docs":
+        if overrides:
+            print(f"ray-titan: config docs takes no overrides, got {overrides}", file=sys.stderr)
+            return 2
+        text = reference_markdown()
+        if args.output:
+            Path(args.output).write_text(text)
+        else:
+            sys.stdout.write(text)
+        return 0
+    try:
+        cfg = load_config(args.config, overrides)
+        if args.validate:
+            validate_job(cfg)
+    except ConfigError as e:
+        print(f"ray-titan: config error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(to_toml(cfg))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ray-titan``; returns the exit status."""
-    from ray_titan.config import ConfigError
-
     args, overrides = _parser().parse_known_args(argv)
     if args.command == "train":
-        from ray_titan.driver import train
-
-        try:
-            result = train(args.config, overrides)
-        except ConfigError as e:
-            print(f"ray-titan: config error: {e}", file=sys.stderr)
-            return 2
-        except Exception as e:  # Ray's error carries the failing worker's traceback
-            print(f"ray-titan: training failed: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
-        return 1 if result.errors else 0
+        return _train(args, overrides)
+    if args.command == "config":
+        return _config(args, overrides)
     return 2
 
 

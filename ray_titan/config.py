@@ -32,7 +32,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    # Attribute docstrings become field descriptions (ray-titan config docs, docs/configuration.md).
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, use_attribute_docstrings=True)
 
 
 class Job(_Section):
@@ -41,8 +42,11 @@ class Job(_Section):
     name: str = "debug_llama"
     """Run name; the run directory is ``<dump_folder>/<name>-<timestamp>``."""
     dump_folder: str = "outputs"
-    """Where run directories are created (relative paths are resolved by the driver)."""
+    """Where run directories are created: a local path (relative ones are resolved by the driver)
+    or a URI pyarrow's filesystems understand (``file:///shared/runs``, ``s3://bucket/runs``,
+    ``gs://...``; see ``ray_titan.storage``). Shared or object storage on a multi-node cluster."""
     description: str = ""
+    """Free text kept with the run (``config.json``); not used by training."""
 
 
 class Model(_Section):
@@ -71,9 +75,11 @@ class Data(_Section):
     path: str | None = None
     """A file or a directory of ``*.parquet`` / ``*.jsonl`` files (required for those sources)."""
     text_column: str = "text"
+    """Column (Parquet) or key (JSON Lines) holding each document's text."""
     tokenizer: Literal["byte", "huggingface"] = "byte"
     """``byte``: 256 byte ids plus BOS and EOS. ``huggingface``: a ``tokenizer.json`` at ``tokenizer_path``."""
     tokenizer_path: str | None = None
+    """Path of a Hugging Face ``tokenizer.json`` (required for ``tokenizer = "huggingface"``)."""
     cache_dir: str | None = None
     """Where built-in corpora are materialised as Parquet; default ``~/.cache/ray_titan``."""
 
@@ -82,11 +88,13 @@ class Training(_Section):
     """Steps, batch (sequences), sequence length (tokens), seed, clipping and GC."""
 
     steps: int = Field(300, gt=0)
+    """Optimizer steps to train."""
     global_batch_size: int = Field(16, gt=0)
     """Sequences per optimizer step, summed over all data-parallel ranks."""
     seq_len: int = Field(128, gt=0)
     """Tokens per sequence fed to the model (labels are the same sequence shifted by one)."""
     seed: int = Field(0, ge=0)
+    """Seed of model initialisation and data order (the same seed gives the same losses)."""
     max_norm: float = Field(1.0, ge=0)
     """Gradient-norm clipping threshold over the whole model; 0 disables clipping."""
     gc_freq: int = Field(50, gt=0)
@@ -106,6 +114,7 @@ class Parallelism(_Section):
     """Expert-parallel degree (mesh axis ``ep``, MoE models only): borrows ranks from ``dp_shard``
     (must divide it); routed experts are split over ``ep`` and FSDP-sharded over ``dp_shard / ep``."""
     pipeline_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B"] = "1F1B"
+    """Pipeline schedule from ``torch.distributed.pipelining``; ``Interleaved1F1B`` needs ``stages_per_rank >= 2``."""
     microbatches: int = Field(4, gt=0)
     """Microbatches per step per DP rank (pipeline microbatches; gradient accumulation when pp = 1)."""
     stages_per_rank: int = Field(1, gt=0)
@@ -119,18 +128,26 @@ class Optimizer(_Section):
     """Optimizer and its hyper-parameters (``lr`` is the peak learning rate)."""
 
     name: Literal["AdamW", "Adam", "SGD"] = "AdamW"
+    """Optimizer class from ``torch.optim``."""
     lr: float = Field(3e-3, gt=0)
+    """Peak learning rate, reached at the end of warm-up."""
     beta1: float = Field(0.9, ge=0, lt=1)
+    """Adam(W) first-moment decay; SGD momentum."""
     beta2: float = Field(0.95, ge=0, lt=1)
+    """Adam(W) second-moment decay (unused by SGD)."""
     eps: float = Field(1e-8, gt=0)
+    """Adam(W) denominator epsilon (unused by SGD)."""
     weight_decay: float = Field(0.1, ge=0)
+    """Weight decay (decoupled for AdamW)."""
 
 
 class LRScheduler(_Section):
     """Linear warm-up, then decay to ``min_lr_ratio × lr`` at the last step."""
 
     warmup_steps: int = Field(20, ge=0)
+    """Steps of linear warm-up from near 0 to ``optimizer.lr``."""
     decay: Literal["cosine", "linear", "none"] = "cosine"
+    """Shape of the decay after warm-up (``none`` keeps ``optimizer.lr``)."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     """Final learning rate as a fraction of ``optimizer.lr``."""
 
@@ -141,6 +158,7 @@ class Metrics(_Section):
     log_freq: int = Field(10, gt=0)
     """Console line every ``log_freq`` steps. Every step is recorded whatever this is."""
     enable_tensorboard: bool = True
+    """Write TensorBoard event files to ``<run_dir>/tb``."""
     flush_every_steps: int = Field(20, gt=0)
     """The collector writes a Parquet part and flushes TensorBoard every this many assembled steps."""
     save_rank_reports: bool = False
@@ -271,6 +289,24 @@ def job_warnings(cfg: JobConfig) -> list[str]:
     return out
 
 
+def _check_dump_folder(cfg: JobConfig) -> None:
+    from ray_titan import storage
+
+    dump = cfg.job.dump_folder
+    try:
+        storage.resolve(dump)
+    except Exception as e:  # unknown scheme, pyarrow built without that filesystem, bad URI
+        raise ConfigError(
+            f"job.dump_folder = {dump!r}: pyarrow cannot open it ({e}); use a local path or a URI "
+            "of a filesystem pyarrow supports (file://, s3://, gs://, hdfs://, abfs://)"
+        ) from None
+    if storage.is_remote(dump) and cfg.metrics.save_rank_reports:
+        raise ConfigError(
+            f"metrics.save_rank_reports = true writes local files on every worker, but job.dump_folder "
+            f"= {dump!r} is remote; use a local or shared-filesystem dump_folder, or set it to false"
+        )
+
+
 def validate_job(cfg: JobConfig) -> None:
     """Cross-field checks the driver runs before any worker starts.
 
@@ -295,6 +331,7 @@ def validate_job(cfg: JobConfig) -> None:
             f"ray.max_failures = {cfg.ray.max_failures}: a restarted worker group would start again "
             "from step 1, since resuming from checkpoints is not implemented yet; use 0"
         )
+    _check_dump_folder(cfg)
     if cfg.data.source == "python_stdlib" and cfg.data.path:
         raise ConfigError(
             f"data.path = {cfg.data.path!r} is set but data.source = 'python_stdlib' ignores it; "

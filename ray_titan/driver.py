@@ -3,15 +3,16 @@
 :func:`train` validates the config before anything starts, joins the Ray cluster named by
 ``RAY_ADDRESS`` (or the one this process is already connected to, or starts a local one sized for
 the job), creates the metrics collector actor (``num_cpus=0``, owned by the driver so it outlives
-the worker group), runs the train loop on ``pp × dp_shard`` Ray Train workers, prints the
-collector's console lines as they come, and returns the run's metrics.
+the worker group), runs the train loop on ``pp × dp_shard`` Ray Train workers, shows the run's
+progress (a bar on a terminal, the collector's console lines otherwise; :mod:`ray_titan.progress`),
+and returns the run's metrics. The run directory may be a local path or a URI
+(:mod:`ray_titan.storage`).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from ray_titan import storage
 from ray_titan.config import (
     ConfigError,
     JobConfig,
@@ -39,21 +41,22 @@ class RunResult:
     ``ray_titan.metrics.sinks.STEP_SCHEMA``). ``final_loss``: the last step's loss (token-weighted
     mean over the last pipeline stage's DP ranks, nats per token). ``errors``: steps the
     collector could not assemble or reports it found wrong (empty for a healthy run).
+    ``run_dir``: a local :class:`~pathlib.Path`, or the URI string of a remote run directory.
     """
 
-    run_dir: Path
+    run_dir: Path | str
     steps: pa.Table
     final_loss: float | None
     errors: list[str] = field(default_factory=list)
     config: JobConfig | None = None
 
     @property
-    def metrics_path(self) -> Path:
-        return self.run_dir / "metrics" / "steps.parquet"
+    def metrics_path(self) -> Path | str:
+        return _under(self.run_dir, "metrics", "steps.parquet")
 
     @property
-    def tensorboard_dir(self) -> Path:
-        return self.run_dir / "tb"
+    def tensorboard_dir(self) -> Path | str:
+        return _under(self.run_dir, "tb")
 
     def step_column(self, column: str) -> list:
         """A step-level column (``step_loss``, ``grad_norm``, ``lr``, ...) in step order, one value
@@ -66,10 +69,21 @@ class RunResult:
         return self.step_column("step_loss")
 
 
-def make_run_dir(cfg: JobConfig) -> Path:
-    """``<dump_folder>/<job.name>-<UTC timestamp>``, absolute, created."""
+def _under(run_dir: Path | str, *parts: str) -> Path | str:
+    return run_dir.joinpath(*parts) if isinstance(run_dir, Path) else storage.join(run_dir, *parts)
+
+
+def make_run_dir(cfg: JobConfig) -> Path | str:
+    """``<dump_folder>/<job.name>-<UTC timestamp>``, created: an absolute local path (also for a
+    ``file://`` dump folder), or a URI string for remote storage (:mod:`ray_titan.storage`)."""
     stamp = datetime.utcnow().strftime("%Y%m%d-%H%M%S-%f")
-    run_dir = Path(cfg.job.dump_folder).expanduser().resolve() / f"{cfg.job.name}-{stamp}"
+    name = f"{cfg.job.name}-{stamp}"
+    local = storage.local_path(cfg.job.dump_folder)
+    if local is None:
+        run_dir = storage.join(cfg.job.dump_folder, name)
+        storage.makedirs(run_dir)
+        return run_dir
+    run_dir = local / name
     run_dir.mkdir(parents=True, exist_ok=False)
     return run_dir
 
@@ -81,7 +95,8 @@ def resolve_paths(cfg: JobConfig) -> JobConfig:
         for k in ("path", "tokenizer_path", "cache_dir")
         if (v := getattr(cfg.data, k))
     })
-    job = cfg.job.model_copy(update={"dump_folder": str(Path(cfg.job.dump_folder).expanduser().resolve())})
+    dump = cfg.job.dump_folder
+    job = cfg.job.model_copy(update={"dump_folder": str(storage.local_path(dump) or dump)})
     return cfg.model_copy(update={"data": data, "job": job})
 
 
@@ -140,32 +155,15 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     train_loop(cfg, reporter, device)
 
 
-class _LinePrinter(threading.Thread):
-    """Polls the collector for console lines and prints them on the driver."""
-
-    def __init__(self, collector, interval_s: float = 0.5):
-        super().__init__(daemon=True, name="ray_titan-console")
-        self.collector, self.interval_s = collector, interval_s
-        self.stop_event = threading.Event()
-
-    def run(self) -> None:
-        import ray
-
-        while not self.stop_event.wait(self.interval_s):
-            try:
-                for line in ray.get(self.collector.drain_lines.remote(), timeout=30):
-                    print(line, flush=True)
-            except Exception:  # the collector is busy or gone; finish() reports what it has
-                pass
-
-
-def train(config: JobConfig | str | Path, overrides: list[str] | None = None) -> RunResult:
+def train(config: JobConfig | str | Path, overrides: list[str] | None = None, progress: str = "auto") -> RunResult:
     """Run a training job on Ray and return its :class:`RunResult`.
 
     ``config`` is a :class:`JobConfig` or the path of a TOML job config; ``overrides`` are
-    dotted flags (``["--training.steps=50"]``). Raises :class:`ConfigError` for an invalid job
-    before any worker starts, and ``ray.train.TrainingFailedError`` if training fails (the
-    metrics recorded until then stay in the run directory).
+    dotted flags (``["--training.steps=50"]``). ``progress``: ``auto`` (a progress bar when
+    stdout is a terminal, plain lines otherwise), ``bar`` or ``lines``. Raises
+    :class:`ConfigError` for an invalid job before any worker starts, and
+    ``ray.train.TrainingFailedError`` if training fails (the metrics recorded until then stay
+    in the run directory).
     """
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -173,15 +171,19 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
 
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.sinks import read_steps
+    from ray_titan.progress import ConsoleThread, make_display
     from ray_titan.train_loop import parallel_dims
 
+    if progress not in ("auto", "bar", "lines"):
+        raise ValueError(f"progress = {progress!r}: use 'auto', 'bar' or 'lines'")
     if isinstance(config, JobConfig):
         cfg = config
         if overrides:
             cfg = JobConfig.from_dict(apply_overrides(cfg.model_dump(), overrides))
     else:
         cfg = load_config(config, overrides)
-    if not Path(cfg.job.dump_folder).expanduser().is_absolute() and "working_dir_files" in Path.cwd().parts:
+    dump = cfg.job.dump_folder
+    if "://" not in dump and not Path(dump).expanduser().is_absolute() and "working_dir_files" in Path.cwd().parts:
         print(
             f"ray_titan: warning: job.dump_folder = {cfg.job.dump_folder!r} is relative and this job "
             "runs in Ray's temporary copy of its working directory, which Ray deletes; pass an "
@@ -200,7 +202,7 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
         cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
             update={"threads_per_worker": max(1, int(cpus + 0.999))})})
     run_dir = make_run_dir(cfg)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    storage.write_text(_under(run_dir, "config.json"), cfg.model_dump_json(indent=2))
     collector = ray.remote(MetricsCollector).options(num_cpus=0, max_restarts=0).remote(
         str(run_dir), dims.world_size, dims.last_stage_ranks(), cfg.training.steps,
         cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
@@ -220,31 +222,30 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
             resources_per_worker={"CPU": cpus, **({"GPU": 1} if cfg.ray.use_gpu else {})},
         ),
         run_config=RunConfig(
-            name=run_dir.name,
-            storage_path=str(run_dir / "ray_train"),
+            name=Path(str(run_dir)).name,
+            storage_path=str(_under(run_dir, "ray_train")),
             # A worker group that cannot start fails the run at once instead of retrying forever.
             failure_config=FailureConfig(max_failures=cfg.ray.max_failures, controller_failure_limit=0),
         ),
     )
-    printer = _LinePrinter(collector)
-    printer.start()
+    console = ConsoleThread(lambda: ray.get(collector.poll.remote(), timeout=30),
+                            make_display(cfg.training.steps, progress))
+    console.start()
     failure: BaseException | None = None
     try:
         trainer.fit()
     except BaseException as e:  # keep the metrics recorded so far, then re-raise
         failure = e
     finally:
-        printer.stop_event.set()
-        printer.join()
+        console.stop_event.set()  # no poll may drain lines between here and the summary
         try:
             summary = ray.get(collector.finish.remote(), timeout=120)
         except Exception as e:  # the flushed parts are on disk; never hide a training error
             summary = {"lines": [], "errors": [f"metrics collector failed to finish: {e}"], "final_loss": None}
-        for line in summary["lines"]:
-            print(line, flush=True)
+        console.finish(summary)
         ray.kill(collector)
     if failure is not None:
-        print(f"ray_titan: run failed; metrics so far in {run_dir / 'metrics'}", file=sys.stderr)
+        print(f"ray_titan: run failed; metrics so far in {_under(run_dir, 'metrics')}", file=sys.stderr)
         raise failure
     for err in summary["errors"]:
         print(f"ray_titan: metrics error: {err}", file=sys.stderr)

@@ -36,3 +36,71 @@ def test_config_error_exits_2_with_the_message_before_ray(entry, tmp_path):
 def test_help_lists_train(tmp_path):
     out = subprocess.run([*ENTRY_POINTS["ray-titan"][:1], "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "train" in out.stdout
+
+
+def _all_parsers(parser):
+    import argparse
+
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _all_parsers(sub)
+
+
+def test_every_option_of_every_command_is_described():
+    import argparse
+
+    from ray_titan.cli import _parser
+    from ray_titan.config_docs import sections
+
+    parsers = list(_all_parsers(_parser()))
+    assert {p.prog for p in parsers} == {"ray-titan", "ray-titan train", "ray-titan config",
+                                         "ray-titan config show", "ray-titan config docs"}
+    for p in parsers:
+        assert p.description, p.prog
+        for action in p._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            if isinstance(action, argparse._SubParsersAction):
+                assert all(len(c.help or "") > 15 for c in action._choices_actions), p.prog
+                continue
+            assert action.help and len(action.help) > 15, (p.prog, action.dest)
+    # train --help lists every setting it can override, with its description.
+    out = subprocess.run([sys.executable, "-m", "ray_titan", "train", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for name, cls in sections():
+        for key, field in cls.model_fields.items():
+            assert f"--{name}.{key}  (" in out.stdout, f"{name}.{key}"
+            assert field.description, f"{name}.{key} has no description (add a docstring below it)"
+            assert " ".join(field.description.split())[:40] in " ".join(out.stdout.split())
+
+
+def test_config_show_prints_the_resolved_config_with_defaults(capsys):
+    import tomllib
+
+    from ray_titan.cli import main
+    from ray_titan.config import JobConfig, load_config
+
+    cfg_path = str(REPO / "configs" / "debug_llama.toml")
+    assert main(["config", "show", cfg_path, "--training.steps=7", "--optimizer.lr=1e-4"]) == 0
+    text = capsys.readouterr().out
+    assert "steps = 7\n" in text and "lr = 0.0001\n" in text
+    assert "max_inflight_reports = 16\n" in text  # a default the TOML file does not set
+    assert "# tokenizer_path = (unset)" in text
+    assert JobConfig.from_dict(tomllib.loads(text)) == load_config(cfg_path, ["--training.steps=7", "--optimizer.lr=1e-4"])
+    assert main(["config", "show", "--training.bogus=1"]) == 2
+    assert "unknown setting 'training.bogus'" in capsys.readouterr().err
+    assert main(["config", "show", "--validate", "--training.global_batch_size=10"]) == 2
+    assert "training.global_batch_size = 10 is not divisible" in capsys.readouterr().err
+
+
+def test_committed_config_reference_matches_the_config_classes():
+    from ray_titan.config_docs import REGENERATE, reference_markdown, sections
+
+    committed = (REPO / "docs" / "configuration.md").read_text()
+    assert committed == reference_markdown(), f"docs/configuration.md is stale: run {REGENERATE}"
+    for name, cls in sections():
+        assert f"## `[{name}]`" in committed
+        for key in cls.model_fields:
+            assert f"| `{key}` |" in committed

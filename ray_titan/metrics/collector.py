@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ray_titan import storage
 from ray_titan.metrics.memory import MEMORY_FIELDS
 from ray_titan.metrics.sinks import ParquetSink, TensorBoardSink
 
@@ -61,11 +62,23 @@ def format_step_line(step: int, total: int, s: dict[str, Any], rows: list[dict[s
     return line
 
 
+def _max_memory(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The rank with the most memory: device peak reserved where there is a device, else host RSS."""
+    if rows[0].get("device_peak_reserved_bytes") is not None:
+        key, kind = "device_peak_reserved_bytes", "dev peak"
+    else:
+        key, kind = "host_rss_bytes", "rss"
+    best = max((r for r in rows if r.get(key) is not None), key=lambda r: r[key], default=None)
+    return None if best is None else {"rank": best["rank"], "bytes": best[key], "kind": kind}
+
+
 class MetricsCollector:
     """Assembles steps from all ranks' reports and writes them to the sinks.
 
     Args:
-        run_dir: the run directory; metrics go to ``metrics/`` and ``tb/`` inside it.
+        run_dir: the run directory; metrics go to ``metrics/`` and ``tb/`` inside it. A remote URI
+            (``s3://...``, see :mod:`ray_titan.storage`) is written through a local staging
+            directory that is uploaded at every flush and at the end.
         world_size: number of ranks that report every step.
         last_stage_ranks: global ranks holding the last pipeline stage.
         total_steps: steps of the run (for the console line).
@@ -86,6 +99,10 @@ class MetricsCollector:
         flush_every_steps: int = 20,
         enable_tensorboard: bool = True,
     ):
+        self.mirror = None
+        if storage.is_remote(run_dir):
+            self.mirror = storage.Mirror(storage.staging_dir(run_dir), run_dir)
+            run_dir = str(self.mirror.local_dir)
         self.run_dir = Path(run_dir)
         self.world_size, self.last = world_size, sorted(last_stage_ranks)
         self.total_steps, self.log_freq, self.flush_every = total_steps, log_freq, flush_every_steps
@@ -98,6 +115,7 @@ class MetricsCollector:
         self.assembled = 0
         self.last_step = 0
         self.final_loss: float | None = None
+        self.latest: dict[str, Any] | None = None
         self.dropped: dict[int, int] = {}
         self._since_flush = 0
         self._closed = False
@@ -118,6 +136,11 @@ class MetricsCollector:
         lines, self._lines = self._lines, []
         return lines
 
+    def poll(self) -> dict[str, Any]:
+        """``{"lines": drain_lines(), "latest": the newest assembled step's progress}`` (see
+        :mod:`ray_titan.progress`), one call per driver refresh."""
+        return {"lines": self.drain_lines(), "latest": self.latest}
+
     def finish(self) -> dict[str, Any]:
         """Record incomplete steps as errors, flush and close the sinks, and summarise.
 
@@ -134,6 +157,7 @@ class MetricsCollector:
             steps_path = self.parquet.close()
             if self.tb:
                 self.tb.close()
+            self._sync("at the end")
             self._closed = True
             self._steps_path = str(steps_path)
         return {
@@ -142,6 +166,7 @@ class MetricsCollector:
             "final_loss": self.final_loss,
             "errors": list(self.errors),
             "lines": self.drain_lines(),
+            "latest": self.latest,
             "steps_path": self._steps_path,
         }
 
@@ -185,6 +210,8 @@ class MetricsCollector:
         self.assembled += 1
         if step >= self.last_step:  # the newest step's loss, None (and an error) if it had none
             self.last_step, self.final_loss = step, loss
+            self.latest = {"step": step, "total": self.total_steps, "loss": loss,
+                           "tokens_per_s": summary["tokens_per_s"], "max_memory": _max_memory(flat)}
         self._since_flush += 1
         if self._since_flush >= self.flush_every:
             self.flush()
@@ -203,6 +230,15 @@ class MetricsCollector:
         if self.tb:
             self.tb.flush()
         self._since_flush = 0
+        self._sync("after a flush")
+
+    def _sync(self, when: str) -> None:
+        if self.mirror is None:
+            return
+        try:
+            self.mirror.sync()
+        except Exception as e:  # the staged copy is complete; the next sync retries
+            self._error(f"upload of metrics to {self.mirror.destination} failed {when}: {e}")
 
     @staticmethod
     def _row(r: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:

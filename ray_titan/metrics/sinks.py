@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 __all__ = ["STEP_SCHEMA", "ParquetSink", "TensorBoardSink", "read_steps"]
@@ -99,8 +100,21 @@ def _read_parts(parts: Path) -> pa.Table:
 
 def read_steps(run_dir: str | Path) -> pa.Table:
     """The per-step, per-rank metrics of a run: ``steps.parquet``, or the flushed parts if the
-    run ended before consolidating them. An empty table (with the schema) if neither exists."""
-    metrics = Path(run_dir) / "metrics"
+    run ended before consolidating them. An empty table (with the schema) if neither exists.
+    ``run_dir`` may be a URI (:mod:`ray_titan.storage`)."""
+    from ray_titan import storage
+
+    if storage.is_remote(run_dir):
+        fs, path = storage.resolve(storage.join(run_dir, "metrics"))
+        if storage.exists(storage.join(run_dir, "metrics", "steps.parquet")):
+            return pq.read_table(f"{path}/steps.parquet", filesystem=fs)
+        files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(f"{path}/parts", allow_not_found=True))
+                       if i.base_name.startswith("part-") and i.base_name.endswith(".parquet"))
+        if not files:
+            return STEP_SCHEMA.empty_table()
+        table = pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA, filesystem=fs) for f in files])
+        return table.sort_by([("step", "ascending"), ("rank", "ascending")])
+    metrics = storage.local_path(run_dir) / "metrics"
     if (metrics / "steps.parquet").exists():
         return pq.read_table(metrics / "steps.parquet")
     if (metrics / "parts").is_dir():

@@ -1,0 +1,100 @@
+"""Run directories on a local path or a pyarrow filesystem URI (ray_titan.storage), no Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+import ray_titan.driver as driver
+from ray_titan import storage
+from ray_titan.config import ConfigError, load_config
+from ray_titan.metrics.collector import MetricsCollector
+from ray_titan.metrics.sinks import read_steps
+from ray_titan.parallel.dims import ParallelDims
+from tests.test_collector import _report
+
+
+def test_local_paths_and_file_uris_are_local(tmp_path):
+    assert storage.local_path(f"file://{tmp_path}/runs") == tmp_path / "runs"
+    assert storage.local_path("~/x") == storage.local_path("~/x").expanduser().resolve()
+    assert storage.local_path("s3://bucket/runs") is None
+    assert storage.is_remote("gs://b/x") and not storage.is_remote(f"file://{tmp_path}") and not storage.is_remote("rel/x")
+    assert storage.join("s3://bucket/runs/", "a", "b.parquet") == "s3://bucket/runs/a/b.parquet"
+    assert storage.join(f"file://{tmp_path}", "a") == str(tmp_path / "a")
+
+
+def test_write_read_and_makedirs_through_pyarrow(tmp_path):
+    uri = f"file://{tmp_path}/deep/er"
+    storage.makedirs(uri)
+    assert (tmp_path / "deep" / "er").is_dir()
+    storage.write_text(storage.join(uri, "config.json"), '{"a": 1}')
+    assert storage.read_text(storage.join(uri, "config.json")) == '{"a": 1}'
+    assert storage.exists(storage.join(uri, "config.json")) and not storage.exists(storage.join(uri, "nope"))
+
+
+def test_make_run_dir_on_a_file_uri_is_a_local_path(tmp_path):
+    cfg = driver.resolve_paths(load_config(None, [f'--job.dump_folder="file://{tmp_path}/runs"', "--job.name=u"]))
+    assert cfg.job.dump_folder == str(tmp_path / "runs")
+    run_dir = driver.make_run_dir(cfg)
+    assert run_dir.parent == tmp_path / "runs" and run_dir.is_dir() and run_dir.name.startswith("u-")
+
+
+def test_collector_on_a_remote_uri_stages_locally_and_uploads(tmp_path, monkeypatch):
+    """A remote run dir (any scheme but file) is written to a staging dir and mirrored to the
+    URI at every flush and at the end. The 'remote' here is a file:// URI behind the mirror."""
+    remote = tmp_path / "bucket" / "run"
+    monkeypatch.setattr(storage, "is_remote", lambda uri: str(uri).startswith("mem://"))
+    monkeypatch.setattr(storage, "staging_dir", lambda uri: (tmp_path / "staging").resolve())
+    monkeypatch.setattr(storage, "Mirror", lambda local, dest: _FileMirror(local, remote))
+    (tmp_path / "staging").mkdir()
+    dims = ParallelDims(pp=2, dp_shard=1)
+    c = MetricsCollector("mem://bucket/run", 2, dims.last_stage_ranks(), 4, flush_every_steps=2,
+                         enable_tensorboard=True)
+    for step in (1, 2):
+        c.report([_report(step, 0, dims), _report(step, 1, dims, loss=2.0)])
+    parts = sorted(p.name for p in (remote / "metrics" / "parts").iterdir())
+    assert parts == ["part-00000.parquet"]  # uploaded at the first flush, before the run ends
+    for step in (3, 4):
+        c.report([_report(step, 0, dims), _report(step, 1, dims, loss=1.0)])
+    summary = c.finish()
+    assert summary["errors"] == []
+    assert read_steps(remote)["step"].to_pylist() == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert any((remote / "tb").iterdir())
+
+
+class _FileMirror(storage.Mirror):
+    def __init__(self, local, dest):
+        super().__init__(local, f"file://{dest}")
+
+
+def test_read_steps_from_a_uri(tmp_path, monkeypatch):
+    dims = ParallelDims(pp=1, dp_shard=1)
+    c = MetricsCollector(str(tmp_path), 1, dims.last_stage_ranks(), 3, flush_every_steps=1, enable_tensorboard=False)
+    for step in (1, 2, 3):
+        c.report([_report(step, 0, dims, loss=1.5)])
+    uri = f"file://{tmp_path}"
+    assert read_steps(uri)["step"].to_pylist() == [1, 2, 3]  # the parts, before the run ends
+    # The same through pyarrow's filesystem layer, as for s3:// or gs://:
+    monkeypatch.setattr(storage, "is_remote", lambda u: str(u).startswith("file://"))
+    assert read_steps(uri)["step"].to_pylist() == [1, 2, 3]
+    c.finish()
+    assert not (tmp_path / "metrics" / "parts").exists()
+    assert read_steps(uri)["step"].to_pylist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (['--job.dump_folder="nosuchfs://bucket/runs"'],
+     r"job.dump_folder = 'nosuchfs://bucket/runs': pyarrow cannot open it .*Unrecognized filesystem"),
+])
+def test_unusable_dump_folder_is_refused_before_workers(overrides, message, monkeypatch):
+    monkeypatch.setattr(driver, "_connect", lambda cfg: pytest.fail("the driver started Ray for an invalid config"))
+    with pytest.raises(ConfigError, match=message):
+        driver.train(load_config(None, overrides))
+
+
+def test_rank_reports_need_a_local_dump_folder(monkeypatch):
+    from ray_titan.config import validate_job
+
+    monkeypatch.setattr(storage, "resolve", lambda uri: (None, str(uri)))  # no network for s3://
+    cfg = load_config(None, ['--job.dump_folder="s3://bucket/runs"', "--metrics.save_rank_reports=true"])
+    with pytest.raises(ConfigError, match=r"metrics.save_rank_reports = true writes local files .* is remote"):
+        validate_job(cfg)
