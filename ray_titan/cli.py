@@ -5,6 +5,9 @@
 cluster it starts. Without ``--config`` the built-in defaults are used, which are
 ``configs/debug_llama.toml``. Exit status: 0 for a complete run, 2 for a config error (before
 any worker starts), 1 for a failed run or one whose metrics have errors.
+
+``ray-titan report RUN_DIR`` writes ``RUN_DIR/report/loss.png`` and ``memory.png`` (every rank's
+memory with its verdicts marked) and prints a summary table per rank (``ray_titan.run_report``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,13 @@ def _parser() -> argparse.ArgumentParser:
         "(for example --training.steps=50 --parallelism.pipeline_schedule=GPipe).",
     )
     tr.add_argument("--config", help="TOML job config (default: the built-in debug_llama job)")
+    rp = sub.add_parser(
+        "report",
+        help="plot a run's loss and memory and print a summary per rank",
+        description="Write RUN_DIR/report/loss.png and memory.png and print a summary table per rank.",
+    )
+    rp.add_argument("run_dir", help="a run directory (<dump_folder>/<name>-<timestamp>)")
+    rp.add_argument("--out", help="where to write the PNG files (default: RUN_DIR/report)")
     return ap
 
 
@@ -33,6 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     from ray_titan.config import ConfigError
 
     args, overrides = _parser().parse_known_args(argv)
+    if args.command == "report":
+        from ray_titan.run_report import format_table, write_report
+
+        if overrides:
+            print(f"ray-titan report: unexpected arguments {overrides}", file=sys.stderr)
+            return 2
+        try:
+            paths, rows = write_report(args.run_dir, args.out)
+        except FileNotFoundError as e:
+            print(f"ray-titan report: {e}", file=sys.stderr)
+            return 2
+        print(format_table(rows))
+        for path in paths:
+            print(f"wrote {path}")
+        return 0
     if args.command == "train":
         from ray_titan.driver import train
 
