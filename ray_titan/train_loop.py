@@ -160,7 +160,7 @@ def train_loop(
     model = stages[stage_ids[0]]
 
     mem = cfg.memory
-    gc_policy = GarbageCollection(cfg.training.gc_freq, mem.gc_full_every, mem.gc_debug, rank)
+    gc_policy = GarbageCollection(cfg.training.gc_freq, mem.gc_full_every, mem.gc_debug, rank, mem.malloc_trim)
     snapshots = MemorySnapshots(run_dir, rank, coords, device, mem.snapshot_steps, mem.snapshot_on_oom,
                                 mem.history_max_entries)
     hooks = _callbacks(cfg, callbacks, CallbackContext(

@@ -26,7 +26,9 @@ with every assembled step.
 
 from __future__ import annotations
 
+import functools
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +49,11 @@ class MemoryLeakError(RuntimeError):
     names the rank, its mesh coordinates and the rate."""
 
 
+@functools.lru_cache(maxsize=64)
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.triu_indices(n, k=1)
+
+
 def theil_sen_slope(x: np.ndarray, y: np.ndarray) -> float:
     """Median of ``(y[j] - y[i]) / (x[j] - x[i])`` over all pairs ``i < j`` with ``x[j] != x[i]``.
 
@@ -54,7 +61,7 @@ def theil_sen_slope(x: np.ndarray, y: np.ndarray) -> float:
     Raises ``ValueError`` for fewer than two distinct ``x``.
     """
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    i, j = np.triu_indices(len(x), k=1)
+    i, j = _pairs(len(x))
     dx = x[j] - x[i]
     ok = dx != 0
     if not ok.any():
@@ -108,15 +115,15 @@ class LeakDetector:
         self._bytes.append(used_bytes)
         slope = sustained = recent = None
         if len(self._steps) >= self.MIN_SAMPLES:
-            x, y = np.array(self._steps, dtype=float), np.array(self._bytes)
+            x, y = list(self._steps), list(self._bytes)
             slope = theil_sen_slope(x, y) / MiB
             # A one-time level shift (a new allocator pool) tilts the slope of any window that
             # holds it; a leak raises every part of the window. So the growth that counts is the
             # smallest of the slopes between the medians of successive quarters of the window: a
             # shift falls into at most two of those three steps, a leak lifts all three.
-            quarters = np.array_split(np.arange(len(x)), 4)
-            mx = [np.median(x[q]) for q in quarters]
-            my = [np.median(y[q]) for q in quarters]
+            bounds = [round(k * len(x) / 4) for k in range(5)]
+            mx = [statistics.median(x[a:b]) for a, b in zip(bounds, bounds[1:])]
+            my = [statistics.median(y[a:b]) for a, b in zip(bounds, bounds[1:])]
             steps = [(my[i + 1] - my[i]) / (mx[i + 1] - mx[i]) / MiB for i in range(3)]
             recent, sustained = steps[-1], min(slope, *steps)
         if self.state == WARMING_UP:
@@ -143,6 +150,7 @@ def leak_settings(memory: Any = None) -> dict[str, Any]:
 
         memory = Memory()
     return dict(window=memory.leak_window_steps, threshold_mib_per_step=memory.leak_threshold_mib_per_step,
+                host_threshold_mib_per_step=memory.host_leak_threshold_mib_per_step,
                 warmup_min_steps=memory.warmup_min_steps, warmup_max_steps=memory.warmup_max_steps)
 
 
@@ -154,7 +162,8 @@ def describe_coords(rank: int, coords: dict[str, int]) -> str:
 
 class LeakMonitor:
     """Every rank's verdict: one :class:`LeakDetector` per rank for device allocated memory
-    (where the rank has a device) and one for host RSS.
+    (where the rank has a device, threshold ``threshold_mib_per_step``) and one for host RSS
+    (``host_threshold_mib_per_step``).
 
     A rank is ``growing`` if either series grows (the growing one is reported, device first),
     ``warming_up`` while either still warms up, else ``stable`` with the slope of its device
@@ -162,9 +171,10 @@ class LeakMonitor:
     records changes in :attr:`changes` as console messages.
     """
 
-    def __init__(self, window: int, threshold_mib_per_step: float, warmup_min_steps: int,
-                 warmup_max_steps: int):
-        self._args = (window, threshold_mib_per_step, warmup_min_steps, warmup_max_steps)
+    def __init__(self, window: int, threshold_mib_per_step: float, host_threshold_mib_per_step: float,
+                 warmup_min_steps: int, warmup_max_steps: int):
+        self._thresholds = {"device": threshold_mib_per_step, "host": host_threshold_mib_per_step}
+        self._args = (window, warmup_min_steps, warmup_max_steps)
         self._detectors: dict[tuple[int, str], LeakDetector] = {}
         self.current: dict[int, Verdict] = {}
         self.coords: dict[int, dict[str, int]] = {}
@@ -172,7 +182,8 @@ class LeakMonitor:
     def _detector(self, rank: int, source: str) -> LeakDetector:
         key = (rank, source)
         if key not in self._detectors:
-            self._detectors[key] = LeakDetector(*self._args, source=source)
+            window, wmin, wmax = self._args
+            self._detectors[key] = LeakDetector(window, self._thresholds[source], wmin, wmax, source=source)
         return self._detectors[key]
 
     def update(self, step: int, row: dict[str, Any]) -> tuple[Verdict, str | None]:
