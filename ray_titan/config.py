@@ -166,14 +166,12 @@ class Memory(_Section):
     Ray's core worker and gloo buffers move it, and a healthy Ray worker of the debug job rose by
     0.08–0.2 MiB/step over its first hundred steps (measured; the Python object count stays
     flat). 0.5 MiB/step is 2.5× that, and still 5 GiB per 10,000 steps: a node-killing leak."""
-    warmup_min_steps: int = Field(10, ge=1)
-    """Steps that are always ``warming_up``: optimizer state, allocator pools and autograd
-    caches are created during the first steps."""
     warmup_max_steps: int = Field(40, ge=1)
-    """Warm-up ends at the first step after ``warmup_min_steps`` where the newest quarter of the
-    window rises over the one before by less than the threshold rate (memory flattened), and at
-    this step at the latest, so a leak from step 1 (which never flattens) is reported ``growing``
-    at this step (when the window, ``leak_window_steps``, is full by then)."""
+    """Warm-up (``warming_up``) lasts until the window is full (a verdict needs
+    ``leak_window_steps`` samples) and the newest quarter of it rises over the one before by less
+    than the threshold rate (memory flattened), and ends at this step at the latest, so a leak from
+    step 1 (which never flattens) is reported ``growing`` at this step. Must be >=
+    ``leak_window_steps``."""
     snapshot_steps: list[int] = Field(default_factory=list)
     """Steps after which every rank writes a memory snapshot to ``<run_dir>/memory/``: on CUDA a
     pickled ``torch.cuda.memory`` snapshot (view at pytorch.org/memory_viz), on CPU the torch
@@ -454,10 +452,11 @@ def _validate_memory(cfg: JobConfig) -> None:
             f"memory.snapshot_steps = {mem.snapshot_steps}: step(s) {bad} are outside the run "
             f"(1 .. training.steps = {steps})"
         )
-    if mem.warmup_max_steps < mem.warmup_min_steps:
+    if mem.warmup_max_steps < mem.leak_window_steps:
         raise ConfigError(
-            f"memory.warmup_max_steps = {mem.warmup_max_steps} is below memory.warmup_min_steps = "
-            f"{mem.warmup_min_steps}; use a value >= {mem.warmup_min_steps}"
+            f"memory.warmup_max_steps = {mem.warmup_max_steps} is below memory.leak_window_steps = "
+            f"{mem.leak_window_steps}: a verdict needs a full window; use warmup_max_steps >= "
+            f"{mem.leak_window_steps}"
         )
     if mem.cpu_offload and cfg.parallelism.dp_shard < 2:
         raise ConfigError(

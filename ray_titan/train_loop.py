@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ray_titan.callbacks import CallbackContext, CallbackList, load_callback
 from ray_titan.config import JobConfig, load_config
 from ray_titan.data.corpus import load_texts
 from ray_titan.data.loader import PackedLoader
 from ray_titan.data.tokenizer import build_tokenizer
-from ray_titan.callbacks import CallbackContext, CallbackList
 from ray_titan.gc import GarbageCollection
 from ray_titan.metrics.memory import MemorySnapshots, sample_memory
 from ray_titan.metrics.report import Reporter, StepReport
@@ -233,8 +233,6 @@ def train_loop(
 
 
 def _callbacks(cfg: JobConfig, extra: list | None, ctx: CallbackContext) -> CallbackList:
-    from ray_titan.callbacks import load_callback
-
     built = [load_callback(c.target, c.kwargs) for c in cfg.callbacks]
     return CallbackList(built + list(extra or []), ctx)
 

@@ -83,7 +83,7 @@ def _cfg(*overrides: str) -> JobConfig:
         (["--model.flavor=huge"], r"model.flavor = 'huge' is unknown .* valid: \['8B', 'debug'\]"),
         (["--memory.snapshot_steps=[0, 5, 400]"],
          r"memory.snapshot_steps = \[0, 5, 400\]: step\(s\) \[0, 400\] are outside the run \(1 .. training.steps = 300\)"),
-        (["--memory.warmup_max_steps=5"], r"memory.warmup_max_steps = 5 is below memory.warmup_min_steps = 10"),
+        (["--memory.warmup_max_steps=20"], r"memory.warmup_max_steps = 20 is below memory.leak_window_steps = 28: a verdict needs a full window"),
         (["--memory.cpu_offload=true", "--parallelism.dp_shard=1"],
          r"memory.cpu_offload = true offloads FSDP2's shards, but parallelism.dp_shard = 1 applies no FSDP2"),
         (["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=layer",

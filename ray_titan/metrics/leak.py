@@ -4,10 +4,9 @@ A rank's memory rises over the first steps (optimizer state, allocator pools, au
 and then flattens; a leak keeps rising. :class:`LeakDetector` tells them apart from one series
 of samples (bytes per step):
 
-- warm-up: the first ``warmup_min_steps`` are ``warming_up``; warm-up ends at the first later
-  step where the newest quarter of the window rises over the one before by less than the
-  threshold rate (memory has flattened), or at ``warmup_max_steps`` at the latest (a leak from
-  step 1 never flattens).
+- warm-up: ``warming_up`` until the window is full (a verdict needs ``window`` samples) and the
+  newest quarter of it rises over the one before by less than the threshold rate (memory has
+  flattened), or until ``warmup_max_steps`` at the latest (a leak from step 1 never flattens).
 - after warm-up, the Theil–Sen slope (the median of the slopes between every pair of samples in a
   sliding window; Theil 1950, Sen 1968) is the rate. It ignores outliers up to its breakdown point
   of 29%, so an allocator returning a block or a GC round does not read as growth or shrinkage.
@@ -91,16 +90,15 @@ class LeakDetector:
     Args:
         window: samples in the sliding window of the Theil–Sen slope.
         threshold_mib_per_step: rate at which the series is ``growing``.
-        warmup_min_steps, warmup_max_steps: bounds of the warm-up (see the module docstring).
+        warmup_max_steps: the latest step at which warm-up ends (see the module docstring).
         source: name of the series (``host`` / ``device``), carried into the verdicts.
     """
 
     MIN_SAMPLES = 5
 
-    def __init__(self, window: int, threshold_mib_per_step: float, warmup_min_steps: int,
-                 warmup_max_steps: int, source: str):
+    def __init__(self, window: int, threshold_mib_per_step: float, warmup_max_steps: int, source: str):
         self.window, self.threshold = window, threshold_mib_per_step
-        self.warmup_min, self.warmup_max = warmup_min_steps, max(warmup_min_steps, warmup_max_steps)
+        self.warmup_max = warmup_max_steps
         self.source = source
         self._steps: deque[int] = deque(maxlen=window)
         self._bytes: deque[float] = deque(maxlen=window)
@@ -128,7 +126,7 @@ class LeakDetector:
             recent, sustained = steps[-1], min(slope, *steps)
         if self.state == WARMING_UP:
             flat = recent is not None and recent < self.threshold  # the newest quarter has flattened
-            if step >= self.warmup_max or (step > self.warmup_min and flat):
+            if step >= self.warmup_max or (len(self._steps) == self.window and flat):
                 self.warmup_end = step
                 self.state = STABLE
         if self.state != WARMING_UP and sustained is not None and len(self._steps) == self.window:
@@ -151,7 +149,7 @@ def leak_settings(memory: Any = None) -> dict[str, Any]:
         memory = Memory()
     return dict(window=memory.leak_window_steps, threshold_mib_per_step=memory.leak_threshold_mib_per_step,
                 host_threshold_mib_per_step=memory.host_leak_threshold_mib_per_step,
-                warmup_min_steps=memory.warmup_min_steps, warmup_max_steps=memory.warmup_max_steps)
+                warmup_max_steps=memory.warmup_max_steps)
 
 
 def describe_coords(rank: int, coords: dict[str, int]) -> str:
@@ -172,9 +170,9 @@ class LeakMonitor:
     """
 
     def __init__(self, window: int, threshold_mib_per_step: float, host_threshold_mib_per_step: float,
-                 warmup_min_steps: int, warmup_max_steps: int):
+                 warmup_max_steps: int):
         self._thresholds = {"device": threshold_mib_per_step, "host": host_threshold_mib_per_step}
-        self._args = (window, warmup_min_steps, warmup_max_steps)
+        self._args = (window, warmup_max_steps)
         self._detectors: dict[tuple[int, str], LeakDetector] = {}
         self.current: dict[int, Verdict] = {}
         self.coords: dict[int, dict[str, int]] = {}
@@ -182,8 +180,8 @@ class LeakMonitor:
     def _detector(self, rank: int, source: str) -> LeakDetector:
         key = (rank, source)
         if key not in self._detectors:
-            window, wmin, wmax = self._args
-            self._detectors[key] = LeakDetector(window, self._thresholds[source], wmin, wmax, source=source)
+            window, wmax = self._args
+            self._detectors[key] = LeakDetector(window, self._thresholds[source], wmax, source=source)
         return self._detectors[key]
 
     def update(self, step: int, row: dict[str, Any]) -> tuple[Verdict, str | None]:

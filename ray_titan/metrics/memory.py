@@ -11,7 +11,8 @@ host_available_bytes       bytes  what the node can still give this process: ``M
                                   (v2 ``memory.max`` − ``memory.current``, v1
                                   ``memory.limit_in_bytes`` − ``memory.usage_in_bytes``) sets
                                   a tighter limit
-device_allocated_bytes     bytes  ``allocated_bytes.all.current`` (``torch.cuda.memory_stats``)
+device_allocated_bytes     bytes  ``allocated_bytes.all.current`` (``torch.accelerator.memory_stats``,
+                                  ``torch.cuda.memory_stats`` on older torch)
 device_active_bytes        bytes  ``active_bytes.all.current``
 device_reserved_bytes      bytes  ``reserved_bytes.all.current``: held by the caching allocator
 device_peak_active_bytes   bytes  ``active_bytes.all.peak`` since the previous sample (peaks are
@@ -21,7 +22,8 @@ device_alloc_retries       count  ``num_alloc_retries``: cudaMalloc retries afte
                                   cache (cumulative; rising means fragmentation pressure)
 device_ooms                count  ``num_ooms``: out-of-memory errors the allocator raised
                                   (cumulative)
-device_capacity_bytes      bytes  ``torch.cuda.get_device_properties(..).total_memory``
+device_capacity_bytes      bytes  total of ``torch.accelerator.get_memory_info`` (read once;
+                                  ``get_device_properties(..).total_memory`` on older torch)
 =========================  =====  ==========================================================
 
 Device fields are ``None`` on CPU-only workers. The cost of one sample is printed by
@@ -130,8 +132,9 @@ def sample_memory(device: torch.device) -> dict[str, int | None]:
     out: dict[str, int | None] = dict.fromkeys(MEMORY_FIELDS)
     out["host_rss_bytes"], out["host_peak_rss_bytes"] = rss, peak
     out["host_available_bytes"] = host_available()
-    if device.type == "cuda":
-        s = torch.cuda.memory_stats(device)
+    if device.type != "cpu":
+        acc = _accelerator()
+        s = acc.memory_stats(device)
         out.update(
             device_allocated_bytes=s.get("allocated_bytes.all.current", 0),
             device_active_bytes=s.get("active_bytes.all.current", 0),
@@ -140,10 +143,31 @@ def sample_memory(device: torch.device) -> dict[str, int | None]:
             device_peak_reserved_bytes=s.get("reserved_bytes.all.peak", 0),
             device_alloc_retries=s.get("num_alloc_retries", 0),
             device_ooms=s.get("num_ooms", 0),
-            device_capacity_bytes=torch.cuda.get_device_properties(device).total_memory,
+            device_capacity_bytes=_capacity(device),
         )
-        torch.cuda.reset_peak_memory_stats(device)
+        acc.reset_peak_memory_stats(device)
     return out
+
+
+def _accelerator():
+    """``torch.accelerator`` where it has the memory API (torch >= 2.9: CUDA, XPU, ...), else
+    ``torch.cuda``; both return the caching allocator's ``memory_stats`` keys used above."""
+    acc = getattr(torch, "accelerator", None)
+    return acc if acc is not None and hasattr(acc, "memory_stats") else torch.cuda
+
+
+_CAPACITY: dict[str, int] = {}
+
+
+def _capacity(device: torch.device) -> int:
+    key = str(device)
+    if key not in _CAPACITY:
+        acc = getattr(torch, "accelerator", None)
+        if acc is not None and hasattr(acc, "get_memory_info"):
+            _CAPACITY[key] = acc.get_memory_info(device)[1]
+        else:
+            _CAPACITY[key] = torch.cuda.get_device_properties(device).total_memory
+    return _CAPACITY[key]
 
 
 class RankOutOfMemoryError(RuntimeError):
@@ -281,8 +305,8 @@ class MemorySnapshots:
         path = None
         try:
             if self.cuda:
-                s = torch.cuda.memory_stats(self.device)
-                cap = torch.cuda.get_device_properties(self.device).total_memory
+                s = _accelerator().memory_stats(self.device)
+                cap = _capacity(self.device)
                 parts.insert(0, f"peak device allocated {s.get('allocated_bytes.all.peak', 0) / MiB:.0f} MiB, "
                                 f"reserved {s.get('reserved_bytes.all.peak', 0) / MiB:.0f} MiB of "
                                 f"{cap / MiB:.0f} MiB")
