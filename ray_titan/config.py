@@ -148,7 +148,8 @@ class Memory(_Section):
     on_leak: Literal["warn", "stop"] = "warn"
     """What a ``growing`` verdict does: ``warn`` prints it (console, TensorBoard, Parquet,
     ``RunResult``); ``stop`` also ends the run with an error naming the rank, its mesh
-    coordinates and the rate."""
+    coordinates and the rate. Stopping needs the collector to see the steps as they happen: on
+    Ray and in a one-process run; under ``torchrun`` the verdict is computed after the run."""
     leak_window_steps: int = Field(28, ge=8)
     """Steps in the sliding window of the slope. 28: the Theil–Sen median of 378 pairwise slopes
     shrugs off up to 8 outlying samples (breakdown point 29%: an allocator returning a block, a GC

@@ -196,7 +196,8 @@ class MetricsCollector:
                 f"{self.leak.describe(rep['rank'])}: memory {self.leak.format(v)} since step {step}; "
                 "memory.on_leak = 'stop' ended the run"
             )
-            message = f"{message}; stopping the run (memory.on_leak = 'stop')"
+            message = (f"memory: {self.leak.describe(rep['rank'])} {self.leak.format(v)} at step {step}; "
+                       "memory.on_leak = 'stop' ends the run")
         return message
 
     def _error(self, message: str) -> None:
