@@ -164,9 +164,10 @@ class Memory(_Section):
     ``stable`` below half of the threshold (hysteresis, so a rate near it does not flap)."""
     host_leak_threshold_mib_per_step: float = Field(0.5, gt=0)
     """Rate of host RSS at which a rank counts as ``growing``. Host RSS is noisier: malloc arenas,
-    Ray's core worker and gloo buffers move it, and a healthy Ray worker of the debug job rose by
-    0.08–0.2 MiB/step over its first hundred steps (measured; the Python object count stays
-    flat). 0.5 MiB/step is 2.5× that, and still 5 GiB per 10,000 steps: a node-killing leak."""
+    Ray's core worker and gloo buffers move it. On the main job a healthy Ray worker's RSS rose
+    0.06–0.2 MiB/step over the first 28 steps and 0.02–0.04 MiB/step from step 50 to 300
+    (measured, with and without ``malloc_trim``; the Python object count stays flat). 0.5 MiB/step
+    is 2.5× the highest of those, and still 5 GiB per 10,000 steps: a node-killing leak."""
     warmup_max_steps: int = Field(40, ge=1)
     """Warm-up (``warming_up``) lasts until the window is full (a verdict needs
     ``leak_window_steps`` samples) and the newest quarter of it rises over the one before by less
