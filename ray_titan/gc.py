@@ -12,9 +12,9 @@ be freed by those, so every ``full_every``-th collection and every checkpoint bo
 ranks wait anyway) is a full one, generation 2 (tens of milliseconds in a Ray worker, which holds
 many long-lived objects).
 
-After each collection, with ``malloc_trim``, glibc's ``malloc_trim(0)`` hands the free pages of
-every malloc arena back to the kernel: without it a worker's resident set keeps the high-water
-mark of its fragmented arenas and creeps up over a run (see ``[memory] malloc_trim``).
+After each collection, with ``trim`` (``[memory] malloc_trim``), glibc's ``malloc_trim(0)``
+hands the free pages of every malloc arena back to the kernel (on the main job ~25 MiB per rank,
+which the next step faults back in).
 
 Debug mode collects every step and reports the reference cycles that held tensors: objects the
 collector had to free are kept in ``gc.garbage`` (``gc.DEBUG_SAVEALL``) for inspection, their
