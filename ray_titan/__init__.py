@@ -19,12 +19,15 @@ __all__ = ["ConfigError", "JobConfig", "RunResult", "load_config", "train"]
 __version__ = "0.1.0"
 
 
-def train(config: "JobConfig | str | Path", overrides: list[str] | None = None) -> "RunResult":
+def train(
+    config: "JobConfig | str | Path", overrides: list[str] | None = None, *, callbacks: list | None = None,
+) -> "RunResult":
     """Run a training job on Ray; see :func:`ray_titan.driver.train` (imported lazily, so that
-    ``import ray_titan`` does not import Ray)."""
+    ``import ray_titan`` does not import Ray). ``callbacks``: worker-side callback objects
+    (``ray_titan.callbacks``) run on every worker."""
     from ray_titan.driver import train as _train
 
-    return _train(config, overrides)
+    return _train(config, overrides, callbacks=callbacks)
 
 
 def __getattr__(name: str):

@@ -9,6 +9,8 @@ any worker starts), 1 for a failed run or one whose metrics have errors.
 ``ray-titan config show [X.toml] [--section.key=value ...]`` prints the resolved config, every
 default included, as TOML; ``ray-titan config docs`` prints (or writes, ``--output``) the
 configuration reference ``docs/configuration.md``.
+``ray-titan report RUN_DIR`` writes ``RUN_DIR/report/loss.png`` and ``memory.png`` (every rank's
+memory with its verdicts marked) and prints a summary table per rank (``ray_titan.run_report``).
 """
 
 from __future__ import annotations
@@ -69,6 +71,14 @@ def _parser() -> argparse.ArgumentParser:
         f"copy is regenerated with: {REGENERATE}",
     )
     docs.add_argument("--output", metavar="PATH", help="write to this file instead of stdout")
+
+    rp = sub.add_parser(
+        "report",
+        help="plot a run's loss and memory and print a summary per rank",
+        description="Write RUN_DIR/report/loss.png and memory.png and print a summary table per rank.",
+    )
+    rp.add_argument("run_dir", help="a run directory (<dump_folder>/<name>-<timestamp>)")
+    rp.add_argument("--out", help="where to write the PNG files (default: RUN_DIR/report)")
     return ap
 
 
@@ -115,6 +125,21 @@ def _config(args, overrides: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ray-titan``; returns the exit status."""
     args, overrides = _parser().parse_known_args(argv)
+    if args.command == "report":
+        from ray_titan.run_report import format_table, write_report
+
+        if overrides:
+            print(f"ray-titan report: unexpected arguments {overrides}", file=sys.stderr)
+            return 2
+        try:
+            paths, rows = write_report(args.run_dir, args.out)
+        except FileNotFoundError as e:
+            print(f"ray-titan report: {e}", file=sys.stderr)
+            return 2
+        print(format_table(rows))
+        for path in paths:
+            print(f"wrote {path}")
+        return 0
     if args.command == "train":
         return _train(args, overrides)
     if args.command == "config":

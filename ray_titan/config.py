@@ -170,6 +170,93 @@ class Metrics(_Section):
     and counted (bounded so a stuck collector cannot grow a worker)."""
 
 
+class Memory(_Section):
+    """The memory verdict, synchronized GC details, memory snapshots and host-side levers
+    (section ``[memory]``). ``training.gc_freq`` sets how often every rank collects."""
+
+    on_leak: Literal["warn", "stop"] = "warn"
+    """What a ``growing`` verdict does: ``warn`` prints it (console, TensorBoard, Parquet,
+    ``RunResult``); ``stop`` also ends the run with an error naming the rank, its mesh
+    coordinates and the rate. Stopping needs the collector to see the steps as they happen: on
+    Ray and in a one-process run; under ``torchrun`` the verdict is computed after the run."""
+    leak_window_steps: int = Field(28, ge=8)
+    """Steps in the sliding window of the slope. 28: the Theil–Sen median of 378 pairwise slopes
+    shrugs off up to 8 outlying samples (breakdown point 29%: an allocator returning a block, a GC
+    round); its quarters have 7 samples, an odd count, so each quarter's median is a sample and
+    never the mean of two on either side of a jump; with them 0.5 MiB of jitter per sample and an
+    8 MiB one-time jump are not read as growth (tests/test_leak.py), and a new leak of 1 MiB/step
+    is seen ~17 steps after it starts."""
+    leak_threshold_mib_per_step: float = Field(0.1, gt=0)
+    """Rate of device allocated memory at which a rank counts as ``growing``. The caching
+    allocator's count is exact and flat after warm-up in a healthy run, so 0.1 MiB/step (1 GiB per
+    10,000 steps, a day's run on a large job) is well above its noise. A rank falls back to
+    ``stable`` below half of the threshold (hysteresis, so a rate near it does not flap)."""
+    host_leak_threshold_mib_per_step: float = Field(0.5, gt=0)
+    """Rate of host RSS at which a rank counts as ``growing``. Host RSS is noisier: malloc arenas,
+    Ray's core worker and gloo buffers move it. On the main job a healthy Ray worker's RSS rose
+    0.06–0.2 MiB/step over the first 28 steps and 0.02–0.04 MiB/step from step 50 to 300
+    (measured, with and without ``malloc_trim``; the Python object count stays flat). 0.5 MiB/step
+    is 2.5× the highest of those, and still 5 GiB per 10,000 steps: a node-killing leak."""
+    warmup_max_steps: int = Field(40, ge=1)
+    """Warm-up (``warming_up``) lasts until the window is full (a verdict needs
+    ``leak_window_steps`` samples) and the newest quarter of it rises over the one before by less
+    than the threshold rate (memory flattened), and ends at this step at the latest, so a leak from
+    step 1 (which never flattens) is reported ``growing`` at this step. Must be >=
+    ``leak_window_steps``."""
+    snapshot_steps: list[int] = Field(default_factory=list)
+    """Steps after which every rank writes a memory snapshot to ``<run_dir>/memory/``: on CUDA a
+    pickled ``torch.cuda.memory`` snapshot (view at pytorch.org/memory_viz), on CPU the torch
+    profiler's memory timeline of that step. Recording on CUDA starts at step 1."""
+    snapshot_on_oom: bool = True
+    """On CUDA, record the allocation history from step 1 so that an out-of-memory error leaves a
+    snapshot (costs a few percent of step time); on CPU an OOM writes the live tensors instead."""
+    history_max_entries: int = Field(100_000, gt=0)
+    """Allocation events kept by ``torch.cuda.memory._record_memory_history``."""
+    gc_full_every: int = Field(10, ge=0)
+    """Every this many synchronized collections is a full one (generation 2); 0: never, except at
+    checkpoint boundaries. Generation 1 every ``gc_freq`` steps frees a step's young cycles
+    cheaply; with automatic GC off nothing else would ever free cycles that reached generation 2,
+    so a full collection (tens of ms in a Ray worker) runs now and then, at the same steps."""
+    malloc_trim: bool = False
+    """After every synchronized GC, glibc ``malloc_trim(0)`` returns the free pages of all malloc
+    arenas to the kernel (part of the GC pause; a no-op without glibc). Measured on the main job
+    it hands back ~25 MiB per rank, the step's freed working set, which the next step faults back
+    in: RSS between collections and its slow rise are unchanged, so it is off by default; useful
+    before a phase that needs host memory elsewhere."""
+    gc_debug: bool = False
+    """Collect every step and print (on the worker's stderr) the reference cycles that held
+    tensors: a debugging mode, slower."""
+    cpu_offload: bool = False
+    """FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state live in host
+    memory (pinned on CUDA) and the optimizer steps on the CPU. Needs ``parallelism.dp_shard`` > 1."""
+
+
+class ActivationCheckpoint(_Section):
+    """Activation checkpointing of transformer blocks (section ``[activation_checkpoint]``):
+    trade recomputation in backward for the activations kept from forward."""
+
+    mode: Literal["none", "full", "selective"] = "none"
+    """``full``: every block keeps only its input and recomputes the rest in backward.
+    ``selective``: see ``selective_option``."""
+    selective_option: Literal["op", "layer"] = "op"
+    """``op``: every block saves the outputs of matrix multiplications and attention and
+    recomputes the cheap ones (norms, rotary embeddings, activations, products); ``layer``:
+    full checkpointing of every ``layer_freq``-th block."""
+    layer_freq: int = Field(2, gt=0)
+    """With ``selective_option = "layer"``: blocks whose index in the whole model is a multiple
+    of this are checkpointed (1 = every block = ``full``)."""
+
+
+class Callback(_Section):
+    """One worker-side callback (a ``[[callbacks]]`` table)."""
+
+    target: str
+    """``"package.module:name"``: a :class:`ray_titan.callbacks.Callback` subclass or a factory,
+    importable on every worker."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments it is called with."""
+
+
 class RayConfig(_Section):
     """How the job is placed on Ray (section ``[ray]``)."""
 
@@ -197,6 +284,10 @@ class JobConfig(_Section):
     lr_scheduler: LRScheduler = Field(default_factory=LRScheduler)
     metrics: Metrics = Field(default_factory=Metrics)
     ray: RayConfig = Field(default_factory=RayConfig)
+    memory: Memory = Field(default_factory=Memory)
+    activation_checkpoint: ActivationCheckpoint = Field(default_factory=ActivationCheckpoint)
+    callbacks: list[Callback] = Field(default_factory=list)
+    """Worker-side callbacks, run on every worker (``[[callbacks]]`` tables)."""
 
     @property
     def world_size(self) -> int:
@@ -407,6 +498,7 @@ def validate_job(cfg: JobConfig) -> None:
             f"training.seq_len = {tr.seq_len} exceeds the model's maximum sequence length "
             f"{margs.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}); use <= {margs.max_seq_len}"
         )
+    _validate_memory(cfg)
     check_source(cfg.data)
     try:
         build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
@@ -415,3 +507,42 @@ def validate_job(cfg: JobConfig) -> None:
             f"data.tokenizer = {cfg.data.tokenizer!r}, data.tokenizer_path = "
             f"{cfg.data.tokenizer_path!r}: {e}"
         ) from None
+
+
+def _validate_memory(cfg: JobConfig) -> None:
+    """Checks of ``[memory]``, ``[activation_checkpoint]`` and ``[[callbacks]]``."""
+    from ray_titan.callbacks import load_callback
+
+    mem, steps = cfg.memory, cfg.training.steps
+    bad = sorted(s for s in mem.snapshot_steps if not 1 <= s <= steps)
+    if bad:
+        raise ConfigError(
+            f"memory.snapshot_steps = {mem.snapshot_steps}: step(s) {bad} are outside the run "
+            f"(1 .. training.steps = {steps})"
+        )
+    if mem.warmup_max_steps < mem.leak_window_steps:
+        raise ConfigError(
+            f"memory.warmup_max_steps = {mem.warmup_max_steps} is below memory.leak_window_steps = "
+            f"{mem.leak_window_steps}: a verdict needs a full window; use warmup_max_steps >= "
+            f"{mem.leak_window_steps}"
+        )
+    if mem.cpu_offload and cfg.parallelism.dp_shard < 2:
+        raise ConfigError(
+            f"memory.cpu_offload = true offloads FSDP2's shards, but parallelism.dp_shard = "
+            f"{cfg.parallelism.dp_shard} applies no FSDP2; use dp_shard >= 2 or cpu_offload = false"
+        )
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_option == "layer":
+        from ray_titan.models.registry import get_model_args
+
+        n_layers = get_model_args(cfg.model.name, cfg.model.flavor).n_layers
+        if ac.layer_freq > n_layers:
+            raise ConfigError(
+                f"activation_checkpoint.layer_freq = {ac.layer_freq} exceeds the model's {n_layers} "
+                f"layers: only layer 0 would be checkpointed; use 1 .. {n_layers}"
+            )
+    for i, cb in enumerate(cfg.callbacks):
+        try:
+            load_callback(cb.target, cb.kwargs)
+        except ValueError as e:
+            raise ConfigError(f"callbacks[{i}].target = {cb.target!r}: {e}") from None

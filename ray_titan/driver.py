@@ -42,6 +42,9 @@ class RunResult:
     mean over the last pipeline stage's DP ranks, nats per token). ``errors``: steps the
     collector could not assemble or reports it found wrong (empty for a healthy run).
     ``run_dir``: a local :class:`~pathlib.Path`, or the URI string of a remote run directory.
+    ``memory_verdicts``: every rank's last memory verdict, ``{rank: {"verdict", "slope_mib_per_step",
+    "oom_step", "source", "coords"}}`` (``ray_titan.metrics.leak``); the verdict of every step is
+    in ``steps``. ``memory_snapshots``: the files under ``<run_dir>/memory/``.
     """
 
     run_dir: Path | str
@@ -49,6 +52,8 @@ class RunResult:
     final_loss: float | None
     errors: list[str] = field(default_factory=list)
     config: JobConfig | None = None
+    memory_verdicts: dict[int, dict[str, Any]] = field(default_factory=dict)
+    memory_snapshots: list[Path] = field(default_factory=list)
 
     @property
     def metrics_path(self) -> Path | str:
@@ -152,24 +157,30 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         reporter = JsonlReporter(rank_reports_path(loop_config["run_dir"], rank), reporter)
     # Only a worker that reserved a GPU may use one; Ray does not hide unreserved GPUs.
     device = ray.train.torch.get_device() if cfg.ray.use_gpu else torch.device("cpu")
-    train_loop(cfg, reporter, device)
+    train_loop(cfg, reporter, device, loop_config["run_dir"], loop_config.get("callbacks"))
 
 
-def train(config: JobConfig | str | Path, overrides: list[str] | None = None, progress: str = "auto") -> RunResult:
+def train(
+    config: JobConfig | str | Path, overrides: list[str] | None = None, progress: str = "auto", *,
+    callbacks: list | None = None,
+) -> RunResult:
     """Run a training job on Ray and return its :class:`RunResult`.
 
     ``config`` is a :class:`JobConfig` or the path of a TOML job config; ``overrides`` are
     dotted flags (``["--training.steps=50"]``). ``progress``: ``auto`` (a progress bar when
-    stdout is a terminal, plain lines otherwise), ``bar`` or ``lines``. Raises
-    :class:`ConfigError` for an invalid job before any worker starts, and
-    ``ray.train.TrainingFailedError`` if training fails (the metrics recorded until then stay
-    in the run directory).
+    stdout is a terminal, plain lines otherwise), ``bar`` or ``lines``. ``callbacks``:
+    worker-side callback objects (``ray_titan.callbacks``), pickled to every worker and run after
+    those of the config. Raises :class:`ConfigError` for an invalid job before any worker starts,
+    :class:`~ray_titan.metrics.leak.MemoryLeakError` when a rank's memory grew and
+    ``memory.on_leak = "stop"`` ended the run, and ``ray.train.TrainingFailedError`` if training
+    fails otherwise (the metrics recorded until then stay in the run directory).
     """
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from ray_titan.metrics.collector import MetricsCollector
+    from ray_titan.metrics.leak import MemoryLeakError, leak_settings
     from ray_titan.metrics.sinks import read_steps
     from ray_titan.progress import ConsoleThread, make_display
     from ray_titan.train_loop import parallel_dims
@@ -206,6 +217,7 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None, pr
     collector = ray.remote(MetricsCollector).options(num_cpus=0, max_restarts=0).remote(
         str(run_dir), dims.world_size, dims.last_stage_ranks(), cfg.training.steps,
         cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
+        leak_settings(cfg.memory), cfg.memory.on_leak,
     )
     print(
         f"ray_titan: run {run_dir.name}: {dims.world_size} workers (pp={dims.pp} × "
@@ -215,7 +227,8 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None, pr
     )
     trainer = TorchTrainer(
         _worker_entry,
-        train_loop_config={"config": cfg.model_dump(), "collector": collector, "run_dir": str(run_dir)},
+        train_loop_config={"config": cfg.model_dump(), "collector": collector, "run_dir": str(run_dir),
+                           "callbacks": list(callbacks or [])},
         torch_config=TorchConfig(backend="nccl" if cfg.ray.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=dims.world_size, use_gpu=cfg.ray.use_gpu,
@@ -246,12 +259,16 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None, pr
         ray.kill(collector)
     if failure is not None:
         print(f"ray_titan: run failed; metrics so far in {_under(run_dir, 'metrics')}", file=sys.stderr)
+        if summary.get("stop"):
+            raise MemoryLeakError(summary["stop"]) from failure
         raise failure
     for err in summary["errors"]:
         print(f"ray_titan: metrics error: {err}", file=sys.stderr)
     result = RunResult(
         run_dir=run_dir, steps=read_steps(run_dir), final_loss=summary["final_loss"],
         errors=summary["errors"], config=cfg,
+        memory_verdicts=summary.get("memory_verdicts", {}),
+        memory_snapshots=sorted((run_dir / "memory").glob("*")) if (run_dir / "memory").is_dir() else [],
     )
     print(f"ray_titan: done: final loss {result.final_loss}, metrics {result.metrics_path}", flush=True)
     return result

@@ -1,37 +1,150 @@
 """Synchronized garbage collection (DESIGN.md, lesson 5).
 
-Automatic GC is turned off for the run; every rank collects generation 1 at the same steps, so
-no rank stalls the others' next collective by collecting at its own moment. The pause is timed
-and reported. The previous GC state is restored by :meth:`GarbageCollection.close`.
+Automatic GC is turned off for the run; every rank collects at the same steps, so no rank stalls
+the others' next collective by collecting at its own moment. Each collection is timed and
+reported (pause in seconds and the generation collected). The previous GC state (enabled or
+not, debug flags) is restored by :meth:`GarbageCollection.close`.
+
+Which generation: every ``gc_freq`` steps generation 1 (young objects: the cycles a step
+creates, such as autograd graphs captured by closures, are young when they die; a pass costs
+about a millisecond). With automatic GC off, a cycle that survived into generation 2 would never
+be freed by those, so every ``full_every``-th collection and every checkpoint boundary (where the
+ranks wait anyway) is a full one, generation 2 (tens of milliseconds in a Ray worker, which holds
+many long-lived objects).
+
+After each collection, with ``trim`` (``[memory] malloc_trim``), glibc's ``malloc_trim(0)``
+hands the free pages of every malloc arena back to the kernel (on the main job ~25 MiB per rank,
+which the next step faults back in).
+
+Debug mode collects every step and reports the reference cycles that held tensors: objects the
+collector had to free are kept in ``gc.garbage`` (``gc.DEBUG_SAVEALL``) for inspection, their
+tensors summed and described, and then released.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
+import sys
 import time
+from dataclasses import dataclass
 
-__all__ = ["GarbageCollection"]
+__all__ = ["GarbageCollection", "GCResult", "cycle_tensors", "malloc_trim"]
+
+_LIBC: ctypes.CDLL | None | bool = False
+
+
+def malloc_trim() -> bool:
+    """Return the free memory of every glibc malloc arena to the kernel (``malloc_trim(0)``).
+    Returns False where the C library has no ``malloc_trim`` (musl, macOS)."""
+    global _LIBC
+    if _LIBC is False:
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC = lib if hasattr(lib, "malloc_trim") else None
+        except OSError:
+            _LIBC = None
+    if _LIBC is None:
+        return False
+    _LIBC.malloc_trim(0)
+    return True
+
+
+@dataclass
+class GCResult:
+    """One step's GC: ``pause_s`` (seconds, 0.0 without a collection), ``generation`` collected
+    (None without one), and in debug mode the tensors found in collected cycles (count and
+    bytes, and a short description of each cycle's tensors)."""
+
+    pause_s: float = 0.0
+    generation: int | None = None
+    cycle_tensors: int = 0
+    cycle_tensor_bytes: int = 0
+    description: str = ""
+
+
+def cycle_tensors(objects: list) -> tuple[int, int, str]:
+    """Tensors among ``objects`` (the contents of ``gc.garbage``): their count, their bytes
+    (each storage once) and a description of the largest few (shape, dtype, and the types of
+    the objects in the cycle that referred to them)."""
+    import torch
+
+    tensors = [o for o in objects if isinstance(o, torch.Tensor)]
+    if not tensors:
+        return 0, 0, ""
+    storages: dict[int, int] = {}
+    for t in tensors:
+        try:
+            st = t.untyped_storage()
+            storages[st.data_ptr() or id(st)] = st.nbytes()
+        except Exception:
+            continue
+    ids = {id(o) for o in objects}
+    parts = []
+    for t in sorted(tensors, key=lambda t: -t.numel())[:5]:
+        holders = sorted({type(r).__name__ for r in gc.get_referrers(t) if id(r) in ids})
+        parts.append(f"tensor{tuple(t.shape)} {t.dtype} held by {', '.join(holders) or '?'}")
+    return len(tensors), sum(storages.values()), "; ".join(parts)
 
 
 class GarbageCollection:
     """Collect every ``gc_freq`` steps (``gc_freq`` > 0) on every rank.
 
-    :meth:`run` returns the pause in seconds, 0.0 on steps without a collection.
+    Args:
+        gc_freq: steps between collections (generation 1).
+        full_every: every this many collections is a full one (generation 2); 0: only at
+            checkpoint boundaries (:meth:`at_checkpoint`).
+        debug: collect every step and look for reference cycles that held tensors.
+        rank: named in debug messages.
+        trim: call :func:`malloc_trim` after each collection (its time is part of the pause).
     """
 
-    def __init__(self, gc_freq: int, generation: int = 1):
-        self.gc_freq, self.generation = gc_freq, generation
+    def __init__(self, gc_freq: int, full_every: int = 10, debug: bool = False, rank: int = 0,
+                 trim: bool = False):
+        self.gc_freq, self.full_every, self.debug, self.rank = gc_freq, full_every, debug, rank
+        self.trim = trim
+        self.collections = 0
         self._was_enabled = gc.isenabled()
+        self._old_flags = gc.get_debug()
         gc.disable()
-        gc.collect(generation)
+        gc.collect(1)
 
-    def run(self, step: int) -> float:
-        if step % self.gc_freq:
-            return 0.0
+    def _collect(self, generation: int) -> GCResult:
+        if self.debug:
+            gc.set_debug(self._old_flags | gc.DEBUG_SAVEALL)
         t0 = time.perf_counter()
-        gc.collect(self.generation)
-        return time.perf_counter() - t0
+        gc.collect(generation)
+        if self.trim:
+            malloc_trim()
+        res = GCResult(time.perf_counter() - t0, generation)
+        if self.debug:
+            gc.set_debug(self._old_flags)
+            garbage = list(gc.garbage)
+            gc.garbage.clear()
+            res.cycle_tensors, res.cycle_tensor_bytes, res.description = cycle_tensors(garbage)
+            del garbage
+            gc.collect(generation)  # now really free what DEBUG_SAVEALL kept
+            if res.cycle_tensors:
+                print(f"ray_titan: gc debug: rank {self.rank}: reference cycles held {res.cycle_tensors} "
+                      f"tensor(s), {res.cycle_tensor_bytes} bytes: {res.description}",
+                      file=sys.stderr, flush=True)
+        self.collections += 1
+        return res
+
+    def run(self, step: int) -> GCResult:
+        """The collection due at ``step`` (every step in debug mode), or an empty result."""
+        if not self.debug and step % self.gc_freq:
+            return GCResult()
+        full = self.full_every and (self.collections + 1) % self.full_every == 0
+        return self._collect(2 if full else 1)
+
+    def at_checkpoint(self) -> GCResult:
+        """A full collection at a checkpoint boundary (call it at the same step on every rank)."""
+        return self._collect(2)
 
     def close(self) -> None:
+        """Restore the GC state found at construction."""
+        gc.set_debug(self._old_flags)
         if self._was_enabled:
             gc.enable()

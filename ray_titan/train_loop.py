@@ -24,14 +24,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ray_titan.callbacks import CallbackContext, CallbackList, load_callback
 from ray_titan.config import JobConfig, load_config
 from ray_titan.data.corpus import load_texts
 from ray_titan.data.loader import PackedLoader
 from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.gc import GarbageCollection
-from ray_titan.metrics.memory import sample_memory
+from ray_titan.metrics.memory import MemorySnapshots, sample_memory
 from ray_titan.metrics.report import Reporter, StepReport
 from ray_titan.models.registry import build_model, is_moe
+from ray_titan.parallel.ac import apply_ac
 from ray_titan.parallel.dims import ParallelDims
 from ray_titan.parallel.expert import MoEStepState, apply_expert_parallel
 from ray_titan.parallel.fsdp import apply_fsdp, resolve_reshard_after_forward
@@ -89,14 +91,20 @@ def _build_optimizer(cfg: JobConfig, params: list[torch.nn.Parameter]) -> torch.
     return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
-def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None = None) -> dict[str, Any]:
+def train_loop(
+    cfg: JobConfig, reporter: Reporter, device: torch.device | None = None,
+    run_dir: str | Path | None = None, callbacks: list | None = None,
+) -> dict[str, Any]:
     """Train ``cfg`` on this rank, sending one :class:`StepReport` per step to ``reporter``.
 
     ``device`` is where this rank computes (default CPU); the caller picks it, since only the
     launcher knows which GPU, if any, is this rank's. Needs ``torch.distributed`` initialised
-    with ``world_size == cfg.world_size`` unless the mesh is a single rank. Returns a small
-    summary of this rank (``rank``, ``steps``, ``last_loss``). Raises ``RuntimeError`` when the
-    process group does not match the mesh.
+    with ``world_size == cfg.world_size`` unless the mesh is a single rank. ``run_dir``: where
+    memory snapshots go (``<run_dir>/memory/``; none without it). ``callbacks``: worker-side
+    callbacks (``ray_titan.callbacks``), run after those of ``cfg.callbacks``. Returns a small
+    summary of this rank (``rank``, ``steps``, ``last_loss``, ``snapshots``). Raises
+    ``RuntimeError`` when the process group does not match the mesh, and
+    ``RankOutOfMemoryError`` (after writing a snapshot) when the rank runs out of memory.
     """
     dims = parallel_dims(cfg)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -134,8 +142,11 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
         mod = build_stage_module(whole, split[s], first=s == 0, last=s == dims.num_stages - 1)
         if dims.ep > 1:
             apply_expert_parallel(mod, mesh["ep"])
+        ac = cfg.activation_checkpoint
+        apply_ac(mod, ac.mode, ac.selective_option, ac.layer_freq)
         if dims.dp_shard > 1:
-            apply_fsdp(mod, mesh["dp_shard"], reshard, mesh["dp_shard_mod_ep"] if dims.ep > 1 else None)
+            apply_fsdp(mod, mesh["dp_shard"], reshard, mesh["dp_shard_mod_ep"] if dims.ep > 1 else None,
+                       cpu_offload=cfg.memory.cpu_offload)
         mod.to_empty(device=device)
         mod.init_weights(cfg.training.seed)
         mod.train()
@@ -166,10 +177,19 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
             optimizer.zero_grad(set_to_none=True)
             moe.reset()
 
-    gc_policy = GarbageCollection(cfg.training.gc_freq)
-    last_loss = None
+    mem = cfg.memory
+    gc_policy = GarbageCollection(cfg.training.gc_freq, mem.gc_full_every, mem.gc_debug, rank, mem.malloc_trim)
+    snapshots = MemorySnapshots(run_dir, rank, coords, device, mem.snapshot_steps, mem.snapshot_on_oom,
+                                mem.history_max_entries)
+    hooks = _callbacks(cfg, callbacks, CallbackContext(
+        rank, coords, world, device, Path(run_dir) if run_dir is not None else None, cfg))
+    last_loss, step, error = None, 0, None
     try:
+        snapshots.start()
+        hooks.on_train_start()
         for step in range(1, cfg.training.steps + 1):
+            hooks.on_step_begin(step)
+            snapshots.before_step(step)
             t0 = time.perf_counter()
             inputs, labels = next(loader)
             inputs, labels = inputs.to(device), labels.to(device)
@@ -207,22 +227,42 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
             scheduler.step()
             aux_loss, moe_layers, expert_load = moe.end_step()
             t3 = time.perf_counter()
-            gc_pause = gc_policy.run(step)
+            gc_result = gc_policy.run(step)
             memory = sample_memory(device)
             t4 = time.perf_counter()
-            reporter.report(StepReport(
+            report = StepReport(
                 step=step, rank=rank, coords=coords, is_last_stage=is_last, loss=loss,
                 tokens=labels.numel(), step_time_s=t4 - t0, data_time_s=t1 - t0,
                 fwd_bwd_time_s=t2 - t1, optim_time_s=t3 - t2, grad_norm=grad_norm, lr=lr,
-                memory=memory, gc_pause_s=gc_pause, time=time.time(),
+                memory=memory, gc_pause_s=gc_result.pause_s, time=time.time(),
+                gc_generation=gc_result.generation,
                 aux_loss=aux_loss, moe_layers=moe_layers, expert_load=expert_load,
-            ))
+            )
+            hooks.on_step_end(step, report)
+            reporter.report(report)
             last_loss = loss
             del inputs, labels
+            snapshots.after_step(step)
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        error = snapshots.oom(step, e)
+        raise error from e
+    except BaseException as e:
+        error = e
+        raise
     finally:
+        snapshots.close()
         gc_policy.close()
-        reporter.close()
-    return {"rank": rank, "steps": cfg.training.steps, "last_loss": last_loss}
+        try:
+            hooks.on_train_end(error)
+        finally:
+            reporter.close()
+    return {"rank": rank, "steps": cfg.training.steps, "last_loss": last_loss,
+            "snapshots": [str(p) for p in snapshots.paths]}
+
+
+def _callbacks(cfg: JobConfig, extra: list | None, ctx: CallbackContext) -> CallbackList:
+    built = [load_callback(c.target, c.kwargs) for c in cfg.callbacks]
+    return CallbackList(built + list(extra or []), ctx)
 
 
 def _main(argv: list[str] | None = None) -> None:
@@ -236,6 +276,7 @@ def _main(argv: list[str] | None = None) -> None:
     from ray_titan.config import validate_job
     from ray_titan.driver import make_run_dir, resolve_paths
     from ray_titan.metrics.collector import MetricsCollector
+    from ray_titan.metrics.leak import leak_settings
     from ray_titan.metrics.report import JsonlReporter, LocalReporter, rank_reports_path, read_rank_reports
 
     ap = argparse.ArgumentParser(prog="python -m ray_titan.train_loop", description=_main.__doc__)
@@ -263,6 +304,7 @@ def _main(argv: list[str] | None = None) -> None:
         return MetricsCollector(
             str(run_dir), world, dims.last_stage_ranks(), cfg.training.steps, cfg.metrics.log_freq,
             cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
+            leak_settings(cfg.memory), cfg.memory.on_leak,
         )
 
     if world == 1:
@@ -270,13 +312,15 @@ def _main(argv: list[str] | None = None) -> None:
 
         class _Printing(LocalReporter):
             def report(self, rep):
-                super().report(rep)
-                for line in self.collector.drain_lines():
-                    print(line, flush=True)
+                try:
+                    super().report(rep)
+                finally:
+                    for line in self.collector.drain_lines():
+                        print(line, flush=True)
 
-        train_loop(cfg, _Printing(collector), device)
+        train_loop(cfg, _Printing(collector), device, run_dir)
     else:
-        train_loop(cfg, JsonlReporter(rank_reports_path(run_dir, rank)), device)
+        train_loop(cfg, JsonlReporter(rank_reports_path(run_dir, rank)), device, run_dir)
         dist.barrier()
         if rank == 0:
             collector = new_collector()

@@ -88,6 +88,15 @@ def _cfg(*overrides: str) -> JobConfig:
           "--parallelism.microbatches=1", "--training.global_batch_size=3"],
          r"parallelism.ep = 3 does not divide the 8 routed experts of deepseek_v2/debug"),
         (["--model.name=deepseek_v2", "--model.load_balance=sometimes"], r"model.load_balance = 'sometimes'"),
+        (["--memory.snapshot_steps=[0, 5, 400]"],
+         r"memory.snapshot_steps = \[0, 5, 400\]: step\(s\) \[0, 400\] are outside the run \(1 .. training.steps = 300\)"),
+        (["--memory.warmup_max_steps=20"], r"memory.warmup_max_steps = 20 is below memory.leak_window_steps = 28: a verdict needs a full window"),
+        (["--memory.cpu_offload=true", "--parallelism.dp_shard=1"],
+         r"memory.cpu_offload = true offloads FSDP2's shards, but parallelism.dp_shard = 1 applies no FSDP2"),
+        (["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=layer",
+          "--activation_checkpoint.layer_freq=9"], r"activation_checkpoint.layer_freq = 9 exceeds the model's 4 layers"),
+        (["--memory.on_leak=halt"], r"memory.on_leak = 'halt': Input should be 'warn' or 'stop'"),
+        (["--activation_checkpoint.mode=partial"], r"activation_checkpoint.mode = 'partial'"),
     ],
 )
 def test_validation_errors_name_setting_value_and_fix(overrides, message, monkeypatch):
@@ -149,3 +158,33 @@ def test_warmup_longer_than_the_run_is_a_warning_not_an_error():
     (warning,) = job_warnings(_cfg("--training.steps=10"))
     assert "warmup_steps = 20 is not below training.steps = 10" in warning
     validate_job(_cfg("--training.steps=10"))
+
+
+@pytest.mark.parametrize(
+    "callback, message",
+    [
+        ({"target": "ray_titan.callbacks.InjectLeak"}, r"is not of the form 'package.module:name'"),
+        ({"target": "no_such_module_x:Cb"}, r"cannot import 'no_such_module_x'"),
+        ({"target": "ray_titan.callbacks:Nope"}, r"'ray_titan.callbacks' has no 'Nope'"),
+        ({"target": "ray_titan.callbacks:InjectLeak", "kwargs": {"rank": 1}},
+         r"with kwargs \{'rank': 1\}: TypeError: .*unexpected keyword argument 'rank'"),
+    ],
+)
+def test_bad_callback_is_refused_before_workers(callback, message, monkeypatch):
+    monkeypatch.setattr(driver, "_connect", lambda cfg: pytest.fail("connected to Ray"))
+    cfg = JobConfig.from_dict({"callbacks": [callback]})
+    with pytest.raises(ConfigError, match=r"callbacks\[0\].target = .*" + message):
+        driver.train(cfg)
+
+
+def test_callbacks_and_memory_sections_load_from_toml(tmp_path):
+    (tmp_path / "c.toml").write_text(
+        '[memory]\non_leak = "stop"\nsnapshot_steps = [3]\n'
+        '[activation_checkpoint]\nmode = "full"\n'
+        '[[callbacks]]\ntarget = "ray_titan.callbacks:InjectLeak"\nkwargs = { ranks = [1], mib_per_step = 2.0 }\n'
+    )
+    cfg = load_config(tmp_path / "c.toml")
+    assert cfg.memory.on_leak == "stop" and cfg.memory.snapshot_steps == [3]
+    assert cfg.activation_checkpoint.mode == "full"
+    assert cfg.callbacks[0].kwargs == {"ranks": [1], "mib_per_step": 2.0}
+    validate_job(cfg)

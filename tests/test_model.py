@@ -104,5 +104,5 @@ def test_last_stage_ranks_come_from_the_stage_mapping():
     assert interleaved.last_stage_ranks() == [2, 3]
     assert ParallelDims(pp=3, dp_shard=1).last_stage_ranks() == [2]
     assert ParallelDims(pp=1, dp_shard=4).last_stage_ranks() == [0, 1, 2, 3]
-    assert ParallelDims(pp=2, dp_shard=3).coords(4) == {"pp": 1, "dp_shard": 1, "ep": 0}
+    assert ParallelDims(pp=2, dp_shard=3).coords(4) == {"pp": 1, "dp_shard": 1}
     assert ParallelDims(pp=2, dp_shard=4, ep=2).coords(7) == {"pp": 1, "dp_shard": 3, "ep": 1}

@@ -12,6 +12,10 @@ step reports; when every rank has reported a step, the collector assembles it:
 - one row per rank (timings, memory, GC pause) to Parquet, scalars to TensorBoard, and a console
   line at the first step, every ``log_freq`` steps and at the last step, which the driver drains
   and prints.
+- a memory verdict per rank (``ray_titan.metrics.leak``: warming_up / stable / growing, MiB per
+  step, projected OOM step) in every row and in TensorBoard, and a console line whenever a rank's
+  verdict changes. With ``on_leak = "stop"`` a ``growing`` verdict sets :attr:`stop_reason`,
+  which every later :meth:`MetricsCollector.report` call returns to the workers.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_titan import storage
+from ray_titan.metrics.leak import GROWING, LeakMonitor, leak_settings
 from ray_titan.metrics.memory import MEMORY_FIELDS
 from ray_titan.metrics.sinks import ParquetSink, TensorBoardSink
 
@@ -85,6 +90,9 @@ class MetricsCollector:
         log_freq: console line every this many steps.
         flush_every_steps: Parquet part and TensorBoard flush every this many assembled steps.
         enable_tensorboard: write TensorBoard event files.
+        leak: settings of the memory verdict, keyword arguments of
+            :class:`~ray_titan.metrics.leak.LeakMonitor` (default: its defaults in ``[memory]``).
+        on_leak: ``"warn"`` or ``"stop"`` (see the module docstring).
     """
 
     MAX_ERRORS = 1000
@@ -98,6 +106,8 @@ class MetricsCollector:
         log_freq: int = 10,
         flush_every_steps: int = 20,
         enable_tensorboard: bool = True,
+        leak: dict[str, Any] | None = None,
+        on_leak: str = "warn",
     ):
         self.mirror = None
         if storage.is_remote(run_dir):
@@ -119,16 +129,21 @@ class MetricsCollector:
         self.dropped: dict[int, int] = {}
         self._since_flush = 0
         self._closed = False
+        self.leak = LeakMonitor(**(leak or leak_settings()))
+        self.on_leak = on_leak
+        self.stop_reason: str | None = None
 
     # -- worker-facing -------------------------------------------------------------------------
-    def report(self, batch: list[dict[str, Any]], dropped: int = 0) -> None:
-        """Accept a batch of step reports (``StepReport.to_dict()``) from one rank."""
+    def report(self, batch: list[dict[str, Any]], dropped: int = 0) -> dict[str, str] | None:
+        """Accept a batch of step reports (``StepReport.to_dict()``) from one rank. Returns
+        ``{"stop": reason}`` once the run must stop (``on_leak = "stop"``), else None."""
         for rep in batch:
             self._pending.setdefault(rep["step"], {})[rep["rank"]] = rep
             if dropped:
                 self.dropped[rep["rank"]] = dropped
         for step in sorted(s for s, reps in self._pending.items() if len(reps) == self.world_size):
             self._assemble(step, self._pending.pop(step))
+        return {"stop": self.stop_reason} if self.stop_reason else None
 
     # -- driver-facing -------------------------------------------------------------------------
     def drain_lines(self) -> list[str]:
@@ -168,6 +183,8 @@ class MetricsCollector:
             "lines": self.drain_lines(),
             "latest": self.latest,
             "steps_path": self._steps_path,
+            "memory_verdicts": self.leak.summary(),
+            "stop": self.stop_reason,
         }
 
     # -- internals -----------------------------------------------------------------------------
@@ -200,13 +217,17 @@ class MetricsCollector:
             (max(c) * len(c) / sum(c) for c in load.values() if sum(c)), default=None
         )
         flat = [self._row(r, summary) for r in rows]
+        changes = [self._verdict(step, r, row) for r, row in zip(rows, flat)]
         self.parquet.add(flat)
         if self.tb:
             self.tb.add_step(step, {k: summary[k] for k in ("loss", "loss_max", "tokens_per_s", "lr", "grad_norm", "step_time_s", "moe/aux_loss")}, flat)
             if load:
                 self.tb.add_expert_load(step, load)
+            for message in filter(None, changes):
+                self.tb.add_text("memory/verdict", message, step)
         if step % self.log_freq == 0 or step == self.total_steps or step == 1:
             self._lines.append(format_step_line(step, self.total_steps, summary, flat))
+        self._lines += filter(None, changes)
         self.assembled += 1
         if step >= self.last_step:  # the newest step's loss, None (and an error) if it had none
             self.last_step, self.final_loss = step, loss
@@ -215,6 +236,20 @@ class MetricsCollector:
         self._since_flush += 1
         if self._since_flush >= self.flush_every:
             self.flush()
+
+    def _verdict(self, step: int, rep: dict[str, Any], row: dict[str, Any]) -> str | None:
+        """Put the rank's memory verdict into its row; the console message if it changed."""
+        v, message = self.leak.update(step, {**rep["memory"], "rank": rep["rank"], "coords": rep["coords"]})
+        row.update(memory_verdict=v.verdict, memory_slope_mib_per_step=v.slope_mib_per_step,
+                   memory_oom_step=v.oom_step)
+        if v.verdict == GROWING and self.on_leak == "stop" and self.stop_reason is None:
+            self.stop_reason = (
+                f"{self.leak.describe(rep['rank'])}: memory {self.leak.format(v)} since step {step}; "
+                "memory.on_leak = 'stop' ended the run"
+            )
+            message = (f"memory: {self.leak.describe(rep['rank'])} {self.leak.format(v)} at step {step}; "
+                       "memory.on_leak = 'stop' ends the run")
+        return message
 
     def _error(self, message: str) -> None:
         # Bounded: a systematic error would otherwise add one message per step.
@@ -248,6 +283,7 @@ class MetricsCollector:
         row.update({axis: r["coords"].get(axis, 0) for axis in ("pp", "dp_shard", "ep")})
         row.update(aux_loss=r.get("aux_loss"), moe_layers=r.get("moe_layers") or [],
                    expert_load=r.get("expert_load") or [])
+        row["gc_generation"] = r.get("gc_generation")
         row.update({k: r["memory"].get(k) for k in MEMORY_FIELDS})
         row.update(step_loss=s["loss"], step_loss_max=s["loss_max"], step_tokens=s["tokens"],
                    step_tokens_per_s=s["tokens_per_s"])

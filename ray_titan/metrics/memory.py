@@ -1,4 +1,4 @@
-"""Per-rank memory sampling, cheap enough to run every step.
+"""Per-rank memory sampling, cheap enough to run every step, and memory snapshots.
 
 =========================  =====  ==========================================================
 field                      unit   source
@@ -6,29 +6,56 @@ field                      unit   source
 host_rss_bytes             bytes  ``VmRSS`` in ``/proc/self/status``: resident set now
 host_peak_rss_bytes        bytes  ``VmHWM`` in ``/proc/self/status``: peak resident set of
                                   the process so far
-device_allocated_bytes     bytes  ``allocated_bytes.all.current`` (``torch.cuda.memory_stats``)
+host_available_bytes       bytes  what the node can still give this process: ``MemAvailable``
+                                  in ``/proc/meminfo``, or less where the process's cgroup
+                                  (v2 ``memory.max`` − ``memory.current``, v1
+                                  ``memory.limit_in_bytes`` − ``memory.usage_in_bytes``) sets
+                                  a tighter limit
+device_allocated_bytes     bytes  ``allocated_bytes.all.current`` (``torch.accelerator.memory_stats``,
+                                  ``torch.cuda.memory_stats`` on older torch)
 device_active_bytes        bytes  ``active_bytes.all.current``
 device_reserved_bytes      bytes  ``reserved_bytes.all.current``: held by the caching allocator
 device_peak_active_bytes   bytes  ``active_bytes.all.peak`` since the previous sample (peaks are
-                                  reset after each sample)
+                                  reset after each sample, ``reset_peak_memory_stats``)
 device_peak_reserved_bytes bytes  ``reserved_bytes.all.peak`` since the previous sample
-device_alloc_retries       count  ``num_alloc_retries``: cudaMalloc retries after freeing cache
-device_ooms                count  ``num_ooms``: out-of-memory errors caught by the allocator
-device_capacity_bytes      bytes  ``torch.cuda.get_device_properties(..).total_memory``
+device_alloc_retries       count  ``num_alloc_retries``: cudaMalloc retries after freeing the
+                                  cache (cumulative; rising means fragmentation pressure)
+device_ooms                count  ``num_ooms``: out-of-memory errors the allocator raised
+                                  (cumulative)
+device_capacity_bytes      bytes  total of ``torch.accelerator.get_memory_info`` (read once;
+                                  ``get_device_properties(..).total_memory`` on older torch)
 =========================  =====  ==========================================================
 
-Device fields are ``None`` on CPU-only workers.
+Device fields are ``None`` on CPU-only workers. The cost of one sample is printed by
+``benchmarks/memory_sampling.py`` (tens of microseconds on CPU: three small ``/proc`` reads).
+
+:class:`MemorySnapshots` writes snapshots to ``<run_dir>/memory/``: on CUDA the allocator's
+history (``torch.cuda.memory._record_memory_history``, pickled with ``_dump_snapshot``, viewable
+at https://pytorch.org/memory_viz); on CPU the torch profiler's memory timeline of the step. An
+out-of-memory error on a rank leaves a snapshot and becomes :class:`RankOutOfMemoryError`.
 """
 
 from __future__ import annotations
 
+import gc
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
 import torch
 
-__all__ = ["MEMORY_FIELDS", "sample_memory", "host_memory"]
+__all__ = [
+    "MEMORY_FIELDS", "sample_memory", "host_memory", "host_available", "MemorySnapshots",
+    "RankOutOfMemoryError", "live_tensors", "timeline_peaks",
+]
+
+MiB = 2**20
 
 MEMORY_FIELDS = (
     "host_rss_bytes",
     "host_peak_rss_bytes",
+    "host_available_bytes",
     "device_allocated_bytes",
     "device_active_bytes",
     "device_reserved_bytes",
@@ -52,13 +79,62 @@ def host_memory() -> tuple[int, int]:
     return rss, peak
 
 
+_CGROUP: list[tuple[Path, Path]] | None = None
+
+
+def _cgroup_files() -> list[tuple[Path, Path]]:
+    """(limit, usage) files of this process's memory cgroup, v2 or v1; found once."""
+    global _CGROUP
+    if _CGROUP is None:
+        found = []
+        try:
+            lines = Path("/proc/self/cgroup").read_text().splitlines()
+        except OSError:
+            lines = []
+        root = Path("/sys/fs/cgroup")
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":  # v2
+                cands = [(root / path.lstrip("/") / "memory.max", root / path.lstrip("/") / "memory.current")]
+            elif "memory" in controllers.split(","):  # v1; a container often mounts its own at the root
+                base = root / "memory"
+                cands = [(base / path.lstrip("/") / "memory.limit_in_bytes", base / path.lstrip("/") / "memory.usage_in_bytes"),
+                         (base / "memory.limit_in_bytes", base / "memory.usage_in_bytes")]
+            else:
+                continue
+            found += [c for c in cands[:1] if c[0].exists()] or [c for c in cands[1:] if c[0].exists()]
+        _CGROUP = found
+    return _CGROUP
+
+
+def host_available() -> int:
+    """Bytes this process could still allocate on the host: ``MemAvailable`` of
+    ``/proc/meminfo``, lowered to the room left in its memory cgroup where that is tighter."""
+    avail = 0
+    with open("/proc/meminfo", "rb") as f:
+        for line in f:
+            if line.startswith(b"MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    for limit_file, usage_file in _cgroup_files():
+        try:
+            limit = limit_file.read_text().strip()
+            if limit != "max" and int(limit) < (1 << 62):
+                avail = min(avail, int(limit) - int(usage_file.read_text()))
+        except (OSError, ValueError):
+            pass
+    return avail
+
+
 def sample_memory(device: torch.device) -> dict[str, int | None]:
     """One sample of every field in the table above; resets the device peak statistics."""
     rss, peak = host_memory()
     out: dict[str, int | None] = dict.fromkeys(MEMORY_FIELDS)
     out["host_rss_bytes"], out["host_peak_rss_bytes"] = rss, peak
-    if device.type == "cuda":
-        s = torch.cuda.memory_stats(device)
+    out["host_available_bytes"] = host_available()
+    if device.type != "cpu":
+        acc = _accelerator()
+        s = acc.memory_stats(device)
         out.update(
             device_allocated_bytes=s.get("allocated_bytes.all.current", 0),
             device_active_bytes=s.get("active_bytes.all.current", 0),
@@ -67,7 +143,195 @@ def sample_memory(device: torch.device) -> dict[str, int | None]:
             device_peak_reserved_bytes=s.get("reserved_bytes.all.peak", 0),
             device_alloc_retries=s.get("num_alloc_retries", 0),
             device_ooms=s.get("num_ooms", 0),
-            device_capacity_bytes=torch.cuda.get_device_properties(device).total_memory,
+            device_capacity_bytes=_capacity(device),
         )
-        torch.cuda.reset_peak_memory_stats(device)
+        acc.reset_peak_memory_stats(device)
     return out
+
+
+def _accelerator():
+    """``torch.accelerator`` where it has the memory API (torch >= 2.9: CUDA, XPU, ...), else
+    ``torch.cuda``; both return the caching allocator's ``memory_stats`` keys used above."""
+    acc = getattr(torch, "accelerator", None)
+    return acc if acc is not None and hasattr(acc, "memory_stats") else torch.cuda
+
+
+_CAPACITY: dict[str, int] = {}
+
+
+def _capacity(device: torch.device) -> int:
+    key = str(device)
+    if key not in _CAPACITY:
+        acc = getattr(torch, "accelerator", None)
+        if acc is not None and hasattr(acc, "get_memory_info"):
+            _CAPACITY[key] = acc.get_memory_info(device)[1]
+        else:
+            _CAPACITY[key] = torch.cuda.get_device_properties(device).total_memory
+    return _CAPACITY[key]
+
+
+class RankOutOfMemoryError(RuntimeError):
+    """A rank ran out of memory. The message names the rank, its mesh coordinates, the step,
+    its peak memory and where the snapshot was written."""
+
+
+def live_tensors(limit: int = 50) -> dict[str, Any]:
+    """The tensors alive in this process (found through the garbage collector), largest storage
+    first: ``{"count", "bytes", "tensors": [{"shape", "dtype", "device", "bytes"}, ...]}``.
+    Storages shared by several tensors are counted once."""
+    import warnings
+
+    seen: dict[int, dict[str, Any]] = {}
+    with warnings.catch_warnings():  # isinstance() on deprecated module proxies warns
+        warnings.simplefilter("ignore")
+        objects = gc.get_objects()
+        tensors = [o for o in objects if isinstance(o, torch.Tensor)]
+        del objects
+    for obj in tensors:
+        try:
+            if obj.device.type == "meta":
+                continue
+            storage = obj.untyped_storage()
+            key = storage.data_ptr() or id(storage)
+            if key not in seen:
+                seen[key] = {"shape": list(obj.shape), "dtype": str(obj.dtype),
+                             "device": str(obj.device), "bytes": storage.nbytes()}
+        except Exception:  # tensor subclasses without storage (DTensor wrappers, fakes)
+            continue
+    items = sorted(seen.values(), key=lambda t: -t["bytes"])
+    return {"count": len(items), "bytes": sum(t["bytes"] for t in items), "tensors": items[:limit]}
+
+
+def timeline_peaks(path: str | Path) -> dict[str, int]:
+    """Peak bytes per category in a memory timeline written by the torch profiler
+    (``export_memory_timeline`` to ``.json`` / ``.json.gz``: ``[times, sizes]``, ``sizes[t][c]``
+    in the category order of ``torch.profiler._memory_profiler``). Returns each category's own
+    peak and ``total`` (the peak of the sum)."""
+    import gzip
+
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        _, sizes = json.load(f)
+    names = {i: (c.name.lower() if c is not None else "unknown") for c, i in _CATEGORY_TO_INDEX.items()}
+    out = {names[i]: max((s[i] for s in sizes), default=0) for i in names}
+    out["total"] = max((sum(s) for s in sizes), default=0)
+    return out
+
+
+class MemorySnapshots:
+    """Memory snapshots of one rank, on request (``steps``) and on out-of-memory.
+
+    Args:
+        run_dir: the run directory; files go to ``<run_dir>/memory/`` (no snapshots if None).
+        rank, coords: this rank and its mesh coordinates (named in file names and errors).
+        device: where the rank computes.
+        steps: steps after which to write a snapshot.
+        on_oom: on CUDA, record the allocation history from the start so that an OOM can be
+            dumped (``torch.cuda.memory._record_memory_history``).
+        max_entries: allocation events the CUDA history keeps.
+
+    Use: :meth:`start` once, :meth:`before_step` / :meth:`after_step` around every step,
+    :meth:`oom` when a step raised an out-of-memory error, :meth:`close` at the end.
+    ``paths`` lists what was written.
+    """
+
+    def __init__(self, run_dir: str | Path | None, rank: int, coords: dict[str, int], device: torch.device,
+                 steps: list[int] | set[int] = (), on_oom: bool = True, max_entries: int = 100_000):
+        self.dir = Path(run_dir) / "memory" if run_dir is not None else None
+        self.rank, self.coords, self.device = rank, coords, device
+        self.steps = set(steps) if self.dir is not None else set()
+        self.cuda = device.type == "cuda"
+        self.record = self.cuda and self.dir is not None and (bool(self.steps) or on_oom)
+        self.max_entries = max_entries
+        self.paths: list[Path] = []
+        self._prof = None
+
+    def _path(self, what: str) -> Path:
+        assert self.dir is not None
+        self.dir.mkdir(parents=True, exist_ok=True)
+        return self.dir / f"rank{self.rank}-{what}"
+
+    def start(self) -> None:
+        if self.record:
+            torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
+
+    def before_step(self, step: int) -> None:
+        if step in self.steps and not self.cuda:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                                 record_shapes=True, with_stack=True)
+            self._prof.start()
+
+    def after_step(self, step: int) -> list[Path]:
+        """Write the snapshot of ``step`` if one was requested; returns the files written."""
+        if step not in self.steps:
+            return []
+        if self.cuda:
+            written = [self._path(f"step{step}.pickle")]
+            torch.cuda.memory._dump_snapshot(str(written[0]))
+        else:
+            written = self._export_profile(step)
+        self.paths += written
+        return written
+
+    def _export_profile(self, step: int) -> list[Path]:
+        import warnings
+
+        prof, self._prof = self._prof, None
+        if prof is None:
+            return []
+        prof.stop()
+        timeline = self._path(f"step{step}.json.gz")
+        with warnings.catch_warnings():  # deprecated for CUDA in favour of the history above
+            warnings.simplefilter("ignore", FutureWarning)
+            prof.export_memory_timeline(str(timeline), device="cpu")
+        summary = self._path(f"step{step}-summary.json")
+        peaks = timeline_peaks(timeline)
+        summary.write_text(json.dumps({"step": step, "rank": self.rank, "coords": self.coords,
+                                       "peak_bytes_by_category": peaks}, indent=1))
+        return [timeline, summary]
+
+    def oom(self, step: int, error: BaseException) -> RankOutOfMemoryError:
+        """Write the out-of-memory snapshot and return the error to raise (the caller raises it
+        ``from error``)."""
+        from ray_titan.metrics.leak import describe_coords
+
+        self._prof = None
+        _, peak_rss = host_memory()
+        parts = [f"peak host RSS {peak_rss / MiB:.0f} MiB"]
+        path = None
+        try:
+            if self.cuda:
+                s = _accelerator().memory_stats(self.device)
+                cap = _capacity(self.device)
+                parts.insert(0, f"peak device allocated {s.get('allocated_bytes.all.peak', 0) / MiB:.0f} MiB, "
+                                f"reserved {s.get('reserved_bytes.all.peak', 0) / MiB:.0f} MiB of "
+                                f"{cap / MiB:.0f} MiB")
+                if self.record:
+                    path = self._path(f"oom-step{step}.pickle")
+                    torch.cuda.memory._dump_snapshot(str(path))
+            elif self.dir is not None:
+                path = self._path(f"oom-step{step}.json")
+                path.write_text(json.dumps({"step": step, "rank": self.rank, "coords": self.coords,
+                                            "peak_host_rss_bytes": peak_rss, "error": str(error)[:2000],
+                                            "live_tensors": live_tensors()}, indent=1))
+        except Exception as e:  # the OOM itself is the error to report
+            print(f"ray_titan: could not write the OOM snapshot: {e}", file=sys.stderr, flush=True)
+            path = None
+        if path is not None:
+            self.paths.append(path)
+        where = f"; memory snapshot: {path}" if path else ""
+        return RankOutOfMemoryError(
+            f"{describe_coords(self.rank, self.coords)} ran out of memory at step {step}: "
+            f"{', '.join(parts)}{where} ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        )
+
+    def close(self) -> None:
+        if self._prof is not None:
+            self._prof.stop()
+            self._prof = None
+        if self.record:
+            torch.cuda.memory._record_memory_history(enabled=None)

@@ -55,6 +55,8 @@ class StepReport:
     expert_load: list[list[int]] = field(default_factory=list)
     """MoE: per layer in ``moe_layers``, tokens (× top-k) this rank's router sent to each expert in
     the step (host ints). Summed over the ranks of a stage it is the layer's load for the step."""
+    gc_generation: int | None = None
+    """Generation of the synchronized GC run in this step (``ray_titan.gc``), None if none ran."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -77,7 +79,9 @@ class CollectorReporter(Reporter):
     when a slot frees; beyond ``max_buffered`` queued reports the oldest are dropped and counted
     in ``dropped`` (sent with the next batch), so memory stays bounded. A call the collector
     failed is counted in ``failed_calls`` (its message in ``last_error``) and never stops
-    training.
+    training. When an answer asks the run to stop (the memory verdict with
+    ``memory.on_leak = "stop"``), the next :meth:`report` raises
+    :class:`~ray_titan.metrics.leak.MemoryLeakError` with the collector's reason.
     """
 
     def __init__(self, handle, max_inflight: int = 16, max_buffered: int = 10_000):
@@ -88,6 +92,7 @@ class CollectorReporter(Reporter):
         self.dropped = 0
         self.failed_calls = 0
         self.last_error: str | None = None
+        self.stop_reason: str | None = None
 
     def report(self, rep: StepReport) -> None:
         self._queue.append(rep.to_dict())
@@ -95,6 +100,7 @@ class CollectorReporter(Reporter):
             self._queue.popleft()
             self.dropped += 1
         self._send()
+        _raise_if_stopped(self.stop_reason)
 
     def _send(self) -> None:
         import ray
@@ -114,10 +120,13 @@ class CollectorReporter(Reporter):
 
         for ref in ready:  # already finished: ray.get does not wait
             try:
-                ray.get(ref)
+                answer = ray.get(ref)
             except Exception as e:
                 self.failed_calls += 1
                 self.last_error = f"{type(e).__name__}: {e}"
+                continue
+            if isinstance(answer, dict) and answer.get("stop"):
+                self.stop_reason = answer["stop"]
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Send what is queued and wait for every call, ``timeout_s`` in all; never raises, so a
@@ -154,6 +163,13 @@ class CollectorReporter(Reporter):
             )
 
 
+def _raise_if_stopped(reason: str | None) -> None:
+    if reason:
+        from ray_titan.metrics.leak import MemoryLeakError
+
+        raise MemoryLeakError(reason)
+
+
 class LocalReporter(Reporter):
     """Synchronous delivery to a collector object in this process (no Ray)."""
 
@@ -161,7 +177,8 @@ class LocalReporter(Reporter):
         self.collector = collector
 
     def report(self, rep: StepReport) -> None:
-        self.collector.report([rep.to_dict()])
+        answer = self.collector.report([rep.to_dict()])
+        _raise_if_stopped(answer.get("stop") if isinstance(answer, dict) else None)
 
 
 class JsonlReporter(Reporter):

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-__all__ = ["STEP_SCHEMA", "ParquetSink", "TensorBoardSink", "read_steps"]
+__all__ = ["STEP_SCHEMA", "VERDICT_CODES", "ParquetSink", "TensorBoardSink", "read_steps"]
 
 _I, _F, _B = pa.int64(), pa.float64(), pa.bool_()
 STEP_SCHEMA = pa.schema(
@@ -25,19 +25,26 @@ STEP_SCHEMA = pa.schema(
         ("loss", _F), ("tokens", _I), ("step_time_s", _F), ("data_time_s", _F),
         ("fwd_bwd_time_s", _F), ("optim_time_s", _F), ("grad_norm", _F), ("lr", _F),
         ("gc_pause_s", _F), ("time", _F),
-        ("host_rss_bytes", _I), ("host_peak_rss_bytes", _I),
+        ("host_rss_bytes", _I), ("host_peak_rss_bytes", _I), ("host_available_bytes", _I),
         ("device_allocated_bytes", _I), ("device_active_bytes", _I), ("device_reserved_bytes", _I),
         ("device_peak_active_bytes", _I), ("device_peak_reserved_bytes", _I),
         ("device_alloc_retries", _I), ("device_ooms", _I), ("device_capacity_bytes", _I),
         # MoE (null / empty for dense models): this rank's balance loss, its MoE layers and, per
         # layer, the tokens (× top-k) its router sent to each expert in the step.
         ("aux_loss", _F), ("moe_layers", pa.list_(_I)), ("expert_load", pa.list_(pa.list_(_I))),
+        ("gc_generation", _I),
+        # The rank's memory verdict at this step (ray_titan.metrics.leak):
+        ("memory_verdict", pa.string()), ("memory_slope_mib_per_step", _F), ("memory_oom_step", _I),
         # Step-level figures, the same on every row of a step:
         ("step_loss", _F), ("step_loss_max", _F), ("step_tokens", _I), ("step_tokens_per_s", _F),
     ]
 )
 """One row per step per rank. ``loss`` is the rank's own (null off the last stage);
-``step_loss`` is the step's loss: token-weighted mean over the last stage's DP ranks."""
+``step_loss`` is the step's loss: token-weighted mean over the last stage's DP ranks.
+``gc_generation``: the generation of the synchronized GC run at this step (null: none ran).
+``memory_verdict``: ``warming_up`` / ``stable`` / ``growing``; ``memory_slope_mib_per_step``: the
+Theil–Sen rate; ``memory_oom_step``: the step at which the rank would run out of memory at that
+rate (null unless growing with a known capacity)."""
 
 
 class ParquetSink:
@@ -122,10 +129,17 @@ def read_steps(run_dir: str | Path) -> pa.Table:
     return STEP_SCHEMA.empty_table()
 
 
+VERDICT_CODES = {"warming_up": 0, "stable": 1, "growing": 2}
+"""How a memory verdict is plotted as a TensorBoard scalar (``memory/rank{r}/verdict``)."""
+
+
 class TensorBoardSink:
     """Scalars to ``<run_dir>/tb`` with tensorboardX: ``loss``, ``loss_max``, ``tokens_per_s``,
-    ``lr``, ``grad_norm``, ``step_time_s``, ``memory/rank{r}/<field>`` (MiB) and, for MoE models,
-    ``moe/aux_loss``, ``moe/layer{L}/load_max_over_mean`` and ``moe/layer{L}/expert{e}_share``."""
+    ``lr``, ``grad_norm``, ``step_time_s``, ``memory/rank{r}/<field>`` (MiB),
+    ``memory/rank{r}/verdict`` (:data:`VERDICT_CODES`), ``memory/rank{r}/slope_mib_per_step``,
+    ``gc/rank{r}/pause_s`` at steps with a GC, text ``memory/verdict`` when a verdict changes, and,
+    for MoE models, ``moe/aux_loss``, ``moe/layer{L}/load_max_over_mean`` and
+    ``moe/layer{L}/expert{e}_share``."""
 
     def __init__(self, tb_dir: str | Path):
         from tensorboardX import SummaryWriter
@@ -142,6 +156,15 @@ class TensorBoardSink:
                 if row.get(k) is not None:
                     name = k.removesuffix("_bytes") + "_mib"
                     self.writer.add_scalar(f"memory/rank{row['rank']}/{name}", row[k] / 2**20, step)
+            if row.get("memory_verdict") is not None:
+                self.writer.add_scalar(f"memory/rank{row['rank']}/verdict", VERDICT_CODES[row["memory_verdict"]], step)
+            if row.get("memory_slope_mib_per_step") is not None:
+                self.writer.add_scalar(f"memory/rank{row['rank']}/slope_mib_per_step", row["memory_slope_mib_per_step"], step)
+            if row.get("gc_generation") is not None:
+                self.writer.add_scalar(f"gc/rank{row['rank']}/pause_s", row["gc_pause_s"], step)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        self.writer.add_text(tag, text, step)
 
     def add_expert_load(self, step: int, load: dict[int, list[int]]) -> None:
         """Per MoE layer: max over mean of the experts' token counts (1 = perfectly balanced) and

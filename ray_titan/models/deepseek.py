@@ -153,8 +153,9 @@ class Router(nn.Module):
         weights = scores.gather(-1, indices)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        with torch.no_grad():
-            self.tokens_per_expert += torch.bincount(indices.flatten(), minlength=scores.shape[-1])
+        if not _recomputing():
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(indices.flatten(), minlength=scores.shape[-1])
         return weights * self.route_scale, indices, scores
 
 
@@ -187,6 +188,12 @@ class GroupedExperts(nn.Module):
             for e, xe in enumerate(torch.split(x, counts))
         ]
         return torch.cat(outs)
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside backward: activation checkpointing recomputing a block.
+    Its routing statistics were already counted by the original forward."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -270,8 +277,9 @@ class MoE(nn.Module):
             aux = self.aux_coeff * sequence_balance_loss(
                 scores.view(bsz, seq, -1), indices.view(bsz, seq, -1), self.n_experts, self.top_k
             )
-            with torch.no_grad():
-                self.aux_loss_sum += aux.detach()
+            if not _recomputing():
+                with torch.no_grad():
+                    self.aux_loss_sum += aux.detach()
             out = _AddAuxLoss.apply(out, aux)
         return out
 

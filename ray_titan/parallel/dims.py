@@ -46,9 +46,12 @@ class ParallelDims:
         return self.pp * self.stages_per_rank
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Coordinates of global ``rank`` on each mesh axis, by axis name."""
+        """Coordinates of global ``rank`` on each mesh axis, by axis name (``ep`` only when > 1)."""
         dp = rank % self.dp_shard
-        return {"pp": rank // self.dp_shard, "dp_shard": dp, "ep": dp % self.ep}
+        coords = {"pp": rank // self.dp_shard, "dp_shard": dp}
+        if self.ep > 1:  # only where the axis exists, so dense jobs' messages stay short
+            coords["ep"] = dp % self.ep
+        return coords
 
     def stage_to_pp_rank(self, stage: int) -> int:
         """The pp rank holding pipeline stage ``stage`` (loop style)."""

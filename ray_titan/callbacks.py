@@ -1,0 +1,157 @@
+"""Worker-side callbacks: user code that runs inside the train loop on every worker.
+
+A callback is an object with any of the methods below (subclass :class:`Callback` and override
+what you need). It reaches the workers in one of two ways:
+
+- the config: a ``[[callbacks]]`` table with ``target = "package.module:name"`` (a class or a
+  factory, importable on every worker) and optional ``kwargs``;
+- the driver API: ``ray_titan.train(cfg, callbacks=[MyCallback(...)])``: objects are pickled
+  (cloudpickle) to every worker, so each worker gets its own copy.
+
+Events, in order, on every rank:
+
+==================  ===========================================================================
+``on_train_start``  once, after the model, optimizer and data are built, before step 1
+``on_step_begin``   before each step's data is fetched
+``on_step_end``     after each step: optimizer and LR stepped, GC run, memory sampled; gets the
+                    :class:`~ray_titan.metrics.report.StepReport` about to be sent
+``on_train_end``    once, after the last step (also when training failed: ``error`` is set)
+==================  ===========================================================================
+
+Each gets a :class:`CallbackContext` (rank, mesh coordinates, world size, device, run
+directory, config). An exception raised by a callback fails the worker, and so the run.
+
+:class:`InjectLeak` and :class:`InjectOOM` are fault injections for checking the memory verdict
+and the out-of-memory handling on a real cluster (the tests use them).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ray_titan.config import JobConfig
+    from ray_titan.metrics.report import StepReport
+
+__all__ = ["Callback", "CallbackContext", "CallbackList", "load_callback", "InjectLeak", "InjectOOM"]
+
+
+@dataclass
+class CallbackContext:
+    """Where a callback runs: global ``rank``, ``coords`` on each mesh axis, ``world_size``,
+    ``device``, ``run_dir`` (None when the loop runs without one) and the job ``config``."""
+
+    rank: int
+    coords: dict[str, int]
+    world_size: int
+    device: "torch.device"
+    run_dir: Path | None
+    config: "JobConfig"
+
+
+class Callback:
+    """Base class of worker-side callbacks; every event does nothing unless overridden."""
+
+    def on_train_start(self, ctx: CallbackContext) -> None:
+        pass
+
+    def on_step_begin(self, ctx: CallbackContext, step: int) -> None:
+        pass
+
+    def on_step_end(self, ctx: CallbackContext, step: int, report: "StepReport") -> None:
+        pass
+
+    def on_train_end(self, ctx: CallbackContext, error: BaseException | None = None) -> None:
+        pass
+
+
+def load_callback(target: str, kwargs: dict[str, Any] | None = None) -> Any:
+    """Import ``"package.module:name"`` and call it with ``kwargs``. Raises ``ValueError`` naming
+    the target for a malformed target, a failed import, a missing name or a failed call."""
+    module, sep, name = target.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"callback target {target!r} is not of the form 'package.module:name'")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"callback target {target!r}: cannot import {module!r}: {e}") from None
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"callback target {target!r}: {module!r} has no {name!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"callback target {target!r} is not a class or a factory")
+    try:
+        return obj(**(kwargs or {}))
+    except Exception as e:
+        raise ValueError(f"callback target {target!r} with kwargs {kwargs or {}}: {type(e).__name__}: {e}") from None
+
+
+class CallbackList:
+    """The callbacks of one worker, called in order; a callback lacking an event is skipped."""
+
+    def __init__(self, callbacks: list[Any], ctx: CallbackContext):
+        self.callbacks, self.ctx = list(callbacks), ctx
+
+    def _call(self, event: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, event, None)
+            if fn is not None:
+                fn(self.ctx, *args)
+
+    def on_train_start(self) -> None:
+        self._call("on_train_start")
+
+    def on_step_begin(self, step: int) -> None:
+        self._call("on_step_begin", step)
+
+    def on_step_end(self, step: int, report: "StepReport") -> None:
+        self._call("on_step_end", step, report)
+
+    def on_train_end(self, error: BaseException | None = None) -> None:
+        self._call("on_train_end", error)
+
+
+class InjectLeak(Callback):
+    """Retains ``mib_per_step`` MiB of host memory (touched, so resident) after every step from
+    ``start_step`` on, on the ranks in ``ranks``: a leak of known rate for checking the verdict.
+
+    On a CUDA worker with ``device=True`` it retains device memory instead."""
+
+    def __init__(self, ranks: list[int], mib_per_step: float = 1.0, start_step: int = 1, device: bool = False):
+        self.ranks, self.nbytes, self.start_step = set(ranks), int(mib_per_step * 2**20), start_step
+        self.device = device
+        self.kept: list[Any] = []
+
+    def on_step_end(self, ctx: CallbackContext, step: int, report: "StepReport") -> None:
+        if ctx.rank not in self.ranks or step < self.start_step:
+            return
+        if self.device and ctx.device.type != "cpu":
+            import torch
+
+            self.kept.append(torch.ones(self.nbytes // 4, dtype=torch.float32, device=ctx.device))
+        else:
+            block = bytearray(self.nbytes)
+            block[::4096] = b"\1" * len(block[::4096])  # touch every page: resident, not just mapped
+            self.kept.append(block)
+
+
+class InjectOOM(Callback):
+    """Raises ``torch.OutOfMemoryError`` on ``rank`` at the start of step ``step``: a simulated
+    allocation failure, for checking that an OOM leaves a snapshot and a clear error."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_step_begin(self, ctx: CallbackContext, step: int) -> None:
+        if ctx.rank == self.rank and step == self.step:
+            import torch
+
+            raise torch.OutOfMemoryError(
+                f"simulated allocation failure: tried to allocate 2.00 GiB on rank {ctx.rank}"
+            )

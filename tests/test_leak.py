@@ -1,0 +1,167 @@
+"""The memory verdict on synthetic series (no Ray): warm-up, allocator noise, level shifts and
+real leaks; the per-rank monitor and the collector's columns and stop signal."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_titan.metrics.collector import MetricsCollector
+from ray_titan.metrics.leak import (
+    GROWING, STABLE, WARMING_UP, LeakDetector, LeakMonitor, leak_settings, theil_sen_slope,
+)
+from ray_titan.metrics.memory import MEMORY_FIELDS
+from ray_titan.metrics.report import StepReport
+from ray_titan.metrics.sinks import read_steps
+from ray_titan.parallel.dims import ParallelDims
+
+MiB = 2**20
+
+
+def _detector(**kw):
+    """A detector with the default window and warm-up, and the device threshold (0.1 MiB/step),
+    the stricter one: the synthetic series below are noisier than device memory ever is."""
+    args = {**leak_settings(), **kw}
+    del args["host_threshold_mib_per_step"]
+    return LeakDetector(**args, source="host")
+
+
+def _warmup_then(rng, steps, rate_mib=0.0, leak_from=1, creep_kib=8.0):
+    """A rank's host RSS: +60 MiB over the first 4 steps (optimizer state, pools), an allocator
+    creep of ``creep_kib`` per step, ±0.5 MiB jitter and a few 3 MiB spikes, plus a leak of
+    ``rate_mib`` per step from ``leak_from``."""
+    s = np.arange(1, steps + 1)
+    y = 500 * MiB + np.minimum(s, 4) * 15 * MiB + s * creep_kib * 1024
+    y += rng.normal(0, 0.5 * MiB, steps)
+    y[rng.choice(steps, steps // 25, replace=False)] += 3 * MiB
+    y += np.clip(s - leak_from + 1, 0, None) * rate_mib * MiB
+    return s, y
+
+
+def _run(det, s, y):
+    return [det.update(int(a), float(b)) for a, b in zip(s, y)]
+
+
+def test_theil_sen_ignores_outliers():
+    x = np.arange(20.0)
+    y = 3 * x + 7
+    y[[2, 9, 15]] += [500, -800, 300]  # 15% outliers
+    assert theil_sen_slope(x, y) == pytest.approx(3.0)
+    with pytest.raises(ValueError):
+        theil_sen_slope(np.ones(3), np.arange(3.0))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_clean_run_with_allocator_creep_is_stable_after_warm_up(seed):
+    s, y = _warmup_then(np.random.default_rng(seed), 300)
+    det = _detector()
+    vs = [v.verdict for v in _run(det, s, y)]
+    window = leak_settings()["window"]
+    assert vs[:window - 1] == [WARMING_UP] * (window - 1)  # a verdict needs a full window
+    assert det.warmup_end == window  # the rise (steps 1-4) is over long before
+    assert set(vs[det.warmup_end - 1:]) == {STABLE}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_time_level_shift_is_not_growth(seed):
+    for at in range(100, 133, 4):  # wherever it falls in the window
+        s, y = _warmup_then(np.random.default_rng(seed), 170)
+        y[s >= at] += 8 * MiB  # a new allocator pool, once
+        vs = [v.verdict for v in _run(_detector(), s, y)]
+        assert GROWING not in vs, at
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_leak_after_warm_up_is_found_within_30_steps_at_its_rate(seed):
+    s, y = _warmup_then(np.random.default_rng(seed), 120, rate_mib=1.0, leak_from=50)
+    det = _detector()
+    verdicts = _run(det, s, y)
+    first = next(i + 1 for i, v in enumerate(verdicts) if v.verdict == GROWING)
+    assert 50 < first <= 50 + 30
+    assert all(v.verdict == GROWING for v in verdicts[first - 1:])
+    assert verdicts[-1].slope_mib_per_step == pytest.approx(1.0, rel=0.25)
+
+
+def test_leak_from_step_one_never_flattens_and_is_growing_when_warm_up_ends():
+    s, y = _warmup_then(np.random.default_rng(1), 80, rate_mib=1.0)
+    det = _detector()
+    verdicts = _run(det, s, y)
+    assert det.warmup_end == leak_settings()["warmup_max_steps"]
+    assert verdicts[det.warmup_end - 1].verdict == GROWING
+    assert all(v.verdict == GROWING for v in verdicts[det.warmup_end - 1:])
+
+
+def test_small_leak_below_threshold_is_stable_and_hysteresis_holds():
+    det = _detector()
+    vs = [det.update(i, 500 * MiB + i * 0.05 * MiB).verdict for i in range(1, 100)]
+    assert vs[-1] == STABLE and GROWING not in vs
+    det = _detector()
+    vs = [det.update(i, 500 * MiB + i * 0.2 * MiB).verdict for i in range(1, 60)]
+    assert vs[-1] == GROWING
+    # The rate falls to 0.07 MiB/step: below the threshold (0.1) but above half of it.
+    vs = [det.update(i, 500 * MiB + 59 * 0.2 * MiB + (i - 59) * 0.07 * MiB).verdict for i in range(60, 120)]
+    assert vs[-1] == GROWING
+    vs = [det.update(i, 600 * MiB).verdict for i in range(120, 160)]
+    assert vs[-1] == STABLE
+
+
+def test_oom_projection_from_free_memory_and_rate():
+    det = _detector()
+    for i in range(1, 60):
+        v = det.update(i, 100 * MiB + 2 * i * MiB, free_bytes=1000 * MiB - 2 * i * MiB)
+    assert v.verdict == GROWING and v.slope_mib_per_step == pytest.approx(2.0)
+    assert v.oom_step == 500  # free 882 MiB at step 59, 2 MiB per step: 441 more steps
+
+
+def test_monitor_prefers_the_device_series_and_reports_changes():
+    mon = LeakMonitor(**leak_settings())
+    coords = {"pp": 1, "dp_shard": 0}
+    messages = []
+    for i in range(1, 80):
+        row = {"rank": 2, "coords": coords, "host_rss_bytes": 900 * MiB,
+               "host_available_bytes": 10_000 * MiB, "device_allocated_bytes": 1000 * MiB + i * MiB,
+               "device_reserved_bytes": 2000 * MiB + i * MiB, "device_capacity_bytes": 80_000 * MiB}
+        v, msg = mon.update(i, row)
+        messages += [msg] if msg else []
+    assert v.verdict == GROWING and v.source == "device" and v.oom_step is not None
+    assert messages[0] == "memory: rank 2 (pp=1, dp_shard=0) warming_up at step 1"
+    assert messages[-1].startswith("memory: rank 2 (pp=1, dp_shard=0) growing +1.000 MiB/step (device allocated)")
+    assert len(messages) == 2  # warming_up -> growing directly (never flattened), printed once each
+
+
+def _rep(step, rank, dims, rss):
+    mem = dict.fromkeys(MEMORY_FIELDS)
+    mem.update(host_rss_bytes=int(rss), host_peak_rss_bytes=int(rss), host_available_bytes=4000 * MiB)
+    return StepReport(
+        step=step, rank=rank, coords=dims.coords(rank), is_last_stage=dims.is_last_stage_rank(rank),
+        loss=1.0 if dims.is_last_stage_rank(rank) else None, tokens=10, step_time_s=0.1,
+        data_time_s=0.0, fwd_bwd_time_s=0.0, optim_time_s=0.0, grad_norm=1.0, lr=1e-3, memory=mem,
+        gc_pause_s=0.0, gc_generation=1 if step % 5 == 0 else None,
+    ).to_dict()
+
+
+@pytest.mark.parametrize("on_leak", ["warn", "stop"])
+def test_collector_records_verdicts_and_stops_on_request(tmp_path, on_leak):
+    dims = ParallelDims(pp=2, dp_shard=2)
+    c = MetricsCollector(str(tmp_path), 4, dims.last_stage_ranks(), 80, log_freq=1000, on_leak=on_leak)
+    answers = []
+    for step in range(1, 81):
+        for r in range(4):
+            rss = 500 * MiB + (2 * step * MiB if r == 1 else 0)
+            answers.append(c.report([_rep(step, r, dims, rss)]))
+    summary = c.finish()
+    t = read_steps(tmp_path)
+    verdicts = {r: t.filter(t["rank"].to_numpy() == r)["memory_verdict"].to_pylist() for r in range(4)}
+    assert verdicts[1][-1] == GROWING and all(verdicts[r][-1] == STABLE for r in (0, 2, 3))
+    assert all(GROWING not in verdicts[r] for r in (0, 2, 3))
+    assert summary["memory_verdicts"][1]["verdict"] == GROWING
+    assert summary["memory_verdicts"][1]["slope_mib_per_step"] == pytest.approx(2.0)
+    assert t.filter(t["rank"].to_numpy() == 1)["memory_oom_step"].to_pylist()[-1] > 80
+    assert t["gc_generation"].to_pylist().count(1) == 16 * 4
+    growing_lines = [l for l in summary["lines"] if "growing" in l]
+    assert len(growing_lines) == 1 and "rank 1 (pp=0, dp_shard=1) growing +2.000 MiB/step (host RSS)" in growing_lines[0]
+    if on_leak == "warn":
+        assert summary["stop"] is None and not any(answers)
+    else:
+        assert "rank 1 (pp=0, dp_shard=1): memory growing +2.000 MiB/step" in summary["stop"]
+        assert answers[-1] == {"stop": summary["stop"]}

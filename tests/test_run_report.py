@@ -1,0 +1,38 @@
+"""``ray-titan report RUN_DIR``: PNG plots and the per-rank summary table (no Ray)."""
+
+from __future__ import annotations
+
+from ray_titan.cli import main
+from ray_titan.metrics.collector import MetricsCollector
+from ray_titan.parallel.dims import ParallelDims
+from tests.test_leak import MiB, _rep
+
+
+def _run_dir(tmp_path, steps=80):
+    dims = ParallelDims(pp=2, dp_shard=2)
+    c = MetricsCollector(str(tmp_path), 4, dims.last_stage_ranks(), steps, enable_tensorboard=False)
+    for step in range(1, steps + 1):
+        c.report([_rep(step, r, dims, 500 * MiB + (2 * step * MiB if r == 1 else 0)) for r in range(4)])
+    c.finish()
+    return tmp_path
+
+
+def test_report_writes_plots_and_prints_each_ranks_verdict(tmp_path, capsys):
+    run_dir = _run_dir(tmp_path)
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    for name in ("loss.png", "memory.png"):
+        png = run_dir / "report" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+        assert f"wrote {png}" in out
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["rank", "coords", "verdict"]
+    by_rank = {line.split()[0]: line for line in lines[1:5]}
+    assert "pp=0, dp_shard=1  growing  +2.000" in by_rank["1"]
+    assert all("stable" in by_rank[r] for r in ("0", "2", "3"))
+    assert by_rank["0"].split()[-2:] == ["16", "0.000"]  # GC every 5 of 80 steps, 0 s in these reports
+
+
+def test_report_of_a_directory_without_metrics_is_an_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no metrics" in capsys.readouterr().err
