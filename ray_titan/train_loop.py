@@ -24,10 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ray_titan.checkpoint import Checkpointer, LocalCheckpointStorage
 from ray_titan.config import JobConfig, load_config
 from ray_titan.data.corpus import load_texts
 from ray_titan.data.loader import PackedLoader
 from ray_titan.data.tokenizer import build_tokenizer
+from ray_titan.fault import FaultHandler
 from ray_titan.gc import GarbageCollection
 from ray_titan.metrics.memory import sample_memory
 from ray_titan.metrics.report import Reporter, StepReport
@@ -88,14 +90,19 @@ def _build_optimizer(cfg: JobConfig, params: list[torch.nn.Parameter]) -> torch.
     return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
-def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None = None) -> dict[str, Any]:
+def train_loop(
+    cfg: JobConfig, reporter: Reporter, device: torch.device | None = None, checkpoint_storage=None,
+) -> dict[str, Any]:
     """Train ``cfg`` on this rank, sending one :class:`StepReport` per step to ``reporter``.
 
     ``device`` is where this rank computes (default CPU); the caller picks it, since only the
     launcher knows which GPU, if any, is this rank's. Needs ``torch.distributed`` initialised
     with ``world_size == cfg.world_size`` unless the mesh is a single rank. Returns a small
     summary of this rank (``rank``, ``steps``, ``last_loss``). Raises ``RuntimeError`` when the
-    process group does not match the mesh.
+    process group does not match the mesh. ``checkpoint_storage`` is where checkpoints go
+    (``ray_titan.checkpoint``; None saves none), and a restart or ``checkpoint.load_path`` resumes
+    from one; raises ``CheckpointError`` for a bad one and ``NonFiniteError`` under
+    ``training.on_nonfinite = "stop"``.
     """
     dims = parallel_dims(cfg)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -141,18 +148,25 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
     has_first = 0 in stages
     is_last = dims.is_last_stage_rank(rank)
     pp_group = mesh["pp"].get_group() if pp_on else None
+    faults = FaultHandler(cfg, rank, stage_ids, dims.num_stages - 1, device)
+    loss_fn = faults.wrap_loss(cross_entropy_loss)
     schedule = None
     if pp_on:
         schedule = build_pipeline_schedule(
             cfg.parallelism.pipeline_schedule, stages, dims.num_stages, n_mb,
-            cross_entropy_loss, device, pp_group,
+            loss_fn, device, pp_group,
         )
     model = stages[stage_ids[0]]
+    # -- checkpoints (ray_titan.checkpoint) --
+    ckpt = Checkpointer(cfg, rank, stages.values(), optimizer, scheduler, loader, reporter,
+                        checkpoint_storage, tokenizer.vocab_size, device)
+    start_step = ckpt.restore()
 
     gc_policy = GarbageCollection(cfg.training.gc_freq)
     last_loss = None
     try:
-        for step in range(1, cfg.training.steps + 1):
+        for step in range(start_step + 1, cfg.training.steps + 1):
+            faults.begin_step(step)
             t0 = time.perf_counter()
             inputs, labels = next(loader)
             inputs, labels = inputs.to(device), labels.to(device)
@@ -170,7 +184,7 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
                 for i, (x, y) in enumerate(zip(inputs.chunk(n_mb), labels.chunk(n_mb))):
                     if dims.dp_shard > 1:
                         model.set_requires_gradient_sync(i == n_mb - 1)
-                    mb_loss = cross_entropy_loss(model(x), y)
+                    mb_loss = loss_fn(model(x), y)
                     (mb_loss / n_mb).backward()
                     total += mb_loss.detach()
                 loss = (total / n_mb).item()
@@ -178,7 +192,9 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
             t2 = time.perf_counter()
             grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group).item()
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            skipped = faults.check(step, loss, grad_norm, params)  # training.on_nonfinite
+            if not skipped:
+                optimizer.step()
             scheduler.step()
             t3 = time.perf_counter()
             gc_pause = gc_policy.run(step)
@@ -189,7 +205,11 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
                 tokens=labels.numel(), step_time_s=t4 - t0, data_time_s=t1 - t0,
                 fwd_bwd_time_s=t2 - t1, optim_time_s=t3 - t2, grad_norm=grad_norm, lr=lr,
                 memory=memory, gc_pause_s=gc_pause, time=time.time(),
+                skipped_update=skipped, attempt_start_time=faults.attempt_start_time,
             ))
+            if ckpt.due(step):
+                ckpt.save(step)
+            faults.maybe_kill(step, ckpt.restarted)
             last_loss = loss
             del inputs, labels
     finally:
@@ -238,6 +258,7 @@ def _main(argv: list[str] | None = None) -> None:
             cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
         )
 
+    storage = LocalCheckpointStorage(run_dir / "checkpoints", cfg.checkpoint.keep_latest_k)
     if world == 1:
         collector = new_collector()
 
@@ -247,9 +268,9 @@ def _main(argv: list[str] | None = None) -> None:
                 for line in self.collector.drain_lines():
                     print(line, flush=True)
 
-        train_loop(cfg, _Printing(collector), device)
+        train_loop(cfg, _Printing(collector), device, storage)
     else:
-        train_loop(cfg, JsonlReporter(rank_reports_path(run_dir, rank)), device)
+        train_loop(cfg, JsonlReporter(rank_reports_path(run_dir, rank)), device, storage)
         dist.barrier()
         if rank == 0:
             collector = new_collector()

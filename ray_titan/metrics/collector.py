@@ -12,19 +12,35 @@ step reports; when every rank has reported a step, the collector assembles it:
 - one row per rank (timings, memory, GC pause) to Parquet, scalars to TensorBoard, and a console
   line at the first step, every ``log_freq`` steps and at the last step, which the driver drains
   and prints.
+
+Fault tolerance. Every report carries its worker group's ``attempt_start_time``: after a worker
+group restart, the replayed steps' reports supersede the lost attempt's (pending ones are
+dropped, assembled rows are replaced when the table is consolidated). :meth:`report` answers
+with the collector's incarnation and, per attempt, the step up to which rows are on disk; workers
+hold their reports until then and resend them to a restarted collector. A collector restarted by
+Ray (``max_restarts``) resumes from its flushed parts: it knows which steps are on disk and
+ignores their resent reports.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import uuid
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
+
 from ray_titan.metrics.memory import MEMORY_FIELDS
-from ray_titan.metrics.sinks import ParquetSink, TensorBoardSink
+from ray_titan.metrics.sinks import ParquetSink, TensorBoardSink, latest_rows, read_raw_parts
 
 __all__ = ["MetricsCollector", "format_step_line"]
 
 MiB = 2**20
+_STOPPED = "run stopped: "
 
 
 def format_step_line(step: int, total: int, s: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -37,6 +53,8 @@ def format_step_line(step: int, total: int, s: dict[str, Any], rows: list[dict[s
         f"step {s['step_time_s']:.3f}s | lr {s['lr']:.2e} | gnorm {s['grad_norm']:.3f} | "
         f"rss MiB {mem}"
     )
+    if s.get("skipped"):
+        line += " | update skipped (non-finite)"
     if rows[0].get("device_allocated_bytes") is not None:
         dev = " ".join(
             f"r{r['rank']}:{r['device_allocated_bytes'] / MiB:.0f}/{r['device_peak_reserved_bytes'] / MiB:.0f}"
@@ -57,6 +75,8 @@ class MetricsCollector:
         log_freq: console line every this many steps.
         flush_every_steps: Parquet part and TensorBoard flush every this many assembled steps.
         enable_tensorboard: write TensorBoard event files.
+        kill_at_step: fault injection (``debug.kill_collector_at_step``): SIGKILL this actor when
+            it assembles that step, in its first life only.
     """
 
     MAX_ERRORS = 1000
@@ -70,6 +90,7 @@ class MetricsCollector:
         log_freq: int = 10,
         flush_every_steps: int = 20,
         enable_tensorboard: bool = True,
+        kill_at_step: int | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.world_size, self.last = world_size, sorted(last_stage_ranks)
@@ -86,16 +107,48 @@ class MetricsCollector:
         self.dropped: dict[int, int] = {}
         self._since_flush = 0
         self._closed = False
+        self.incarnation = uuid.uuid4().hex
+        self.kill_at_step = kill_at_step
+        self._pending_attempt: dict[int, float] = {}  # step -> attempt of its pending reports
+        self._done: dict[int, float] = {}  # step -> newest attempt assembled for it
+        self._unflushed: list[tuple[float, int]] = []
+        self._flushed: dict[float, set[int]] = {}
+        self._durable: dict[float, int] = {}
+        self._errors_path = self.run_dir / "metrics" / "errors.jsonl"
+        self.restarted = _reconstructed()
+        self._resume()
 
     # -- worker-facing -------------------------------------------------------------------------
-    def report(self, batch: list[dict[str, Any]], dropped: int = 0) -> None:
-        """Accept a batch of step reports (``StepReport.to_dict()``) from one rank."""
+    def report(self, batch: list[dict[str, Any]], dropped: int = 0, flush: bool = False) -> dict[str, Any]:
+        """Accept a batch of step reports (``StepReport.to_dict()``) from one rank; ``flush``
+        writes what is assembled to disk now.
+
+        Returns ``{"incarnation": id of this collector life, "durable": {attempt_start_time:
+        step}}``: every step up to ``step`` of that attempt is on disk.
+        """
         for rep in batch:
-            self._pending.setdefault(rep["step"], {})[rep["rank"]] = rep
+            step, attempt = rep["step"], rep.get("attempt_start_time", 0.0)
+            if self._done.get(step, float("-inf")) >= attempt:
+                continue  # a resent or superseded report of a step already assembled
+            if self._pending_attempt.get(step, attempt) < attempt:
+                self._pending.pop(step, None)  # a restarted worker group replays this step
+            elif self._pending_attempt.get(step, attempt) > attempt:
+                continue
+            self._pending_attempt[step] = attempt
+            self._pending.setdefault(step, {})[rep["rank"]] = rep
             if dropped:
                 self.dropped[rep["rank"]] = dropped
         for step in sorted(s for s, reps in self._pending.items() if len(reps) == self.world_size):
+            self._pending_attempt.pop(step)
             self._assemble(step, self._pending.pop(step))
+        if flush:
+            self.flush()
+        return {"incarnation": self.incarnation, "durable": dict(self._durable)}
+
+    def stop_run(self, reason: str) -> None:
+        """A worker ended the run on purpose (a non-finite loss under ``on_nonfinite = "stop"``):
+        recorded, and returned by :meth:`finish` as ``stop_reason`` for the driver to raise."""
+        self._error(f"{_STOPPED}{reason}")
 
     # -- driver-facing -------------------------------------------------------------------------
     def drain_lines(self) -> list[str]:
@@ -107,7 +160,8 @@ class MetricsCollector:
         """Record incomplete steps as errors, flush and close the sinks, and summarise.
 
         Returns ``{"steps": n, "last_step", "final_loss", "errors": [...], "lines": [...],
-        "steps_path"}``. Idempotent.
+        "steps_path", "skipped_steps", "restarts"}`` (``restarts``: worker-group restarts seen in
+        the table). Idempotent.
         """
         if not self._closed:
             for step in sorted(self._pending):
@@ -117,6 +171,7 @@ class MetricsCollector:
             for rank, n in sorted(self.dropped.items()):
                 self._error(f"rank {rank} dropped {n} report(s): the collector was too slow")
             steps_path = self.parquet.close()
+            self._check_complete(steps_path)
             if self.tb:
                 self.tb.close()
             self._closed = True
@@ -128,9 +183,57 @@ class MetricsCollector:
             "errors": list(self.errors),
             "lines": self.drain_lines(),
             "steps_path": self._steps_path,
+            "skipped_steps": self._skipped_steps,
+            "restarts": self._restarts,
+            "collector_restarted": self.restarted,
+            "stop_reason": next((e[len(_STOPPED):] for e in self.errors if e.startswith(_STOPPED)), None),
         }
 
     # -- internals -----------------------------------------------------------------------------
+    def _resume(self) -> None:
+        """After a restart by Ray: what the previous life flushed is on disk; carry on from it."""
+        raw = read_raw_parts(self.parquet.parts)
+        if self._errors_path.is_file():
+            self.errors = [json.loads(line) for line in self._errors_path.read_text().splitlines()]
+            self.errors_total = len(self.errors)
+        if raw.num_rows == 0:
+            return
+        for attempt, step in zip(raw["attempt_start_time"].to_pylist(), raw["step"].to_pylist()):
+            self._done[step] = max(self._done.get(step, float("-inf")), attempt)
+            self._flushed.setdefault(attempt, set()).add(step)
+        for attempt in self._flushed:
+            self._advance_durable(attempt)
+        rows = latest_rows(raw)
+        self.assembled = len(set(rows["step"].to_pylist()))
+        self.last_step = max(rows["step"].to_pylist())
+        self.final_loss = rows.filter(pa.compute.equal(rows["step"], self.last_step))["step_loss"][0].as_py()
+        self._lines.append(
+            f"ray_titan: metrics collector restarted; {self.assembled} steps were on disk (up to step {self.last_step})"
+        )
+
+    def _advance_durable(self, attempt: float) -> None:
+        done = self._flushed[attempt]
+        wm = self._durable.get(attempt, min(done) - 1)
+        while wm + 1 in done:
+            wm += 1
+        self._durable[attempt] = wm
+
+    def _check_complete(self, steps_path: Path) -> None:
+        """Every rank has a row at every step from the first to the last recorded."""
+        import pyarrow.parquet as pq
+
+        t = pq.read_table(steps_path, columns=["step", "rank", "skipped_update", "attempt"])
+        self._skipped_steps = len({s for s, k in zip(t["step"].to_pylist(), t["skipped_update"].to_pylist()) if k})
+        self._restarts = max(t["attempt"].to_pylist(), default=0)
+        if t.num_rows == 0:
+            return
+        have = set(zip(t["step"].to_pylist(), t["rank"].to_pylist()))
+        steps = t["step"].to_pylist()
+        for step in range(min(steps), max(steps) + 1):
+            missing = [r for r in range(self.world_size) if (step, r) not in have]
+            if missing:
+                self._error(f"step {step}: the metrics table has no row for rank(s) {missing}")
+
     def _assemble(self, step: int, reps: dict[int, dict[str, Any]]) -> None:
         rows = [reps[r] for r in sorted(reps)]
         last = [reps[r] for r in self.last if r in reps]
@@ -150,6 +253,7 @@ class MetricsCollector:
             "step_time_s": step_time,
             "lr": rows[0]["lr"],
             "grad_norm": rows[0]["grad_norm"],
+            "skipped": rows[0].get("skipped_update", False),
         }
         summary["tokens_per_s"] = summary["tokens"] / step_time if step_time > 0 else 0.0
         flat = [self._row(r, summary) for r in rows]
@@ -161,17 +265,26 @@ class MetricsCollector:
         self.assembled += 1
         if step >= self.last_step:  # the newest step's loss, None (and an error) if it had none
             self.last_step, self.final_loss = step, loss
+        attempt = rows[0].get("attempt_start_time", 0.0)
+        self._done[step] = attempt
+        self._unflushed.append((attempt, step))
         self._since_flush += 1
         if self._since_flush >= self.flush_every:
             self.flush()
+        if step == self.kill_at_step:
+            if not self.restarted:
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def _error(self, message: str) -> None:
         # Bounded: a systematic error would otherwise add one message per step.
         self.errors_total += 1
-        if len(self.errors) < self.MAX_ERRORS:
-            self.errors.append(message)
-        elif len(self.errors) == self.MAX_ERRORS:
-            self.errors.append("... further errors are counted in errors_total only")
+        if len(self.errors) > self.MAX_ERRORS:
+            return
+        if len(self.errors) == self.MAX_ERRORS:
+            message = "... further errors are counted in errors_total only"
+        self.errors.append(message)
+        with open(self._errors_path, "a", encoding="utf-8") as f:  # survives a collector restart
+            f.write(json.dumps(message) + "\n")
 
     def flush(self) -> None:
         """Write a Parquet part of the assembled rows and flush TensorBoard."""
@@ -179,14 +292,31 @@ class MetricsCollector:
         if self.tb:
             self.tb.flush()
         self._since_flush = 0
+        for attempt, step in self._unflushed:
+            self._flushed.setdefault(attempt, set()).add(step)
+        for attempt in {a for a, _ in self._unflushed}:
+            self._advance_durable(attempt)
+        self._unflushed = []
 
     @staticmethod
     def _row(r: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
         row = {k: r[k] for k in ("step", "rank", "is_last_stage", "loss", "tokens", "step_time_s",
                                   "data_time_s", "fwd_bwd_time_s", "optim_time_s", "grad_norm",
                                   "lr", "gc_pause_s", "time")}
+        row.update(skipped_update=r.get("skipped_update", False), attempt=0,
+                   attempt_start_time=r.get("attempt_start_time", 0.0), pid=r.get("pid"))
         row["pp"], row["dp_shard"] = r["coords"].get("pp", 0), r["coords"].get("dp_shard", 0)
         row.update({k: r["memory"].get(k) for k in MEMORY_FIELDS})
         row.update(step_loss=s["loss"], step_loss_max=s["loss_max"], step_tokens=s["tokens"],
                    step_tokens_per_s=s["tokens_per_s"])
         return row
+
+
+def _reconstructed() -> bool:
+    """Whether this is a Ray actor restarted after its process died (False outside Ray)."""
+    try:
+        import ray
+
+        return ray.is_initialized() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # not in an actor
+        return False

@@ -30,10 +30,16 @@ STEP_SCHEMA = pa.schema(
         ("device_alloc_retries", _I), ("device_ooms", _I), ("device_capacity_bytes", _I),
         # Step-level figures, the same on every row of a step:
         ("step_loss", _F), ("step_loss_max", _F), ("step_tokens", _I), ("step_tokens_per_s", _F),
+        # Fault tolerance:
+        ("skipped_update", _B), ("attempt", _I), ("attempt_start_time", _F), ("pid", _I),
     ]
 )
 """One row per step per rank. ``loss`` is the rank's own (null off the last stage);
-``step_loss`` is the step's loss: token-weighted mean over the last stage's DP ranks."""
+``step_loss`` is the step's loss: token-weighted mean over the last stage's DP ranks.
+``skipped_update``: the step's update was dropped (non-finite loss or gradient norm, under
+``training.on_nonfinite = "skip"``). ``attempt``: 0 for the first worker group, 1 for the first
+restart, ...; ``attempt_start_time`` (Unix seconds) identifies it. Steps replayed after a restart
+replace the lost attempt's rows, so each (step, rank) appears once. ``pid``: the worker process."""
 
 
 class ParquetSink:
@@ -86,12 +92,33 @@ class ParquetSink:
         return out
 
 
-def _read_parts(parts: Path) -> pa.Table:
+def read_raw_parts(parts: Path) -> pa.Table:
+    """Every row of the flushed parts as written: replayed steps and resent duplicates included."""
     files = sorted(parts.glob("part-*.parquet"))
     if not files:
         return STEP_SCHEMA.empty_table()
-    table = pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA) for f in files])
-    return table.sort_by([("step", "ascending"), ("rank", "ascending")])
+    return pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA) for f in files])
+
+
+def latest_rows(table: pa.Table) -> pa.Table:
+    """One row per (step, rank): the one from the newest attempt (replayed steps replace the
+    lost ones; resent duplicates collapse), with ``attempt`` numbered 0, 1, ... by start time;
+    sorted by step and rank."""
+    if table.num_rows == 0:
+        return table
+    starts = sorted(set(table["attempt_start_time"].to_pylist()))
+    table = table.set_column(
+        table.schema.get_field_index("attempt"), "attempt",
+        pa.array([starts.index(t) for t in table["attempt_start_time"].to_pylist()], pa.int64()),
+    )
+    table = table.sort_by([("step", "ascending"), ("rank", "ascending"), ("attempt", "descending")])
+    keys = list(zip(table["step"].to_pylist(), table["rank"].to_pylist()))
+    first = [i for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
+    return table.take(pa.array(first, pa.int64()))
+
+
+def _read_parts(parts: Path) -> pa.Table:
+    return latest_rows(read_raw_parts(parts))
 
 
 def read_steps(run_dir: str | Path) -> pa.Table:
