@@ -288,6 +288,8 @@ class ModelParts(nn.Module):
                     if name not in self._modules:
                         self.add_module(name, nn.ModuleDict())
                     self._modules[name].update(child)
+                elif self._modules.get(name, child) is not child:
+                    raise ValueError(f"two pipeline stages on this rank both hold {name!r}")
                 else:
                     self.add_module(name, child)
 

@@ -32,7 +32,7 @@ RESUME_CASES = {
 
 def _run(tmp_path_factory, corpus_cache, name, *overrides):
     cfg = load_config(REPO / "configs" / "debug_llama.toml", [
-        f"--job.name={name}", f"--job.dump_folder={tmp_path_factory.mktemp(name)}",
+        f"--job.name={name}", f"--job.dump_folder={tmp_path_factory.mktemp(name, numbered=False)}",
         f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}", "--metrics.log_freq=1000",
         f"--checkpoint.interval={INTERVAL}", "--metrics.flush_every_steps=2", *overrides,
     ])
@@ -101,6 +101,17 @@ def test_load_path_onto_another_mesh_continues_the_run(uninterrupted, ray_cluste
     assert sorted(set(run.steps["step"].to_pylist())) == list(range(INTERVAL + 1, STEPS + 1))
     # Another mesh sums in another order: equal to fp32 rounding, not bit for bit.
     np.testing.assert_allclose(run.losses(), uninterrupted.losses()[INTERVAL:], rtol=1e-4)
+
+
+def test_nonfinite_stop_ends_the_run_without_a_restart(ray_cluster, tmp_path_factory, corpus_cache):
+    from ray_titan.fault import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match=r"step 2: the loss is not finite on the last stage \(stage 0\)"):
+        _run(tmp_path_factory, corpus_cache, "nan_stop", "--parallelism.pp=1", "--parallelism.dp_shard=2",
+             "--ray.max_failures=1", "--debug.nonfinite_loss_at_steps=[2]", "--training.steps=3")
+    (run_dir,) = (tmp_path_factory.getbasetemp() / "nan_stop0").glob("nan_stop-*")
+    steps = read_steps(run_dir)
+    assert sorted(set(steps["step"].to_pylist())) == [1, 2] and set(steps["attempt"].to_pylist()) == {0}
 
 
 def test_ctrl_c_stops_workers_flushes_metrics_and_names_the_last_checkpoint(ray_cluster, tmp_path, corpus_cache):

@@ -189,7 +189,7 @@ class CollectorReporter(Reporter):
         while self._held and time.monotonic() < deadline:
             self._send(flush=not self._pending)
             self._poll(timeout=min(0.5, max(0.0, deadline - time.monotonic())), num_returns=1)
-            if not self._pending and self._held and time.monotonic() >= self._retry_at:
+            if not self._pending and self._held:
                 time.sleep(0.2)  # the other ranks' last reports complete the last steps
         lost = len(self._held)
         self.dropped += lost
