@@ -109,7 +109,7 @@ def test_nonfinite_stop_ends_the_run_without_a_restart(ray_cluster, tmp_path_fac
     with pytest.raises(NonFiniteError, match=r"step 2: the loss is not finite on the last stage \(stage 0\)"):
         _run(tmp_path_factory, corpus_cache, "nan_stop", "--parallelism.pp=1", "--parallelism.dp_shard=2",
              "--ray.max_failures=1", "--debug.nonfinite_loss_at_steps=[2]", "--training.steps=3")
-    (run_dir,) = (tmp_path_factory.getbasetemp() / "nan_stop0").glob("nan_stop-*")
+    (run_dir,) = (tmp_path_factory.getbasetemp() / "nan_stop").glob("nan_stop-*")
     steps = read_steps(run_dir)
     assert sorted(set(steps["step"].to_pylist())) == [1, 2] and set(steps["attempt"].to_pylist()) == {0}
 
