@@ -70,6 +70,16 @@ def test_resume_continues_the_loss_curve_exactly(saved, tmp_path, corpus_cache):
     np.testing.assert_allclose(resumed, losses[2:], rtol=1e-6)
 
 
+def test_load_model_only_starts_at_step_one_with_the_saved_weights(saved, tmp_path, corpus_cache):
+    run_dir, _, losses = saved
+    cfg = _cfg(tmp_path, corpus_cache, f"--checkpoint.load_path={run_dir / 'checkpoints' / 'step-00000004'}",
+               "--checkpoint.load_model_only=true", "--training.steps=1", "--optimizer.name=SGD")
+    fresh_start, *_ = _train(tmp_path, cfg, save=False)
+    assert len(fresh_start) == 1  # step 1 of a new run: another optimizer is fine
+    # The same first batch as the saved run's step 1, through trained weights: a lower loss.
+    assert fresh_start[0] < losses[0] - 0.05
+
+
 def test_manifest_lists_every_file_and_the_job(saved):
     run_dir, _, _ = saved
     m = read_manifest(run_dir / "checkpoints" / "step-00000004", verify_checksums=True)
