@@ -116,6 +116,7 @@ class MetricsCollector:
         self._durable: dict[float, int] = {}
         self._errors_path = self.run_dir / "metrics" / "errors.jsonl"
         self.restarted = _reconstructed()
+        self._newest_attempt = float("-inf")
         self._resume()
 
     # -- worker-facing -------------------------------------------------------------------------
@@ -128,6 +129,8 @@ class MetricsCollector:
         """
         for rep in batch:
             step, attempt = rep["step"], rep.get("attempt_start_time", 0.0)
+            if attempt > self._newest_attempt:
+                self._new_attempt(attempt, step)
             if self._done.get(step, float("-inf")) >= attempt:
                 continue  # a resent or superseded report of a step already assembled
             if self._pending_attempt.get(step, attempt) < attempt:
@@ -203,6 +206,7 @@ class MetricsCollector:
             self._flushed.setdefault(attempt, set()).add(step)
         for attempt in self._flushed:
             self._advance_durable(attempt)
+        self._newest_attempt = max(self._flushed)
         rows = latest_rows(raw)
         self.assembled = len(set(rows["step"].to_pylist()))
         self.last_step = max(rows["step"].to_pylist())
@@ -210,6 +214,18 @@ class MetricsCollector:
         self._lines.append(
             f"ray_titan: metrics collector restarted; {self.assembled} steps were on disk (up to step {self.last_step})"
         )
+        if self.tb:  # events after the last flush may be torn or partial: the resent reports redo them
+            self.tb.close()
+            self.tb = TensorBoardSink(self.run_dir / "tb", purge_step=self.last_step + 1)
+
+    def _new_attempt(self, attempt: float, step: int) -> None:
+        """A worker group (re)started at ``step``: replayed steps replace the old ones in TensorBoard."""
+        if self._newest_attempt > float("-inf"):
+            self._lines.append(f"ray_titan: worker group restarted; resuming at step {step}")
+            if self.tb and step <= self.last_step:
+                self.tb.close()
+                self.tb = TensorBoardSink(self.tb.tb_dir, purge_step=step)
+        self._newest_attempt = attempt
 
     def _advance_durable(self, attempt: float) -> None:
         done = self._flushed[attempt]

@@ -9,6 +9,7 @@ consolidated file, or the parts when a crash left no consolidated file.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -136,10 +137,14 @@ class TensorBoardSink:
     """Scalars to ``<run_dir>/tb`` with tensorboardX: ``loss``, ``loss_max``, ``tokens_per_s``,
     ``lr``, ``grad_norm``, ``step_time_s`` and ``memory/rank{r}/<field>`` (MiB)."""
 
-    def __init__(self, tb_dir: str | Path):
+    def __init__(self, tb_dir: str | Path, purge_step: int | None = None):
         from tensorboardX import SummaryWriter
 
-        self.writer = SummaryWriter(str(tb_dir))
+        self.tb_dir = tb_dir
+        # purge_step: TensorBoard drops the events of earlier writers from this step on (replays).
+        # A new file name even within the same second (tensorboardX names files by the second).
+        suffix = "" if purge_step is None else f".{time.time_ns()}"
+        self.writer = SummaryWriter(str(tb_dir), purge_step=purge_step, filename_suffix=suffix)
 
     def add_step(self, step: int, scalars: dict[str, float], rows: list[dict[str, Any]]) -> None:
         for k, v in scalars.items():
