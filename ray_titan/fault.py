@@ -41,6 +41,7 @@ class FaultHandler:
             dist.broadcast(t, src=0)
         self.attempt_start_time = float(t.item())
         self._poison = False
+        self._stop: NonFiniteError | None = None
         self.skipped = 0
 
     def wrap_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -58,8 +59,10 @@ class FaultHandler:
         self._poison = step in self.cfg.debug.nonfinite_loss_at_steps
 
     def check(self, step: int, loss: float | None, grad_norm: float, params: list[torch.Tensor]) -> bool:
-        """True when this step's update must be skipped; raises :class:`NonFiniteError` under
-        ``stop``. Every rank reaches the same verdict (one tiny all-reduce of the loss flag)."""
+        """True when this step's update must be dropped: a non-finite loss or gradient norm.
+        Under ``stop``, :meth:`end_step` then raises :class:`NonFiniteError` (after the step is
+        reported, so the metrics show it). Every rank reaches the same verdict (one tiny
+        all-reduce of the loss flag)."""
         bad_loss = loss is not None and not math.isfinite(loss)
         flag = torch.tensor([1.0 if bad_loss else 0.0], device=self.device)
         if self.world > 1:
@@ -84,17 +87,21 @@ class FaultHandler:
             what.append(f"the gradient norm is {grad_norm} (non-finite gradients in stage(s) {grad_stages})")
         message = f"step {step}: " + "; ".join(what)
         if self.cfg.training.on_nonfinite == "stop":
-            raise NonFiniteError(
+            self._stop = NonFiniteError(
                 f"{message}. training.on_nonfinite = 'stop' ends the run; 'skip' would drop such updates"
             )
+            return True
         self.skipped += 1
         if self.rank == 0:
             print(f"ray_titan: {message}: update skipped (training.on_nonfinite = 'skip')", flush=True)
         return True
 
-    def maybe_kill(self, step: int, restarted: bool) -> None:
-        """``debug.kill_at_step``: SIGKILL this process (rank ``debug.kill_rank``) unless this
+    def end_step(self, step: int, restarted: bool) -> None:
+        """After the step's report: raise the ``stop`` verdict of :meth:`check`, and
+        ``debug.kill_at_step``: SIGKILL this process (rank ``debug.kill_rank``) unless this
         worker group is a restart."""
+        if self._stop is not None:
+            raise self._stop
         d = self.cfg.debug
         if d.kill_at_step == step and d.kill_rank == self.rank and not restarted:
             os.kill(os.getpid(), signal.SIGKILL)

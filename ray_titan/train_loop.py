@@ -207,9 +207,9 @@ def train_loop(
                 memory=memory, gc_pause_s=gc_pause, time=time.time(),
                 skipped_update=skipped, attempt_start_time=faults.attempt_start_time,
             ))
+            faults.end_step(step, ckpt.restarted)  # on_nonfinite = "stop"; debug.kill_at_step
             if ckpt.due(step):
                 ckpt.save(step)
-            faults.maybe_kill(step, ckpt.restarted)
             last_loss = loss
             del inputs, labels
     finally:

@@ -172,9 +172,15 @@ def test_max_failures_needs_checkpoints(corpus_cache, tmp_path):
 
 def test_nonfinite_stop_names_the_step_and_stage(tmp_path, corpus_cache):
     cfg = _cfg(tmp_path, corpus_cache, "--debug.nonfinite_loss_at_steps=[3]", "--checkpoint.enable=false")
+    collector = MetricsCollector(str(tmp_path), 1, [0], cfg.training.steps, enable_tensorboard=False)
     with pytest.raises(NonFiniteError, match=r"step 3: the loss is not finite on the last stage \(stage 0\); "
                                              r"the gradient norm is nan \(non-finite gradients in stage\(s\) \[0\]\)"):
-        _train(tmp_path, cfg, save=False)
+        train_loop(cfg, LocalReporter(collector), None, None)
+    collector.finish()
+    from ray_titan.metrics.sinks import read_steps
+
+    t = read_steps(tmp_path)  # the failing step is recorded, its update dropped
+    assert t["step"].to_pylist() == [1, 2, 3] and t["skipped_update"].to_pylist() == [False, False, True]
 
 
 def test_nonfinite_skip_drops_the_update_and_counts_it(tmp_path, corpus_cache):

@@ -112,6 +112,7 @@ def test_nonfinite_stop_ends_the_run_without_a_restart(ray_cluster, tmp_path_fac
     (run_dir,) = (tmp_path_factory.getbasetemp() / "nan_stop").glob("nan_stop-*")
     steps = read_steps(run_dir)
     assert sorted(set(steps["step"].to_pylist())) == [1, 2] and set(steps["attempt"].to_pylist()) == {0}
+    assert steps.filter(pa.compute.equal(steps["step"], 2))["skipped_update"].to_pylist() == [True, True]
 
 
 def test_ctrl_c_stops_workers_flushes_metrics_and_names_the_last_checkpoint(ray_cluster, tmp_path, corpus_cache):
