@@ -117,23 +117,26 @@ def test_nonfinite_stop_ends_the_run_without_a_restart(ray_cluster, tmp_path_fac
 
 def test_ctrl_c_stops_workers_flushes_metrics_and_names_the_last_checkpoint(ray_cluster, tmp_path, corpus_cache):
     env = {**os.environ, "RAY_ADDRESS": ray_cluster, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ray_titan", "train", "--training.steps=1000", "--checkpoint.interval=3",
-         "--metrics.log_freq=1", "--metrics.flush_every_steps=1", "--parallelism.pp=1", "--parallelism.dp_shard=2",
-         f"--job.dump_folder={tmp_path}", f"--data.cache_dir={corpus_cache}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-    )
-    try:
-        for line in proc.stdout:
-            if line.startswith("step    7/1000"):
-                break
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    dump = tmp_path / "runs"
+    with open(tmp_path / "stderr.txt", "w") as errfile:  # a file: Ray's log lines would fill a pipe
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ray_titan", "train", "--training.steps=1000", "--checkpoint.interval=3",
+             "--metrics.log_freq=1", "--metrics.flush_every_steps=1", "--parallelism.pp=1", "--parallelism.dp_shard=2",
+             f"--job.dump_folder={dump}", f"--data.cache_dir={corpus_cache}"],
+            env=env, stdout=subprocess.PIPE, stderr=errfile, text=True, cwd=tmp_path,
+        )
+        try:
+            for line in proc.stdout:
+                if line.startswith("step    7/1000"):
+                    break
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    err = (tmp_path / "stderr.txt").read_text()
     assert proc.returncode == 130, err[-3000:]
-    (run_dir,) = tmp_path.glob("debug_llama-*")
+    (run_dir,) = dump.glob("debug_llama-*")
     assert f"ray_titan: interrupted: workers stopped; metrics in {run_dir / 'metrics'}; last checkpoint " \
            f"{run_dir / 'checkpoints'}/step-0000000" in err
     steps = read_steps(run_dir)
