@@ -73,15 +73,15 @@ class FaultHandler:
         local_grads_bad = any(
             p.grad is not None and not torch.isfinite(_local(p.grad)).all() for p in params
         )
-        mine = (self.stage_ids, bad_loss, local_grads_bad)
+        mine = (self.stage_ids, local_grads_bad)
         everyone = [mine]
         if self.world > 1:
             everyone = [None] * self.world
             dist.all_gather_object(everyone, mine)
-        loss_stages = sorted({s for ids, bl, _ in everyone if bl for s in ids if s == self.last_stage})
-        grad_stages = sorted({s for ids, _, bg in everyone if bg for s in ids})
+        # Stages of the ranks holding non-finite gradients (all of a rank's stages if it has several).
+        grad_stages = sorted({s for ids, bad in everyone if bad for s in ids})
         what = []
-        if loss_stages or flag.item():
+        if flag.item():
             what.append(f"the loss is not finite on the last stage (stage {self.last_stage})")
         if not math.isfinite(grad_norm):
             what.append(f"the gradient norm is {grad_norm} (non-finite gradients in stage(s) {grad_stages})")
