@@ -4,7 +4,8 @@
 (:func:`ray_titan.driver.train`): on the cluster named by ``RAY_ADDRESS``, or on a local Ray
 cluster it starts. Without ``--config`` the built-in defaults are used, which are
 ``configs/debug_llama.toml``. Exit status: 0 for a complete run, 2 for a config error (before
-any worker starts), 1 for a failed run or one whose metrics have errors.
+any worker starts), 1 for a failed run or one whose metrics have errors, 130 when interrupted
+(Ctrl-C: the workers are stopped, the metrics flushed, and the last checkpoint named).
 
 ``ray-titan config show [X.toml] [--section.key=value ...]`` prints the resolved config, every
 default included, as TOML; ``ray-titan config docs`` prints (or writes, ``--output``) the
@@ -91,6 +92,8 @@ def _train(args, overrides: list[str]) -> int:
     except ConfigError as e:
         print(f"ray-titan: config error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     except Exception as e:  # Ray's error carries the failing worker's traceback
         print(f"ray-titan: training failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

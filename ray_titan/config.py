@@ -101,6 +101,10 @@ class Training(_Section):
     """Every rank runs a synchronized ``gc.collect(1)`` every ``gc_freq`` steps; automatic GC is off."""
     threads_per_worker: int | None = Field(None, gt=0)
     """``torch.set_num_threads`` per worker; default: the worker's CPU share rounded up."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite loss or gradient norm: ``stop`` ends the run with an error naming the step and
+    the stage; ``skip`` drops that step's update (the LR schedule and the data still advance) and
+    counts it in the metrics (``skipped_update``)."""
 
 
 class Parallelism(_Section):
@@ -166,8 +170,47 @@ class Metrics(_Section):
     max_inflight_reports: int = Field(16, gt=0)
     """Report batches a worker may have in flight to the collector before it buffers locally."""
     max_buffered_reports: int = Field(10_000, gt=0)
-    """Reports a worker buffers while the collector is slow; beyond this the oldest are dropped
-    and counted (bounded so a stuck collector cannot grow a worker)."""
+    """Reports a worker holds until the collector has them on disk (it resends them after a
+    collector restart); beyond this the oldest are dropped and counted (bounded so a stuck
+    collector cannot grow a worker)."""
+    collector_max_restarts: int = Field(10, ge=0)
+    """Times Ray restarts a killed collector actor; it resumes from the metrics it had flushed."""
+
+
+class Checkpoint(_Section):
+    """Sharded checkpoints (``torch.distributed.checkpoint``) of the whole training state: model,
+    optimizer, LR scheduler, data-loader position, step and RNG state."""
+
+    enable: bool = True
+    """Save every ``interval`` steps and at the last step. Under Ray they go to
+    ``<run_dir>/checkpoints/step-NNNNNNNN`` through ``ray.train.report`` (so a restarted worker
+    group resumes from the latest); without Ray, straight to that directory."""
+    interval: int = Field(100, gt=0)
+    """Steps between checkpoints."""
+    keep_latest_k: int = Field(3, ge=0)
+    """Complete checkpoints kept (older ones are deleted); 0 keeps all."""
+    load_path: str | None = None
+    """Start this run from a checkpoint: a ``step-NNNNNNNN`` directory, or a directory holding
+    them (a run directory or its ``checkpoints/``), whose latest complete checkpoint is taken.
+    The mesh may differ from the one that saved it (DCP reshards). A restarted worker group
+    resumes from its own run's latest checkpoint instead."""
+    load_model_only: bool = False
+    """With ``load_path``: take the model weights only and start at step 1 with a fresh optimizer,
+    LR schedule and data order (fine-tuning); otherwise continue the saved run's state."""
+
+
+class Debug(_Section):
+    """Fault injection, for testing fault tolerance. Leave unset in real jobs."""
+
+    kill_rank: int = Field(0, ge=0)
+    """The rank ``kill_at_step`` kills."""
+    kill_at_step: int | None = Field(None, gt=0)
+    """SIGKILL rank ``kill_rank``'s process at the end of this step, in a worker group that did not
+    resume from a checkpoint (so the restarted group runs on)."""
+    kill_collector_at_step: int | None = Field(None, gt=0)
+    """SIGKILL the metrics collector actor when it assembles this step (its first life only)."""
+    nonfinite_loss_at_steps: list[int] = Field(default_factory=list)
+    """Make the loss NaN at these steps (exercises ``training.on_nonfinite``)."""
 
 
 class Memory(_Section):
@@ -267,7 +310,8 @@ class RayConfig(_Section):
     num_cpus: int | None = Field(None, gt=0)
     """CPUs of a local cluster started by the driver (ignored when joining one). Default: this machine's."""
     max_failures: int = Field(0, ge=0)
-    """Worker-group restarts Ray Train may make after a worker fails."""
+    """Worker-group restarts Ray Train may make after a worker fails; each restart resumes from
+    the latest checkpoint (needs ``checkpoint.enable``)."""
     use_gpu: bool = False
     """One GPU per worker; the process group then uses NCCL (gloo otherwise)."""
 
@@ -283,11 +327,13 @@ class JobConfig(_Section):
     optimizer: Optimizer = Field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = Field(default_factory=LRScheduler)
     metrics: Metrics = Field(default_factory=Metrics)
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     ray: RayConfig = Field(default_factory=RayConfig)
     memory: Memory = Field(default_factory=Memory)
     activation_checkpoint: ActivationCheckpoint = Field(default_factory=ActivationCheckpoint)
     callbacks: list[Callback] = Field(default_factory=list)
     """Worker-side callbacks, run on every worker (``[[callbacks]]`` tables)."""
+    debug: Debug = Field(default_factory=Debug)
 
     @property
     def world_size(self) -> int:
@@ -417,10 +463,14 @@ def validate_job(cfg: JobConfig) -> None:
             f"ray.num_workers = {cfg.ray.num_workers} but the mesh needs {mesh} workers; "
             f"set ray.num_workers = {cfg.world_size} (or leave it unset) or change the mesh"
         )
-    if cfg.ray.max_failures:
+    if cfg.ray.max_failures and not cfg.checkpoint.enable:
         raise ConfigError(
-            f"ray.max_failures = {cfg.ray.max_failures}: a restarted worker group would start again "
-            "from step 1, since resuming from checkpoints is not implemented yet; use 0"
+            f"ray.max_failures = {cfg.ray.max_failures} with checkpoint.enable = false: a restarted "
+            "worker group would start again from step 1; set checkpoint.enable = true or ray.max_failures = 0"
+        )
+    if cfg.debug.kill_at_step is not None and cfg.debug.kill_rank >= cfg.world_size:
+        raise ConfigError(
+            f"debug.kill_rank = {cfg.debug.kill_rank} but the mesh has ranks 0..{cfg.world_size - 1}"
         )
     _check_dump_folder(cfg)
     if cfg.data.source == "python_stdlib" and cfg.data.path:
@@ -501,12 +551,16 @@ def validate_job(cfg: JobConfig) -> None:
     _validate_memory(cfg)
     check_source(cfg.data)
     try:
-        build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+        tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
     except Exception as e:  # a missing, unreadable or special-token-less tokenizer.json
         raise ConfigError(
             f"data.tokenizer = {cfg.data.tokenizer!r}, data.tokenizer_path = "
             f"{cfg.data.tokenizer_path!r}: {e}"
         ) from None
+    if cfg.checkpoint.load_path is not None:
+        from ray_titan.checkpoint import check_load_path
+
+        check_load_path(cfg, tokenizer.vocab_size)
 
 
 def _validate_memory(cfg: JobConfig) -> None:

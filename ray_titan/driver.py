@@ -7,6 +7,12 @@ the worker group), runs the train loop on ``pp × dp_shard`` Ray Train workers, 
 progress (a bar on a terminal, the collector's console lines otherwise; :mod:`ray_titan.progress`),
 and returns the run's metrics. The run directory may be a local path or a URI
 (:mod:`ray_titan.storage`).
+
+Fault tolerance: Ray Train restarts a failed worker group up to ``ray.max_failures`` times and
+the restarted group resumes from the latest checkpoint (``<run_dir>/checkpoints``, kept by Ray's
+``CheckpointConfig``); Ray restarts a killed collector up to ``metrics.collector_max_restarts``
+times. Ctrl-C (SIGINT) makes Ray Train abort the worker group; the driver then flushes the
+metrics and says where the last checkpoint is.
 """
 
 from __future__ import annotations
@@ -54,6 +60,14 @@ class RunResult:
     config: JobConfig | None = None
     memory_verdicts: dict[int, dict[str, Any]] = field(default_factory=dict)
     memory_snapshots: list[Path] = field(default_factory=list)
+    checkpoint: Path | None = None
+    """The latest complete checkpoint (``<run_dir>/checkpoints/step-NNNNNNNN``), None if none."""
+    skipped_steps: int = 0
+    """Steps whose update was dropped (``training.on_nonfinite = "skip"``)."""
+    restarts: int = 0
+    """Worker-group restarts during the run."""
+    collector_restarted: bool = False
+    """The metrics collector was killed and restarted by Ray during the run."""
 
     @property
     def metrics_path(self) -> Path | str:
@@ -145,6 +159,8 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     import ray.train.torch
     import torch
 
+    from ray_titan.checkpoint import RayTrainCheckpointStorage
+    from ray_titan.fault import NonFiniteError
     from ray_titan.metrics.report import CollectorReporter, JsonlReporter, rank_reports_path
     from ray_titan.train_loop import train_loop
 
@@ -157,7 +173,14 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         reporter = JsonlReporter(rank_reports_path(loop_config["run_dir"], rank), reporter)
     # Only a worker that reserved a GPU may use one; Ray does not hide unreserved GPUs.
     device = ray.train.torch.get_device() if cfg.ray.use_gpu else torch.device("cpu")
-    train_loop(cfg, reporter, device, loop_config["run_dir"], loop_config.get("callbacks"))
+    try:
+        train_loop(cfg, reporter, device, run_dir=loop_config["run_dir"], callbacks=loop_config.get("callbacks"),
+                   checkpoint_storage=RayTrainCheckpointStorage() if cfg.checkpoint.enable else None)
+    except NonFiniteError as e:
+        # Every rank stops at the same step. Raising would make Ray Train restart the group
+        # (ray.max_failures), only to meet the same NaN: end the run and let the driver raise.
+        if ray.train.get_context().get_world_rank() == 0:
+            ray.get(loop_config["collector"].stop_run.remote(str(e)), timeout=120)
 
 
 def train(
@@ -173,12 +196,14 @@ def train(
     those of the config. Raises :class:`ConfigError` for an invalid job before any worker starts,
     :class:`~ray_titan.metrics.leak.MemoryLeakError` when a rank's memory grew and
     ``memory.on_leak = "stop"`` ended the run, and ``ray.train.TrainingFailedError`` if training
-    fails otherwise (the metrics recorded until then stay in the run directory).
+    fails otherwise (the metrics recorded until then stay in the run directory), ``NonFiniteError``
+    when a non-finite loss stopped it, and ``KeyboardInterrupt`` after Ctrl-C.
     """
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from ray_titan.checkpoint import find_latest
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.leak import MemoryLeakError, leak_settings
     from ray_titan.metrics.sinks import read_steps
@@ -214,10 +239,14 @@ def train(
             update={"threads_per_worker": max(1, int(cpus + 0.999))})})
     run_dir = make_run_dir(cfg)
     storage.write_text(_under(run_dir, "config.json"), cfg.model_dump_json(indent=2))
-    collector = ray.remote(MetricsCollector).options(num_cpus=0, max_restarts=0).remote(
+    # Restarted by Ray if it dies; it resumes from its flushed parts and workers resend the rest.
+    collector = ray.remote(MetricsCollector).options(
+        num_cpus=0, max_restarts=cfg.metrics.collector_max_restarts,
+    ).remote(
         str(run_dir), dims.world_size, dims.last_stage_ranks(), cfg.training.steps,
         cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
-        leak_settings(cfg.memory), cfg.memory.on_leak,
+        leak=leak_settings(cfg.memory), on_leak=cfg.memory.on_leak,
+        kill_at_step=cfg.debug.kill_collector_at_step,
     )
     print(
         f"ray_titan: run {run_dir.name}: {dims.world_size} workers (pp={dims.pp} × "
@@ -235,8 +264,10 @@ def train(
             resources_per_worker={"CPU": cpus, **({"GPU": 1} if cfg.ray.use_gpu else {})},
         ),
         run_config=RunConfig(
-            name=Path(str(run_dir)).name,
-            storage_path=str(_under(run_dir, "ray_train")),
+            # Checkpoints land in <run_dir>/checkpoints/step-NNNNNNNN (ray_titan.checkpoint).
+            name="checkpoints",
+            storage_path=str(run_dir),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_latest_k or None),
             # A worker group that cannot start fails the run at once instead of retrying forever.
             failure_config=FailureConfig(max_failures=cfg.ray.max_failures, controller_failure_limit=0),
         ),
@@ -257,18 +288,36 @@ def train(
             summary = {"lines": [], "errors": [f"metrics collector failed to finish: {e}"], "final_loss": None}
         console.finish(summary)
         ray.kill(collector)
+    # Checkpoints of a remote run directory stay where Ray Train put them; only local ones are found.
+    latest = find_latest(run_dir / "checkpoints") if isinstance(run_dir, Path) else None
+    where = (f"last checkpoint {latest} (continue with --checkpoint.load_path={latest})"
+             if latest else "no checkpoint was saved")
+    if isinstance(failure, (KeyboardInterrupt, SystemExit)):
+        # Ray Train's SIGINT handler aborted the worker group and exits the driver.
+        print(f"ray_titan: interrupted: workers stopped; metrics in {_under(run_dir, 'metrics')}; {where}",
+              file=sys.stderr, flush=True)
+        raise KeyboardInterrupt(str(where)) from None
     if failure is not None:
-        print(f"ray_titan: run failed; metrics so far in {_under(run_dir, 'metrics')}", file=sys.stderr)
+        print(f"ray_titan: run failed; metrics so far in {_under(run_dir, 'metrics')}; {where}", file=sys.stderr)
         if summary.get("stop"):
             raise MemoryLeakError(summary["stop"]) from failure
         raise failure
+    if summary.get("stop_reason"):
+        from ray_titan.fault import NonFiniteError
+
+        print(f"ray_titan: run stopped; metrics in {_under(run_dir, 'metrics')}; {where}", file=sys.stderr)
+        raise NonFiniteError(summary["stop_reason"])
     for err in summary["errors"]:
         print(f"ray_titan: metrics error: {err}", file=sys.stderr)
     result = RunResult(
         run_dir=run_dir, steps=read_steps(run_dir), final_loss=summary["final_loss"],
-        errors=summary["errors"], config=cfg,
+        errors=summary["errors"], config=cfg, checkpoint=latest,
+        skipped_steps=summary.get("skipped_steps", 0), restarts=summary.get("restarts", 0),
+        collector_restarted=summary.get("collector_restarted", False),
         memory_verdicts=summary.get("memory_verdicts", {}),
-        memory_snapshots=sorted((run_dir / "memory").glob("*")) if (run_dir / "memory").is_dir() else [],
+        memory_snapshots=sorted((run_dir / "memory").glob("*"))
+        if isinstance(run_dir, Path) and (run_dir / "memory").is_dir() else [],
     )
-    print(f"ray_titan: done: final loss {result.final_loss}, metrics {result.metrics_path}", flush=True)
+    print(f"ray_titan: done: final loss {result.final_loss}, metrics {result.metrics_path}, "
+          f"{where}", flush=True)
     return result

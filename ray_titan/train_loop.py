@@ -25,10 +25,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ray_titan.callbacks import CallbackContext, CallbackList, load_callback
+from ray_titan.checkpoint import Checkpointer, LocalCheckpointStorage
 from ray_titan.config import JobConfig, load_config
 from ray_titan.data.corpus import load_texts
 from ray_titan.data.loader import PackedLoader
 from ray_titan.data.tokenizer import build_tokenizer
+from ray_titan.fault import FaultHandler
 from ray_titan.gc import GarbageCollection
 from ray_titan.metrics.memory import MemorySnapshots, sample_memory
 from ray_titan.metrics.report import Reporter, StepReport
@@ -93,7 +95,7 @@ def _build_optimizer(cfg: JobConfig, params: list[torch.nn.Parameter]) -> torch.
 
 def train_loop(
     cfg: JobConfig, reporter: Reporter, device: torch.device | None = None,
-    run_dir: str | Path | None = None, callbacks: list | None = None,
+    run_dir: str | Path | None = None, callbacks: list | None = None, checkpoint_storage=None,
 ) -> dict[str, Any]:
     """Train ``cfg`` on this rank, sending one :class:`StepReport` per step to ``reporter``.
 
@@ -101,10 +103,13 @@ def train_loop(
     launcher knows which GPU, if any, is this rank's. Needs ``torch.distributed`` initialised
     with ``world_size == cfg.world_size`` unless the mesh is a single rank. ``run_dir``: where
     memory snapshots go (``<run_dir>/memory/``; none without it). ``callbacks``: worker-side
-    callbacks (``ray_titan.callbacks``), run after those of ``cfg.callbacks``. Returns a small
-    summary of this rank (``rank``, ``steps``, ``last_loss``, ``snapshots``). Raises
-    ``RuntimeError`` when the process group does not match the mesh, and
-    ``RankOutOfMemoryError`` (after writing a snapshot) when the rank runs out of memory.
+    callbacks (``ray_titan.callbacks``), run after those of ``cfg.callbacks``.
+    ``checkpoint_storage`` is where checkpoints go (``ray_titan.checkpoint``; None saves none),
+    and a restart or ``checkpoint.load_path`` resumes from one. Returns a small summary of this
+    rank (``rank``, ``steps``, ``last_loss``, ``snapshots``). Raises ``RuntimeError`` when the
+    process group does not match the mesh, ``RankOutOfMemoryError`` (after writing a snapshot)
+    when the rank runs out of memory, ``CheckpointError`` for a bad checkpoint and
+    ``NonFiniteError`` under ``training.on_nonfinite = "stop"``.
     """
     dims = parallel_dims(cfg)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -161,11 +166,13 @@ def train_loop(
     pp_group = mesh["pp"].get_group() if pp_on else None
     model = stages[stage_ids[0]]
     moe = MoEStepState(stages, dims.ep, mesh["dp_shard"].get_group() if dims.dp_shard > 1 else None, n_mb)
+    faults = FaultHandler(cfg, rank, stage_ids, dims.num_stages - 1, device)
+    loss_fn = faults.wrap_loss(cross_entropy_loss)
     schedule = None
     if pp_on:
         schedule = build_pipeline_schedule(
             cfg.parallelism.pipeline_schedule, stages, dims.num_stages, n_mb,
-            cross_entropy_loss, device, pp_group,
+            loss_fn, device, pp_group,
         )
         if moe.active:
             # The schedule infers stage shapes at its first step by running every stage once,
@@ -176,6 +183,10 @@ def train_loop(
                           losses=[] if is_last else None)
             optimizer.zero_grad(set_to_none=True)
             moe.reset()
+    # -- checkpoints (ray_titan.checkpoint) --
+    ckpt = Checkpointer(cfg, rank, stages.values(), optimizer, scheduler, loader, reporter,
+                        checkpoint_storage, tokenizer.vocab_size, device)
+    start_step = ckpt.restore()
 
     mem = cfg.memory
     gc_policy = GarbageCollection(cfg.training.gc_freq, mem.gc_full_every, mem.gc_debug, rank, mem.malloc_trim)
@@ -187,7 +198,8 @@ def train_loop(
     try:
         snapshots.start()
         hooks.on_train_start()
-        for step in range(1, cfg.training.steps + 1):
+        for step in range(start_step + 1, cfg.training.steps + 1):
+            faults.begin_step(step)
             hooks.on_step_begin(step)
             snapshots.before_step(step)
             t0 = time.perf_counter()
@@ -207,7 +219,7 @@ def train_loop(
                 for i, (x, y) in enumerate(zip(inputs.chunk(n_mb), labels.chunk(n_mb))):
                     if dims.dp_shard > 1:
                         model.set_requires_gradient_sync(i == n_mb - 1)
-                    mb_loss = cross_entropy_loss(model(x), y)
+                    mb_loss = loss_fn(model(x), y)
                     mb_loss.backward()
                     total += mb_loss.detach()
                 # Accumulated, then scaled once, as the pipeline schedules do (scale_grads): the
@@ -223,7 +235,9 @@ def train_loop(
             t2 = time.perf_counter()
             grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group).item()
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            skipped = faults.check(step, loss, grad_norm, params)  # training.on_nonfinite
+            if not skipped:
+                optimizer.step()
             scheduler.step()
             aux_loss, moe_layers, expert_load = moe.end_step()
             t3 = time.perf_counter()
@@ -237,9 +251,14 @@ def train_loop(
                 memory=memory, gc_pause_s=gc_result.pause_s, time=time.time(),
                 gc_generation=gc_result.generation,
                 aux_loss=aux_loss, moe_layers=moe_layers, expert_load=expert_load,
+                skipped_update=skipped, attempt_start_time=faults.attempt_start_time,
             )
             hooks.on_step_end(step, report)
             reporter.report(report)
+            faults.end_step(step, ckpt.restarted)  # on_nonfinite = "stop"; debug.kill_at_step
+            if ckpt.due(step):
+                gc_policy.at_checkpoint()
+                ckpt.save(step)
             last_loss = loss
             del inputs, labels
             snapshots.after_step(step)
@@ -307,6 +326,7 @@ def _main(argv: list[str] | None = None) -> None:
             leak_settings(cfg.memory), cfg.memory.on_leak,
         )
 
+    storage = LocalCheckpointStorage(run_dir / "checkpoints", cfg.checkpoint.keep_latest_k)
     if world == 1:
         collector = new_collector()
 
@@ -318,9 +338,10 @@ def _main(argv: list[str] | None = None) -> None:
                     for line in self.collector.drain_lines():
                         print(line, flush=True)
 
-        train_loop(cfg, _Printing(collector), device, run_dir)
+        train_loop(cfg, _Printing(collector), device, run_dir, checkpoint_storage=storage)
     else:
-        train_loop(cfg, JsonlReporter(rank_reports_path(run_dir, rank)), device, run_dir)
+        train_loop(cfg, JsonlReporter(rank_reports_path(run_dir, rank)), device, run_dir,
+                   checkpoint_storage=storage)
         dist.barrier()
         if rank == 0:
             collector = new_collector()

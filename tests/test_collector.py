@@ -131,3 +131,47 @@ def test_final_loss_is_never_stale(tmp_path):
     c.report([_report(1, 0, dims, loss=3.0), _report(2, 0, dims, loss=None)])
     summary = c.finish()
     assert summary["final_loss"] is None and "step 2: last-stage rank 0 reported no loss" in summary["errors"]
+
+
+def _attempt(rep, start):
+    rep["attempt_start_time"] = start
+    return rep
+
+
+def test_replayed_steps_replace_the_lost_ones_and_the_restart_is_marked(tmp_path):
+    dims = ParallelDims(pp=1, dp_shard=2)
+    c = _collector(tmp_path, dims, steps=6, flush_every_steps=1)
+    for step in (1, 2, 3):
+        c.report([_attempt(_report(step, r, dims, loss=1.0), 100.0) for r in range(2)])
+    c.report([_attempt(_report(4, 0, dims, loss=9.0), 100.0)])  # rank 1 died during step 4
+    # The restarted group resumes from the checkpoint of step 2 and replays 3 and 4.
+    for step in (3, 4, 5, 6):
+        answer = c.report([_attempt(_report(step, r, dims, loss=2.0), 200.0) for r in range(2)])
+    c.report([_attempt(_report(2, 0, dims, loss=1.0), 100.0)])  # resent from the checkpoint: known
+    assert answer["durable"] == {100.0: 3, 200.0: 6}
+    summary = c.finish()
+    assert summary["errors"] == [] and summary["restarts"] == 1 and summary["final_loss"] == 2.0
+    t = read_steps(tmp_path)
+    rows = list(zip(t["step"].to_pylist(), t["rank"].to_pylist(), t["attempt"].to_pylist(), t["loss"].to_pylist()))
+    assert rows == [(s, r, int(s >= 3), 1.0 if s < 3 else 2.0) for s in range(1, 7) for r in range(2)]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()  # the restart purged step 3 of the first attempt
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0), (6, 2.0)]
+
+
+def test_restarted_collector_resumes_from_its_flushed_parts(tmp_path):
+    dims = ParallelDims(pp=1, dp_shard=1)
+    c = _collector(tmp_path, dims, steps=6, flush_every_steps=2)
+    for step in (1, 2, 3):
+        first = c.report([_report(step, 0, dims, loss=float(step))])
+    assert first["durable"] == {0.0: 2}
+    del c  # killed: step 3 was assembled but not flushed
+    again = _collector(tmp_path, dims, steps=6, flush_every_steps=2)
+    assert again.incarnation != first["incarnation"] and again.last_step == 2 and again.final_loss == 2.0
+    answer = again.report([_report(s, 0, dims, loss=float(s)) for s in (1, 2, 3, 4, 5, 6)])  # the worker resends
+    assert answer["durable"] == {0.0: 6}  # 6 assembled and flushed; 1 and 2 were ignored
+    summary = again.finish()
+    assert summary["errors"] == [] and summary["final_loss"] == 6.0
+    assert read_steps(tmp_path)["step"].to_pylist() == [1, 2, 3, 4, 5, 6]

@@ -31,10 +31,11 @@ def stuck_collector(ray_cluster):
             self.steps: list[int] = []
             self.dropped = 0
 
-        def report(self, batch, dropped=0):
+        def report(self, batch, dropped=0, flush=False):
             self.gate.wait()
             self.steps.extend(r["step"] for r in batch)
             self.dropped = max(self.dropped, dropped)
+            return {"incarnation": "one", "durable": {0.0: max(self.steps, default=0)}}
 
         def release(self):
             self.gate.set()
@@ -87,5 +88,5 @@ def test_stuck_collector_cannot_grow_a_worker(stuck_collector):
 def test_close_gives_up_after_its_deadline(stuck_collector):
     reporter = CollectorReporter(stuck_collector, max_inflight=2, max_buffered=100)
     assert _report_all(reporter, range(1, 11))
-    reporter.close(timeout_s=1.0)  # the collector never answers: returns, counting the loss
-    assert reporter.dropped == 8 and reporter._pending == [] and len(reporter._queue) == 0
+    reporter.close(timeout_s=1.0)  # the collector never answers: returns, counting the unconfirmed
+    assert reporter.dropped == 10 and reporter._pending == [] and len(reporter._queue) == 0

@@ -16,21 +16,37 @@ step reports; when every rank has reported a step, the collector assembles it:
   step, projected OOM step) in every row and in TensorBoard, and a console line whenever a rank's
   verdict changes. With ``on_leak = "stop"`` a ``growing`` verdict sets :attr:`stop_reason`,
   which every later :meth:`MetricsCollector.report` call returns to the workers.
+
+Fault tolerance. Every report carries its worker group's ``attempt_start_time``: after a worker
+group restart, the replayed steps' reports supersede the lost attempt's (pending ones are
+dropped, assembled rows are replaced when the table is consolidated). :meth:`report` answers
+with the collector's incarnation and, per attempt, the step up to which rows are on disk; workers
+hold their reports until then and resend them to a restarted collector. A collector restarted by
+Ray (``max_restarts``) resumes from its flushed parts: it knows which steps are on disk and
+ignores their resent reports.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import uuid
 from pathlib import Path
 from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from ray_titan import storage
 from ray_titan.metrics.leak import GROWING, LeakMonitor, leak_settings
 from ray_titan.metrics.memory import MEMORY_FIELDS
-from ray_titan.metrics.sinks import ParquetSink, TensorBoardSink
+from ray_titan.metrics.sinks import ParquetSink, TensorBoardSink, latest_rows, read_raw_parts
 
 __all__ = ["MetricsCollector", "format_step_line", "expert_load"]
 
 MiB = 2**20
+_STOPPED = "run stopped: "
 
 
 def expert_load(rows: list[dict[str, Any]]) -> dict[int, list[int]]:
@@ -58,6 +74,8 @@ def format_step_line(step: int, total: int, s: dict[str, Any], rows: list[dict[s
     )
     if s.get("moe_imbalance") is not None:
         line += f" | moe load max/mean {s['moe_imbalance']:.2f}"
+    if s.get("skipped"):
+        line += " | update skipped (non-finite)"
     if rows[0].get("device_allocated_bytes") is not None:
         dev = " ".join(
             f"r{r['rank']}:{r['device_allocated_bytes'] / MiB:.0f}/{r['device_peak_reserved_bytes'] / MiB:.0f}"
@@ -93,6 +111,8 @@ class MetricsCollector:
         leak: settings of the memory verdict, keyword arguments of
             :class:`~ray_titan.metrics.leak.LeakMonitor` (default: its defaults in ``[memory]``).
         on_leak: ``"warn"`` or ``"stop"`` (see the module docstring).
+        kill_at_step: fault injection (``debug.kill_collector_at_step``): SIGKILL this actor when
+            it assembles that step, in its first life only.
     """
 
     MAX_ERRORS = 1000
@@ -108,6 +128,7 @@ class MetricsCollector:
         enable_tensorboard: bool = True,
         leak: dict[str, Any] | None = None,
         on_leak: str = "warn",
+        kill_at_step: int | None = None,
     ):
         self.mirror = None
         if storage.is_remote(run_dir):
@@ -133,17 +154,52 @@ class MetricsCollector:
         self.on_leak = on_leak
         self.stop_reason: str | None = None
 
+        self.incarnation = uuid.uuid4().hex
+        self.kill_at_step = kill_at_step
+        self._pending_attempt: dict[int, float] = {}  # step -> attempt of its pending reports
+        self._done: dict[int, float] = {}  # step -> newest attempt assembled for it
+        self._unflushed: list[tuple[float, int]] = []
+        self._flushed: dict[float, set[int]] = {}
+        self._durable: dict[float, int] = {}
+        self._errors_path = self.run_dir / "metrics" / "errors.jsonl"
+        self.restarted = _reconstructed()
+        self._newest_attempt = float("-inf")
+        self._resume()
+
     # -- worker-facing -------------------------------------------------------------------------
-    def report(self, batch: list[dict[str, Any]], dropped: int = 0) -> dict[str, str] | None:
-        """Accept a batch of step reports (``StepReport.to_dict()``) from one rank. Returns
-        ``{"stop": reason}`` once the run must stop (``on_leak = "stop"``), else None."""
+    def report(self, batch: list[dict[str, Any]], dropped: int = 0, flush: bool = False) -> dict[str, Any]:
+        """Accept a batch of step reports (``StepReport.to_dict()``) from one rank; ``flush``
+        writes what is assembled to disk now.
+
+        Returns ``{"incarnation": id of this collector life, "durable": {attempt_start_time:
+        step}, "stop": reason or None}``: every step up to ``step`` of that attempt is on disk;
+        ``stop`` is set once the run must stop (the memory verdict under ``on_leak = "stop"``).
+        """
         for rep in batch:
-            self._pending.setdefault(rep["step"], {})[rep["rank"]] = rep
+            step, attempt = rep["step"], rep.get("attempt_start_time", 0.0)
+            if attempt > self._newest_attempt:
+                self._new_attempt(attempt, step)
+            if self._done.get(step, float("-inf")) >= attempt:
+                continue  # a resent or superseded report of a step already assembled
+            if self._pending_attempt.get(step, attempt) < attempt:
+                self._pending.pop(step, None)  # a restarted worker group replays this step
+            elif self._pending_attempt.get(step, attempt) > attempt:
+                continue
+            self._pending_attempt[step] = attempt
+            self._pending.setdefault(step, {})[rep["rank"]] = rep
             if dropped:
                 self.dropped[rep["rank"]] = dropped
         for step in sorted(s for s, reps in self._pending.items() if len(reps) == self.world_size):
+            self._pending_attempt.pop(step)
             self._assemble(step, self._pending.pop(step))
-        return {"stop": self.stop_reason} if self.stop_reason else None
+        if flush:
+            self.flush()
+        return {"incarnation": self.incarnation, "durable": dict(self._durable), "stop": self.stop_reason}
+
+    def stop_run(self, reason: str) -> None:
+        """A worker ended the run on purpose (a non-finite loss under ``on_nonfinite = "stop"``):
+        recorded, and returned by :meth:`finish` as ``stop_reason`` for the driver to raise."""
+        self._error(f"{_STOPPED}{reason}")
 
     # -- driver-facing -------------------------------------------------------------------------
     def drain_lines(self) -> list[str]:
@@ -160,7 +216,8 @@ class MetricsCollector:
         """Record incomplete steps as errors, flush and close the sinks, and summarise.
 
         Returns ``{"steps": n, "last_step", "final_loss", "errors": [...], "lines": [...],
-        "steps_path"}``. Idempotent.
+        "steps_path", "skipped_steps", "restarts"}`` (``restarts``: worker-group restarts seen in
+        the table). Idempotent.
         """
         if not self._closed:
             for step in sorted(self._pending):
@@ -170,6 +227,7 @@ class MetricsCollector:
             for rank, n in sorted(self.dropped.items()):
                 self._error(f"rank {rank} dropped {n} report(s): the collector was too slow")
             steps_path = self.parquet.close()
+            self._check_complete(steps_path)
             if self.tb:
                 self.tb.close()
             self._sync("at the end")
@@ -185,9 +243,70 @@ class MetricsCollector:
             "steps_path": self._steps_path,
             "memory_verdicts": self.leak.summary(),
             "stop": self.stop_reason,
+            "skipped_steps": self._skipped_steps,
+            "restarts": self._restarts,
+            "collector_restarted": self.restarted,
+            "stop_reason": next((e[len(_STOPPED):] for e in self.errors if e.startswith(_STOPPED)), None),
         }
 
     # -- internals -----------------------------------------------------------------------------
+    def _resume(self) -> None:
+        """After a restart by Ray: what the previous life flushed is on disk; carry on from it."""
+        raw = read_raw_parts(self.parquet.parts)
+        if self._errors_path.is_file():
+            self.errors = [json.loads(line) for line in self._errors_path.read_text().splitlines()]
+            self.errors_total = len(self.errors)
+        if raw.num_rows == 0:
+            return
+        for attempt, step in zip(raw["attempt_start_time"].to_pylist(), raw["step"].to_pylist()):
+            self._done[step] = max(self._done.get(step, float("-inf")), attempt)
+            self._flushed.setdefault(attempt, set()).add(step)
+        for attempt in self._flushed:
+            self._advance_durable(attempt)
+        self._newest_attempt = max(self._flushed)
+        rows = latest_rows(raw)
+        self.assembled = len(set(rows["step"].to_pylist()))
+        self.last_step = max(rows["step"].to_pylist())
+        self.final_loss = rows.filter(pa.compute.equal(rows["step"], self.last_step))["step_loss"][0].as_py()
+        self._lines.append(
+            f"ray_titan: metrics collector restarted; {self.assembled} steps were on disk (up to step {self.last_step})"
+        )
+        if self.tb:  # events after the last flush may be torn or partial: the resent reports redo them
+            self.tb.close()
+            self.tb = TensorBoardSink(self.run_dir / "tb", purge_step=self.last_step + 1)
+
+    def _new_attempt(self, attempt: float, step: int) -> None:
+        """A worker group (re)started at ``step``: replayed steps replace the old ones in TensorBoard."""
+        if self._newest_attempt > float("-inf"):
+            self._lines.append(f"ray_titan: worker group restarted; resuming at step {step}")
+            if self.tb and step <= self.last_step:
+                self.tb.close()
+                self.tb = TensorBoardSink(self.tb.tb_dir, purge_step=step)
+        self._newest_attempt = attempt
+
+    def _advance_durable(self, attempt: float) -> None:
+        done = self._flushed[attempt]
+        wm = self._durable.get(attempt, min(done) - 1)
+        while wm + 1 in done:
+            wm += 1
+        self._durable[attempt] = wm
+
+    def _check_complete(self, steps_path: Path) -> None:
+        """Every rank has a row at every step from the first to the last recorded."""
+        import pyarrow.parquet as pq
+
+        t = pq.read_table(steps_path, columns=["step", "rank", "skipped_update", "attempt"])
+        self._skipped_steps = len({s for s, k in zip(t["step"].to_pylist(), t["skipped_update"].to_pylist()) if k})
+        self._restarts = max(t["attempt"].to_pylist(), default=0)
+        if t.num_rows == 0:
+            return
+        have = set(zip(t["step"].to_pylist(), t["rank"].to_pylist()))
+        steps = t["step"].to_pylist()
+        for step in range(min(steps), max(steps) + 1):
+            missing = [r for r in range(self.world_size) if (step, r) not in have]
+            if missing:
+                self._error(f"step {step}: the metrics table has no row for rank(s) {missing}")
+
     def _assemble(self, step: int, reps: dict[int, dict[str, Any]]) -> None:
         rows = [reps[r] for r in sorted(reps)]
         last = [reps[r] for r in self.last if r in reps]
@@ -207,6 +326,7 @@ class MetricsCollector:
             "step_time_s": step_time,
             "lr": rows[0]["lr"],
             "grad_norm": rows[0]["grad_norm"],
+            "skipped": rows[0].get("skipped_update", False),
         }
         summary["tokens_per_s"] = summary["tokens"] / step_time if step_time > 0 else 0.0
         load = expert_load(rows)
@@ -233,9 +353,15 @@ class MetricsCollector:
             self.last_step, self.final_loss = step, loss
             self.latest = {"step": step, "total": self.total_steps, "loss": loss,
                            "tokens_per_s": summary["tokens_per_s"], "max_memory": _max_memory(flat)}
+        attempt = rows[0].get("attempt_start_time", 0.0)
+        self._done[step] = attempt
+        self._unflushed.append((attempt, step))
         self._since_flush += 1
         if self._since_flush >= self.flush_every:
             self.flush()
+        if step == self.kill_at_step:
+            if not self.restarted:
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def _verdict(self, step: int, rep: dict[str, Any], row: dict[str, Any]) -> str | None:
         """Put the rank's memory verdict into its row; the console message if it changed."""
@@ -254,10 +380,13 @@ class MetricsCollector:
     def _error(self, message: str) -> None:
         # Bounded: a systematic error would otherwise add one message per step.
         self.errors_total += 1
-        if len(self.errors) < self.MAX_ERRORS:
-            self.errors.append(message)
-        elif len(self.errors) == self.MAX_ERRORS:
-            self.errors.append("... further errors are counted in errors_total only")
+        if len(self.errors) > self.MAX_ERRORS:
+            return
+        if len(self.errors) == self.MAX_ERRORS:
+            message = "... further errors are counted in errors_total only"
+        self.errors.append(message)
+        with open(self._errors_path, "a", encoding="utf-8") as f:  # survives a collector restart
+            f.write(json.dumps(message) + "\n")
 
     def flush(self) -> None:
         """Write a Parquet part of the assembled rows and flush TensorBoard."""
@@ -265,6 +394,11 @@ class MetricsCollector:
         if self.tb:
             self.tb.flush()
         self._since_flush = 0
+        for attempt, step in self._unflushed:
+            self._flushed.setdefault(attempt, set()).add(step)
+        for attempt in {a for a, _ in self._unflushed}:
+            self._advance_durable(attempt)
+        self._unflushed = []
         self._sync("after a flush")
 
     def _sync(self, when: str) -> None:
@@ -284,7 +418,19 @@ class MetricsCollector:
         row.update(aux_loss=r.get("aux_loss"), moe_layers=r.get("moe_layers") or [],
                    expert_load=r.get("expert_load") or [])
         row["gc_generation"] = r.get("gc_generation")
+        row.update(skipped_update=r.get("skipped_update", False), attempt=0,
+                   attempt_start_time=r.get("attempt_start_time", 0.0), pid=r.get("pid"))
         row.update({k: r["memory"].get(k) for k in MEMORY_FIELDS})
         row.update(step_loss=s["loss"], step_loss_max=s["loss_max"], step_tokens=s["tokens"],
                    step_tokens_per_s=s["tokens_per_s"])
         return row
+
+
+def _reconstructed() -> bool:
+    """Whether this is a Ray actor restarted after its process died (False outside Ray)."""
+    try:
+        import ray
+
+        return ray.is_initialized() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # not in an actor
+        return False

@@ -2,8 +2,9 @@
 
 A report holds host scalars only, never tensors (DESIGN.md, Contracts). :class:`CollectorReporter`
 sends to the collector actor without waiting and is bounded: at most ``max_inflight`` calls in
-flight and at most ``max_buffered`` reports held while the collector is slow, so a slow or stuck
-collector can neither stall nor grow a worker. :class:`LocalReporter` hands reports to an
+flight and at most ``max_buffered`` reports held until the collector has them on disk, so a slow,
+stuck or restarting collector can neither stall nor grow a worker, and a killed one loses
+nothing (the held reports are resent to its next life, and saved in each checkpoint). :class:`LocalReporter` hands reports to an
 in-process collector, for the train loop run without Ray.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,15 +51,14 @@ class StepReport:
     time: float = 0.0
     """Wall-clock time (Unix seconds) at the end of the step."""
     extra: dict[str, float] = field(default_factory=dict)
-    aux_loss: float | None = None
-    """MoE: the load-balance loss summed over this rank's MoE layers, mean over microbatches."""
-    moe_layers: list[int] = field(default_factory=list)
-    """MoE: indices of the MoE layers this rank holds."""
-    expert_load: list[list[int]] = field(default_factory=list)
-    """MoE: per layer in ``moe_layers``, tokens (× top-k) this rank's router sent to each expert in
-    the step (host ints). Summed over the ranks of a stage it is the layer's load for the step."""
-    gc_generation: int | None = None
-    """Generation of the synchronized GC run in this step (``ray_titan.gc``), None if none ran."""
+    skipped_update: bool = False
+    """The update was dropped: non-finite loss or gradient norm under ``on_nonfinite = "skip"``."""
+    attempt_start_time: float = 0.0
+    """When this rank's worker group started (Unix seconds, the same on every rank of it)."""
+    pid: int = field(default_factory=os.getpid)
+    When an answer asks the run to stop (the memory verdict with ``memory.on_leak = "stop"``),
+    the next :meth:`report` raises :class:`~ray_titan.metrics.leak.MemoryLeakError` with the
+    collector's reason.
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -71,9 +73,17 @@ class Reporter:
     def close(self) -> None:
         """Deliver everything still held; called once when training ends."""
 
+    def unacknowledged(self) -> list[dict[str, Any]]:
+        """Reports not yet known to be on disk at the collector (saved in checkpoints)."""
+        return []
+
+    def resend(self, reports: list[dict[str, Any]]) -> None:
+        """Deliver again reports of an earlier life of this rank (from its checkpoint)."""
+
 
 class CollectorReporter(Reporter):
-    """Fire-and-forget delivery to the collector actor (``handle.report.remote(batch)``).
+    """Fire-and-forget delivery to the collector actor (``handle.report.remote(batch)``), with
+    every report held until the collector says it is on disk.
 
     Reports queue locally while ``max_inflight`` calls are unanswered and are sent as one batch
     when a slot frees; beyond ``max_buffered`` queued reports the oldest are dropped and counted
@@ -82,83 +92,131 @@ class CollectorReporter(Reporter):
     training. When an answer asks the run to stop (the memory verdict with
     ``memory.on_leak = "stop"``), the next :meth:`report` raises
     :class:`~ray_titan.metrics.leak.MemoryLeakError` with the collector's reason.
+    Reports are sent in batches while fewer than ``max_inflight`` calls are unanswered. Each
+    answer names the collector's incarnation and, per attempt, the step up to which rows are on
+    disk; held reports up to there are forgotten. A failed call (the collector died) or a new
+    incarnation (it was restarted) makes every held report due again, sent after a back-off of
+    ``retry_s`` (doubling up to 30 s), so training never waits for the collector. Beyond
+    ``max_buffered`` held reports the oldest are dropped and counted in ``dropped`` (sent with the
+    next batch).
     """
 
-    def __init__(self, handle, max_inflight: int = 16, max_buffered: int = 10_000):
+    def __init__(self, handle, max_inflight: int = 16, max_buffered: int = 10_000, retry_s: float = 1.0):
         self.handle = handle
         self.max_inflight, self.max_buffered = max_inflight, max_buffered
         self._pending: list = []
-        self._queue: deque[dict[str, Any]] = deque()
+        self._held: deque[dict[str, Any]] = deque()
+        self._unsent = 0  # the newest ``_unsent`` held reports have not been sent
+        self._incarnation: str | None = None
+        self._retry_s, self._backoff, self._retry_at = retry_s, retry_s, 0.0
         self.dropped = 0
         self.failed_calls = 0
+        self.resends = 0
         self.last_error: str | None = None
         self.stop_reason: str | None = None
 
+    @property
+    def _queue(self) -> list[dict[str, Any]]:
+        """Held reports not yet sent."""
+        return list(self._held)[len(self._held) - self._unsent:]
+
     def report(self, rep: StepReport) -> None:
-        self._queue.append(rep.to_dict())
-        while len(self._queue) > self.max_buffered:
-            self._queue.popleft()
-            self.dropped += 1
+        self._hold([rep.to_dict()])
         self._send()
         _raise_if_stopped(self.stop_reason)
 
-    def _send(self) -> None:
+    def _hold(self, reports: list[dict[str, Any]]) -> None:
+        self._held.extend(reports)
+        self._unsent += len(reports)
+        while len(self._held) > self.max_buffered:
+            if len(self._held) == self._unsent:  # never sent: lost (a sent one is only not kept for resending)
+                self.dropped += 1
+                self._unsent -= 1
+            self._held.popleft()
+
+    def unacknowledged(self) -> list[dict[str, Any]]:
+        self._poll()
+        return list(self._held)
+
+    def resend(self, reports: list[dict[str, Any]]) -> None:
+        self._hold(reports)
+        self._send()
+
+    def _poll(self, timeout: float = 0.0, num_returns: int | None = None) -> None:
         import ray
 
-        if self._pending:
-            ready, self._pending = ray.wait(
-                self._pending, num_returns=len(self._pending), timeout=0, fetch_local=False
-            )
-            self._check(ready)
-        if self._queue and len(self._pending) < self.max_inflight:
-            batch = list(self._queue)
-            self._queue.clear()
-            self._pending.append(self.handle.report.remote(batch, self.dropped))
-
-    def _check(self, ready: list) -> None:
-        import ray
-
+        if not self._pending:
+            return
+        ready, self._pending = ray.wait(
+            self._pending, num_returns=num_returns or len(self._pending), timeout=timeout
+        )
         for ref in ready:  # already finished: ray.get does not wait
             try:
                 answer = ray.get(ref)
             except Exception as e:
                 self.failed_calls += 1
                 self.last_error = f"{type(e).__name__}: {e}"
+                self._resend_all()
                 continue
-            if isinstance(answer, dict) and answer.get("stop"):
+            if answer is None:
+                continue
+            if self._incarnation is not None and answer["incarnation"] != self._incarnation:
+                self._resend_all()  # a new life of the collector: what the old one held is gone
+            self._incarnation = answer["incarnation"]
+            if answer.get("stop"):
                 self.stop_reason = answer["stop"]
+            self._acknowledge(answer["durable"])
+
+    def _acknowledge(self, durable: dict[float, int]) -> None:
+        if not durable:
+            return
+        unsent = self._queue
+        kept = deque(r for r in self._held if r["step"] > durable.get(r.get("attempt_start_time", 0.0), 0))
+        self._unsent = min(len(kept), len(unsent))
+        self._held = kept
+        self._backoff = self._retry_s
+
+    def _resend_all(self) -> None:
+        self._unsent = len(self._held)
+        self.resends += 1
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(30.0, self._backoff * 2)
+
+    def _send(self, flush: bool = False) -> None:
+        self._poll()
+        if time.monotonic() < self._retry_at or len(self._pending) >= self.max_inflight:
+            return
+        if self._unsent or flush:
+            batch = self._queue
+            self._unsent = 0
+            self._pending.append(self.handle.report.remote(batch, self.dropped, flush))
 
     def close(self, timeout_s: float = 120.0) -> None:
-        """Send what is queued and wait for every call, ``timeout_s`` in all; never raises, so a
-        collector problem cannot fail a finished training. Reports not sent by then are counted
-        in ``dropped`` and a warning goes to this worker's stderr; the collector itself records
-        every step it lacks a rank's report for."""
+        """Wait, ``timeout_s`` in all, until every held report is on disk at the collector
+        (asking it to flush, resending to a restarted one); never raises, so a collector problem
+        cannot fail a finished training. Reports not on disk by then are counted in ``dropped``
+        and a warning goes to this worker's stderr; the collector itself records every step it
+        lacks a rank's report for."""
         import sys
-        import time
-
-        import ray
 
         deadline = time.monotonic() + timeout_s
-        while self._queue and time.monotonic() < deadline:
-            if len(self._pending) >= self.max_inflight:
-                ready, self._pending = ray.wait(
-                    self._pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
-                )
-                self._check(ready)
-            self._send()
-        self.dropped += len(self._queue)
-        self._queue.clear()
-        ready, unanswered = ray.wait(
-            self._pending, num_returns=len(self._pending),
-            timeout=max(0.0, deadline - time.monotonic()),
-        ) if self._pending else ([], [])
-        self._check(ready)
+        while self._held and time.monotonic() < deadline:
+            self._send(flush=not self._pending)
+            self._poll(timeout=min(0.5, max(0.0, deadline - time.monotonic())), num_returns=1)
+            if not self._pending and self._held:
+                time.sleep(0.2)  # the other ranks' last reports complete the last steps
+        lost = len(self._held)
+        self.dropped += lost
+        self._held.clear()
+        self._unsent = 0
+        self._poll(timeout=max(0.0, deadline - time.monotonic()))
+        unanswered = len(self._pending)
         self._pending = []
-        if self.failed_calls or unanswered or self.dropped:
+        if self.failed_calls or unanswered or lost:
             print(
                 f"ray_titan: warning: metrics collector: {self.failed_calls} failed and "
-                f"{len(unanswered)} unanswered report call(s), {self.dropped} report(s) dropped; "
-                f"last error: {self.last_error}",
+                f"{unanswered} unanswered report call(s), {self.resends} resend(s), {lost} report(s) "
+                f"not confirmed on disk; last error: {self.last_error}",
                 file=sys.stderr, flush=True,
             )
 
@@ -201,6 +259,13 @@ class JsonlReporter(Reporter):
         self._file.close()
         if self.inner is not None:
             self.inner.close()
+
+    def unacknowledged(self) -> list[dict[str, Any]]:
+        return self.inner.unacknowledged() if self.inner is not None else []
+
+    def resend(self, reports: list[dict[str, Any]]) -> None:
+        if self.inner is not None:
+            self.inner.resend(reports)
 
 
 def rank_reports_path(run_dir: str | Path, rank: int) -> Path:

@@ -9,6 +9,7 @@ consolidated file, or the parts when a crash left no consolidated file.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ STEP_SCHEMA = pa.schema(
         ("memory_verdict", pa.string()), ("memory_slope_mib_per_step", _F), ("memory_oom_step", _I),
         # Step-level figures, the same on every row of a step:
         ("step_loss", _F), ("step_loss_max", _F), ("step_tokens", _I), ("step_tokens_per_s", _F),
+        # Fault tolerance:
+        ("skipped_update", _B), ("attempt", _I), ("attempt_start_time", _F), ("pid", _I),
     ]
 )
 """One row per step per rank. ``loss`` is the rank's own (null off the last stage);
@@ -44,7 +47,11 @@ STEP_SCHEMA = pa.schema(
 ``gc_generation``: the generation of the synchronized GC run at this step (null: none ran).
 ``memory_verdict``: ``warming_up`` / ``stable`` / ``growing``; ``memory_slope_mib_per_step``: the
 Theil–Sen rate; ``memory_oom_step``: the step at which the rank would run out of memory at that
-rate (null unless growing with a known capacity)."""
+rate (null unless growing with a known capacity).
+``skipped_update``: the step's update was dropped (non-finite loss or gradient norm, under
+``training.on_nonfinite = "skip"``). ``attempt``: 0 for the first worker group, 1 for the first
+restart, ...; ``attempt_start_time`` (Unix seconds) identifies it. Steps replayed after a restart
+replace the lost attempt's rows, so each (step, rank) appears once. ``pid``: the worker process."""
 
 
 class ParquetSink:
@@ -97,12 +104,33 @@ class ParquetSink:
         return out
 
 
-def _read_parts(parts: Path) -> pa.Table:
+def read_raw_parts(parts: Path) -> pa.Table:
+    """Every row of the flushed parts as written: replayed steps and resent duplicates included."""
     files = sorted(parts.glob("part-*.parquet"))
     if not files:
         return STEP_SCHEMA.empty_table()
-    table = pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA) for f in files])
-    return table.sort_by([("step", "ascending"), ("rank", "ascending")])
+    return pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA) for f in files])
+
+
+def latest_rows(table: pa.Table) -> pa.Table:
+    """One row per (step, rank): the one from the newest attempt (replayed steps replace the
+    lost ones; resent duplicates collapse), with ``attempt`` numbered 0, 1, ... by start time;
+    sorted by step and rank."""
+    if table.num_rows == 0:
+        return table
+    starts = sorted(set(table["attempt_start_time"].to_pylist()))
+    table = table.set_column(
+        table.schema.get_field_index("attempt"), "attempt",
+        pa.array([starts.index(t) for t in table["attempt_start_time"].to_pylist()], pa.int64()),
+    )
+    table = table.sort_by([("step", "ascending"), ("rank", "ascending"), ("attempt", "descending")])
+    keys = list(zip(table["step"].to_pylist(), table["rank"].to_pylist()))
+    first = [i for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
+    return table.take(pa.array(first, pa.int64()))
+
+
+def _read_parts(parts: Path) -> pa.Table:
+    return latest_rows(read_raw_parts(parts))
 
 
 def read_steps(run_dir: str | Path) -> pa.Table:
@@ -141,10 +169,14 @@ class TensorBoardSink:
     for MoE models, ``moe/aux_loss``, ``moe/layer{L}/load_max_over_mean`` and
     ``moe/layer{L}/expert{e}_share``."""
 
-    def __init__(self, tb_dir: str | Path):
+    def __init__(self, tb_dir: str | Path, purge_step: int | None = None):
         from tensorboardX import SummaryWriter
 
-        self.writer = SummaryWriter(str(tb_dir))
+        self.tb_dir = tb_dir
+        # purge_step: TensorBoard drops the events of earlier writers from this step on (replays).
+        # A new file name even within the same second (tensorboardX names files by the second).
+        suffix = "" if purge_step is None else f".{time.time_ns()}"
+        self.writer = SummaryWriter(str(tb_dir), purge_step=purge_step, filename_suffix=suffix)
 
     def add_step(self, step: int, scalars: dict[str, float], rows: list[dict[str, Any]]) -> None:
         for k, v in scalars.items():

@@ -1,0 +1,506 @@
+"""Sharded checkpoints of the whole training state with ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint is a directory ``step-NNNNNNNN`` holding:
+
+- the DCP files: ``.metadata`` and one ``__<rank>_0.distcp`` per rank. Keys are flat, prefixed by
+  what they belong to: ``model.<fqn>`` (FSDP2 shards as ``DTensor``), ``optimizer.state.<fqn>.*``
+  and ``optimizer.param_groups.<fqn>.*`` (torch's flattened optimizer state dict, keyed by the
+  whole model's parameter names, so it reshards across pp and dp_shard), ``lr_scheduler.*``,
+  ``dataloader.*`` (the stream position, the same on every rank), ``train.step`` and
+  ``rng.rank<r>.*`` (each rank's torch RNG state);
+- ``reports/rank<r>.json``: the metric reports rank ``r`` had not yet seen on disk at the collector
+  (resent after a restart, so a worker crash loses no metrics);
+- ``ray_titan_checkpoint.json`` (the manifest), written last: step, mesh, model, optimizer, data
+  settings, and every file's size and CRC-32. A directory without a valid manifest, or whose
+  files do not match it, is incomplete or corrupt and is never loaded or picked as the latest.
+
+Under Ray every rank writes its share to a local staging directory and hands it to
+``ray.train.report(checkpoint=...)``, which copies all ranks' files into one directory under the
+run's storage path and keeps the latest ``keep_latest_k``; a restarted worker group gets the
+latest from ``ray.train.get_checkpoint()``. Without Ray the ranks write straight to
+``<run_dir>/checkpoints``.
+
+Loading unpickles nothing unrestricted: DCP's ``.metadata`` is read with an unpickler that only
+builds DCP's own metadata classes, and non-tensor values with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+__all__ = [
+    "CheckpointError", "MANIFEST", "step_dir_name", "read_manifest", "find_latest", "resolve_checkpoint",
+    "check_load_path", "ModelParts", "Checkpointer", "LocalCheckpointStorage", "RayTrainCheckpointStorage",
+    "SafeFileSystemReader", "SafeLoadPlanner",
+]
+
+MANIFEST = "ray_titan_checkpoint.json"
+FORMAT = 1
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit this job; the message names
+    the path and the problem."""
+
+
+def step_dir_name(step: int) -> str:
+    """``step-NNNNNNNN``: sorts by step."""
+    return f"step-{step:08d}"
+
+
+# -- reading without unrestricted pickle ------------------------------------------------------
+
+_ALLOWED_GLOBALS = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+}
+_ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata classes, torch dtypes and sizes, and nothing else (Python docs,
+    "Restricting Globals")."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED_GLOBALS or module in _ALLOWED_MODULES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` is read by a restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {self.path}: DCP metadata file .metadata is missing") from None
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {self.path}: .metadata is unreadable: {type(e).__name__}: {e}") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"checkpoint {self.path}: .metadata holds a {type(metadata).__name__}, not DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that loads non-tensor values with ``torch.load(weights_only=True)``
+    (plain containers and numbers only) instead of unrestricted pickle."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# -- manifest and completeness ----------------------------------------------------------------
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _file_entries(directory: Path) -> dict[str, dict[str, int]]:
+    """Every file under ``directory`` but the manifest: relative name -> bytes and CRC-32."""
+    out = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and p.name != MANIFEST and not p.name.endswith(".tmp"):
+            out[p.relative_to(directory).as_posix()] = {"bytes": p.stat().st_size, "crc32": _crc32(p)}
+    return out
+
+
+def read_manifest(path: str | Path, verify_checksums: bool = False) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path`` after checking that it is complete: the manifest
+    exists and parses, and every file it lists exists with its size (and CRC-32 when
+    ``verify_checksums``). Raises :class:`CheckpointError` naming the path and the problem."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: it has no {MANIFEST} (a save that did not finish, "
+            "or not a ray_titan checkpoint)"
+        )
+    try:
+        manifest = json.loads(mpath.read_text())
+        files, step = manifest["files"], int(manifest["step"])
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt: {type(e).__name__}: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}, this ray_titan reads {FORMAT}")
+    if ".metadata" not in files:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} lists no DCP .metadata")
+    for name, entry in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        if f.stat().st_size != entry["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {name} has {f.stat().st_size} bytes, the manifest says {entry['bytes']}"
+            )
+        if verify_checksums and _crc32(f) != entry["crc32"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} fails its CRC-32 check")
+    manifest["step"] = step
+    return manifest
+
+
+def find_latest(directory: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step among ``directory``'s ``step-*`` children
+    (incomplete or corrupt ones are skipped), or None."""
+    directory = Path(directory)
+    candidates = sorted(directory.glob("step-*"), reverse=True) if directory.is_dir() else []
+    for p in candidates:
+        try:
+            read_manifest(p)
+            return p
+        except CheckpointError:
+            continue
+    return None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """``path`` itself if it is a checkpoint (it has a manifest or DCP metadata), else the latest
+    complete checkpoint in it or in its ``checkpoints/``. Raises :class:`CheckpointError`."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint.load_path = {str(path)!r} does not exist")
+    if (path / MANIFEST).exists() or (path / ".metadata").exists() or path.name.startswith("step-"):
+        read_manifest(path)
+        return path
+    for d in (path, path / "checkpoints"):
+        if (latest := find_latest(d)) is not None:
+            return latest
+    raise CheckpointError(f"checkpoint.load_path = {str(path)!r} holds no complete checkpoint (step-* with {MANIFEST})")
+
+
+def _job_manifest(cfg, vocab_size: int) -> dict[str, Any]:
+    p = cfg.parallelism
+    return {
+        "mesh": {"pp": p.pp, "dp_shard": p.dp_shard, "stages_per_rank": p.stages_per_rank},
+        "world_size": cfg.world_size,
+        "model": {"name": cfg.model.name, "flavor": cfg.model.flavor, "vocab_size": vocab_size},
+        "optimizer": cfg.optimizer.name,
+        "data": {"source": cfg.data.source, "path": cfg.data.path, "text_column": cfg.data.text_column,
+                 "tokenizer": cfg.data.tokenizer, "seed": cfg.training.seed},
+        "total_steps": cfg.training.steps,
+    }
+
+
+def check_compatible(manifest: dict[str, Any], cfg, vocab_size: int, path: str | Path, model_only: bool) -> None:
+    """Refuse a checkpoint DCP cannot load into this job: another model or vocabulary (tensor
+    shapes differ), another optimizer (its state differs), other data (the saved position would
+    be meaningless), or no steps left. Any mesh is fine: DCP reshards. Raises
+    :class:`CheckpointError`."""
+    here = _job_manifest(cfg, vocab_size)
+    if manifest["model"] != here["model"]:
+        raise CheckpointError(
+            f"checkpoint {path} holds model {manifest['model']}, this job builds {here['model']}: "
+            "DCP reshards across meshes, not across model shapes; use the same model.name, model.flavor and tokenizer"
+        )
+    if model_only:
+        return
+    if manifest["optimizer"] != here["optimizer"]:
+        raise CheckpointError(
+            f"checkpoint {path} holds {manifest['optimizer']} optimizer state, this job uses "
+            f"optimizer.name = {here['optimizer']!r}; use the same optimizer or checkpoint.load_model_only = true"
+        )
+    if manifest["data"] != here["data"]:
+        raise CheckpointError(
+            f"checkpoint {path} was saved reading data {manifest['data']}, this job reads {here['data']}: "
+            "the saved data position would not apply; use the same data settings and training.seed, "
+            "or checkpoint.load_model_only = true"
+        )
+    if manifest["step"] >= cfg.training.steps:
+        raise CheckpointError(
+            f"checkpoint {path} is at step {manifest['step']} but training.steps = {cfg.training.steps}: "
+            "nothing left to train; raise training.steps"
+        )
+
+
+def check_load_path(cfg, vocab_size: int) -> None:
+    """``checkpoint.load_path`` exists, is complete and fits the job (before any worker starts).
+    Raises ``ConfigError``."""
+    from ray_titan.config import ConfigError
+
+    try:
+        path = resolve_checkpoint(cfg.checkpoint.load_path)
+        check_compatible(read_manifest(path), cfg, vocab_size, path, cfg.checkpoint.load_model_only)
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.load_path = {cfg.checkpoint.load_path!r}: {e}") from None
+
+
+# -- the training state -------------------------------------------------------------------------
+
+class ModelParts(nn.Module):
+    """This rank's pipeline stages seen as one module with the whole model's parameter names.
+
+    Stage modules are copies of the whole model with the absent parts removed; their
+    ``ModuleDict`` children (``layers``) are merged and the other children (embedding, norm,
+    head) taken from the stage that has them. Holds references only.
+    """
+
+    def __init__(self, stages: Iterable[nn.Module]):
+        super().__init__()
+        for stage in stages:
+            for name, child in stage.named_children():
+                if isinstance(child, nn.ModuleDict):
+                    if name not in self._modules:
+                        self.add_module(name, nn.ModuleDict())
+                    self._modules[name].update(child)
+                elif self._modules.get(name, child) is not child:
+                    raise ValueError(f"two pipeline stages on this rank both hold {name!r}")
+                else:
+                    self.add_module(name, child)
+
+
+class LocalCheckpointStorage:
+    """Checkpoints written straight to ``directory`` (shared by the ranks; no Ray). Rank 0 keeps
+    the latest ``keep`` complete ones (0: all)."""
+
+    shared = True
+
+    def __init__(self, directory: str | Path, keep: int):
+        self.directory, self.keep = Path(directory), keep
+
+    def resume_from(self) -> Path | None:
+        return None  # each launch is a new run; checkpoint.load_path continues an old one
+
+    def begin(self, step: int, rank: int) -> Path:
+        return self.directory / step_dir_name(step)
+
+    def commit(self, step: int, write_dir: Path, rank: int, metrics: dict[str, Any]) -> None:
+        if rank == 0 and self.keep:
+            complete = [p for p in sorted(self.directory.glob("step-*")) if (p / MANIFEST).exists()]
+            newest = complete[-1] if complete else write_dir
+            for p in sorted(self.directory.glob("step-*")):
+                if p < newest and p not in complete[-self.keep:]:
+                    shutil.rmtree(p, ignore_errors=True)
+
+
+class RayTrainCheckpointStorage:
+    """Checkpoints handed to Ray Train: each rank writes to a local staging directory, then
+    ``ray.train.report(checkpoint=...)`` copies every rank's files into
+    ``<storage_path>/<name>/step-NNNNNNNN`` (Ray keeps ``CheckpointConfig.num_to_keep``)."""
+
+    shared = False
+
+    def resume_from(self):
+        import ray.train
+
+        return ray.train.get_checkpoint()
+
+    def begin(self, step: int, rank: int) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"ray_titan_ckpt_r{rank}_"))
+
+    def commit(self, step: int, write_dir: Path, rank: int, metrics: dict[str, Any]) -> None:
+        import ray.train
+
+        try:
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(write_dir)),
+                             checkpoint_dir_name=step_dir_name(step))
+        finally:
+            shutil.rmtree(write_dir, ignore_errors=True)
+
+
+def _broadcast(obj: Any) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+class Checkpointer:
+    """Saves and restores this rank's share of the training state.
+
+    Args:
+        cfg: the job. ``stages``: this rank's stage modules. ``loader``: a ``PackedLoader``.
+        reporter: the metrics reporter (its unacknowledged reports go into each checkpoint).
+        storage: :class:`RayTrainCheckpointStorage`, :class:`LocalCheckpointStorage`, or None
+            (no checkpoints saved; ``checkpoint.load_path`` is still honoured).
+        vocab_size: the tokenizer's, recorded in the manifest.
+    """
+
+    def __init__(self, cfg, rank: int, stages: Iterable[nn.Module], optimizer, scheduler, loader,
+                 reporter, storage, vocab_size: int, device: torch.device):
+        self.cfg, self.rank = cfg, rank
+        self.parts = ModelParts(stages)
+        self.optimizer, self.scheduler, self.loader = optimizer, scheduler, loader
+        self.reporter, self.storage, self.device = reporter, storage, device
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.job = _job_manifest(cfg, vocab_size)
+        self.resumed_from: str | None = None
+        self.restarted = False
+        """True when this worker group resumed its own run's checkpoint (a restart)."""
+
+    # -- state dicts -------------------------------------------------------------------------
+    def _state(self, step: int, model_only: bool, same_mesh: bool, metadata: Metadata | None = None) -> dict[str, Any]:
+        sd: dict[str, Any] = {f"model.{k}": v for k, v in get_model_state_dict(self.parts).items()}
+        if model_only:
+            return sd
+        osd = get_optimizer_state_dict(self.parts, self.optimizer, options=_OPTIM_OPTIONS)
+        sd.update({f"optimizer.{k}": v for k, v in osd.items()})
+        sd.update({f"lr_scheduler.{k}": v for k, v in self.scheduler.state_dict().items()})
+        loader = self.loader.state_dict()
+        buf = torch.from_numpy(loader["buffer"])
+        if metadata is not None:  # its length differs between saves: size the slot from the checkpoint
+            md = metadata.state_dict_metadata.get("dataloader.buffer")
+            if isinstance(md, TensorStorageMetadata):
+                buf = torch.empty(md.size, dtype=torch.int64)
+        sd.update({"dataloader.epoch": loader["epoch"], "dataloader.doc_pos": loader["doc_pos"],
+                   "dataloader.buffer": buf, "train.step": step})
+        if same_mesh:
+            sd[f"rng.rank{self.rank}.cpu"] = torch.get_rng_state()
+            if self.device.type == "cuda":
+                sd[f"rng.rank{self.rank}.cuda"] = torch.cuda.get_rng_state(self.device)
+        return sd
+
+    # -- save ------------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a checkpoint step: every ``checkpoint.interval`` and the last."""
+        c = self.cfg.checkpoint
+        return self.storage is not None and c.enable and (step % c.interval == 0 or step == self.cfg.training.steps)
+
+    def save(self, step: int) -> None:
+        """Write the state after ``step`` (every rank calls this at the same step)."""
+        write_dir = self.storage.begin(step, self.rank)
+        dcp.save(self._state(step, False, True), storage_writer=FileSystemWriter(str(write_dir)),
+                 no_dist=not dist.is_initialized())
+        reports = self.reporter.unacknowledged() if hasattr(self.reporter, "unacknowledged") else []
+        rdir = write_dir / "reports"
+        rdir.mkdir(parents=True, exist_ok=True)
+        (rdir / f"rank{self.rank}.json").write_text(json.dumps(reports))
+        entries = {} if self.storage.shared else _file_entries(write_dir)
+        gathered = [entries]
+        if self.world > 1:
+            gathered = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(entries, gathered, dst=0)
+        if self.rank == 0:
+            files: dict[str, Any] = {}
+            if self.storage.shared:
+                files = _file_entries(write_dir)
+            else:
+                for e in gathered:
+                    files.update(e)
+            manifest = {"format": FORMAT, "step": step, "saved_at": time.time(), **self.job, "files": files}
+            tmp = write_dir / (MANIFEST + ".tmp")
+            tmp.write_text(json.dumps(manifest, indent=1))
+            os.replace(tmp, write_dir / MANIFEST)
+        if self.world > 1 and self.storage.shared:
+            dist.barrier()
+        self.storage.commit(step, write_dir, self.rank, {"step": step})
+
+    # -- restore ---------------------------------------------------------------------------------
+    def restore(self) -> int:
+        """Load the checkpoint this run starts from, if any, and return its step (0: none).
+
+        A restarted worker group resumes its own run's latest checkpoint (from Ray Train);
+        otherwise ``checkpoint.load_path``. Raises :class:`CheckpointError` for a missing,
+        incomplete, corrupt or unfitting checkpoint.
+        """
+        own = self.storage.resume_from() if self.storage is not None else None
+        if own is not None:
+            with own.as_directory() as d:
+                return self._load(Path(d), model_only=False, own=True)
+        if self.cfg.checkpoint.load_path:
+            path = resolve_checkpoint(self.cfg.checkpoint.load_path)
+            return self._load(path, model_only=self.cfg.checkpoint.load_model_only, own=False)
+        return 0
+
+    def _load(self, path: Path, model_only: bool, own: bool) -> int:
+        problem = None
+        if self.rank == 0:  # one full check (sizes and CRC-32), shared with every rank
+            try:
+                manifest = read_manifest(path, verify_checksums=True)
+                check_compatible(manifest, self.cfg, self.job["model"]["vocab_size"], path, model_only or own)
+            except CheckpointError as e:
+                problem = str(e)
+        problem = _broadcast(problem)
+        if problem:
+            raise CheckpointError(problem)
+        manifest = read_manifest(path)
+        same_mesh = manifest["mesh"] == self.job["mesh"]
+        reader = SafeFileSystemReader(str(path))
+        metadata = reader.read_metadata()
+        sd = self._state(0, model_only, same_mesh, metadata)
+        _check_keys(sd, metadata, path)
+        dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
+        set_model_state_dict(self.parts, {k[6:]: v for k, v in sd.items() if k.startswith("model.")})
+        self.resumed_from, self.restarted = str(path), own
+        if model_only:
+            return 0
+        set_optimizer_state_dict(self.parts, self.optimizer,
+                                 {k[10:]: v for k, v in sd.items() if k.startswith("optimizer.")},
+                                 options=_OPTIM_OPTIONS)
+        self.scheduler.load_state_dict({k[13:]: v for k, v in sd.items() if k.startswith("lr_scheduler.")})
+        self.loader.load_state_dict({"epoch": sd["dataloader.epoch"], "doc_pos": sd["dataloader.doc_pos"],
+                                     "buffer": sd["dataloader.buffer"].numpy()})
+        if same_mesh:
+            torch.set_rng_state(sd[f"rng.rank{self.rank}.cpu"])
+            if f"rng.rank{self.rank}.cuda" in sd:
+                torch.cuda.set_rng_state(sd[f"rng.rank{self.rank}.cuda"], self.device)
+        if own and hasattr(self.reporter, "resend"):  # same run: metrics not yet on disk at the save
+            rfile = path / "reports" / f"rank{self.rank}.json"
+            if rfile.is_file():
+                self.reporter.resend(json.loads(rfile.read_text()))
+        return int(sd["train.step"])
+
+
+def _check_keys(sd: dict[str, Any], metadata: Metadata, path: Path) -> None:
+    """Every value this job needs is in the checkpoint with the same shape (clear errors where
+    DCP's own would be obscure)."""
+    have = metadata.state_dict_metadata
+    missing = [k for k in sd if k not in have]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint {path} lacks {len(missing)} value(s) this job needs: {shown}")
+    for k, v in sd.items():
+        md = have[k]
+        if isinstance(v, torch.Tensor):
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint {path}: {k} is not a tensor in the checkpoint")
+            if tuple(md.size) != tuple(v.shape):
+                raise CheckpointError(
+                    f"checkpoint {path}: {k} has shape {tuple(md.size)} in the checkpoint, {tuple(v.shape)} in this job"
+                )

@@ -1,0 +1,113 @@
+"""Per-step fault handling on a worker: the non-finite policy, the attempt stamp, fault injection.
+
+- :meth:`FaultHandler.check` decides, on every rank alike, whether a step's update is applied:
+  a non-finite loss (known on the last stage) or gradient norm (known everywhere) either stops the
+  run (``training.on_nonfinite = "stop"``, :class:`NonFiniteError` naming the step and the stage)
+  or drops the update (``"skip"``).
+- ``attempt_start_time``: when this worker group started (rank 0's clock, Unix seconds), stamped
+  on every report, so the collector can tell a restarted group's replayed steps from the lost
+  ones and keep the newest.
+- ``debug.*`` settings inject faults for the fault-tolerance tests.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["NonFiniteError", "FaultHandler"]
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm is NaN or infinite and ``training.on_nonfinite = "stop"``."""
+
+
+class FaultHandler:
+    """Args: ``cfg`` the job, ``rank`` this global rank, ``stage_ids`` the pipeline stages it
+    holds, ``last_stage`` the index of the model's last stage, ``device`` where collectives run."""
+
+    def __init__(self, cfg, rank: int, stage_ids: list[int], last_stage: int, device: torch.device):
+        self.cfg, self.rank, self.stage_ids, self.last_stage = cfg, rank, stage_ids, last_stage
+        self.device = device
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        t = torch.tensor([time.time()], dtype=torch.float64, device=device)
+        if self.world > 1:
+            dist.broadcast(t, src=0)
+        self.attempt_start_time = float(t.item())
+        self._poison = False
+        self._stop: NonFiniteError | None = None
+        self.skipped = 0
+
+    def wrap_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``loss_fn``, made NaN at the steps in ``debug.nonfinite_loss_at_steps``."""
+        if not self.cfg.debug.nonfinite_loss_at_steps:
+            return loss_fn
+
+        def poisoned(*args, **kwargs):
+            loss = loss_fn(*args, **kwargs)
+            return loss * float("nan") if self._poison else loss
+
+        return poisoned
+
+    def begin_step(self, step: int) -> None:
+        self._poison = step in self.cfg.debug.nonfinite_loss_at_steps
+
+    def check(self, step: int, loss: float | None, grad_norm: float, params: list[torch.Tensor]) -> bool:
+        """True when this step's update must be dropped: a non-finite loss or gradient norm.
+        Under ``stop``, :meth:`end_step` then raises :class:`NonFiniteError` (after the step is
+        reported, so the metrics show it). Every rank reaches the same verdict (one tiny
+        all-reduce of the loss flag)."""
+        bad_loss = loss is not None and not math.isfinite(loss)
+        flag = torch.tensor([1.0 if bad_loss else 0.0], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() == 0 and math.isfinite(grad_norm):
+            return False
+        # Rare path: find which stages hold the non-finite values, for the message.
+        local_grads_bad = any(
+            p.grad is not None and not torch.isfinite(_local(p.grad)).all() for p in params
+        )
+        mine = (self.stage_ids, local_grads_bad)
+        everyone = [mine]
+        if self.world > 1:
+            everyone = [None] * self.world
+            dist.all_gather_object(everyone, mine)
+        # Stages of the ranks holding non-finite gradients (all of a rank's stages if it has several).
+        grad_stages = sorted({s for ids, bad in everyone if bad for s in ids})
+        what = []
+        if flag.item():
+            what.append(f"the loss is not finite on the last stage (stage {self.last_stage})")
+        if not math.isfinite(grad_norm):
+            what.append(f"the gradient norm is {grad_norm} (non-finite gradients in stage(s) {grad_stages})")
+        message = f"step {step}: " + "; ".join(what)
+        if self.cfg.training.on_nonfinite == "stop":
+            self._stop = NonFiniteError(
+                f"{message}. training.on_nonfinite = 'stop' ends the run; 'skip' would drop such updates"
+            )
+            return True
+        self.skipped += 1
+        if self.rank == 0:
+            print(f"ray_titan: {message}: update skipped (training.on_nonfinite = 'skip')", flush=True)
+        return True
+
+    def end_step(self, step: int, restarted: bool) -> None:
+        """After the step's report: raise the ``stop`` verdict of :meth:`check`, and
+        ``debug.kill_at_step``: SIGKILL this process (rank ``debug.kill_rank``) unless this
+        worker group is a restart."""
+        if self._stop is not None:
+            raise self._stop
+        d = self.cfg.debug
+        if d.kill_at_step == step and d.kill_rank == self.rank and not restarted:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t

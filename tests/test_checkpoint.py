@@ -1,0 +1,193 @@
+"""Checkpoints and the non-finite policy without Ray: one process, the train loop in-process."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import shutil
+
+import numpy as np
+import pytest
+
+from ray_titan.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    LocalCheckpointStorage,
+    find_latest,
+    read_manifest,
+    resolve_checkpoint,
+)
+from ray_titan.config import ConfigError, load_config, validate_job
+from ray_titan.fault import NonFiniteError
+from ray_titan.metrics.collector import MetricsCollector
+from ray_titan.metrics.report import LocalReporter
+from ray_titan.train_loop import train_loop
+from tests.conftest import REPO
+
+
+def _cfg(tmp_path, corpus_cache, *overrides):
+    return load_config(REPO / "configs" / "debug_llama.toml", [
+        "--parallelism.pp=1", "--parallelism.dp_shard=1", "--training.steps=4", "--checkpoint.interval=2",
+        f"--data.cache_dir={corpus_cache}", f"--job.dump_folder={tmp_path}", "--training.threads_per_worker=1",
+        "--metrics.enable_tensorboard=false", *overrides,
+    ])
+
+
+def _train(run_dir, cfg, save=True):
+    """The train loop in this process; returns (step losses, skipped flags, grad norms, summary)."""
+    collector = MetricsCollector(str(run_dir), 1, [0], cfg.training.steps, enable_tensorboard=False)
+    storage = LocalCheckpointStorage(run_dir / "checkpoints", cfg.checkpoint.keep_latest_k) if save else None
+    train_loop(cfg, LocalReporter(collector), None, storage)
+    summary = collector.finish()
+    from ray_titan.metrics.sinks import read_steps
+
+    t = read_steps(run_dir).sort_by("step")
+    return t["step_loss"].to_pylist(), t["skipped_update"].to_pylist(), t["grad_norm"].to_pylist(), summary
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, corpus_cache):
+    """4 steps with checkpoints at steps 2 and 4."""
+    run_dir = tmp_path_factory.mktemp("saved")
+    cfg = _cfg(run_dir, corpus_cache)
+    losses, *_ = _train(run_dir, cfg)
+    return run_dir, cfg, losses
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "checkpoints" / src.name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_resume_continues_the_loss_curve_exactly(saved, tmp_path, corpus_cache):
+    run_dir, _, losses = saved
+    cfg = _cfg(tmp_path, corpus_cache, f"--checkpoint.load_path={run_dir / 'checkpoints' / 'step-00000002'}")
+    resumed, *_ = _train(tmp_path, cfg, save=False)
+    assert len(resumed) == 2
+    np.testing.assert_allclose(resumed, losses[2:], rtol=1e-6)
+
+
+def test_load_model_only_starts_at_step_one_with_the_saved_weights(saved, tmp_path, corpus_cache):
+    run_dir, _, losses = saved
+    cfg = _cfg(tmp_path, corpus_cache, f"--checkpoint.load_path={run_dir / 'checkpoints' / 'step-00000004'}",
+               "--checkpoint.load_model_only=true", "--training.steps=1", "--optimizer.name=SGD")
+    fresh_start, *_ = _train(tmp_path, cfg, save=False)
+    assert len(fresh_start) == 1  # step 1 of a new run: another optimizer is fine
+    # The same first batch as the saved run's step 1, through trained weights: a lower loss.
+    assert fresh_start[0] < losses[0] - 0.05
+
+
+def test_manifest_lists_every_file_and_the_job(saved):
+    run_dir, _, _ = saved
+    m = read_manifest(run_dir / "checkpoints" / "step-00000004", verify_checksums=True)
+    assert m["step"] == 4 and m["mesh"] == {"pp": 1, "dp_shard": 1, "stages_per_rank": 1}
+    assert {".metadata", "__0_0.distcp", "reports/rank0.json"} <= set(m["files"])
+    assert m["model"] == {"name": "llama", "flavor": "debug", "vocab_size": 258}
+
+
+def test_partial_checkpoint_is_never_the_latest(saved, tmp_path):
+    run_dir, _, _ = saved
+    _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
+    newest = _copy(run_dir / "checkpoints" / "step-00000004", tmp_path)
+    (newest / MANIFEST).unlink()  # a save that crashed before its manifest
+    assert find_latest(tmp_path / "checkpoints").name == "step-00000002"
+    assert resolve_checkpoint(tmp_path).name == "step-00000002"  # a run directory resolves too
+    with pytest.raises(CheckpointError, match=f"checkpoint {newest} is incomplete: it has no {MANIFEST}"):
+        resolve_checkpoint(newest)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate", r"is corrupt: __0_0.distcp has \d+ bytes, the manifest says \d+"),
+    ("flip", "is corrupt: __0_0.distcp fails its CRC-32 check"),
+    ("delete", "is incomplete: __0_0.distcp is missing"),
+    ("manifest", f"{MANIFEST} is corrupt"),
+])
+def test_damaged_checkpoint_is_a_clear_error(saved, tmp_path, corpus_cache, damage, message):
+    run_dir, _, _ = saved
+    ckpt = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
+    shard = ckpt / "__0_0.distcp"
+    if damage == "truncate":
+        os.truncate(shard, shard.stat().st_size - 10)
+    elif damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "delete":
+        shard.unlink()
+    else:
+        (ckpt / MANIFEST).write_text("{not json")
+    with pytest.raises(CheckpointError, match=message):
+        read_manifest(ckpt, verify_checksums=True)
+    cfg = _cfg(tmp_path / "run", corpus_cache, f"--checkpoint.load_path={ckpt}")
+    with pytest.raises(CheckpointError, match=f"checkpoint {ckpt}"):  # the train loop refuses it too
+        _train(tmp_path / "run", cfg, save=False)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_metadata_is_not_unpickled_unrestricted(saved, tmp_path, corpus_cache):
+    run_dir, _, _ = saved
+    ckpt = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
+    evil = pickle.dumps(_Evil())
+    (ckpt / ".metadata").write_bytes(evil)
+    m = json.loads((ckpt / MANIFEST).read_text())  # make it look complete: only the unpickler stands
+    m["files"][".metadata"] = {"bytes": len(evil), "crc32": __import__("zlib").crc32(evil)}
+    (ckpt / MANIFEST).write_text(json.dumps(m))
+    cfg = _cfg(tmp_path / "run", corpus_cache, f"--checkpoint.load_path={ckpt}")
+    with pytest.raises(CheckpointError, match=r"\.metadata is unreadable: UnpicklingError: refusing to unpickle posix.system"):
+        _train(tmp_path / "run", cfg, save=False)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--model.flavor=8B", "DCP reshards across meshes, not across model shapes"),
+    ("--optimizer.name=SGD", "holds AdamW optimizer state, this job uses optimizer.name = 'SGD'"),
+    ("--training.seed=1", "the saved data position would not apply"),
+    ("--training.steps=2", "is at step 2 but training.steps = 2: nothing left to train"),
+])
+def test_load_path_that_cannot_fit_is_refused_before_workers_start(saved, corpus_cache, override, message):
+    run_dir, _, _ = saved
+    cfg = _cfg(run_dir, corpus_cache, f"--checkpoint.load_path={run_dir / 'checkpoints' / 'step-00000002'}", override)
+    with pytest.raises(ConfigError, match=message):
+        validate_job(cfg)
+
+
+def test_load_path_missing_or_empty_is_refused(tmp_path, corpus_cache):
+    with pytest.raises(ConfigError, match="does not exist"):
+        validate_job(_cfg(tmp_path, corpus_cache, f"--checkpoint.load_path={tmp_path / 'nope'}"))
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        validate_job(_cfg(tmp_path, corpus_cache, f"--checkpoint.load_path={tmp_path}"))
+
+
+def test_max_failures_needs_checkpoints(corpus_cache, tmp_path):
+    with pytest.raises(ConfigError, match="ray.max_failures = 2 with checkpoint.enable = false"):
+        validate_job(_cfg(tmp_path, corpus_cache, "--ray.max_failures=2", "--checkpoint.enable=false"))
+    validate_job(_cfg(tmp_path, corpus_cache, "--ray.max_failures=2"))  # allowed now
+
+
+def test_nonfinite_stop_names_the_step_and_stage(tmp_path, corpus_cache):
+    cfg = _cfg(tmp_path, corpus_cache, "--debug.nonfinite_loss_at_steps=[3]", "--checkpoint.enable=false")
+    collector = MetricsCollector(str(tmp_path), 1, [0], cfg.training.steps, enable_tensorboard=False)
+    with pytest.raises(NonFiniteError, match=r"step 3: the loss is not finite on the last stage \(stage 0\); "
+                                             r"the gradient norm is nan \(non-finite gradients in stage\(s\) \[0\]\)"):
+        train_loop(cfg, LocalReporter(collector), None, None)
+    collector.finish()
+    from ray_titan.metrics.sinks import read_steps
+
+    t = read_steps(tmp_path)  # the failing step is recorded, its update dropped
+    assert t["step"].to_pylist() == [1, 2, 3] and t["skipped_update"].to_pylist() == [False, False, True]
+
+
+def test_nonfinite_skip_drops_the_update_and_counts_it(tmp_path, corpus_cache):
+    cfg = _cfg(tmp_path, corpus_cache, "--debug.nonfinite_loss_at_steps=[2]", "--training.on_nonfinite=skip",
+               "--checkpoint.enable=false")
+    losses, skipped, grad_norms, summary = _train(tmp_path, cfg, save=False)
+    assert skipped == [False, True, False, False] and summary["skipped_steps"] == 1
+    assert math.isnan(losses[1]) and math.isnan(grad_norms[1])
+    # Had the NaN update been applied, every later loss would be NaN.
+    assert all(math.isfinite(x) for x in losses[2:])

@@ -1,0 +1,163 @@
+"""Fault tolerance on the shared local Ray cluster: a SIGKILLed worker and a SIGKILLed collector
+cost time, never data or correctness; a checkpoint loads onto another mesh; Ctrl-C stops cleanly.
+
+``RESUME_CASES`` names the jobs whose resume is checked; each is a list of config overrides
+(add the MoE pp=2 × ep=2 job here once it exists).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import ray_titan
+from ray_titan.config import load_config
+from ray_titan.metrics.sinks import read_steps
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.ray
+
+STEPS, INTERVAL = 12, 4
+RESUME_CASES = {
+    "dense_pp2_dp2": ["--parallelism.pp=2", "--parallelism.dp_shard=2"],
+}
+
+
+def _run(tmp_path_factory, corpus_cache, name, *overrides):
+    cfg = load_config(REPO / "configs" / "debug_llama.toml", [
+        f"--job.name={name}", f"--job.dump_folder={tmp_path_factory.mktemp(name, numbered=False)}",
+        f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}", "--metrics.log_freq=1000",
+        f"--checkpoint.interval={INTERVAL}", "--metrics.flush_every_steps=2", *overrides,
+    ])
+    return ray_titan.train(cfg)
+
+
+@pytest.fixture(scope="module", params=list(RESUME_CASES))
+def case(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(case, ray_cluster, tmp_path_factory, corpus_cache):
+    return _run(tmp_path_factory, corpus_cache, f"ref_{case}", *RESUME_CASES[case])
+
+
+@pytest.fixture(scope="module")
+def faulty(case, ray_cluster, tmp_path_factory, corpus_cache):
+    """The same job; the collector is SIGKILLed at step 3 and rank 3 at step 6, between the
+    checkpoints of steps 4 and 8."""
+    return _run(
+        tmp_path_factory, corpus_cache, f"faulty_{case}", *RESUME_CASES[case], "--ray.max_failures=1",
+        "--debug.kill_rank=3", "--debug.kill_at_step=6", "--debug.kill_collector_at_step=3",
+    )
+
+
+def test_killed_worker_run_continues_the_uninterrupted_loss_curve(uninterrupted, faulty):
+    assert faulty.restarts == 1 and uninterrupted.restarts == 0
+    assert faulty.errors == [] and uninterrupted.errors == []
+    np.testing.assert_allclose(faulty.losses(), uninterrupted.losses(), rtol=1e-6)
+    np.testing.assert_allclose(faulty.step_column("grad_norm"), uninterrupted.step_column("grad_norm"), rtol=1e-6)
+    assert len(faulty.losses()) == STEPS and faulty.final_loss == uninterrupted.final_loss
+
+
+def test_metrics_have_one_row_per_step_per_rank_and_mark_the_restart(faulty):
+    t = faulty.steps
+    keys = list(zip(t["step"].to_pylist(), t["rank"].to_pylist()))
+    assert sorted(keys) == [(s, r) for s in range(1, STEPS + 1) for r in range(4)]
+    attempt = dict(zip(keys, t["attempt"].to_pylist()))
+    pid = dict(zip(keys, t["pid"].to_pylist()))
+    # Steps up to the checkpoint of step 4 are the first worker group's; 5.. were replayed.
+    assert all(attempt[(s, r)] == 0 for s in range(1, INTERVAL + 1) for r in range(4))
+    assert all(attempt[(s, r)] == 1 for s in range(INTERVAL + 1, STEPS + 1) for r in range(4))
+    assert pid[(1, 3)] != pid[(STEPS, 3)]  # a new process
+    assert (faulty.run_dir / "metrics" / "steps.parquet").exists()
+
+
+def test_killed_collector_restarts_and_no_step_is_missing(faulty):
+    assert faulty.collector_restarted
+    assert faulty.errors == []
+    assert sorted(set(faulty.steps["step"].to_pylist())) == list(range(1, STEPS + 1))
+
+
+def test_checkpoints_kept_and_named_by_step(uninterrupted):
+    kept = sorted(p.name for p in (uninterrupted.run_dir / "checkpoints").glob("step-*"))
+    assert kept == ["step-00000004", "step-00000008", "step-00000012"]
+    assert uninterrupted.checkpoint == uninterrupted.run_dir / "checkpoints" / "step-00000012"
+
+
+def test_load_path_onto_another_mesh_continues_the_run(uninterrupted, ray_cluster, tmp_path_factory, corpus_cache):
+    """pp=2 × dp_shard=2 → pp=1 × dp_shard=4: DCP reshards the model and optimizer state."""
+    ckpt = uninterrupted.run_dir / "checkpoints" / "step-00000004"
+    run = _run(tmp_path_factory, corpus_cache, "reshard", "--parallelism.pp=1", "--parallelism.dp_shard=4",
+               f"--checkpoint.load_path={ckpt}")
+    assert run.errors == []
+    assert sorted(set(run.steps["step"].to_pylist())) == list(range(INTERVAL + 1, STEPS + 1))
+    # Another mesh sums in another order: equal to fp32 rounding, not bit for bit.
+    np.testing.assert_allclose(run.losses(), uninterrupted.losses()[INTERVAL:], rtol=1e-4)
+
+
+def test_nonfinite_stop_ends_the_run_without_a_restart(ray_cluster, tmp_path_factory, corpus_cache):
+    from ray_titan.fault import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match=r"step 2: the loss is not finite on the last stage \(stage 0\)"):
+        _run(tmp_path_factory, corpus_cache, "nan_stop", "--parallelism.pp=1", "--parallelism.dp_shard=2",
+             "--ray.max_failures=1", "--debug.nonfinite_loss_at_steps=[2]", "--training.steps=3")
+    (run_dir,) = (tmp_path_factory.getbasetemp() / "nan_stop").glob("nan_stop-*")
+    steps = read_steps(run_dir)
+    assert sorted(set(steps["step"].to_pylist())) == [1, 2] and set(steps["attempt"].to_pylist()) == {0}
+    assert steps.filter(pa.compute.equal(steps["step"], 2))["skipped_update"].to_pylist() == [True, True]
+
+
+def test_ctrl_c_stops_workers_flushes_metrics_and_names_the_last_checkpoint(ray_cluster, tmp_path, corpus_cache):
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    dump = tmp_path / "runs"
+    with open(tmp_path / "stderr.txt", "w") as errfile:  # a file: Ray's log lines would fill a pipe
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ray_titan", "train", "--training.steps=1000", "--checkpoint.interval=3",
+             "--metrics.log_freq=1", "--metrics.flush_every_steps=1", "--parallelism.pp=1", "--parallelism.dp_shard=2",
+             f"--job.dump_folder={dump}", f"--data.cache_dir={corpus_cache}"],
+            env=env, stdout=subprocess.PIPE, stderr=errfile, text=True, cwd=tmp_path,
+        )
+        try:
+            for line in proc.stdout:
+                if line.startswith("step    7/1000"):
+                    break
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    err = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 130, err[-3000:]
+    (run_dir,) = dump.glob("debug_llama-*")
+    assert f"ray_titan: interrupted: workers stopped; metrics in {run_dir / 'metrics'}; last checkpoint " \
+           f"{run_dir / 'checkpoints'}/step-0000000" in err
+    steps = read_steps(run_dir)
+    assert (run_dir / "metrics" / "steps.parquet").exists()  # consolidated: flushed and closed
+    assert 7 <= max(steps["step"].to_pylist()) < 1000
+    rank0 = steps.filter(pa.compute.equal(steps["rank"], 0))
+    assert rank0["step"].to_pylist() == list(range(1, rank0.num_rows + 1))
+    deadline = time.monotonic() + 60  # Ray kills the workers asynchronously
+    for pid in set(steps["pid"].to_pylist()):
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _alive(pid), f"worker process {pid} still runs after Ctrl-C"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
