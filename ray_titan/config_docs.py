@@ -29,8 +29,19 @@ REGENERATE = f"ray-titan config docs --output {DOC_PATH}"
 
 
 def sections() -> list[tuple[str, type[BaseModel]]]:
-    """``(section name, section class)`` in :class:`JobConfig` order."""
-    return [(name, f.annotation) for name, f in JobConfig.model_fields.items()]
+    """``(section name, section class)`` of the ``[section]`` tables, in :class:`JobConfig` order."""
+    return [(name, f.annotation) for name, f in JobConfig.model_fields.items()
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)]
+
+
+def array_sections() -> list[tuple[str, type[BaseModel]]]:
+    """``(name, item class)`` of the ``[[name]]`` arrays of tables (e.g. ``callbacks``)."""
+    out = []
+    for name, f in JobConfig.model_fields.items():
+        args = get_args(f.annotation)
+        if get_origin(f.annotation) is list and args and issubclass(args[0], BaseModel):
+            out.append((name, args[0]))
+    return out
 
 
 def _type_name(ann: Any) -> str:
@@ -64,6 +75,8 @@ def toml_value(v: Any) -> str:
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, str):
         return json.dumps(v, ensure_ascii=False)  # a JSON string is a valid TOML basic string
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
     return str(v)
 
 
@@ -102,6 +115,16 @@ def reference_markdown() -> str:
             desc = _one_line(f.description).replace("|", "\\|")
             out.append(f"| `{key}` | {typ} | {shown} | {desc} |")
         out.append("")
+    for name, cls in array_sections():
+        out += [f"## `[[{name}]]`", "", _one_line(JobConfig.model_fields[name].description),
+                "Each `[[" + name + "]]` table (config file only, no command-line override):", "",
+                "| setting | type | default | description |", "|---|---|---|---|"]
+        for key, f in cls.model_fields.items():
+            default = _default(f)
+            shown = "*required*" if f.is_required() else f"`{toml_value(default)}`"
+            desc = _one_line(f.description).replace("|", "\\|")
+            out.append(f"| `{key}` | {_type_name(f.annotation)} | {shown} | {desc} |")
+        out.append("")
     return "\n".join(out)
 
 
@@ -127,4 +150,9 @@ def to_toml(cfg: JobConfig) -> str:
         for key, value in getattr(cfg, name).model_dump().items():
             out.append(f"# {key} = (unset)" if value is None else f"{key} = {toml_value(value)}")
         out.append("")
+    for name, _ in array_sections():
+        for item in getattr(cfg, name):
+            out.append(f"[[{name}]]")
+            out += [f"{k} = {toml_value(v)}" for k, v in item.model_dump().items() if v is not None]
+            out.append("")
     return "\n".join(out)

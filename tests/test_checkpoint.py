@@ -39,7 +39,7 @@ def _train(run_dir, cfg, save=True):
     """The train loop in this process; returns (step losses, skipped flags, grad norms, summary)."""
     collector = MetricsCollector(str(run_dir), 1, [0], cfg.training.steps, enable_tensorboard=False)
     storage = LocalCheckpointStorage(run_dir / "checkpoints", cfg.checkpoint.keep_latest_k) if save else None
-    train_loop(cfg, LocalReporter(collector), None, storage)
+    train_loop(cfg, LocalReporter(collector), None, checkpoint_storage=storage)
     summary = collector.finish()
     from ray_titan.metrics.sinks import read_steps
 
@@ -175,7 +175,7 @@ def test_nonfinite_stop_names_the_step_and_stage(tmp_path, corpus_cache):
     collector = MetricsCollector(str(tmp_path), 1, [0], cfg.training.steps, enable_tensorboard=False)
     with pytest.raises(NonFiniteError, match=r"step 3: the loss is not finite on the last stage \(stage 0\); "
                                              r"the gradient norm is nan \(non-finite gradients in stage\(s\) \[0\]\)"):
-        train_loop(cfg, LocalReporter(collector), None, None)
+        train_loop(cfg, LocalReporter(collector), None)
     collector.finish()
     from ray_titan.metrics.sinks import read_steps
 

@@ -161,7 +161,7 @@ def test_collector_records_verdicts_and_stops_on_request(tmp_path, on_leak):
     growing_lines = [l for l in summary["lines"] if "growing" in l]
     assert len(growing_lines) == 1 and "rank 1 (pp=0, dp_shard=1) growing +2.000 MiB/step (host RSS)" in growing_lines[0]
     if on_leak == "warn":
-        assert summary["stop"] is None and not any(answers)
+        assert summary["stop"] is None and not any(a["stop"] for a in answers)
     else:
         assert "rank 1 (pp=0, dp_shard=1): memory growing +2.000 MiB/step" in summary["stop"]
-        assert answers[-1] == {"stop": summary["stop"]}
+        assert answers[-1]["stop"] == summary["stop"]

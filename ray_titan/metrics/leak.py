@@ -109,6 +109,9 @@ class LeakDetector:
     def update(self, step: int, used_bytes: float, free_bytes: float | None = None) -> Verdict:
         """Add the sample of ``step`` (``used_bytes``) and return the verdict. ``free_bytes``: what
         the rank may still allocate (capacity minus use), for the OOM projection."""
+        while self._steps and self._steps[-1] >= step:  # replayed after a restart: replace
+            self._steps.pop()
+            self._bytes.pop()
         self._steps.append(step)
         self._bytes.append(used_bytes)
         slope = sustained = recent = None

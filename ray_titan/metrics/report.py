@@ -56,9 +56,15 @@ class StepReport:
     attempt_start_time: float = 0.0
     """When this rank's worker group started (Unix seconds, the same on every rank of it)."""
     pid: int = field(default_factory=os.getpid)
-    When an answer asks the run to stop (the memory verdict with ``memory.on_leak = "stop"``),
-    the next :meth:`report` raises :class:`~ray_titan.metrics.leak.MemoryLeakError` with the
-    collector's reason.
+    aux_loss: float | None = None
+    """MoE: the load-balance loss summed over this rank's MoE layers, mean over microbatches."""
+    moe_layers: list[int] = field(default_factory=list)
+    """MoE: indices of the MoE layers this rank holds."""
+    expert_load: list[list[int]] = field(default_factory=list)
+    """MoE: per layer in ``moe_layers``, tokens (× top-k) this rank's router sent to each expert in
+    the step (host ints). Summed over the ranks of a stage it is the layer's load for the step."""
+    gc_generation: int | None = None
+    """Generation of the synchronized GC run in this step (``ray_titan.gc``), None if none ran."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -85,20 +91,15 @@ class CollectorReporter(Reporter):
     """Fire-and-forget delivery to the collector actor (``handle.report.remote(batch)``), with
     every report held until the collector says it is on disk.
 
-    Reports queue locally while ``max_inflight`` calls are unanswered and are sent as one batch
-    when a slot frees; beyond ``max_buffered`` queued reports the oldest are dropped and counted
-    in ``dropped`` (sent with the next batch), so memory stays bounded. A call the collector
-    failed is counted in ``failed_calls`` (its message in ``last_error``) and never stops
-    training. When an answer asks the run to stop (the memory verdict with
-    ``memory.on_leak = "stop"``), the next :meth:`report` raises
-    :class:`~ray_titan.metrics.leak.MemoryLeakError` with the collector's reason.
     Reports are sent in batches while fewer than ``max_inflight`` calls are unanswered. Each
     answer names the collector's incarnation and, per attempt, the step up to which rows are on
     disk; held reports up to there are forgotten. A failed call (the collector died) or a new
     incarnation (it was restarted) makes every held report due again, sent after a back-off of
     ``retry_s`` (doubling up to 30 s), so training never waits for the collector. Beyond
     ``max_buffered`` held reports the oldest are dropped and counted in ``dropped`` (sent with the
-    next batch).
+    next batch). When an answer asks the run to stop (the memory verdict with
+    ``memory.on_leak = "stop"``), the next :meth:`report` raises
+    :class:`~ray_titan.metrics.leak.MemoryLeakError` with the collector's reason.
     """
 
     def __init__(self, handle, max_inflight: int = 16, max_buffered: int = 10_000, retry_s: float = 1.0):
