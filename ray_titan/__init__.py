@@ -20,14 +20,15 @@ __version__ = "0.1.0"
 
 
 def train(
-    config: "JobConfig | str | Path", overrides: list[str] | None = None, *, callbacks: list | None = None,
+    config: "JobConfig | str | Path", overrides: list[str] | None = None, progress: str = "auto", *,
+    callbacks: list | None = None,
 ) -> "RunResult":
     """Run a training job on Ray; see :func:`ray_titan.driver.train` (imported lazily, so that
-    ``import ray_titan`` does not import Ray). ``callbacks``: worker-side callback objects
-    (``ray_titan.callbacks``) run on every worker."""
+    ``import ray_titan`` does not import Ray). ``progress``: ``auto``, ``bar`` or ``lines``.
+    ``callbacks``: worker-side callback objects (``ray_titan.callbacks``) run on every worker."""
     from ray_titan.driver import train as _train
 
-    return _train(config, overrides, callbacks=callbacks)
+    return _train(config, overrides, progress, callbacks=callbacks)
 
 
 def __getattr__(name: str):
