@@ -2,7 +2,7 @@
 cost time, never data or correctness; a checkpoint loads onto another mesh; Ctrl-C stops cleanly.
 
 ``RESUME_CASES`` names the jobs whose resume is checked; each is a list of config overrides
-(add the MoE pp=2 × ep=2 job here once it exists).
+(the dense pp=2 × dp_shard=2 job and the MoE pp=2 × ep=2 job, whose router bias is state).
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ pytestmark = pytest.mark.ray
 STEPS, INTERVAL = 12, 4
 RESUME_CASES = {
     "dense_pp2_dp2": ["--parallelism.pp=2", "--parallelism.dp_shard=2"],
+    # The field's leaking shape, with aux-loss-free balancing: its router bias must resume too.
+    "moe_pp2_ep2": ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--model.name=deepseek_v2",
+                    "--parallelism.ep=2", "--model.load_balance=aux_free"],
 }
 
 
@@ -92,11 +95,13 @@ def test_checkpoints_kept_and_named_by_step(uninterrupted):
     assert uninterrupted.checkpoint == uninterrupted.run_dir / "checkpoints" / "step-00000012"
 
 
-def test_load_path_onto_another_mesh_continues_the_run(uninterrupted, ray_cluster, tmp_path_factory, corpus_cache):
-    """pp=2 × dp_shard=2 → pp=1 × dp_shard=4: DCP reshards the model and optimizer state."""
+def test_load_path_onto_another_mesh_continues_the_run(case, uninterrupted, ray_cluster, tmp_path_factory, corpus_cache):
+    """pp=2 × dp_shard=2 → pp=1 × dp_shard=4: DCP reshards the model and optimizer state (for
+    the MoE job, experts split over ep=2 become also FSDP-sharded over dp_shard / ep = 2)."""
     ckpt = uninterrupted.run_dir / "checkpoints" / "step-00000004"
-    run = _run(tmp_path_factory, corpus_cache, "reshard", "--parallelism.pp=1", "--parallelism.dp_shard=4",
-               f"--checkpoint.load_path={ckpt}")
+    model = [o for o in RESUME_CASES[case] if not o.startswith("--parallelism.")]
+    mesh = ["--parallelism.pp=1", "--parallelism.dp_shard=4"] + (["--parallelism.ep=2"] if model else [])
+    run = _run(tmp_path_factory, corpus_cache, f"reshard_{case}", *model, *mesh, f"--checkpoint.load_path={ckpt}")
     assert run.errors == []
     assert sorted(set(run.steps["step"].to_pylist())) == list(range(INTERVAL + 1, STEPS + 1))
     # Another mesh sums in another order: equal to fp32 rounding, not bit for bit.
