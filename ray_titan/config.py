@@ -127,6 +127,10 @@ class LRScheduler(_Section):
 class Metrics(_Section):
     """What the collector records and prints, and the workers' bounds on reporting."""
 
+    enabled: bool = True
+    """The metrics collector and per-step memory sampling. ``false`` records nothing per step
+    (no collector, no console lines, no Parquet; only ``<run_dir>/timings/``): for measuring
+    what metrics cost (``benchmarks``), not for real runs."""
     log_freq: int = Field(10, gt=0)
     """Console line every ``log_freq`` steps. Every step is recorded whatever this is."""
     enable_tensorboard: bool = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -46,6 +47,9 @@ class RunResult:
     final_loss: float | None
     errors: list[str] = field(default_factory=list)
     config: JobConfig | None = None
+    timings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The run's ``timings/`` files by name (``driver``, ``rank0``, ...;
+    ``ray_titan.metrics.timing``): start-up marks and steady-state step timing."""
 
     @property
     def metrics_path(self) -> Path:
@@ -125,19 +129,26 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     import ray.train.torch
     import torch
 
-    from ray_titan.metrics.report import CollectorReporter, JsonlReporter, rank_reports_path
+    from ray_titan.metrics.report import CollectorReporter, JsonlReporter, Reporter, rank_reports_path
+    from ray_titan.metrics.timing import write_timings
     from ray_titan.train_loop import train_loop
 
+    worker_start = time.time()
     cfg = JobConfig.model_validate(loop_config["config"])
-    reporter = CollectorReporter(
-        loop_config["collector"], cfg.metrics.max_inflight_reports, cfg.metrics.max_buffered_reports
-    )
+    rank = ray.train.get_context().get_world_rank()
+    if loop_config["collector"] is None:  # metrics.enabled = false
+        reporter = Reporter()
+    else:
+        reporter = CollectorReporter(
+            loop_config["collector"], cfg.metrics.max_inflight_reports, cfg.metrics.max_buffered_reports
+        )
     if cfg.metrics.save_rank_reports:
-        rank = ray.train.get_context().get_world_rank()
         reporter = JsonlReporter(rank_reports_path(loop_config["run_dir"], rank), reporter)
     # Only a worker that reserved a GPU may use one; Ray does not hide unreserved GPUs.
     device = ray.train.torch.get_device() if cfg.ray.use_gpu else torch.device("cpu")
-    train_loop(cfg, reporter, device)
+    summary = train_loop(cfg, reporter, device)
+    summary["marks"]["worker_start"] = worker_start
+    write_timings(loop_config["run_dir"], f"rank{rank}", summary)
 
 
 class _LinePrinter(threading.Thread):
@@ -173,8 +184,10 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
 
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.timing import read_timings, write_timings
     from ray_titan.train_loop import parallel_dims
 
+    marks = {"train_called": time.time()}
     if isinstance(config, JobConfig):
         cfg = config
         if overrides:
@@ -196,6 +209,7 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
     _connect(cfg)
     dims = parallel_dims(cfg)
     cpus = _check_cluster(cfg)
+    marks["cluster_ready"] = time.time()
     if cfg.training.threads_per_worker is None:
         cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
             update={"threads_per_worker": max(1, int(cpus + 0.999))})})
@@ -204,7 +218,7 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
     collector = ray.remote(MetricsCollector).options(num_cpus=0, max_restarts=0).remote(
         str(run_dir), dims.world_size, dims.last_stage_ranks(), cfg.training.steps,
         cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
-    )
+    ) if cfg.metrics.enabled else None
     print(
         f"ray_titan: run {run_dir.name}: {dims.world_size} workers (pp={dims.pp} × "
         f"dp_shard={dims.dp_shard}, {cpus} CPU each), {cfg.model.name}/{cfg.model.flavor}, "
@@ -226,14 +240,19 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
             failure_config=FailureConfig(max_failures=cfg.ray.max_failures, controller_failure_limit=0),
         ),
     )
+    if collector is None:
+        return _fit_without_metrics(trainer, cfg, run_dir, marks)
     printer = _LinePrinter(collector)
     printer.start()
     failure: BaseException | None = None
+    marks["fit_called"] = time.time()
     try:
         trainer.fit()
     except BaseException as e:  # keep the metrics recorded so far, then re-raise
         failure = e
     finally:
+        marks["fit_returned"] = time.time()
+        write_timings(run_dir, "driver", {"marks": marks})
         printer.stop_event.set()
         printer.join()
         try:
@@ -250,7 +269,21 @@ def train(config: JobConfig | str | Path, overrides: list[str] | None = None) ->
         print(f"ray_titan: metrics error: {err}", file=sys.stderr)
     result = RunResult(
         run_dir=run_dir, steps=read_steps(run_dir), final_loss=summary["final_loss"],
-        errors=summary["errors"], config=cfg,
+        errors=summary["errors"], config=cfg, timings=read_timings(run_dir),
     )
     print(f"ray_titan: done: final loss {result.final_loss}, metrics {result.metrics_path}", flush=True)
     return result
+
+
+def _fit_without_metrics(trainer, cfg: JobConfig, run_dir: Path, marks: dict[str, float]) -> RunResult:
+    """``metrics.enabled = false``: run the worker group with no collector; only timings are kept."""
+    from ray_titan.metrics.timing import read_timings, write_timings
+
+    marks["fit_called"] = time.time()
+    try:
+        trainer.fit()
+    finally:
+        marks["fit_returned"] = time.time()
+        write_timings(run_dir, "driver", {"marks": marks})
+    print(f"ray_titan: done (metrics.enabled = false: timings only in {run_dir / 'timings'})", flush=True)
+    return RunResult(run_dir=run_dir, steps=pa.table({}), final_loss=None, config=cfg, timings=read_timings(run_dir))

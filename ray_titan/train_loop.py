@@ -29,8 +29,9 @@ from ray_titan.data.corpus import load_texts
 from ray_titan.data.loader import PackedLoader
 from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.gc import GarbageCollection
-from ray_titan.metrics.memory import sample_memory
+from ray_titan.metrics.memory import host_memory, sample_memory
 from ray_titan.metrics.report import Reporter, StepReport
+from ray_titan.metrics.timing import StepClock
 from ray_titan.models.registry import build_model
 from ray_titan.parallel.dims import ParallelDims
 from ray_titan.parallel.fsdp import apply_fsdp, resolve_reshard_after_forward
@@ -94,9 +95,14 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
     ``device`` is where this rank computes (default CPU); the caller picks it, since only the
     launcher knows which GPU, if any, is this rank's. Needs ``torch.distributed`` initialised
     with ``world_size == cfg.world_size`` unless the mesh is a single rank. Returns a small
-    summary of this rank (``rank``, ``steps``, ``last_loss``). Raises ``RuntimeError`` when the
-    process group does not match the mesh.
+    summary of this rank (``rank``, ``steps``, ``last_loss``, and the timings of
+    :class:`~ray_titan.metrics.timing.StepClock`: ``marks``, ``steady_steps``, ``steady_time_s``,
+    ``tokens_per_step``, ``host_rss_bytes``, ``host_peak_rss_bytes``). With
+    ``metrics.enabled = false`` nothing is sampled or sent to ``reporter``. Raises
+    ``RuntimeError`` when the process group does not match the mesh.
     """
+    clock = StepClock(cfg.training.steps)
+    clock.mark("loop_start")
     dims = parallel_dims(cfg)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -115,6 +121,7 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
         load_texts(cfg.data), tokenizer, cfg.training.seq_len, cfg.training.global_batch_size,
         dp_rank=coords["dp_shard"], dp_degree=dims.dp_shard, seed=cfg.training.seed,
     )
+    clock.mark("data_ready")
 
     # Model: whole model on meta, this rank's stages cut out, parallelized, then materialised.
     mesh = dims.build_mesh(device.type) if world > 1 else None
@@ -148,9 +155,11 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
             cross_entropy_loss, device, pp_group,
         )
     model = stages[stage_ids[0]]
+    clock.mark("model_built")
 
+    metrics_on = cfg.metrics.enabled
     gc_policy = GarbageCollection(cfg.training.gc_freq)
-    last_loss = None
+    last_loss, tokens_per_step = None, 0
     try:
         for step in range(1, cfg.training.steps + 1):
             t0 = time.perf_counter()
@@ -182,20 +191,27 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
             scheduler.step()
             t3 = time.perf_counter()
             gc_pause = gc_policy.run(step)
-            memory = sample_memory(device)
-            t4 = time.perf_counter()
-            reporter.report(StepReport(
-                step=step, rank=rank, coords=coords, is_last_stage=is_last, loss=loss,
-                tokens=labels.numel(), step_time_s=t4 - t0, data_time_s=t1 - t0,
-                fwd_bwd_time_s=t2 - t1, optim_time_s=t3 - t2, grad_norm=grad_norm, lr=lr,
-                memory=memory, gc_pause_s=gc_pause, time=time.time(),
-            ))
+            if metrics_on:
+                memory = sample_memory(device)
+                t4 = time.perf_counter()
+                reporter.report(StepReport(
+                    step=step, rank=rank, coords=coords, is_last_stage=is_last, loss=loss,
+                    tokens=labels.numel(), step_time_s=t4 - t0, data_time_s=t1 - t0,
+                    fwd_bwd_time_s=t2 - t1, optim_time_s=t3 - t2, grad_norm=grad_norm, lr=lr,
+                    memory=memory, gc_pause_s=gc_pause, time=time.time(),
+                ))
+            clock.step_end(step)
             last_loss = loss
+            tokens_per_step = labels.numel()
             del inputs, labels
     finally:
         gc_policy.close()
         reporter.close()
-    return {"rank": rank, "steps": cfg.training.steps, "last_loss": last_loss}
+    rss, peak_rss = host_memory()
+    return {
+        "rank": rank, "steps": cfg.training.steps, "last_loss": last_loss, **clock.summary(),
+        "tokens_per_step": tokens_per_step, "host_rss_bytes": rss, "host_peak_rss_bytes": peak_rss,
+    }
 
 
 def _main(argv: list[str] | None = None) -> None:
@@ -209,7 +225,8 @@ def _main(argv: list[str] | None = None) -> None:
     from ray_titan.config import validate_job
     from ray_titan.driver import make_run_dir, resolve_paths
     from ray_titan.metrics.collector import MetricsCollector
-    from ray_titan.metrics.report import JsonlReporter, LocalReporter, rank_reports_path, read_rank_reports
+    from ray_titan.metrics.report import JsonlReporter, LocalReporter, Reporter, rank_reports_path, read_rank_reports
+    from ray_titan.metrics.timing import write_timings
 
     ap = argparse.ArgumentParser(prog="python -m ray_titan.train_loop", description=_main.__doc__)
     ap.add_argument("--config", default=None, help="TOML job config (default: the built-in defaults)")
@@ -238,6 +255,14 @@ def _main(argv: list[str] | None = None) -> None:
             cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
         )
 
+    if not cfg.metrics.enabled:  # overhead measurements only: no collector, no reports
+        summary = train_loop(cfg, Reporter(), device)
+        write_timings(run_dir, f"rank{rank}", summary)
+        if world > 1:
+            dist.destroy_process_group()
+        if rank == 0:
+            print(f"run dir: {run_dir}  (metrics.enabled = false: timings only)", flush=True)
+        return
     if world == 1:
         collector = new_collector()
 
@@ -247,9 +272,10 @@ def _main(argv: list[str] | None = None) -> None:
                 for line in self.collector.drain_lines():
                     print(line, flush=True)
 
-        train_loop(cfg, _Printing(collector), device)
+        write_timings(run_dir, "rank0", train_loop(cfg, _Printing(collector), device))
     else:
-        train_loop(cfg, JsonlReporter(rank_reports_path(run_dir, rank)), device)
+        summary = train_loop(cfg, JsonlReporter(rank_reports_path(run_dir, rank)), device)
+        write_timings(run_dir, f"rank{rank}", summary)
         dist.barrier()
         if rank == 0:
             collector = new_collector()
