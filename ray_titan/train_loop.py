@@ -83,10 +83,11 @@ def local_cuda_device() -> torch.device:
 
 def _build_optimizer(cfg: JobConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     o = cfg.optimizer
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[o.implementation]
     if o.name == "SGD":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay)
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay, **impl)
     cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
-    return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **impl)
 
 
 def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None = None) -> dict[str, Any]:
