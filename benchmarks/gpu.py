@@ -3,15 +3,14 @@ benchmarks.run gpu``).
 
 Two jobs, each one process, one rank, in this process: the debug Llama in fp32, and a ~1 B
 Llama with the shape of Llama 3.2 1B (dim 2048, 16 layers, 32 heads, 8 KV heads, SwiGLU hidden
-8192; 0.97 B non-embedding parameters with the byte vocabulary) under bf16 autocast (fp32
-master weights and optimizer state, bf16 matmuls). Reports tokens/s, MFU against the GPU's
+8192; 0.97 B non-embedding parameters with the byte vocabulary) with ``training.autocast =
+"bfloat16"`` (fp32 weights and optimizer state, bf16 matmuls). Reports tokens/s, MFU against the GPU's
 datasheet dense bf16 peak (or the measured bf16 matmul peak for a GPU not in
 ``ray_titan.metrics.flops.GPU_PEAK_FLOPS``), and the peak memory the caching allocator reserved.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pyarrow.compute as pc
@@ -34,7 +33,7 @@ def _llama_1b():
 LLAMA_1B = "bench_1B"
 
 
-def _run(bench, flavor: str, batch: int, seq_len: int, bf16: bool) -> dict:
+def _run(bench, flavor: str, batch: int, seq_len: int, bf16: bool, device=None) -> dict:
     import torch
 
     from ray_titan.config import validate_job
@@ -50,21 +49,20 @@ def _run(bench, flavor: str, batch: int, seq_len: int, bf16: bool) -> dict:
     cfg = bench.job("gpu", f"--model.flavor={flavor}", "--parallelism.pp=1", "--parallelism.dp_shard=1",
                     "--parallelism.microbatches=1", f"--training.global_batch_size={batch}",
                     f"--training.seq_len={seq_len}", f"--training.steps={steps}",
-                    "--metrics.enable_tensorboard=false")
+                    "--metrics.enable_tensorboard=false", f"--training.autocast={'bfloat16' if bf16 else 'none'}")
     validate_job(cfg)
     run_dir = make_run_dir(cfg)
     collector = MetricsCollector(str(run_dir), 1, [0], steps, 10**9, 20, False)
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    with amp:
-        summary = train_loop(cfg, LocalReporter(collector), device)
+    device = device or torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    summary = train_loop(cfg, LocalReporter(collector), device)
     collector.finish()
     rows = read_steps(run_dir)
     peak_reserved = pc.max(rows["device_peak_reserved_bytes"]).as_py()
     tps = batch * seq_len * summary["steady_steps"] / summary["steady_time_s"]
     args = dataclasses.replace(get_model_args("llama", flavor), vocab_size=258)
-    name = torch.cuda.get_device_name(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     peak = gpu_peak_flops(name) if bf16 else None
     peak_src = "datasheet bf16 dense"
     if peak is None:

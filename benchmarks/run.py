@@ -53,7 +53,7 @@ MiB = 2**20
 
 # Steps per run, (full, --quick). Long enough that the steady part dwarfs timer noise.
 STEPS = {
-    "collector": (60, 12), "ray_train": (30, 8), "bare": (80, 12), "torchrun": (60, 12),
+    "collector": (40, 12), "ray_train": (20, 8), "bare": (60, 12), "torchrun": (40, 12),
     "memory": (300, 40), "startup": (2, 2), "gpu": (50, 10),
 }
 

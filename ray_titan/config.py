@@ -83,6 +83,9 @@ class Training(_Section):
     """Gradient-norm clipping threshold over the whole model; 0 disables clipping."""
     gc_freq: int = Field(50, gt=0)
     """Every rank runs a synchronized ``gc.collect(1)`` every ``gc_freq`` steps; automatic GC is off."""
+    autocast: Literal["none", "bfloat16"] = "none"
+    """``bfloat16``: forward passes (and the pipeline schedule's steps) run under
+    ``torch.autocast`` in bf16: matmuls in bf16, weights, gradients and optimizer state in fp32."""
     threads_per_worker: int | None = Field(None, gt=0)
     """``torch.set_num_threads`` per worker; default: the worker's CPU share rounded up."""
 

@@ -14,6 +14,7 @@ waiting. Nothing from a step outlives it on the device (DESIGN.md, lesson 1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import time
@@ -159,6 +160,12 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
     clock.mark("model_built")
 
     metrics_on = cfg.metrics.enabled
+
+    def autocast():
+        if cfg.training.autocast == "none":
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+
     gc_policy = GarbageCollection(cfg.training.gc_freq)
     last_loss, tokens_per_step = None, 0
     try:
@@ -171,7 +178,8 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
             if schedule is not None:
                 losses: list[torch.Tensor] | None = [] if is_last else None
                 args = (inputs,) if has_first else ()
-                schedule.step(*args, target=labels if is_last else None, losses=losses)
+                with autocast():
+                    schedule.step(*args, target=labels if is_last else None, losses=losses)
                 # Host float right away; the list (and its graph-free tensors) dies here.
                 loss = torch.stack(losses).mean().item() if is_last else None
                 del losses
@@ -180,7 +188,8 @@ def train_loop(cfg: JobConfig, reporter: Reporter, device: torch.device | None =
                 for i, (x, y) in enumerate(zip(inputs.chunk(n_mb), labels.chunk(n_mb))):
                     if dims.dp_shard > 1:
                         model.set_requires_gradient_sync(i == n_mb - 1)
-                    mb_loss = cross_entropy_loss(model(x), y)
+                    with autocast():
+                        mb_loss = cross_entropy_loss(model(x), y)
                     (mb_loss / n_mb).backward()
                     total += mb_loss.detach()
                 loss = (total / n_mb).item()

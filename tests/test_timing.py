@@ -42,3 +42,15 @@ def test_metrics_switch_and_timings(corpus_cache, tmp_path):
     assert s_on["last_loss"] == s_off["last_loss"]
     write_timings(tmp_path, "rank0", s_on)
     assert read_timings(tmp_path)["rank0"]["steady_steps"] == 2
+
+
+def test_bf16_autocast_trains_close_to_fp32(corpus_cache):
+    runs = {}
+    for dtype in ("none", "bfloat16"):
+        rec = _Recording()
+        train_loop(_cfg(corpus_cache, "--training.steps=8", "--lr_scheduler.warmup_steps=4",
+                        f"--training.autocast={dtype}"), rec)
+        runs[dtype] = [r.loss for r in rec.reports]
+    fp32, bf16 = runs["none"], runs["bfloat16"]
+    assert bf16[0] != fp32[0] and abs(bf16[0] - fp32[0]) < 0.02  # bf16 matmuls, same model
+    assert bf16[-1] < bf16[0] - 0.5 and abs(bf16[-1] - fp32[-1]) < 0.1  # and it learns like fp32
