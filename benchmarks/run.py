@@ -2,17 +2,17 @@
 
 Names (default: every CPU benchmark, in this order):
 
-- ``startup``: seconds from ``ray-titan train`` to the first step's console line, and the split
-  (imports, cluster start, worker group, data + model build, first step, console).
 - ``collector``: ray_titan with the metrics collector and per-step memory sampling vs the same
   run with ``metrics.enabled = false`` (main job mesh, pp=2 × dp_shard=2, 1F1B).
-- ``ray_train``: ray_titan vs the loop of Ray Train's FSDP2 guide with ``ray.train.report``
-  every step (dp_shard=4, 4 workers), and what each gets out.
 - ``bare``: ray_titan with one worker vs a bare single-process PyTorch loop; host RSS of both.
 - ``torchrun``: the same train loop under Ray vs under ``torchrun`` (dp_shard=2, 2 workers).
+- ``ray_train``: ray_titan vs the loop of Ray Train's FSDP2 guide with ``ray.train.report``
+  every step (dp_shard=4, 4 workers), and what each gets out.
 - ``memory``: every rank's host-RSS slope over a long main-job run with rare console logging.
+- ``startup``: seconds from ``ray-titan train`` to the first step's console line, and the split
+  (imports, cluster start, worker group, data + model build, first step, console).
 - ``gpu``: the train loop without Ray on one CUDA GPU, debug model (fp32) and a ~1 B Llama
-  (bf16 autocast): tokens/s, MFU, peak memory. Not in the default set; needs a GPU.
+  (``training.autocast = "bfloat16"``): tokens/s, MFU, peak memory. Not in the default set; needs a GPU.
 
 Every comparison runs both sides alternately in this one invocation (A B, B A, ...) and reports
 the median of the paired ratios with min and max (``benchmarks/stats.py``). Tokens/s is measured
@@ -47,14 +47,14 @@ from typing import Any
 from benchmarks.stats import Row, alternate, fmt_si, format_table, ratio_stats, slope
 
 REPO = Path(__file__).resolve().parents[1]
-CPU_NAMES = ["startup", "collector", "ray_train", "bare", "torchrun", "memory"]
+CPU_NAMES = ["collector", "bare", "torchrun", "ray_train", "memory", "startup"]
 ALL_NAMES = [*CPU_NAMES, "gpu"]
 MiB = 2**20
 
 # Steps per run, (full, --quick). Long enough that the steady part dwarfs timer noise.
 STEPS = {
-    "collector": (40, 12), "ray_train": (20, 8), "bare": (60, 12), "torchrun": (40, 12),
-    "memory": (300, 40), "startup": (2, 2), "gpu": (50, 10),
+    "collector": (30, 12), "ray_train": (10, 8), "bare": (50, 12), "torchrun": (40, 12),
+    "memory": (240, 40), "startup": (2, 2), "gpu": (50, 10),
 }
 
 
@@ -393,12 +393,13 @@ def bench_memory(bench: Bench) -> list[Row]:
 
 
 def bench_startup(bench: Bench) -> list[Row]:
-    """``ray-titan train`` as a user runs it (a fresh local cluster with the dashboard), twice."""
+    """``ray-titan train`` as a user runs it (a fresh local cluster with the dashboard), once: a
+    start-up is a whole cluster's start, and the split shows where its seconds go."""
     from ray_titan.metrics.timing import read_timings
 
     bench.shutdown_ray()
     runs = []
-    for i in range(max(1, min(bench.repeats, 2))):
+    for i in range(1):
         dump = bench.work / "runs" / f"startup-{i}"
         cmd = [sys.executable, "-m", "ray_titan", "train", f"--training.steps={bench.steps('startup')}",
                "--metrics.log_freq=1", f"--job.dump_folder={dump}"]
@@ -521,7 +522,9 @@ def main(argv: list[str] | None = None) -> int:
                 new = [Row(name, "failed", f"{type(e).__name__}: {str(e)[:300]}")]
             rows += new
             results[name] = {"seconds": time.time() - t0, "rows": new}
-            print(f"[benchmarks] {name} done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+            # Each benchmark's rows as soon as they exist, so an interrupted run keeps them.
+            print(f"[benchmarks] {name} done in {time.time() - t0:.0f} s\n{format_table(new)}",
+                  file=sys.stderr, flush=True)
     finally:
         bench.shutdown_ray()
     if cpu_runs:
