@@ -14,8 +14,9 @@ step (forward + backward):
   not all experts.
 - ``12 · L · H · Q · T``: the two attention matmuls (``Q·Kᵀ`` and ``scores·V``) of each of ``L``
   layers, ``H`` heads of dimension ``Q`` over a context of ``T`` tokens: 2 FLOPs × 2 matmuls ×
-  3 (forward + backward). ``H · Q`` is the attention width (for DeepSeek-V2's multi-head latent
-  attention use the query/key head dimension times the heads). By convention the causal mask's
+  3 (forward + backward). ``H · Q`` is the attention width. Where queries/keys and values have
+  different head dimensions (DeepSeek-V2's multi-head latent attention: 192 and 128), the two
+  matmuls cost ``6 · L · H · (d_qk + d_v) · T``, so pass ``H · (d_qk + d_v) / 2``. By convention the causal mask's
   half-empty score matrix is not discounted and activation recomputation is not counted, so MFU
   stays comparable across trainers (torchtitan and the PaLM paper count the same way).
 
@@ -61,8 +62,8 @@ def transformer_flops_per_token(
 
     ``non_embedding_params`` (N): parameters that take part in matmuls for one token, i.e. all
     parameters minus the token embedding; for MoE the *activated* ones (shared + ``top_k``
-    routed + shared experts). ``attention_dim``: heads × head dimension of the queries/keys
-    (``H·Q``). ``seq_len`` (T): tokens of context each token attends over. Raises
+    routed + shared experts). ``attention_dim``: heads × head dimension (``H·Q``), or
+    ``H·(d_qk + d_v)/2`` when query/key and value head dimensions differ (MLA). ``seq_len`` (T): tokens of context each token attends over. Raises
     ``ValueError`` for a negative argument.
     """
     args = dict(non_embedding_params=non_embedding_params, n_layers=n_layers,
