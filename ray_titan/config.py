@@ -99,6 +99,9 @@ class Training(_Section):
     """Gradient-norm clipping threshold over the whole model; 0 disables clipping."""
     gc_freq: int = Field(50, gt=0)
     """Every rank runs a synchronized ``gc.collect(1)`` every ``gc_freq`` steps; automatic GC is off."""
+    autocast: Literal["none", "bfloat16"] = "none"
+    """``bfloat16``: forward passes (and the pipeline schedule's steps) run under
+    ``torch.autocast`` in bf16: matmuls in bf16, weights, gradients and optimizer state in fp32."""
     threads_per_worker: int | None = Field(None, gt=0)
     """``torch.set_num_threads`` per worker; default: the worker's CPU share rounded up."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
@@ -143,6 +146,10 @@ class Optimizer(_Section):
     """Adam(W) denominator epsilon (unused by SGD)."""
     weight_decay: float = Field(0.1, ge=0)
     """Weight decay (decoupled for AdamW)."""
+    implementation: Literal["fused", "foreach", "for-loop"] = "fused"
+    """PyTorch's optimizer kernel: ``fused`` updates all parameters in one kernel (CPU and CUDA);
+    ``foreach`` in batched ops; ``for-loop`` one parameter at a time (PyTorch's CPU default,
+    about 3.5× slower than ``fused`` for the debug model on one thread)."""
 
 
 class LRScheduler(_Section):
@@ -159,6 +166,10 @@ class LRScheduler(_Section):
 class Metrics(_Section):
     """What the collector records and prints, and the workers' bounds on reporting."""
 
+    enabled: bool = True
+    """The metrics collector and per-step memory sampling. ``false`` records nothing per step
+    (no collector, no console lines, no Parquet; only ``<run_dir>/timings/``): for measuring
+    what metrics cost (``benchmarks``), not for real runs."""
     log_freq: int = Field(10, gt=0)
     """Console line every ``log_freq`` steps. Every step is recorded whatever this is."""
     enable_tensorboard: bool = True

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -68,6 +69,9 @@ class RunResult:
     """Worker-group restarts during the run."""
     collector_restarted: bool = False
     """The metrics collector was killed and restarted by Ray during the run."""
+    timings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The run's ``timings/`` files by name (``driver``, ``rank0``, ...;
+    ``ray_titan.metrics.timing``): start-up marks and steady-state step timing."""
 
     @property
     def metrics_path(self) -> Path | str:
@@ -161,26 +165,36 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
 
     from ray_titan.checkpoint import RayTrainCheckpointStorage
     from ray_titan.fault import NonFiniteError
-    from ray_titan.metrics.report import CollectorReporter, JsonlReporter, rank_reports_path
+    from ray_titan.metrics.report import CollectorReporter, JsonlReporter, Reporter, rank_reports_path
+    from ray_titan.metrics.timing import write_timings
     from ray_titan.train_loop import train_loop
 
+    worker_start = time.time()
     cfg = JobConfig.model_validate(loop_config["config"])
-    reporter = CollectorReporter(
-        loop_config["collector"], cfg.metrics.max_inflight_reports, cfg.metrics.max_buffered_reports
-    )
+    rank = ray.train.get_context().get_world_rank()
+    if loop_config["collector"] is None:  # metrics.enabled = false
+        reporter = Reporter()
+    else:
+        reporter = CollectorReporter(
+            loop_config["collector"], cfg.metrics.max_inflight_reports, cfg.metrics.max_buffered_reports
+        )
     if cfg.metrics.save_rank_reports:
-        rank = ray.train.get_context().get_world_rank()
         reporter = JsonlReporter(rank_reports_path(loop_config["run_dir"], rank), reporter)
     # Only a worker that reserved a GPU may use one; Ray does not hide unreserved GPUs.
     device = ray.train.torch.get_device() if cfg.ray.use_gpu else torch.device("cpu")
     try:
-        train_loop(cfg, reporter, device, run_dir=loop_config["run_dir"], callbacks=loop_config.get("callbacks"),
-                   checkpoint_storage=RayTrainCheckpointStorage() if cfg.checkpoint.enable else None)
+        summary = train_loop(
+            cfg, reporter, device, run_dir=loop_config["run_dir"], callbacks=loop_config.get("callbacks"),
+            checkpoint_storage=RayTrainCheckpointStorage() if cfg.checkpoint.enable else None,
+        )
     except NonFiniteError as e:
         # Every rank stops at the same step. Raising would make Ray Train restart the group
         # (ray.max_failures), only to meet the same NaN: end the run and let the driver raise.
         if ray.train.get_context().get_world_rank() == 0:
             ray.get(loop_config["collector"].stop_run.remote(str(e)), timeout=120)
+        return
+    summary["marks"]["worker_start"] = worker_start
+    write_timings(loop_config["run_dir"], f"rank{rank}", summary)
 
 
 def train(
@@ -207,11 +221,13 @@ def train(
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.leak import MemoryLeakError, leak_settings
     from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.timing import read_timings, write_timings
     from ray_titan.progress import ConsoleThread, make_display
     from ray_titan.train_loop import parallel_dims
 
     if progress not in ("auto", "bar", "lines"):
         raise ValueError(f"progress = {progress!r}: use 'auto', 'bar' or 'lines'")
+    marks = {"train_called": time.time()}
     if isinstance(config, JobConfig):
         cfg = config
         if overrides:
@@ -234,6 +250,7 @@ def train(
     _connect(cfg)
     dims = parallel_dims(cfg)
     cpus = _check_cluster(cfg)
+    marks["cluster_ready"] = time.time()
     if cfg.training.threads_per_worker is None:
         cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
             update={"threads_per_worker": max(1, int(cpus + 0.999))})})
@@ -247,7 +264,7 @@ def train(
         cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
         leak=leak_settings(cfg.memory), on_leak=cfg.memory.on_leak,
         kill_at_step=cfg.debug.kill_collector_at_step,
-    )
+    ) if cfg.metrics.enabled else None
     print(
         f"ray_titan: run {run_dir.name}: {dims.world_size} workers (pp={dims.pp} × "
         f"dp_shard={dims.dp_shard}, {cpus} CPU each), {cfg.model.name}/{cfg.model.flavor}, "
@@ -272,15 +289,20 @@ def train(
             failure_config=FailureConfig(max_failures=cfg.ray.max_failures, controller_failure_limit=0),
         ),
     )
+    if collector is None:
+        return _fit_without_metrics(trainer, cfg, run_dir, marks)
     console = ConsoleThread(lambda: ray.get(collector.poll.remote(), timeout=30),
                             make_display(cfg.training.steps, progress))
     console.start()
     failure: BaseException | None = None
+    marks["fit_called"] = time.time()
     try:
         trainer.fit()
     except BaseException as e:  # keep the metrics recorded so far, then re-raise
         failure = e
     finally:
+        marks["fit_returned"] = time.time()
+        write_timings(run_dir, "driver", {"marks": marks})
         console.stop_event.set()  # no poll may drain lines between here and the summary
         try:
             summary = ray.get(collector.finish.remote(), timeout=120)
@@ -317,7 +339,22 @@ def train(
         memory_verdicts=summary.get("memory_verdicts", {}),
         memory_snapshots=sorted((run_dir / "memory").glob("*"))
         if isinstance(run_dir, Path) and (run_dir / "memory").is_dir() else [],
+        timings=read_timings(run_dir),
     )
     print(f"ray_titan: done: final loss {result.final_loss}, metrics {result.metrics_path}, "
           f"{where}", flush=True)
     return result
+
+
+def _fit_without_metrics(trainer, cfg: JobConfig, run_dir: Path, marks: dict[str, float]) -> RunResult:
+    """``metrics.enabled = false``: run the worker group with no collector; only timings are kept."""
+    from ray_titan.metrics.timing import read_timings, write_timings
+
+    marks["fit_called"] = time.time()
+    try:
+        trainer.fit()
+    finally:
+        marks["fit_returned"] = time.time()
+        write_timings(run_dir, "driver", {"marks": marks})
+    print(f"ray_titan: done (metrics.enabled = false: timings only in {run_dir / 'timings'})", flush=True)
+    return RunResult(run_dir=run_dir, steps=pa.table({}), final_loss=None, config=cfg, timings=read_timings(run_dir))

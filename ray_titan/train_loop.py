@@ -14,6 +14,7 @@ waiting. Nothing from a step outlives it on the device (DESIGN.md, lesson 1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import time
@@ -32,8 +33,9 @@ from ray_titan.data.loader import PackedLoader
 from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.fault import FaultHandler
 from ray_titan.gc import GarbageCollection
-from ray_titan.metrics.memory import MemorySnapshots, sample_memory
+from ray_titan.metrics.memory import MemorySnapshots, host_memory, sample_memory
 from ray_titan.metrics.report import Reporter, StepReport
+from ray_titan.metrics.timing import StepClock
 from ray_titan.models.registry import build_model, is_moe
 from ray_titan.parallel.ac import apply_ac
 from ray_titan.parallel.dims import ParallelDims
@@ -87,10 +89,11 @@ def local_cuda_device() -> torch.device:
 
 def _build_optimizer(cfg: JobConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     o = cfg.optimizer
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[o.implementation]
     if o.name == "SGD":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay)
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay, **impl)
     cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
-    return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **impl)
 
 
 def train_loop(
@@ -106,11 +109,16 @@ def train_loop(
     callbacks (``ray_titan.callbacks``), run after those of ``cfg.callbacks``.
     ``checkpoint_storage`` is where checkpoints go (``ray_titan.checkpoint``; None saves none),
     and a restart or ``checkpoint.load_path`` resumes from one. Returns a small summary of this
-    rank (``rank``, ``steps``, ``last_loss``, ``snapshots``). Raises ``RuntimeError`` when the
+    rank (``rank``, ``steps``, ``last_loss``, ``snapshots``, and the timings of
+    :class:`~ray_titan.metrics.timing.StepClock`: ``marks``, ``steady_steps``, ``steady_time_s``,
+    ``tokens_per_step``, ``host_rss_bytes``, ``host_peak_rss_bytes``). With
+    ``metrics.enabled = false`` nothing is sampled or sent to ``reporter``. Raises ``RuntimeError`` when the
     process group does not match the mesh, ``RankOutOfMemoryError`` (after writing a snapshot)
     when the rank runs out of memory, ``CheckpointError`` for a bad checkpoint and
     ``NonFiniteError`` under ``training.on_nonfinite = "stop"``.
     """
+    clock = StepClock(cfg.training.steps)
+    clock.mark("loop_start")
     dims = parallel_dims(cfg)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -129,6 +137,7 @@ def train_loop(
         load_texts(cfg.data), tokenizer, cfg.training.seq_len, cfg.training.global_batch_size,
         dp_rank=coords["dp_shard"], dp_degree=dims.dp_shard, seed=cfg.training.seed,
     )
+    clock.mark("data_ready")
 
     # Model: whole model on meta, this rank's stages cut out, parallelized, then materialised.
     mesh = dims.build_mesh(device.type) if world > 1 else None
@@ -188,13 +197,22 @@ def train_loop(
                         checkpoint_storage, tokenizer.vocab_size, device)
     start_step = ckpt.restore()
 
+    clock.mark("model_built")
+
+    metrics_on = cfg.metrics.enabled
+
+    def autocast():
+        if cfg.training.autocast == "none":
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+
     mem = cfg.memory
     gc_policy = GarbageCollection(cfg.training.gc_freq, mem.gc_full_every, mem.gc_debug, rank, mem.malloc_trim)
     snapshots = MemorySnapshots(run_dir, rank, coords, device, mem.snapshot_steps, mem.snapshot_on_oom,
                                 mem.history_max_entries)
     hooks = _callbacks(cfg, callbacks, CallbackContext(
         rank, coords, world, device, Path(run_dir) if run_dir is not None else None, cfg))
-    last_loss, step, error = None, 0, None
+    last_loss, step, error, tokens_per_step = None, 0, None, 0
     try:
         snapshots.start()
         hooks.on_train_start()
@@ -210,7 +228,8 @@ def train_loop(
             if schedule is not None:
                 losses: list[torch.Tensor] | None = [] if is_last else None
                 args = (inputs,) if has_first else ()
-                schedule.step(*args, target=labels if is_last else None, losses=losses)
+                with autocast():
+                    schedule.step(*args, target=labels if is_last else None, losses=losses)
                 # Host float right away; the list (and its graph-free tensors) dies here.
                 loss = torch.stack(losses).mean().item() if is_last else None
                 del losses
@@ -219,7 +238,8 @@ def train_loop(
                 for i, (x, y) in enumerate(zip(inputs.chunk(n_mb), labels.chunk(n_mb))):
                     if dims.dp_shard > 1:
                         model.set_requires_gradient_sync(i == n_mb - 1)
-                    mb_loss = loss_fn(model(x), y)
+                    with autocast():
+                        mb_loss = loss_fn(model(x), y)
                     mb_loss.backward()
                     total += mb_loss.detach()
                 # Accumulated, then scaled once, as the pipeline schedules do (scale_grads): the
@@ -242,24 +262,28 @@ def train_loop(
             aux_loss, moe_layers, expert_load = moe.end_step()
             t3 = time.perf_counter()
             gc_result = gc_policy.run(step)
-            memory = sample_memory(device)
-            t4 = time.perf_counter()
-            report = StepReport(
-                step=step, rank=rank, coords=coords, is_last_stage=is_last, loss=loss,
-                tokens=labels.numel(), step_time_s=t4 - t0, data_time_s=t1 - t0,
-                fwd_bwd_time_s=t2 - t1, optim_time_s=t3 - t2, grad_norm=grad_norm, lr=lr,
-                memory=memory, gc_pause_s=gc_result.pause_s, time=time.time(),
-                gc_generation=gc_result.generation,
-                aux_loss=aux_loss, moe_layers=moe_layers, expert_load=expert_load,
-                skipped_update=skipped, attempt_start_time=faults.attempt_start_time,
-            )
-            hooks.on_step_end(step, report)
-            reporter.report(report)
+            report = None
+            if metrics_on:
+                memory = sample_memory(device)
+                t4 = time.perf_counter()
+                report = StepReport(
+                    step=step, rank=rank, coords=coords, is_last_stage=is_last, loss=loss,
+                    tokens=labels.numel(), step_time_s=t4 - t0, data_time_s=t1 - t0,
+                    fwd_bwd_time_s=t2 - t1, optim_time_s=t3 - t2, grad_norm=grad_norm, lr=lr,
+                    memory=memory, gc_pause_s=gc_result.pause_s, time=time.time(),
+                    gc_generation=gc_result.generation,
+                    aux_loss=aux_loss, moe_layers=moe_layers, expert_load=expert_load,
+                    skipped_update=skipped, attempt_start_time=faults.attempt_start_time,
+                )
+                hooks.on_step_end(step, report)
+                reporter.report(report)
+            clock.step_end(step)
             faults.end_step(step, ckpt.restarted)  # on_nonfinite = "stop"; debug.kill_at_step
             if ckpt.due(step):
                 gc_policy.at_checkpoint()
                 ckpt.save(step)
             last_loss = loss
+            tokens_per_step = labels.numel()
             del inputs, labels
             snapshots.after_step(step)
     except (torch.OutOfMemoryError, MemoryError) as e:
@@ -275,8 +299,12 @@ def train_loop(
             hooks.on_train_end(error)
         finally:
             reporter.close()
-    return {"rank": rank, "steps": cfg.training.steps, "last_loss": last_loss,
-            "snapshots": [str(p) for p in snapshots.paths]}
+    rss, peak_rss = host_memory()
+    return {
+        "rank": rank, "steps": cfg.training.steps, "last_loss": last_loss, **clock.summary(),
+        "tokens_per_step": tokens_per_step, "host_rss_bytes": rss, "host_peak_rss_bytes": peak_rss,
+        "snapshots": [str(p) for p in snapshots.paths],
+    }
 
 
 def _callbacks(cfg: JobConfig, extra: list | None, ctx: CallbackContext) -> CallbackList:
@@ -296,7 +324,8 @@ def _main(argv: list[str] | None = None) -> None:
     from ray_titan.driver import make_run_dir, resolve_paths
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.leak import leak_settings
-    from ray_titan.metrics.report import JsonlReporter, LocalReporter, rank_reports_path, read_rank_reports
+    from ray_titan.metrics.report import JsonlReporter, LocalReporter, Reporter, rank_reports_path, read_rank_reports
+    from ray_titan.metrics.timing import write_timings
 
     ap = argparse.ArgumentParser(prog="python -m ray_titan.train_loop", description=_main.__doc__)
     ap.add_argument("--config", default=None, help="TOML job config (default: the built-in defaults)")
@@ -327,6 +356,14 @@ def _main(argv: list[str] | None = None) -> None:
         )
 
     storage = LocalCheckpointStorage(run_dir / "checkpoints", cfg.checkpoint.keep_latest_k)
+    if not cfg.metrics.enabled:  # overhead measurements only: no collector, no reports
+        summary = train_loop(cfg, Reporter(), device, run_dir, checkpoint_storage=storage)
+        write_timings(run_dir, f"rank{rank}", summary)
+        if world > 1:
+            dist.destroy_process_group()
+        if rank == 0:
+            print(f"run dir: {run_dir}  (metrics.enabled = false: timings only)", flush=True)
+        return
     if world == 1:
         collector = new_collector()
 
@@ -338,10 +375,12 @@ def _main(argv: list[str] | None = None) -> None:
                     for line in self.collector.drain_lines():
                         print(line, flush=True)
 
-        train_loop(cfg, _Printing(collector), device, run_dir, checkpoint_storage=storage)
+        write_timings(run_dir, "rank0", train_loop(cfg, _Printing(collector), device, run_dir,
+                                                   checkpoint_storage=storage))
     else:
-        train_loop(cfg, JsonlReporter(rank_reports_path(run_dir, rank)), device, run_dir,
-                   checkpoint_storage=storage)
+        summary = train_loop(cfg, JsonlReporter(rank_reports_path(run_dir, rank)), device, run_dir,
+                             checkpoint_storage=storage)
+        write_timings(run_dir, f"rank{rank}", summary)
         dist.barrier()
         if rank == 0:
             collector = new_collector()

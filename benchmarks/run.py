@@ -1,0 +1,561 @@
+"""Benchmark runner: ``python -m benchmarks.run [names] [--repeats N] [--quick] [--json PATH]``.
+
+Names (default: every CPU benchmark, in this order):
+
+- ``collector``: ray_titan with the metrics collector and per-step memory sampling vs the same
+  run with ``metrics.enabled = false`` (main job mesh, pp=2 × dp_shard=2, 1F1B).
+- ``bare``: ray_titan with one worker vs a bare single-process PyTorch loop; host RSS of both.
+- ``torchrun``: the same train loop under Ray vs under ``torchrun`` (dp_shard=2, 2 workers).
+- ``ray_train``: ray_titan vs the loop of Ray Train's FSDP2 guide with ``ray.train.report``
+  every step (dp_shard=4, 4 workers), and what each gets out.
+- ``memory``: every rank's host-RSS slope over a long main-job run with rare console logging.
+- ``startup``: seconds from ``ray-titan train`` to the first step's console line, and the split
+  (imports, cluster start, worker group, data + model build, first step, console).
+- ``gpu``: the train loop without Ray on one CUDA GPU, debug model (fp32) and a ~1 B Llama
+  (``training.autocast = "bfloat16"``): tokens/s, MFU, peak memory. Not in the default set; needs a GPU.
+
+Every comparison runs both sides alternately in this one invocation (A B, B A, ...) and reports
+the median of the paired ratios with min and max (``benchmarks/stats.py``). Tokens/s is measured
+on the workers over the steps after :data:`ray_titan.metrics.timing.WARMUP_STEPS`, so process
+and cluster start-up are excluded (they are the ``startup`` benchmark). MFU uses
+``ray_titan/metrics/flops.py``; on CPU the peak is the measured single-thread matmul FLOP/s ×
+the CPU threads the job can use (workers × threads each, at most the machine's cores).
+
+Prints a Markdown table and writes everything measured as JSON (default
+``outputs/benchmarks/benchmarks-<UTC time>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from benchmarks.stats import Row, alternate, fmt_si, format_table, ratio_stats, slope
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_NAMES = ["collector", "bare", "torchrun", "ray_train", "memory", "startup"]
+ALL_NAMES = [*CPU_NAMES, "gpu"]
+MiB = 2**20
+
+# Steps per run, (full, --quick). Long enough that the steady part dwarfs timer noise.
+STEPS = {
+    "collector": (30, 12), "ray_train": (10, 8), "bare": (50, 12), "torchrun": (40, 12),
+    "memory": (240, 40), "startup": (2, 2), "gpu": (50, 10),
+}
+
+
+# -- plumbing ------------------------------------------------------------------------------------
+class Bench:
+    """Shared state of one invocation: the work directory, the Ray cluster, the job template."""
+
+    def __init__(self, work: Path, repeats: int, quick: bool):
+        self.work, self.repeats, self.quick = work, repeats, quick
+        self.user_env = dict(os.environ)
+        self._ray = False
+
+    def steps(self, name: str) -> int:
+        return STEPS[name][1 if self.quick else 0]
+
+    def job(self, name: str, *overrides: str):
+        """The README's main job with ``overrides``; one intra-op thread per worker everywhere,
+        so every side uses the same CPU threads."""
+        from ray_titan.config import load_config
+        from ray_titan.driver import resolve_paths
+
+        return resolve_paths(load_config(REPO / "configs" / "debug_llama.toml", [
+            f"--job.name={name}", f"--job.dump_folder={self.work / 'runs'}",
+            f"--training.steps={self.steps(name)}", "--training.threads_per_worker=1",
+            f"--lr_scheduler.warmup_steps={min(20, self.steps(name) // 2)}",
+            *overrides,
+        ]))
+
+    def ray(self) -> None:
+        """One local Ray cluster for the whole invocation (started on first use)."""
+        import ray
+
+        if not self._ray:
+            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
+                     log_to_driver=False, _temp_dir=str(self.work / "ray"))
+            self._ray = True
+
+    def shutdown_ray(self) -> None:
+        import ray
+
+        if self._ray:
+            ray.shutdown()
+            self._ray = False
+
+
+def tokens_per_s(cfg, summaries: list[dict[str, Any]]) -> float:
+    """Global tokens/s of a run from its ranks' timing summaries: global batch × seq_len tokens
+    per step, over the slowest rank's steady-state time."""
+    steps = min(s["steady_steps"] for s in summaries)
+    secs = max(s["steady_time_s"] for s in summaries)
+    return cfg.training.global_batch_size * cfg.training.seq_len * steps / secs
+
+
+def rank_summaries(timings: dict[str, dict]) -> list[dict[str, Any]]:
+    return [v for k, v in sorted(timings.items()) if k.startswith("rank")]
+
+
+def run_ray_titan(bench: Bench, cfg) -> dict[str, Any]:
+    """``ray_titan.train(cfg)`` on the shared cluster; its console output is kept, not printed."""
+    import ray_titan
+
+    bench.ray()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = ray_titan.train(cfg)
+    ranks = rank_summaries(result.timings)
+    return {
+        "tokens_per_s": tokens_per_s(cfg, ranks),
+        "rss_bytes": [r["host_rss_bytes"] for r in ranks],
+        "peak_rss_bytes": [r["host_peak_rss_bytes"] for r in ranks],
+        "metric_rows": result.steps.num_rows,
+        "metric_columns": result.steps.num_columns,
+        "run_dir": str(result.run_dir),
+        "result": result,
+    }
+
+
+def run_torchrun(bench: Bench, cfg) -> dict[str, Any]:
+    """The train loop under ``torchrun --nproc-per-node=<mesh>`` (no Ray)."""
+    from ray_titan.metrics.timing import read_timings
+
+    dump = bench.work / "runs" / f"torchrun-{time.time_ns()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.world_size}",
+           "-m", "ray_titan.train_loop", "--config", str(REPO / "configs" / "debug_llama.toml"),
+           *_flags(cfg), f"--job.dump_folder={dump}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        raise RuntimeError(f"torchrun failed: {proc.stderr[-3000:]}")
+    (run_dir,) = dump.glob("*")
+    ranks = rank_summaries(read_timings(run_dir))
+    return {"tokens_per_s": tokens_per_s(cfg, ranks), "rss_bytes": [r["host_rss_bytes"] for r in ranks]}
+
+
+def run_bare(bench: Bench, cfg) -> dict[str, Any]:
+    """The bare PyTorch loop in a process of its own."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.baselines", "--config-json", cfg.model_dump_json()],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    if proc.returncode:
+        raise RuntimeError(f"bare PyTorch loop failed: {proc.stderr[-3000:]}")
+    s = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"tokens_per_s": tokens_per_s(cfg, [s]), "rss_bytes": [s["host_rss_bytes"]],
+            "peak_rss_bytes": [s["host_peak_rss_bytes"]]}
+
+
+def run_plain_ray_train(bench: Bench, cfg) -> dict[str, Any]:
+    """The Ray Train guide's FSDP2 loop on ``cfg.world_size`` workers (same CPU share each as
+    ray_titan gives its workers)."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from benchmarks.baselines import plain_ray_train_loop
+
+    bench.ray()
+    n = cfg.world_size
+    cpus = min(1.0, round(ray.cluster_resources().get("CPU", 1) / n, 3))
+    out_dir = bench.work / "runs" / f"plain_ray_train-{time.time_ns()}"
+    trainer = TorchTrainer(
+        plain_ray_train_loop,
+        train_loop_config={"job": cfg.model_dump(), "out_dir": str(out_dir / "ranks")},
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=n, resources_per_worker={"CPU": cpus}),
+        run_config=RunConfig(name=out_dir.name, storage_path=str(out_dir / "ray_train"),
+                             failure_config=FailureConfig(controller_failure_limit=0)),
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = trainer.fit()
+    ranks = [json.loads(p.read_text()) for p in sorted((out_dir / "ranks").glob("rank*.json"))]
+    return {
+        "tokens_per_s": tokens_per_s(cfg, ranks),
+        "rss_bytes": [r["host_rss_bytes"] for r in ranks],
+        # Ray Train V2 keeps rank 0's metrics, and only those reported with a checkpoint.
+        "metrics_seen_by_driver": result.metrics,
+        "metrics_dataframe_rows": 0 if result.metrics_dataframe is None else len(result.metrics_dataframe),
+    }
+
+
+def _flags(cfg) -> list[str]:
+    """``--section.key=value`` flags reproducing ``cfg`` (for a subprocess)."""
+    flags = []
+    for section, values in cfg.model_dump().items():
+        for key, value in values.items():
+            if value is not None:
+                flags.append(f"--{section}.{key}={json.dumps(value)}")
+    return flags
+
+
+_PEAK_PER_THREAD: list[float] = []
+
+
+def measure_cpu_peak() -> float:
+    """Measure the single-thread fp32 matmul peak again; the best measurement so far is used."""
+    from ray_titan.metrics.flops import measure_matmul_peak_flops
+
+    _PEAK_PER_THREAD.append(measure_matmul_peak_flops("cpu", n=1024, repeats=10, threads=1))
+    return max(_PEAK_PER_THREAD)
+
+
+def peak_flops_cpu(threads: int) -> float:
+    """Best measured single-thread fp32 matmul peak × ``threads`` (at most the machine's cores)."""
+    per_thread = max(_PEAK_PER_THREAD) if _PEAK_PER_THREAD else measure_cpu_peak()
+    return per_thread * min(threads, os.cpu_count() or 1)
+
+
+def flops_per_token(cfg) -> int:
+    from ray_titan.data.tokenizer import build_tokenizer
+    from ray_titan.metrics.flops import llama_flops_per_token
+    from ray_titan.models.registry import get_model_args
+
+    vocab = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path).vocab_size
+    args = dataclasses.replace(get_model_args(cfg.model.name, cfg.model.flavor), vocab_size=vocab)
+    return llama_flops_per_token(args, cfg.training.seq_len)
+
+
+def add_mfu(rows: list[Row]) -> None:
+    """Append MFU to the tokens/s of comparison rows, with the best CPU peak measured in the
+    whole invocation (so a peak measured at a busy moment does not inflate MFU)."""
+    for r in rows:
+        m = r.data.get("mfu_inputs")
+        if not m:
+            continue
+        peak = peak_flops_cpu(m["threads"])
+        r.data["mfu"] = {"a": m["tps_a"] * m["flops_per_token"] / peak, "b": m["tps_b"] * m["flops_per_token"] / peak,
+                         "peak_flops": peak}
+        r.a_value += f" (MFU {100 * r.data['mfu']['a']:.1f}%)"
+        r.b_value += f" (MFU {100 * r.data['mfu']['b']:.1f}%)"
+
+
+def _timed(fn):
+    def run():
+        t0 = time.time()
+        out = fn()
+        out["wall_s"] = time.time() - t0
+        return out
+    return run
+
+
+def compare(bench: Bench, name: str, a_label: str, run_a, b_label: str, run_b, target: str,
+            note: str, workers: int, cfg) -> tuple[Row, list, list]:
+    a, b = alternate(_timed(run_a), _timed(run_b), bench.repeats)
+    st = ratio_stats([x["tokens_per_s"] for x in a], [x["tokens_per_s"] for x in b])
+    row = Row(name, a_label, fmt_si(st.median_a, "tok/s"), b_label, fmt_si(st.median_b, "tok/s"), st,
+              target, note, data={"a": _jsonable(a), "b": _jsonable(b), "stats": st.as_dict(), "mfu_inputs": {
+                  "tps_a": st.median_a, "tps_b": st.median_b, "flops_per_token": flops_per_token(cfg),
+                  "threads": workers * (cfg.training.threads_per_worker or 1)}})
+    return row, a, b
+
+
+def _jsonable(runs: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "result"} for r in runs]
+
+
+# -- the benchmarks ------------------------------------------------------------------------------
+def bench_collector(bench: Bench) -> list[Row]:
+    on = bench.job("collector")
+    off = bench.job("collector", "--metrics.enabled=false")
+    row, a, _ = compare(
+        bench, "collector overhead (pp=2 × dp_shard=2, 1F1B, 4 workers)",
+        "collector + memory sampling", lambda: run_ray_titan(bench, on),
+        "metrics.enabled=false", lambda: run_ray_titan(bench, off),
+        "A/B ≥ 0.99", "ratio of tokens/s; 1 − ratio is the overhead", 4, on,
+    )
+    # The worker-side cost per step, measured directly: sampling + building + sending a report.
+    row.data["per_step_cost"] = _worker_side_cost(bench, a[0]["result"])
+    c = row.data["per_step_cost"]
+    row.note += (f"; worker-side cost per step {c['per_step_us']:.0f} µs = "
+                 f"{100 * c['fraction_of_step']:.2f}% of the median step")
+    return [row]
+
+
+def _worker_side_cost(bench: Bench, result) -> dict[str, float]:
+    """Median cost of ``sample_memory`` + ``StepReport`` + ``CollectorReporter.report`` against a
+    live collector actor, over 200 calls, and its fraction of the run's median step time."""
+    import ray
+
+    from ray_titan.metrics.collector import MetricsCollector
+    from ray_titan.metrics.memory import sample_memory
+    from ray_titan.metrics.report import CollectorReporter, StepReport
+
+    import torch
+
+    bench.ray()
+    n = 200
+    actor = ray.remote(MetricsCollector).options(num_cpus=0).remote(
+        str(bench.work / "runs" / f"cost-{time.time_ns()}"), 1, [0], n, 10**9, 20, True)
+    reporter = CollectorReporter(actor)
+    times = []
+    for step in range(1, n + 1):
+        t0 = time.perf_counter()
+        memory = sample_memory(torch.device("cpu"))
+        reporter.report(StepReport(
+            step=step, rank=0, coords={"pp": 0, "dp_shard": 0}, is_last_stage=True, loss=1.0,
+            tokens=512, step_time_s=0.1, data_time_s=0.0, fwd_bwd_time_s=0.1, optim_time_s=0.0,
+            grad_norm=1.0, lr=1e-3, memory=memory, gc_pause_s=0.0, time=time.time()))
+        times.append(time.perf_counter() - t0)
+        time.sleep(0.005)  # a step's worth of spacing, so calls do not pile up unrealistically
+    reporter.close()
+    ray.get(actor.finish.remote())
+    ray.kill(actor)
+    step_time = statistics.median(result.steps["step_time_s"].to_pylist())
+    per = statistics.median(times)
+    return {"per_step_us": per * 1e6, "median_step_s": step_time, "fraction_of_step": per / step_time}
+
+
+def bench_ray_train(bench: Bench) -> list[Row]:
+    cfg = bench.job("ray_train", "--parallelism.pp=1", "--parallelism.dp_shard=4",
+                    "--parallelism.microbatches=1")
+    row, a, b = compare(
+        bench, "vs plain Ray Train (FSDP2, dp_shard=4, 4 workers)",
+        "ray_titan", lambda: run_ray_titan(bench, cfg),
+        "Ray Train guide loop, report() every step", lambda: run_plain_ray_train(bench, cfg),
+        "", "", 4, cfg,
+    )
+    row.note = (
+        f"out of the run: ray_titan {a[0]['metric_rows']} rows (steps × ranks) × {a[0]['metric_columns']} "
+        f"columns (every step's last-stage loss, every rank's timings and memory) in Parquet and "
+        f"TensorBoard; the plain loop's Result.metrics = {b[0]['metrics_seen_by_driver']}, "
+        f"metrics_dataframe rows = {b[0]['metrics_dataframe_rows']} (Ray Train V2 keeps only rank 0's "
+        "metrics reported with a checkpoint, so per-step metrics without checkpoints are dropped)"
+    )
+    return [row]
+
+
+def bench_bare(bench: Bench) -> list[Row]:
+    cfg = bench.job("bare", "--parallelism.pp=1", "--parallelism.dp_shard=1", "--parallelism.microbatches=1")
+    row, a, b = compare(
+        bench, "vs bare PyTorch (1 worker, 1 thread)",
+        "ray_titan, 1 Ray worker", lambda: run_ray_titan(bench, cfg),
+        "single-process PyTorch loop", lambda: run_bare(bench, cfg),
+        "A/B ≥ 0.97", "", 1, cfg,
+    )
+    rss = ratio_stats([x["rss_bytes"][0] for x in a], [x["rss_bytes"][0] for x in b])
+    mem = Row("host RSS at the end (1 worker vs bare process)", "ray_titan worker",
+              f"{rss.median_a / MiB:.0f} MiB", "bare PyTorch process", f"{rss.median_b / MiB:.0f} MiB",
+              rss, "", "the worker also holds Ray's core worker and the driver-side imports",
+              data={"stats": rss.as_dict()})
+    return [row, mem]
+
+
+def bench_torchrun(bench: Bench) -> list[Row]:
+    cfg = bench.job("torchrun", "--parallelism.pp=1", "--parallelism.dp_shard=2")
+    row, _, _ = compare(
+        bench, "Ray overhead (same train loop, dp_shard=2, 2 workers)",
+        "under Ray (ray_titan.train)", lambda: run_ray_titan(bench, cfg),
+        "under torchrun (python -m ray_titan.train_loop)", lambda: run_torchrun(bench, cfg),
+        "", "both with the collector (torchrun: per-rank JSONL, assembled at the end)", 2, cfg,
+    )
+    return [row]
+
+
+def bench_memory(bench: Bench) -> list[Row]:
+    steps = bench.steps("memory")
+    cfg = bench.job("memory", f"--metrics.log_freq={steps}")
+    run = run_ray_titan(bench, cfg)
+    import pyarrow.compute as pc
+
+    table = run["result"].steps
+    first = steps // 2  # the second half: past warm-up (DESIGN.md lesson 4)
+    rows = []
+    slopes = {}
+    for rank in sorted(set(table["rank"].to_pylist())):
+        sel = table.filter(pc.equal(table["rank"], rank)).sort_by("step")
+        st, rss = sel["step"].to_pylist(), sel["host_rss_bytes"].to_pylist()
+        pts = [(s, r) for s, r in zip(st, rss) if s > first]
+        slopes[rank] = slope([p[0] for p in pts], [p[1] for p in pts])
+    text = " ".join(f"r{r}:{v * 1000 / MiB:+.2f}" for r, v in slopes.items())
+    rows.append(Row(
+        f"host RSS slope, steps {first + 1}-{steps}, console every {steps} steps (pp=2 × dp_shard=2)",
+        "MiB per 1000 steps", text, target="≈ 0 (no growth)",
+        note="least-squares slope of every rank's RSS recorded at every step",
+        data={"slope_bytes_per_step": slopes, "steps": steps},
+    ))
+    return rows
+
+
+def bench_startup(bench: Bench) -> list[Row]:
+    """``ray-titan train`` as a user runs it (a fresh local cluster with the dashboard), once: a
+    start-up is a whole cluster's start, and the split shows where its seconds go."""
+    from ray_titan.metrics.timing import read_timings
+
+    bench.shutdown_ray()
+    runs = []
+    for i in range(1):
+        dump = bench.work / "runs" / f"startup-{i}"
+        cmd = [sys.executable, "-m", "ray_titan", "train", f"--training.steps={bench.steps('startup')}",
+               "--metrics.log_freq=1", f"--job.dump_folder={dump}"]
+        t0 = time.time()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=REPO, env=bench.user_env)
+        first_line = None
+        output = []
+        for line in proc.stdout:
+            output.append(line)
+            if first_line is None and re.match(r"step\s+1/", line):
+                first_line = time.time()
+        proc.wait()
+        t_exit = time.time()
+        if proc.returncode or first_line is None:
+            raise RuntimeError("ray-titan train failed:\n" + "".join(output[-40:]))
+        (run_dir,) = dump.glob("*")
+        tim = read_timings(run_dir)
+        d = tim["driver"]["marks"]
+        ranks = [v["marks"] for k, v in tim.items() if k.startswith("rank")]
+        split = {
+            "imports and config (command → train())": d["train_called"] - t0,
+            "cluster start (ray.init, local)": d["cluster_ready"] - d["train_called"],
+            "run dir + collector actor": d["fit_called"] - d["cluster_ready"],
+            "worker group (TorchTrainer.fit → train function on every worker)":
+                max(r["worker_start"] for r in ranks) - d["fit_called"],
+            "data + model build (slowest rank)": max(r["model_built"] for r in ranks) - max(r["worker_start"] for r in ranks),
+            "first step": max(r["step1_end"] for r in ranks) - max(r["model_built"] for r in ranks),
+            "collector → console line": first_line - max(r["step1_end"] for r in ranks),
+        }
+        runs.append({"total_to_first_line_s": first_line - t0, "total_to_exit_s": t_exit - t0, "split_s": split})
+    med = statistics.median(r["total_to_first_line_s"] for r in runs)
+    rows = [Row("start-up: `ray-titan train` → first step's console line", "seconds (median)",
+                f"{med:.1f} s", note=f"{len(runs)} runs; exit after {bench.steps('startup')} steps at "
+                f"{statistics.median(r['total_to_exit_s'] for r in runs):.1f} s", data={"runs": runs})]
+    for part in runs[0]["split_s"]:
+        v = statistics.median(r["split_s"][part] for r in runs)
+        rows.append(Row(f"  start-up split: {part}", "seconds (median)", f"{v:.2f} s"))
+    return rows
+
+
+def bench_gpu(bench: Bench) -> list[Row]:
+    """The train loop without Ray on one CUDA GPU. Rows say 'unmeasured' without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return [Row(f"GPU: {m}", "tokens/s, MFU, peak memory", "unmeasured", note="no CUDA device here")
+                for m in ("debug Llama, fp32", "~1 B Llama (Llama 3.2 1B shape), bf16 autocast")]
+    from benchmarks.gpu import gpu_rows
+
+    return gpu_rows(bench)
+
+
+BENCHMARKS = {
+    "startup": bench_startup, "collector": bench_collector, "ray_train": bench_ray_train,
+    "bare": bench_bare, "torchrun": bench_torchrun, "memory": bench_memory, "gpu": bench_gpu,
+}
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    import ray
+    import torch
+
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = 0
+    with contextlib.suppress(OSError):
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    out = {
+        "cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1),
+        "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
+        "load_average": os.getloadavg(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help=f"benchmarks to run (default: {' '.join(CPU_NAMES)}; also: gpu, all)")
+    ap.add_argument("--repeats", type=int, default=3, help="repetitions per comparison (default 3)")
+    ap.add_argument("--quick", action="store_true", help="few steps and 2 repetitions: checks the runner, not the figures")
+    ap.add_argument("--json", type=Path, default=None, help="where to write the results")
+    args = ap.parse_args(argv)
+    names = args.names or CPU_NAMES
+    if names == ["all"]:
+        names = ALL_NAMES
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        ap.error(f"unknown benchmark(s) {unknown}; valid: {ALL_NAMES} or all")
+    repeats = 2 if args.quick and args.repeats == 3 else args.repeats
+    # A private local cluster for the in-process runs, like the test suite's.
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    user_env = dict(os.environ)  # `startup` runs ray-titan in the user's own environment
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    work = Path(tempfile.mkdtemp(prefix="rt_bench_", dir="/tmp"))
+    bench = Bench(work, repeats, args.quick)
+    bench.user_env = user_env
+    started = datetime.now(timezone.utc)
+    info = {"started_utc": started.isoformat(timespec="seconds"), "machine": machine(),
+            "repeats": repeats, "quick": args.quick, "steps": {n: bench.steps(n) for n in names}}
+    rows: list[Row] = []
+    results: dict[str, Any] = {}
+    cpu_runs = any(n in CPU_NAMES for n in names)
+    if cpu_runs:
+        measure_cpu_peak()
+    try:
+        for name in names:
+            t0 = time.time()
+            print(f"[benchmarks] {name} ...", file=sys.stderr, flush=True)
+            try:
+                new = BENCHMARKS[name](bench)
+            except Exception as e:  # one broken benchmark must not lose the others' figures
+                new = [Row(name, "failed", f"{type(e).__name__}: {str(e)[:300]}")]
+            rows += new
+            results[name] = {"seconds": time.time() - t0, "rows": new}
+            # Each benchmark's rows as soon as they exist, so an interrupted run keeps them.
+            print(f"[benchmarks] {name} done in {time.time() - t0:.0f} s\n{format_table(new)}",
+                  file=sys.stderr, flush=True)
+    finally:
+        bench.shutdown_ray()
+    if cpu_runs:
+        measure_cpu_peak()
+        add_mfu(rows)
+    info["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    info["load_average_end"] = os.getloadavg()
+    m = info["machine"]
+    print(f"\nMachine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; Python {m['python']}, "
+          f"torch {m['torch']}, Ray {m['ray']}; GPU: {m['gpu'] or 'none'}; load average at start "
+          f"{m['load_average'][0]:.2f}, at end {info['load_average_end'][0]:.2f}; {repeats} repetitions; "
+          f"{info['started_utc']} → {info['finished_utc']}\n")
+    if _PEAK_PER_THREAD:
+        info["cpu_matmul_peak_flops_per_thread"] = _PEAK_PER_THREAD
+        print(f"CPU peak for MFU: {fmt_si(max(_PEAK_PER_THREAD), 'FLOP/s')} per thread (best fp32 "
+              f"1024³ matmul on 1 thread, measured before and after) × threads the job can use\n")
+    print(format_table(rows))
+    path = args.json or REPO / "outputs" / "benchmarks" / f"benchmarks-{started:%Y%m%d-%H%M%S}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for res in results.values():
+        res["rows"] = [_row_json(r) for r in res["rows"]]
+    path.write_text(json.dumps({"info": info, "results": results}, indent=1, default=str))
+    print(f"\nJSON: {path}")
+    return 0
+
+
+def _row_json(r: Row) -> dict[str, Any]:
+    d = {k: v for k, v in dataclasses.asdict(r).items() if k != "stats"}
+    d["stats"] = r.stats.as_dict() if r.stats else None
+    return d
+
+
+if __name__ == "__main__":
+    sys.exit(main())
