@@ -223,12 +223,12 @@ def peak_flops_cpu(threads: int) -> float:
 
 def flops_per_token(cfg) -> int:
     from ray_titan.data.tokenizer import build_tokenizer
-    from ray_titan.metrics.flops import llama_flops_per_token
+    from ray_titan.metrics.flops import model_flops_per_token
     from ray_titan.models.registry import get_model_args
 
     vocab = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path).vocab_size
     args = dataclasses.replace(get_model_args(cfg.model.name, cfg.model.flavor), vocab_size=vocab)
-    return llama_flops_per_token(args, cfg.training.seq_len)
+    return model_flops_per_token(args, cfg.training.seq_len)
 
 
 def add_mfu(rows: list[Row]) -> None:

@@ -214,3 +214,18 @@ def test_expert_parallel_matches_one_rank(ep_results, case):
         # Each rank's experts get the gradient of the tokens of *both* ranks (the backward of the
         # dispatch all-to-all ran), equal to the single-rank gradient of those experts.
         assert r["w1_grad_err"] < 1e-5, (rank, r)
+
+
+def test_moe_flops_count_activated_parameters_only():
+    from ray_titan.metrics.flops import deepseek_flops_per_token, transformer_flops_per_token
+
+    a = get_model_args("deepseek_v2", "V2-Lite")
+    with torch.device("meta"):
+        model = build_model("deepseek_v2", "V2-Lite")
+    # By hand: every parameter but the embedding, with 6 of the 64 routed experts per MoE layer.
+    expert = 3 * a.dim * a.moe_inter_dim
+    routed_all = (a.n_layers - a.n_dense_layers) * a.n_routed_experts * expert
+    n = count_parameters(model) - a.vocab_size * a.dim - routed_all * (64 - 6) // 64
+    width = a.n_heads * (192 + 128) // 2
+    assert deepseek_flops_per_token(a, 4096) == transformer_flops_per_token(n, 27, width, 4096)
+    assert 6 * 2.4e9 < deepseek_flops_per_token(a, 4096) < 6 * 2.6e9 + 12 * 27 * width * 4096

@@ -39,6 +39,8 @@ __all__ = [
     "transformer_flops_per_token",
     "llama_non_embedding_params",
     "llama_flops_per_token",
+    "deepseek_flops_per_token",
+    "model_flops_per_token",
     "mfu",
     "gpu_peak_flops",
     "measure_matmul_peak_flops",
@@ -92,6 +94,31 @@ def llama_flops_per_token(args: Any, seq_len: int) -> int:
     return transformer_flops_per_token(
         llama_non_embedding_params(args), args.n_layers, args.n_heads * args.head_dim, seq_len
     )
+
+
+def deepseek_flops_per_token(args: Any, seq_len: int) -> int:
+    """Training FLOPs per token of a DeepSeek-V2-style MoE
+    (:class:`~ray_titan.models.deepseek.DeepSeekV2Args`) at ``seq_len``:
+    :func:`transformer_flops_per_token` with N = the *activated* non-embedding parameters
+    (:func:`ray_titan.models.deepseek.activated_parameters`, counted on the meta device: shared
+    parameters, the shared experts and ``top_k`` of the routed experts), L = ``n_layers`` and the
+    MLA attention width ``H·(d_qk + d_v)/2``."""
+    import torch
+
+    from ray_titan.models.deepseek import DeepSeekV2, activated_parameters
+
+    with torch.device("meta"):
+        n = activated_parameters(DeepSeekV2(args))
+    width = args.n_heads * (args.qk_head_dim + args.v_head_dim) // 2
+    return transformer_flops_per_token(n, args.n_layers, width, seq_len)
+
+
+def model_flops_per_token(args: Any, seq_len: int) -> int:
+    """:func:`deepseek_flops_per_token` for MoE model arguments, :func:`llama_flops_per_token`
+    for dense ones."""
+    if hasattr(args, "n_routed_experts"):
+        return deepseek_flops_per_token(args, seq_len)
+    return llama_flops_per_token(args, seq_len)
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
