@@ -325,10 +325,30 @@ class RayTrainCheckpointStorage:
 
     shared = False
 
+    def __init__(self, run_dir: str | Path | None = None):
+        self.run_dir = run_dir
+
     def resume_from(self):
+        """The checkpoint a restarted worker group resumes from: Ray Train's latest, or a newer
+        complete one in ``<run_dir>/checkpoints``. Ray's controller learns of a checkpoint only
+        when it next polls the workers (every ~2 s), so a worker that dies right after a save
+        can leave Ray one checkpoint behind what is safely on disk."""
         import ray.train
 
-        return ray.train.get_checkpoint()
+        ckpt = ray.train.get_checkpoint()
+        local = _local_dir(self.run_dir)
+        if local is None or not (local / "checkpoints").is_dir():
+            return ckpt
+        known = _step_of(Path(ckpt.path).name) if ckpt is not None else 0
+        for p in sorted((local / "checkpoints").glob("step-*"), reverse=True):
+            if _step_of(p.name) <= known:
+                break
+            try:
+                read_manifest(p, verify_checksums=True)
+            except CheckpointError:
+                continue
+            return ray.train.Checkpoint.from_directory(str(p))
+        return ckpt
 
     def begin(self, step: int, rank: int) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"ray_titan_ckpt_r{rank}_"))
@@ -341,6 +361,21 @@ class RayTrainCheckpointStorage:
                              checkpoint_dir_name=step_dir_name(step))
         finally:
             shutil.rmtree(write_dir, ignore_errors=True)
+
+
+def _step_of(name: str) -> int:
+    try:
+        return int(name.removeprefix("step-"))
+    except ValueError:
+        return -1
+
+
+def _local_dir(run_dir: str | Path | None) -> Path | None:
+    if run_dir is None:
+        return None
+    from ray_titan import storage
+
+    return storage.local_path(run_dir)
 
 
 def _broadcast(obj: Any) -> Any:

@@ -185,7 +185,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     try:
         summary = train_loop(
             cfg, reporter, device, run_dir=loop_config["run_dir"], callbacks=loop_config.get("callbacks"),
-            checkpoint_storage=RayTrainCheckpointStorage() if cfg.checkpoint.enable else None,
+            checkpoint_storage=RayTrainCheckpointStorage(loop_config["run_dir"]) if cfg.checkpoint.enable else None,
         )
     except NonFiniteError as e:
         # Every rank stops at the same step. Raising would make Ray Train restart the group
