@@ -109,7 +109,7 @@ def long_moe_run(ray_cluster, tmp_path_factory, corpus_cache):
 WARMUP_STEPS = 100
 # The lesson-2 leak (a dispatch all-to-all whose backward never runs keeps every step's routed
 # activations: 4096 token copies × 128 dims × 4 bytes and their expert intermediates, MiBs per
-# step) would grow hundreds of MiB per 100 steps. Measured on healthy runs here: 0.05-1.9 MiB per
+# step) would grow hundreds of MiB per 100 steps. Measured on healthy runs here: 0.05-2.5 MiB per
 # 100 steps per rank under Ray (allocator creep whose cause is not found yet, see README), so the
 # bound is 4 MiB, not the 1 MiB the issue asks for.
 MAX_RSS_GROWTH_PER_100_STEPS = 4 * 2**20
