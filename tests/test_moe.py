@@ -4,8 +4,10 @@ per-token reference, expert parallelism over two gloo ranks (edge cases included
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,7 +148,7 @@ EP_CASES = {
 }
 
 
-def _ep_worker(rank: int, port: int, results):
+def _ep_worker(rank: int, port: int, out_dir: str):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from torch.distributed.device_mesh import init_device_mesh
@@ -194,16 +196,18 @@ def _ep_worker(rank: int, port: int, results):
             "tokens": hi - lo,
         }
         del gx
-    results[rank] = out
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def ep_results():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_ep_worker, args=(_free_port(), results), nprocs=2, join=True)
-        return dict(results)
+def ep_results(tmp_path_factory):
+    # Results through files, not an mp.Manager: its server process is forked from this one,
+    # which may hold a Ray driver (the shared test cluster), and a forked Ray client broke
+    # the next Ray Train run (its controller hung before starting workers).
+    out = tmp_path_factory.mktemp("ep")
+    mp.spawn(_ep_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
 
 
 @pytest.mark.parametrize("case", list(EP_CASES))
