@@ -37,8 +37,14 @@ def _rank_tables(t: pa.Table) -> dict[int, dict[str, np.ndarray | list]]:
     return out
 
 
-def _coords(r: dict[str, list]) -> str:
-    return ", ".join(f"{k}={r[k][0]}" for k in _COORDS if k in r and r[k] and r[k][0] is not None)
+def _coords(r: dict[str, list], axes: tuple[str, ...] = _COORDS) -> str:
+    return ", ".join(f"{k}={r[k][0]}" for k in axes if k in r and r[k] and r[k][0] is not None)
+
+
+def _axes(t: pa.Table) -> tuple[str, ...]:
+    """The mesh axes of the run: ``ep`` only where some rank has ep > 0 (an EP run)."""
+    ep = t["ep"].to_pylist() if "ep" in t.column_names else []
+    return _COORDS if any(v for v in ep) else tuple(a for a in _COORDS if a != "ep")
 
 
 def _memory_series(r: dict[str, list]) -> tuple[str, np.ndarray]:
@@ -52,13 +58,13 @@ def summary_rows(t: pa.Table) -> list[dict[str, Any]]:
     """One dict per rank: ``rank``, ``coords``, ``verdict`` (last), ``slope_mib_per_step``,
     ``oom_step``, ``peak_host_rss_mib``, ``peak_device_reserved_mib`` (None on CPU),
     ``gc_count``, ``gc_pause_s`` (total), ``steps``."""
-    rows = []
+    rows, axes = [], _axes(t)
     for rank, r in _rank_tables(t).items():
         verdicts = r.get("memory_verdict") or [None]
         dev_peak = [v for v in r.get("device_peak_reserved_bytes", []) if v is not None]
         gcs = [p for g, p in zip(r.get("gc_generation", []), r["gc_pause_s"]) if g is not None]
         rows.append({
-            "rank": rank, "coords": _coords(r), "verdict": verdicts[-1],
+            "rank": rank, "coords": _coords(r, axes), "verdict": verdicts[-1],
             "slope_mib_per_step": (r.get("memory_slope_mib_per_step") or [None])[-1],
             "oom_step": (r.get("memory_oom_step") or [None])[-1],
             "peak_host_rss_mib": max(r["host_peak_rss_bytes"]) / MiB,
