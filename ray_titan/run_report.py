@@ -103,7 +103,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tupl
         raise FileNotFoundError(f"{run_dir}: no metrics (metrics/steps.parquet or metrics/parts/)")
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
-    ranks = _rank_tables(t)
+    ranks, axes = _rank_tables(t), _axes(t)
 
     first = ranks[min(ranks)]
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -121,7 +121,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tupl
         what, y = _memory_series(r)
         steps = np.array(r["step"])
         verdicts = r.get("memory_verdict") or [None] * len(steps)
-        label = f"rank {rank} ({_coords(r)}): {verdicts[-1]}"
+        label = f"rank {rank} ({_coords(r, axes)}): {verdicts[-1]}"
         if verdicts[-1] == "growing" and r.get("memory_slope_mib_per_step"):
             label += f" {r['memory_slope_mib_per_step'][-1]:+.2f} MiB/step"
         (line,) = ax.plot(steps, y, lw=1, label=label)
