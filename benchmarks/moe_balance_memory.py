@@ -9,7 +9,9 @@ for ``--steps`` steps with ``metrics.log_freq`` larger than the run, once per
   the worst layer's max/mean;
 - host RSS growth per rank after warm-up: the Theil–Sen slope of ``host_rss_bytes`` (read by
   each rank from ``/proc/self/statm`` after every step) over steps > ``--warmup``, in KiB per
-  100 steps;
+  100 steps; and the same slope of ``host_heap_in_use_bytes`` (what glibc malloc has handed
+  out and not taken back, ``mallinfo2``): the trainer's own allocations, without the free space
+  the allocator keeps;
 - median tokens/s and the mean loss of the last 20 steps.
 
 ``python benchmarks/moe_balance_memory.py [--steps 300] [--modes aux_loss aux_free none] [--json out.json]``
@@ -33,7 +35,7 @@ sys.path.insert(0, str(REPO))
 def run_mode(mode: str, steps: int, warmup: int, dump: str) -> dict:
     import ray_titan
     from ray_titan.config import load_config
-    from ray_titan.metrics.moe_stats import expert_shares, rss_slopes
+    from ray_titan.metrics.moe_stats import expert_shares, memory_slopes
 
     cfg = load_config(REPO / "configs" / "debug_deepseek.toml", [
         f"--job.name=bench_moe_{mode}", f"--job.dump_folder={dump}", f"--training.steps={steps}",
@@ -51,7 +53,9 @@ def run_mode(mode: str, steps: int, warmup: int, dump: str) -> dict:
         "share_min_x_uniform": min(min(s) for s in shares.values()) * n,
         "share_max_x_uniform": max(max(s) for s in shares.values()) * n,
         "per_layer_shares": {str(k): [round(x, 4) for x in v] for k, v in shares.items()},
-        "rss_kib_per_100_steps": {str(r): s * 100 / 1024 for r, s in rss_slopes(t, warmup).items()},
+        "rss_kib_per_100_steps": {str(r): s * 100 / 1024 for r, s in memory_slopes(t, warmup).items()},
+        "heap_in_use_kib_per_100_steps": {
+            str(r): s * 100 / 1024 for r, s in memory_slopes(t, warmup, "host_heap_in_use_bytes").items()},
         "tokens_per_s_median": float(np.median(tps[1:])),
         "loss_last20": float(loss[-20:].mean()),
         "errors": result.errors,
@@ -71,11 +75,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for mode in args.modes:
             rows.append(run_mode(mode, args.steps, args.warmup, dump))
     print(f"\nDeepSeek-V2 debug MoE, pp=2 × dp_shard=2 × ep=2, {args.steps} steps; balance over the last 50 steps")
-    print(f"{'load_balance':<12} {'min share':>10} {'max share':>10} {'rss KiB/100 steps (r0..r3)':>34} {'tok/s':>8} {'loss':>7}")
+    print(f"{'load_balance':<12} {'min share':>10} {'max share':>10} {'rss KiB/100 steps (r0..r3)':>34} "
+          f"{'malloc in-use KiB/100 steps':>34} {'tok/s':>8} {'loss':>7}")
     for r in rows:
         rss = " ".join(f"{v:7.0f}" for v in r["rss_kib_per_100_steps"].values())
+        heap = " ".join(f"{v:7.0f}" for v in r["heap_in_use_kib_per_100_steps"].values())
         print(f"{r['mode']:<12} {r['share_min_x_uniform']:>9.2f}x {r['share_max_x_uniform']:>9.2f}x "
-              f"{rss:>34} {r['tokens_per_s_median']:>8.0f} {r['loss_last20']:>7.3f}")
+              f"{rss:>34} {heap:>34} {r['tokens_per_s_median']:>8.0f} {r['loss_last20']:>7.3f}")
     print("(shares as multiples of the uniform share 1/8; memory target: < 1024 KiB per 100 steps)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

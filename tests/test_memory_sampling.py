@@ -8,7 +8,7 @@ import pickle
 import torch
 
 import ray_titan.metrics.memory as memory
-from ray_titan.metrics.memory import MEMORY_FIELDS, MemorySnapshots, host_available, sample_memory
+from ray_titan.metrics.memory import MEMORY_FIELDS, MemorySnapshots, host_available, host_heap_in_use, sample_memory
 
 MiB = 2**20
 
@@ -16,6 +16,19 @@ MiB = 2**20
 def test_host_available_is_positive_and_below_total():
     total = int(open("/proc/meminfo").readline().split()[1]) * 1024
     assert 0 < host_available() <= total
+
+
+def test_heap_in_use_follows_tensor_allocations_and_ignores_freed_space():
+    """A CPU tensor's storage is malloc'd: the in-use figure rises by its size and falls back when
+    it is freed, small and large (mmapped) allocations alike."""
+    for nbytes in (64 * 1024, 48 * MiB):
+        before = host_heap_in_use()
+        t = torch.ones(nbytes // 4)
+        during = host_heap_in_use()
+        del t
+        after = host_heap_in_use()
+        assert during - before >= nbytes and during - before < nbytes + MiB
+        assert abs(after - before) < MiB
 
 
 class _FakeAccelerator:

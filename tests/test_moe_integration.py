@@ -9,7 +9,7 @@ import pytest
 import ray_titan
 from ray_titan.config import load_config
 from ray_titan.metrics.collector import expert_load
-from ray_titan.metrics.moe_stats import expert_shares, rss_slopes
+from ray_titan.metrics.moe_stats import expert_shares, memory_slopes
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.ray
@@ -107,24 +107,31 @@ def long_moe_run(ray_cluster, tmp_path_factory, corpus_cache):
 
 
 WARMUP_STEPS = 100
-# The lesson-2 leak (a dispatch all-to-all whose backward never runs keeps every step's routed
-# activations: 4096 token copies × 128 dims × 4 bytes and their expert intermediates, MiBs per
-# step) would grow hundreds of MiB per 100 steps. Measured on healthy runs here: 0.05-2.5 MiB per
-# 100 steps per rank under Ray (allocator creep whose cause is not found yet, see README), so the
-# bound is 4 MiB, not the 1 MiB the issue asks for.
-MAX_RSS_GROWTH_PER_100_STEPS = 4 * 2**20
+# What the trainer itself holds on the host: glibc malloc's in-use bytes (mallinfo2; CPU tensors
+# are malloc'd). The lesson-2 leak (a dispatch all-to-all whose backward never runs keeps every
+# step's routed activations: per microbatch and MoE layer 512 token copies × 128 dims × 4 bytes
+# and their expert intermediates, MiBs per step) would add hundreds of MiB per 100 steps.
+# Measured flat here: within ±0.3 MiB over steps 101-300 on every rank.
+MAX_HEAP_GROWTH_PER_100_STEPS = 1 * 2**20
+# RSS also counts the free space malloc keeps. With the in-use bytes flat, the main heap still
+# grew 0-2 MiB per 100 steps per rank up to step 600 (measured with and without Ray, with and
+# without checkpoints: holes left by one step's frees that the next step's requests do not fit),
+# and more on a loaded CI machine. 16 MiB per 100 steps still catches the leak above 20 times over.
+MAX_RSS_GROWTH_PER_100_STEPS = 16 * 2**20
 
 
 def test_moe_host_memory_is_flat_after_warmup(long_moe_run):
-    """Host RSS (``/proc/self/statm``, sampled by every rank after every step) grows by less than
-    4 MiB per 100 steps on every rank after a 100-step warm-up (Theil–Sen slope over steps
-    101–300)."""
+    """After a 100-step warm-up (Theil–Sen slope over steps 101–300 of every rank's per-step
+    samples): malloc's in-use bytes grow by less than 1 MiB per 100 steps, and RSS (``VmRSS``)
+    by less than 16 MiB per 100 steps."""
     run = long_moe_run
     assert run.errors == [] and run.steps.num_rows == 300 * 4
-    slopes = rss_slopes(run.steps, after_step=WARMUP_STEPS)
-    assert sorted(slopes) == [0, 1, 2, 3]
-    for rank, slope in slopes.items():
-        assert slope * 100 < MAX_RSS_GROWTH_PER_100_STEPS, f"rank {rank}: {slope * 100 / 2**10:.0f} KiB per 100 steps"
+    heap = memory_slopes(run.steps, WARMUP_STEPS, "host_heap_in_use_bytes")
+    rss = memory_slopes(run.steps, WARMUP_STEPS)
+    assert sorted(heap) == sorted(rss) == [0, 1, 2, 3]
+    for rank in heap:
+        assert heap[rank] * 100 < MAX_HEAP_GROWTH_PER_100_STEPS, f"rank {rank}: malloc in-use {heap[rank] * 100 / 2**10:.0f} KiB per 100 steps"
+        assert rss[rank] * 100 < MAX_RSS_GROWTH_PER_100_STEPS, f"rank {rank}: RSS {rss[rank] * 100 / 2**10:.0f} KiB per 100 steps"
 
 
 # Band for the balance loss on the debug MoE after 300 steps (8 experts, uniform share 12.5%):

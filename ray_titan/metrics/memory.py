@@ -6,6 +6,13 @@ field                      unit   source
 host_rss_bytes             bytes  ``VmRSS`` in ``/proc/self/status``: resident set now
 host_peak_rss_bytes        bytes  ``VmHWM`` in ``/proc/self/status``: peak resident set of
                                   the process so far
+host_heap_in_use_bytes     bytes  what glibc malloc has handed out and not taken back
+                                  (``mallinfo2``: ``uordblks + hblkhd``), every arena; None
+                                  without glibc ≥ 2.33. Tensor data on CPU is malloc'd, so
+                                  this is the process's own allocations: RSS minus it is
+                                  mostly free space the allocator keeps (fragmentation), plus
+                                  code pages and Python's small-object arenas (mmapped
+                                  directly, so not counted here)
 host_available_bytes       bytes  what the node can still give this process: ``MemAvailable``
                                   in ``/proc/meminfo``, or less where the process's cgroup
                                   (v2 ``memory.max`` − ``memory.current``, v1
@@ -27,7 +34,8 @@ device_capacity_bytes      bytes  total of ``torch.accelerator.get_memory_info``
 =========================  =====  ==========================================================
 
 Device fields are ``None`` on CPU-only workers. The cost of one sample is printed by
-``benchmarks/memory_sampling.py`` (tens of microseconds on CPU: three small ``/proc`` reads).
+``benchmarks/memory_sampling.py`` (tens of microseconds on CPU: three small ``/proc`` reads and
+``mallinfo2``, which walks malloc's free lists: ~40 µs with 4,600 free chunks).
 
 :class:`MemorySnapshots` writes snapshots to ``<run_dir>/memory/``: on CUDA the allocator's
 history (``torch.cuda.memory._record_memory_history``, pickled with ``_dump_snapshot``, viewable
@@ -37,6 +45,7 @@ out-of-memory error on a rank leaves a snapshot and becomes :class:`RankOutOfMem
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import sys
@@ -46,7 +55,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "MEMORY_FIELDS", "sample_memory", "host_memory", "host_available", "MemorySnapshots",
+    "MEMORY_FIELDS", "sample_memory", "host_memory", "host_heap_in_use", "host_available", "MemorySnapshots",
     "RankOutOfMemoryError", "live_tensors", "timeline_peaks",
 ]
 
@@ -55,6 +64,7 @@ MiB = 2**20
 MEMORY_FIELDS = (
     "host_rss_bytes",
     "host_peak_rss_bytes",
+    "host_heap_in_use_bytes",
     "host_available_bytes",
     "device_allocated_bytes",
     "device_active_bytes",
@@ -77,6 +87,37 @@ def host_memory() -> tuple[int, int]:
             elif line.startswith(b"VmHWM:"):
                 peak = int(line.split()[1]) * 1024
     return rss, peak
+
+
+class _MallInfo2(ctypes.Structure):
+    # struct mallinfo2 (glibc >= 2.33, malloc.h): every field a size_t.
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_MALLINFO2: list = []  # [function or None], looked up once
+
+
+def host_heap_in_use() -> int | None:
+    """Bytes glibc malloc has handed out and not taken back, over every arena: ``uordblks``
+    (in use from the heaps) + ``hblkhd`` (chunks mmapped on their own), from ``mallinfo2(3)``.
+    None where the C library has no ``mallinfo2`` (glibc < 2.33, musl, macOS).
+
+    Unlike RSS it does not count the free space malloc keeps: a heap whose holes do not fit the
+    next request grows (RSS rises) while this stays flat, and that is fragmentation, not a leak.
+    """
+    if not _MALLINFO2:
+        try:
+            fn = ctypes.CDLL(None).mallinfo2
+            fn.restype, fn.argtypes = _MallInfo2, []
+        except (OSError, AttributeError):
+            fn = None
+        _MALLINFO2.append(fn)
+    fn = _MALLINFO2[0]
+    if fn is None:
+        return None
+    m = fn()
+    return m.uordblks + m.hblkhd
 
 
 _CGROUP: list[tuple[Path, Path]] | None = None
@@ -131,6 +172,7 @@ def sample_memory(device: torch.device) -> dict[str, int | None]:
     rss, peak = host_memory()
     out: dict[str, int | None] = dict.fromkeys(MEMORY_FIELDS)
     out["host_rss_bytes"], out["host_peak_rss_bytes"] = rss, peak
+    out["host_heap_in_use_bytes"] = host_heap_in_use()
     out["host_available_bytes"] = host_available()
     if device.type != "cpu":
         acc = _accelerator()

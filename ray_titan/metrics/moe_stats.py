@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from ray_titan.metrics.collector import expert_load
 
-__all__ = ["expert_shares", "rss_slopes", "theil_sen_slope"]
+__all__ = ["expert_shares", "memory_slopes", "theil_sen_slope"]
 
 
 def theil_sen_slope(x, y) -> float:
@@ -24,14 +24,16 @@ def theil_sen_slope(x, y) -> float:
     return float(np.median((y[j] - y[i])[keep] / dx[keep])) if keep.any() else 0.0
 
 
-def rss_slopes(steps: pa.Table, after_step: int) -> dict[int, float]:
-    """Per rank: Theil–Sen slope of host RSS (bytes per step) over the steps ``> after_step``."""
+def memory_slopes(steps: pa.Table, after_step: int, column: str = "host_rss_bytes") -> dict[int, float]:
+    """Per rank: Theil–Sen slope of a memory ``column`` (bytes per step) over the steps
+    ``> after_step``: host RSS by default, or ``host_heap_in_use_bytes`` (what malloc has handed
+    out), whose difference from RSS is the allocator's own free space."""
     out = {}
     for rank in sorted(set(steps["rank"].to_pylist())):
         rows = steps.filter(pa.compute.and_(
             pa.compute.equal(steps["rank"], rank), pa.compute.greater(steps["step"], after_step)
         ))
-        out[rank] = theil_sen_slope(rows["step"].to_pylist(), rows["host_rss_bytes"].to_pylist())
+        out[rank] = theil_sen_slope(rows["step"].to_pylist(), rows[column].to_pylist())
     return out
 
 

@@ -26,7 +26,8 @@ STEP_SCHEMA = pa.schema(
         ("loss", _F), ("tokens", _I), ("step_time_s", _F), ("data_time_s", _F),
         ("fwd_bwd_time_s", _F), ("optim_time_s", _F), ("grad_norm", _F), ("lr", _F),
         ("gc_pause_s", _F), ("time", _F),
-        ("host_rss_bytes", _I), ("host_peak_rss_bytes", _I), ("host_available_bytes", _I),
+        ("host_rss_bytes", _I), ("host_peak_rss_bytes", _I), ("host_heap_in_use_bytes", _I),
+        ("host_available_bytes", _I),
         ("device_allocated_bytes", _I), ("device_active_bytes", _I), ("device_reserved_bytes", _I),
         ("device_peak_active_bytes", _I), ("device_peak_reserved_bytes", _I),
         ("device_alloc_retries", _I), ("device_ooms", _I), ("device_capacity_bytes", _I),
@@ -183,7 +184,7 @@ class TensorBoardSink:
             if v is not None:
                 self.writer.add_scalar(k, v, step)
         for row in rows:
-            for k in ("host_rss_bytes", "host_peak_rss_bytes", "device_allocated_bytes",
+            for k in ("host_rss_bytes", "host_peak_rss_bytes", "host_heap_in_use_bytes", "device_allocated_bytes",
                       "device_reserved_bytes", "device_peak_active_bytes", "device_peak_reserved_bytes"):
                 if row.get(k) is not None:
                     name = k.removesuffix("_bytes") + "_mib"
