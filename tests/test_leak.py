@@ -129,6 +129,27 @@ def test_monitor_prefers_the_device_series_and_reports_changes():
     assert len(messages) == 2  # warming_up -> growing directly (never flattened), printed once each
 
 
+def test_host_series_leaves_out_the_free_bytes_malloc_keeps():
+    """RSS rising 1 MiB/step because malloc's heap fragments (its free bytes rising as fast) is
+    stable; the same RSS with the free bytes flat is a leak, and so is growth of RSS alone where
+    the C library reports no free bytes."""
+    def run(free_of_step):
+        mon = LeakMonitor(**leak_settings())
+        for i in range(1, 80):
+            row = {"rank": 0, "coords": {}, "host_rss_bytes": 900 * MiB + i * MiB,
+                   "host_heap_free_bytes": free_of_step(i), "host_available_bytes": 10_000 * MiB}
+            v, _ = mon.update(i, row)
+        return v
+
+    fragmenting = run(lambda i: 30 * MiB + i * MiB)
+    assert fragmenting.verdict == STABLE and fragmenting.source == "host"
+    leaking = run(lambda i: 30 * MiB)
+    assert leaking.verdict == GROWING and leaking.slope_mib_per_step == pytest.approx(1.0)
+    no_glibc = run(lambda i: None)
+    assert no_glibc.verdict == GROWING and no_glibc.source == "host_rss"
+    assert LeakMonitor.format(leaking).startswith("growing +1.000 MiB/step (host RSS - malloc free)")
+
+
 def _rep(step, rank, dims, rss):
     mem = dict.fromkeys(MEMORY_FIELDS)
     mem.update(host_rss_bytes=int(rss), host_peak_rss_bytes=int(rss), host_available_bytes=4000 * MiB)

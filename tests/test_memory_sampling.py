@@ -8,7 +8,7 @@ import pickle
 import torch
 
 import ray_titan.metrics.memory as memory
-from ray_titan.metrics.memory import MEMORY_FIELDS, MemorySnapshots, host_available, host_heap_in_use, sample_memory
+from ray_titan.metrics.memory import MEMORY_FIELDS, MemorySnapshots, host_available, host_heap, sample_memory
 
 MiB = 2**20
 
@@ -22,11 +22,11 @@ def test_heap_in_use_follows_tensor_allocations_and_ignores_freed_space():
     """A CPU tensor's storage is malloc'd: the in-use figure rises by its size and falls back when
     it is freed, small and large (mmapped) allocations alike."""
     for nbytes in (64 * 1024, 48 * MiB):
-        before = host_heap_in_use()
+        before = host_heap()[0]
         t = torch.ones(nbytes // 4)
-        during = host_heap_in_use()
+        during = host_heap()[0]
         del t
-        after = host_heap_in_use()
+        after = host_heap()[0]
         assert during - before >= nbytes and during - before < nbytes + MiB
         assert abs(after - before) < MiB
 

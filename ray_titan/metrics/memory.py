@@ -13,6 +13,10 @@ host_heap_in_use_bytes     bytes  what glibc malloc has handed out and not taken
                                   mostly free space the allocator keeps (fragmentation), plus
                                   code pages and Python's small-object arenas (mmapped
                                   directly, so not counted here)
+host_heap_free_bytes       bytes  free bytes malloc holds in its heaps (``mallinfo2``
+                                  ``fordblks``), mostly resident: the leak verdict watches
+                                  ``host_rss_bytes − host_heap_free_bytes``, RSS without the
+                                  allocator's free space; None without glibc ≥ 2.33
 host_available_bytes       bytes  what the node can still give this process: ``MemAvailable``
                                   in ``/proc/meminfo``, or less where the process's cgroup
                                   (v2 ``memory.max`` − ``memory.current``, v1
@@ -55,7 +59,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "MEMORY_FIELDS", "sample_memory", "host_memory", "host_heap_in_use", "host_available", "MemorySnapshots",
+    "MEMORY_FIELDS", "sample_memory", "host_memory", "host_heap", "host_available", "MemorySnapshots",
     "RankOutOfMemoryError", "live_tensors", "timeline_peaks",
 ]
 
@@ -65,6 +69,7 @@ MEMORY_FIELDS = (
     "host_rss_bytes",
     "host_peak_rss_bytes",
     "host_heap_in_use_bytes",
+    "host_heap_free_bytes",
     "host_available_bytes",
     "device_allocated_bytes",
     "device_active_bytes",
@@ -98,13 +103,14 @@ class _MallInfo2(ctypes.Structure):
 _MALLINFO2: list = []  # [function or None], looked up once
 
 
-def host_heap_in_use() -> int | None:
-    """Bytes glibc malloc has handed out and not taken back, over every arena: ``uordblks``
-    (in use from the heaps) + ``hblkhd`` (chunks mmapped on their own), from ``mallinfo2(3)``.
-    None where the C library has no ``mallinfo2`` (glibc < 2.33, musl, macOS).
+def host_heap() -> tuple[int | None, int | None]:
+    """``(in_use, free)`` bytes of glibc malloc over every arena, from ``mallinfo2(3)``:
+    ``in_use = uordblks + hblkhd`` (handed out from the heaps, and chunks mmapped on their own),
+    ``free = fordblks`` (free chunks malloc keeps in its heaps). ``(None, None)`` where the C
+    library has no ``mallinfo2`` (glibc < 2.33, musl, macOS).
 
-    Unlike RSS it does not count the free space malloc keeps: a heap whose holes do not fit the
-    next request grows (RSS rises) while this stays flat, and that is fragmentation, not a leak.
+    A heap whose holes do not fit the next request grows, and RSS rises, while ``in_use`` stays
+    flat and ``free`` rises by as much: fragmentation, not a leak.
     """
     if not _MALLINFO2:
         try:
@@ -115,9 +121,9 @@ def host_heap_in_use() -> int | None:
         _MALLINFO2.append(fn)
     fn = _MALLINFO2[0]
     if fn is None:
-        return None
+        return None, None
     m = fn()
-    return m.uordblks + m.hblkhd
+    return m.uordblks + m.hblkhd, m.fordblks
 
 
 _CGROUP: list[tuple[Path, Path]] | None = None
@@ -172,7 +178,7 @@ def sample_memory(device: torch.device) -> dict[str, int | None]:
     rss, peak = host_memory()
     out: dict[str, int | None] = dict.fromkeys(MEMORY_FIELDS)
     out["host_rss_bytes"], out["host_peak_rss_bytes"] = rss, peak
-    out["host_heap_in_use_bytes"] = host_heap_in_use()
+    out["host_heap_in_use_bytes"], out["host_heap_free_bytes"] = host_heap()
     out["host_available_bytes"] = host_available()
     if device.type != "cpu":
         acc = _accelerator()

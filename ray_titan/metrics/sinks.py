@@ -26,7 +26,7 @@ STEP_SCHEMA = pa.schema(
         ("loss", _F), ("tokens", _I), ("step_time_s", _F), ("data_time_s", _F),
         ("fwd_bwd_time_s", _F), ("optim_time_s", _F), ("grad_norm", _F), ("lr", _F),
         ("gc_pause_s", _F), ("time", _F),
-        ("host_rss_bytes", _I), ("host_peak_rss_bytes", _I), ("host_heap_in_use_bytes", _I),
+        ("host_rss_bytes", _I), ("host_peak_rss_bytes", _I), ("host_heap_in_use_bytes", _I), ("host_heap_free_bytes", _I),
         ("host_available_bytes", _I),
         ("device_allocated_bytes", _I), ("device_active_bytes", _I), ("device_reserved_bytes", _I),
         ("device_peak_active_bytes", _I), ("device_peak_reserved_bytes", _I),
