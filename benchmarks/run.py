@@ -376,19 +376,25 @@ def bench_memory(bench: Bench) -> list[Row]:
     table = run["result"].steps
     first = steps // 2  # the second half: past warm-up (DESIGN.md lesson 4)
     rows = []
-    slopes = {}
-    for rank in sorted(set(table["rank"].to_pylist())):
-        sel = table.filter(pc.equal(table["rank"], rank)).sort_by("step")
-        st, rss = sel["step"].to_pylist(), sel["host_rss_bytes"].to_pylist()
-        pts = [(s, r) for s, r in zip(st, rss) if s > first]
-        slopes[rank] = slope([p[0] for p in pts], [p[1] for p in pts])
-    text = " ".join(f"r{r}:{v * 1000 / MiB:+.2f}" for r, v in slopes.items())
-    rows.append(Row(
-        f"host RSS slope, steps {first + 1}-{steps}, console every {steps} steps (pp=2 × dp_shard=2)",
-        "MiB per 1000 steps", text, target="≈ 0 (no growth)",
-        note="least-squares slope of every rank's RSS recorded at every step",
-        data={"slope_bytes_per_step": slopes, "steps": steps},
-    ))
+    series = {  # the verdict's host series leaves out the free bytes malloc keeps (metrics/leak.py)
+        "host RSS": lambda r: r["host_rss_bytes"],
+        "malloc in-use": lambda r: r["host_heap_in_use_bytes"],
+        "host RSS - malloc free": lambda r: r["host_rss_bytes"] - (r["host_heap_free_bytes"] or 0),
+    }
+    for name, value in series.items():
+        slopes = {}
+        for rank in sorted(set(table["rank"].to_pylist())):
+            sel = table.filter(pc.equal(table["rank"], rank)).sort_by("step").to_pylist()
+            pts = [(r["step"], value(r)) for r in sel if r["step"] > first and value(r) is not None]
+            if len(pts) > 1:
+                slopes[rank] = slope([p[0] for p in pts], [p[1] for p in pts])
+        text = " ".join(f"r{r}:{v * 1000 / MiB:+.2f}" for r, v in slopes.items()) or "unmeasured (no mallinfo2)"
+        rows.append(Row(
+            f"{name} slope, steps {first + 1}-{steps}, console every {steps} steps (pp=2 × dp_shard=2)",
+            "MiB per 1000 steps", text, target="≈ 0 (no growth)",
+            note=f"least-squares slope of every rank's {name} recorded at every step",
+            data={"slope_bytes_per_step": slopes, "steps": steps},
+        ))
     return rows
 
 

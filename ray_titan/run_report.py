@@ -4,8 +4,9 @@ Reads ``<run_dir>/metrics/steps.parquet`` (or its flushed parts, after a crash) 
 matplotlib's Agg backend (no display needed):
 
 - ``<run_dir>/report/loss.png``: the step loss (last pipeline stage) over steps;
-- ``<run_dir>/report/memory.png``: every rank's memory over steps (device allocated where the
-  ranks have a device, else host RSS), one line per rank labelled with its mesh coordinates, the
+- ``<run_dir>/report/memory.png``: every rank's memory over steps, the series its verdict
+  watches (device allocated where the ranks have a device, else host RSS less malloc's free
+  bytes, with RSS itself dashed), one line per rank labelled with its mesh coordinates, the
   steps with a ``growing`` verdict marked in red, the end of warm-up marked, and the rank's last
   verdict in the legend;
 
@@ -47,11 +48,17 @@ def _axes(t: pa.Table) -> tuple[str, ...]:
     return _COORDS if any(v for v in ep) else tuple(a for a in _COORDS if a != "ep")
 
 
-def _memory_series(r: dict[str, list]) -> tuple[str, np.ndarray]:
+def _memory_series(r: dict[str, list]) -> tuple[str, np.ndarray, np.ndarray | None]:
+    """``(name, MiB, rss MiB or None)``: the series the leak verdict watches (ray_titan.metrics.leak)
+    and, when that is not RSS itself, host RSS to draw beside it."""
     dev = r.get("device_allocated_bytes")
     if dev and all(v is not None for v in dev):
-        return "device allocated", np.array(dev, dtype=float) / MiB
-    return "host RSS", np.array(r["host_rss_bytes"], dtype=float) / MiB
+        return "device allocated", np.array(dev, dtype=float) / MiB, None
+    rss = np.array(r["host_rss_bytes"], dtype=float) / MiB
+    free = r.get("host_heap_free_bytes")
+    if free and all(v is not None for v in free):
+        return "host RSS - malloc free", rss - np.array(free, dtype=float) / MiB, rss
+    return "host RSS", rss, None
 
 
 def summary_rows(t: pa.Table) -> list[dict[str, Any]]:
@@ -116,15 +123,18 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tupl
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(9, 5))
-    what = "memory"
+    what, dashed = "memory", False
     for rank, r in ranks.items():
-        what, y = _memory_series(r)
+        what, y, rss = _memory_series(r)
         steps = np.array(r["step"])
         verdicts = r.get("memory_verdict") or [None] * len(steps)
         label = f"rank {rank} ({_coords(r, axes)}): {verdicts[-1]}"
         if verdicts[-1] == "growing" and r.get("memory_slope_mib_per_step"):
             label += f" {r['memory_slope_mib_per_step'][-1]:+.2f} MiB/step"
         (line,) = ax.plot(steps, y, lw=1, label=label)
+        if rss is not None:
+            ax.plot(steps, rss, lw=0.8, ls="--", alpha=0.6, color=line.get_color())
+            dashed = True
         growing = np.array([v == "growing" for v in verdicts])
         if growing.any():
             ax.scatter(steps[growing], y[growing], s=8, color="red", zorder=3)
@@ -133,7 +143,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tupl
             ax.axvline(steps[warm[-1] + 1], color=line.get_color(), ls=":", lw=0.8)
     ax.scatter([], [], s=8, color="red", label="verdict growing")
     ax.set(xlabel="step", ylabel=f"{what} (MiB)",
-           title=f"{Path(run_dir).name}: {what} per rank (dotted: end of warm-up)")
+           title=f"{Path(run_dir).name}: {what} per rank (dotted: end of warm-up"
+                 + ("; dashed: host RSS)" if dashed else ")"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
