@@ -198,6 +198,10 @@ def _flags(cfg) -> list[str]:
     """``--section.key=value`` flags reproducing ``cfg`` (for a subprocess)."""
     flags = []
     for section, values in cfg.model_dump().items():
+        if isinstance(values, list):  # [[callbacks]]: array tables have no flag form
+            if values:
+                raise ValueError(f"{section}: {len(values)} entries cannot be passed as flags")
+            continue
         for key, value in values.items():
             if value is not None:
                 flags.append(f"--{section}.{key}={json.dumps(value)}")

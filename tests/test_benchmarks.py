@@ -74,3 +74,17 @@ def test_moe_is_one_call_with_activated_parameters_and_mfu():
     assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989.4e12
     assert gpu_peak_flops("NVIDIA H100 NVL") == 835.5e12
     assert gpu_peak_flops("Tesla T4") is None
+
+
+def test_subprocess_flags_reproduce_the_config():
+    """The torchrun comparison passes the job to its ranks as flags: every section, scalars,
+    lists and strings, must come back equal (the [[callbacks]] array has no flag form)."""
+    from benchmarks.run import _flags
+    from ray_titan.config import Callback, load_config
+    from tests.conftest import REPO
+
+    cfg = load_config(REPO / "configs" / "debug_deepseek.toml", ["--training.steps=7", "--memory.snapshot_steps=[3]"])
+    assert load_config(None, _flags(cfg)) == cfg
+    with_cb = cfg.model_copy(update={"callbacks": [Callback(target="a.b:c")]})
+    with pytest.raises(ValueError, match="callbacks: 1 entries"):
+        _flags(with_cb)

@@ -49,8 +49,10 @@ def test_single_process_prints_and_records_every_step(single):
     [
         ("--parallelism.pp=1", "--parallelism.dp_shard=2"),  # FSDP2 + gradient accumulation
         ("--parallelism.pp=2", "--parallelism.dp_shard=1", "--parallelism.pipeline_schedule=GPipe"),
+        # FSDP2 CPUOffloadPolicy: shards, gradients and the optimizer step on the host.
+        ("--parallelism.pp=1", "--parallelism.dp_shard=2", "--memory.cpu_offload=true"),
     ],
-    ids=["dp_shard2", "pp2_gpipe"],
+    ids=["dp_shard2", "pp2_gpipe", "dp_shard2_cpu_offload"],
 )
 def test_torchrun_ranks_match_one_process(tmp_path, corpus_cache, single, overrides):
     _, losses, steps = _launch(tmp_path, corpus_cache, 2, *overrides)
