@@ -177,7 +177,7 @@ class TensorBoardSink:
         # purge_step: TensorBoard drops the events of earlier writers from this step on (replays).
         # A new file name even within the same second (tensorboardX names files by the second).
         suffix = "" if purge_step is None else f".{time.time_ns()}"
-        self.writer = SummaryWriter(str(tb_dir), purge_step=purge_step, filename_suffix=suffix)
+        self.writer = SummaryWriter(str(tb_dir), purge_step=purge_step, filename_suffix=suffix, max_queue=1000)
 
     def add_step(self, step: int, scalars: dict[str, float], rows: list[dict[str, Any]]) -> None:
         for k, v in scalars.items():
