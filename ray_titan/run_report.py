@@ -143,7 +143,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tupl
             ax.axvline(steps[warm[-1] + 1], color=line.get_color(), ls=":", lw=0.8)
     ax.scatter([], [], s=8, color="red", label="verdict growing")
     ax.set(xlabel="step", ylabel=f"{what} (MiB)",
-           title=f"{Path(run_dir).name}: {what} per rank (dotted: end of warm-up"
+           title=f"{Path(run_dir).name}: {what} per rank\n(dotted: end of warm-up"
                  + ("; dashed: host RSS)" if dashed else ")"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

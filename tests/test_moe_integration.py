@@ -113,17 +113,18 @@ WARMUP_STEPS = 100
 # and their expert intermediates, MiBs per step) would add hundreds of MiB per 100 steps.
 # Measured flat here: within ±0.3 MiB over steps 101-300 on every rank.
 MAX_HEAP_GROWTH_PER_100_STEPS = 1 * 2**20
-# RSS also counts the free space malloc keeps. With the in-use bytes flat, the main heap still
-# grew 0-2 MiB per 100 steps per rank up to step 600 (measured with and without Ray, with and
-# without checkpoints: holes left by one step's frees that the next step's requests do not fit),
-# and more on a loaded CI machine. 16 MiB per 100 steps still catches the leak above 20 times over.
-MAX_RSS_GROWTH_PER_100_STEPS = 16 * 2**20
+# RSS also counts the free space malloc keeps. With the in-use bytes flat, RSS still grew
+# 0.7-6.2 MiB per 100 steps per rank on a quiet machine, 0-2 without Ray, and kept doing so up to
+# step 600 (measured with and without checkpoints: glibc's main heap grows around holes that the
+# next requests do not fit), and more on a loaded CI machine. 32 MiB per 100 steps still catches
+# the leak above about 20 times over.
+MAX_RSS_GROWTH_PER_100_STEPS = 32 * 2**20
 
 
 def test_moe_host_memory_is_flat_after_warmup(long_moe_run):
     """After a 100-step warm-up (Theil–Sen slope over steps 101–300 of every rank's per-step
     samples): malloc's in-use bytes grow by less than 1 MiB per 100 steps, and RSS (``VmRSS``)
-    by less than 16 MiB per 100 steps."""
+    by less than 32 MiB per 100 steps."""
     run = long_moe_run
     assert run.errors == [] and run.steps.num_rows == 300 * 4
     heap = memory_slopes(run.steps, WARMUP_STEPS, "host_heap_in_use_bytes")

@@ -184,7 +184,7 @@ class TensorBoardSink:
             if v is not None:
                 self.writer.add_scalar(k, v, step)
         for row in rows:
-            for k in ("host_rss_bytes", "host_peak_rss_bytes", "host_heap_in_use_bytes", "device_allocated_bytes",
+            for k in ("host_rss_bytes", "host_peak_rss_bytes", "device_allocated_bytes",
                       "device_reserved_bytes", "device_peak_active_bytes", "device_peak_reserved_bytes"):
                 if row.get(k) is not None:
                     name = k.removesuffix("_bytes") + "_mib"
