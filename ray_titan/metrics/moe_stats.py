@@ -6,22 +6,12 @@ Used by the tests and the benchmark printout; works on the Parquet table the col
 
 from __future__ import annotations
 
-import numpy as np
 import pyarrow as pa
 
 from ray_titan.metrics.collector import expert_load
+from ray_titan.metrics.leak import theil_sen_slope
 
-__all__ = ["expert_shares", "memory_slopes", "theil_sen_slope"]
-
-
-def theil_sen_slope(x, y) -> float:
-    """Median of the pairwise slopes ``(y_j - y_i) / (x_j - x_i)``, ``i < j`` (Theil 1950; Sen
-    1968): robust to outliers such as one step's allocator spike. ``O(n²)`` pairs."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    i, j = np.triu_indices(len(x), k=1)
-    dx = x[j] - x[i]
-    keep = dx != 0
-    return float(np.median((y[j] - y[i])[keep] / dx[keep])) if keep.any() else 0.0
+__all__ = ["expert_shares", "memory_slopes"]
 
 
 def memory_slopes(steps: pa.Table, after_step: int, column: str = "host_rss_bytes") -> dict[int, float]:
@@ -33,7 +23,10 @@ def memory_slopes(steps: pa.Table, after_step: int, column: str = "host_rss_byte
         rows = steps.filter(pa.compute.and_(
             pa.compute.equal(steps["rank"], rank), pa.compute.greater(steps["step"], after_step)
         ))
-        out[rank] = theil_sen_slope(rows["step"].to_pylist(), rows[column].to_pylist())
+        try:
+            out[rank] = theil_sen_slope(rows["step"].to_pylist(), rows[column].to_pylist())
+        except ValueError:  # fewer than two steps after ``after_step``: nothing to measure
+            out[rank] = 0.0
     return out
 
 
