@@ -9,8 +9,8 @@ Which generation: every ``gc_freq`` steps generation 1 (young objects: the cycle
 creates, such as autograd graphs captured by closures, are young when they die; a pass costs
 about a millisecond). With automatic GC off, a cycle that survived into generation 2 would never
 be freed by those, so every ``full_every``-th collection and every checkpoint boundary, before
-and after the save (where the ranks wait anyway), is a full one, generation 2 (tens of milliseconds in a Ray worker, which holds
-many long-lived objects).
+and after the save (where the ranks wait anyway), is a full one, generation 2 (tens of
+milliseconds in a Ray worker, which holds many long-lived objects).
 
 After each collection, with ``trim`` (``[memory] malloc_trim``), glibc's ``malloc_trim(0)``
 hands the free pages of every malloc arena back to the kernel (on the main job ~25 MiB per rank,
@@ -140,15 +140,12 @@ class GarbageCollection:
         return self._collect(2 if full else 1)
 
     def at_checkpoint(self) -> GCResult:
-        """A full collection at a checkpoint boundary (call it at the same step on every rank)."""
-        return self._collect(2)
-
-    def after_checkpoint(self) -> GCResult:
-        """A full collection right after a checkpoint save (same step on every rank). DCP's
-        ``torch.save`` defines pickler and writer classes on every call: reference cycles that
-        held 3.4 MiB per save on the debug model (tracemalloc) until the next full collection,
-        up to ``gc_full_every × gc_freq`` steps later, and that a young collection does not free
-        (measured: 1.6 of the 3.4 MiB stayed)."""
+        """A full collection at a checkpoint boundary: call it at the same step on every rank,
+        before the save and again after it. After, because DCP's ``torch.save`` defines pickler
+        and writer classes on every call: reference cycles that held 3.4 MiB per save on the
+        debug model (tracemalloc) until the next full collection, up to ``gc_full_every ×
+        gc_freq`` steps later, and that a young collection does not free (measured: 1.6 of the
+        3.4 MiB stayed)."""
         return self._collect(2)
 
     def close(self) -> None:

@@ -282,7 +282,7 @@ def train_loop(
             if ckpt.due(step):
                 gc_policy.at_checkpoint()
                 ckpt.save(step)
-                gc_policy.after_checkpoint()
+                gc_policy.at_checkpoint()
             last_loss = loss
             tokens_per_step = labels.numel()
             del inputs, labels
