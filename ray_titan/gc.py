@@ -25,29 +25,36 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["GarbageCollection", "GCResult", "cycle_tensors", "malloc_trim"]
+__all__ = ["GarbageCollection", "GCResult", "cycle_tensors", "malloc_trim", "libc_function"]
 
-_LIBC: ctypes.CDLL | None | bool = False
+
+@functools.cache
+def libc_function(name: str, restype: Any = ctypes.c_int) -> Any:
+    """The C library's function ``name`` (ctypes, returning ``restype``), looked up once; None
+    where the C library has no such function (``malloc_trim`` and ``mallinfo2`` are glibc's:
+    not on musl or macOS)."""
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    fn.restype = restype
+    return fn
 
 
 def malloc_trim() -> bool:
     """Return the free memory of every glibc malloc arena to the kernel (``malloc_trim(0)``).
     Returns False where the C library has no ``malloc_trim`` (musl, macOS)."""
-    global _LIBC
-    if _LIBC is False:
-        try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC = lib if hasattr(lib, "malloc_trim") else None
-        except OSError:
-            _LIBC = None
-    if _LIBC is None:
+    fn = libc_function("malloc_trim")
+    if fn is None:
         return False
-    _LIBC.malloc_trim(0)
+    fn(0)
     return True
 
 

@@ -58,6 +58,8 @@ from typing import Any
 
 import torch
 
+from ray_titan.gc import libc_function
+
 __all__ = [
     "MEMORY_FIELDS", "sample_memory", "host_memory", "host_heap", "host_available", "MemorySnapshots",
     "RankOutOfMemoryError", "live_tensors", "timeline_peaks",
@@ -100,9 +102,6 @@ class _MallInfo2(ctypes.Structure):
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-_MALLINFO2: list = []  # [function or None], looked up once
-
-
 def host_heap() -> tuple[int | None, int | None]:
     """``(in_use, free)`` bytes of glibc malloc over every arena, from ``mallinfo2(3)``:
     ``in_use = uordblks + hblkhd`` (handed out from the heaps, and chunks mmapped on their own),
@@ -112,14 +111,7 @@ def host_heap() -> tuple[int | None, int | None]:
     A heap whose holes do not fit the next request grows, and RSS rises, while ``in_use`` stays
     flat and ``free`` rises by as much: fragmentation, not a leak.
     """
-    if not _MALLINFO2:
-        try:
-            fn = ctypes.CDLL(None).mallinfo2
-            fn.restype, fn.argtypes = _MallInfo2, []
-        except (OSError, AttributeError):
-            fn = None
-        _MALLINFO2.append(fn)
-    fn = _MALLINFO2[0]
+    fn = libc_function("mallinfo2", _MallInfo2)
     if fn is None:
         return None, None
     m = fn()
