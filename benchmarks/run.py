@@ -377,19 +377,24 @@ def bench_memory(bench: Bench) -> list[Row]:
     run = run_ray_titan(bench, cfg)
     import pyarrow.compute as pc
 
+    from ray_titan.metrics.leak import SERIES_NAMES, host_series
+
     table = run["result"].steps
     first = steps // 2  # the second half: past warm-up (DESIGN.md lesson 4)
     rows = []
     series = {  # the verdict's host series leaves out the free bytes malloc keeps (metrics/leak.py)
-        "host RSS": lambda r: r["host_rss_bytes"],
+        SERIES_NAMES["host_rss"]: lambda r: r["host_rss_bytes"],
         "malloc in-use": lambda r: r["host_heap_in_use_bytes"],
-        "host RSS - malloc free": lambda r: r["host_rss_bytes"] - (r["host_heap_free_bytes"] or 0),
+        SERIES_NAMES["host"]: lambda r: host_series(r["host_rss_bytes"], r["host_heap_free_bytes"])[0],
+    }
+    per_rank = {
+        rank: [r for r in table.filter(pc.equal(table["rank"], rank)).sort_by("step").to_pylist() if r["step"] > first]
+        for rank in sorted(set(table["rank"].to_pylist()))
     }
     for name, value in series.items():
         slopes = {}
-        for rank in sorted(set(table["rank"].to_pylist())):
-            sel = table.filter(pc.equal(table["rank"], rank)).sort_by("step").to_pylist()
-            pts = [(r["step"], value(r)) for r in sel if r["step"] > first and value(r) is not None]
+        for rank, sel in per_rank.items():
+            pts = [(r["step"], value(r)) for r in sel if value(r) is not None]
             if len(pts) > 1:
                 slopes[rank] = slope([p[0] for p in pts], [p[1] for p in pts])
         text = " ".join(f"r{r}:{v * 1000 / MiB:+.2f}" for r, v in slopes.items()) or "unmeasured (no mallinfo2)"

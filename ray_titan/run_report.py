@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ray_titan.metrics.leak import SERIES_NAMES, host_series
 from ray_titan.metrics.sinks import read_steps
 
 __all__ = ["write_report", "summary_rows", "format_table"]
@@ -53,12 +54,12 @@ def _memory_series(r: dict[str, list]) -> tuple[str, np.ndarray, np.ndarray | No
     and, when that is not RSS itself, host RSS to draw beside it."""
     dev = r.get("device_allocated_bytes")
     if dev and all(v is not None for v in dev):
-        return "device allocated", np.array(dev, dtype=float) / MiB, None
+        return SERIES_NAMES["device"], np.array(dev, dtype=float) / MiB, None
     rss = np.array(r["host_rss_bytes"], dtype=float) / MiB
     free = r.get("host_heap_free_bytes")
-    if free and all(v is not None for v in free):
-        return "host RSS - malloc free", rss - np.array(free, dtype=float) / MiB, rss
-    return "host RSS", rss, None
+    free = np.array(free, dtype=float) / MiB if free and all(v is not None for v in free) else None
+    y, source = host_series(rss, free)
+    return SERIES_NAMES[source], y, rss if source == "host" else None
 
 
 def summary_rows(t: pa.Table) -> list[dict[str, Any]]:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "WARMING_UP", "STABLE", "GROWING", "theil_sen_slope", "LeakDetector", "LeakMonitor",
+    "WARMING_UP", "STABLE", "GROWING", "theil_sen_slope", "host_series", "SERIES_NAMES", "LeakDetector", "LeakMonitor",
     "Verdict", "MemoryLeakError", "describe_coords", "leak_settings",
 ]
 
@@ -166,8 +166,17 @@ def describe_coords(rank: int, coords: dict[str, int]) -> str:
     return f"rank {rank} ({inner})" if inner else f"rank {rank}"
 
 
-# Verdict.source -> what its rate measures, as the console line says it.
-_SERIES = {"device": "device allocated", "host": "host RSS - malloc free", "host_rss": "host RSS"}
+# Verdict.source -> what its rate measures, as the console line and the report say it.
+SERIES_NAMES = {"device": "device allocated", "host": "host RSS - malloc free", "host_rss": "host RSS"}
+
+
+def host_series(rss_bytes, heap_free_bytes):
+    """``(value, source)`` of the host series the verdict watches (see the module docstring):
+    ``(rss_bytes - heap_free_bytes, "host")``, or ``(rss_bytes, "host_rss")`` where malloc's
+    free bytes are unknown (None). Bytes; ints or equal-shape numpy arrays alike."""
+    if heap_free_bytes is None:
+        return rss_bytes, "host_rss"
+    return rss_bytes - heap_free_bytes, "host"
 
 
 class LeakMonitor:
@@ -211,8 +220,7 @@ class LeakMonitor:
             free = cap - (row.get("device_reserved_bytes") or used) if cap else None
             verdicts.append(self._detector(rank, "device").update(step, used, free))
         if row.get("host_rss_bytes") is not None:
-            free = row.get("host_heap_free_bytes")
-            used, source = (row["host_rss_bytes"], "host_rss") if free is None else (row["host_rss_bytes"] - free, "host")
+            used, source = host_series(row["host_rss_bytes"], row.get("host_heap_free_bytes"))
             verdicts.append(self._detector(rank, source).update(step, used, row.get("host_available_bytes")))
         if not verdicts:
             verdict = Verdict(WARMING_UP, None, None, "host")
@@ -235,7 +243,7 @@ class LeakMonitor:
         """``growing 1.02 MiB/step (host RSS), out of memory projected at step 21000``."""
         text = v.verdict
         if v.slope_mib_per_step is not None and v.verdict != WARMING_UP:
-            what = _SERIES[v.source]
+            what = SERIES_NAMES[v.source]
             text += f" {v.slope_mib_per_step:+.3f} MiB/step ({what})"
         if v.oom_step is not None:
             text += f", out of memory projected at step {v.oom_step}"
