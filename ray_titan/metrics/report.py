@@ -11,6 +11,7 @@ in-process collector, for the train loop run without Ray.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import time
@@ -119,7 +120,7 @@ class CollectorReporter(Reporter):
     @property
     def _queue(self) -> list[dict[str, Any]]:
         """Held reports not yet sent."""
-        return list(self._held)[len(self._held) - self._unsent:]
+        return list(itertools.islice(self._held, len(self._held) - self._unsent, None))
 
     def report(self, rep: StepReport) -> None:
         self._hold([rep.to_dict()])
@@ -171,9 +172,8 @@ class CollectorReporter(Reporter):
     def _acknowledge(self, durable: dict[float, int]) -> None:
         if not durable:
             return
-        unsent = self._queue
         kept = deque(r for r in self._held if r["step"] > durable.get(r.get("attempt_start_time", 0.0), 0))
-        self._unsent = min(len(kept), len(unsent))
+        self._unsent = min(len(kept), self._unsent)
         self._held = kept
         self._backoff = self._retry_s
 
