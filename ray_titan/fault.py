@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ray_titan.parallel import local_tensor
+
 __all__ = ["NonFiniteError", "FaultHandler"]
 
 
@@ -71,7 +73,7 @@ class FaultHandler:
             return False
         # Rare path: find which stages hold the non-finite values, for the message.
         local_grads_bad = any(
-            p.grad is not None and not torch.isfinite(_local(p.grad)).all() for p in params
+            p.grad is not None and not torch.isfinite(local_tensor(p.grad)).all() for p in params
         )
         mine = (self.stage_ids, local_grads_bad)
         everyone = [mine]
@@ -105,9 +107,3 @@ class FaultHandler:
         d = self.cfg.debug
         if d.kill_at_step == step and d.kill_rank == self.rank and not restarted:
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ray_titan.models.llama import Decoder, FeedForward, RMSNorm, apply_rope
+from ray_titan.parallel import local_tensor
 
 __all__ = ["DeepSeekV2Args", "DeepSeekV2", "MoE", "Router", "GroupedExperts", "MLA", "activated_parameters"]
 
@@ -175,7 +176,7 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
         if _use_grouped_mm(x, w1):
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
@@ -194,12 +195,6 @@ def _recomputing() -> bool:
     """Whether this forward runs inside backward: activation checkpointing recomputing a block.
     Its routing statistics were already counted by the original forward."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:

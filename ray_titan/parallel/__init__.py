@@ -1,3 +1,17 @@
 """Parallelisms: the device mesh (dims.py), FSDP2 (fsdp.py), pipeline parallel (pipeline.py) and
 gradient clipping across both (grad_norm.py). Each is applied by one ``apply_*``/``build_*``
 function that takes the model and the mesh."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["local_tensor"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` if it is a ``DTensor`` (``to_local()``, shape of the shard),
+    else ``t`` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
