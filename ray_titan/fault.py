@@ -69,7 +69,8 @@ class FaultHandler:
         flag = torch.tensor([1.0 if bad_loss else 0.0], device=self.device)
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() == 0 and math.isfinite(grad_norm):
+        loss_bad = flag.item() != 0  # one host sync: the flag may live on the device
+        if not loss_bad and math.isfinite(grad_norm):
             return False
         # Rare path: find which stages hold the non-finite values, for the message.
         local_grads_bad = any(
@@ -83,7 +84,7 @@ class FaultHandler:
         # Stages of the ranks holding non-finite gradients (all of a rank's stages if it has several).
         grad_stages = sorted({s for ids, bad in everyone if bad for s in ids})
         what = []
-        if flag.item():
+        if loss_bad:
             what.append(f"the loss is not finite on the last stage (stage {self.last_stage})")
         if not math.isfinite(grad_norm):
             what.append(f"the gradient norm is {grad_norm} (non-finite gradients in stage(s) {grad_stages})")
