@@ -30,6 +30,7 @@ _OVERRIDES = (
 
 def _parser() -> argparse.ArgumentParser:
     from ray_titan.config_docs import REGENERATE, settings_help
+    from ray_titan.progress import MODES
 
     ap = argparse.ArgumentParser(
         prog="ray-titan", description="Distributed LLM training on Ray: pipeline parallel × FSDP2, "
@@ -48,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--config", metavar="X.toml", help="TOML job config (default: the built-in defaults, "
                     "which are configs/debug_llama.toml)")
-    tr.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",
+    tr.add_argument("--progress", choices=MODES, default="auto",
                     help="progress display: a bar with ETA, loss, tokens/s and max memory over ranks "
                     "(bar), one line per log step (lines), or bar on a terminal and lines otherwise, "
                     "as under ray job submit (auto, the default)")

@@ -222,11 +222,10 @@ def train(
     from ray_titan.metrics.leak import MemoryLeakError, leak_settings
     from ray_titan.metrics.sinks import read_steps
     from ray_titan.metrics.timing import read_timings, write_timings
-    from ray_titan.progress import ConsoleThread, make_display
+    from ray_titan.progress import ConsoleThread, check_mode, make_display
     from ray_titan.train_loop import parallel_dims
 
-    if progress not in ("auto", "bar", "lines"):
-        raise ValueError(f"progress = {progress!r}: use 'auto', 'bar' or 'lines'")
+    check_mode(progress)
     marks = {"train_called": time.time()}
     if isinstance(config, JobConfig):
         cfg = config

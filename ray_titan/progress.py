@@ -14,12 +14,19 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Literal, TextIO
+from typing import Any, Callable, Literal, TextIO, get_args
 
-__all__ = ["format_postfix", "format_eta", "LineDisplay", "BarDisplay", "make_display", "ConsoleThread"]
+__all__ = ["MODES", "check_mode", "format_postfix", "format_eta", "LineDisplay", "BarDisplay", "make_display", "ConsoleThread"]
 
 MiB = 2**20
 Mode = Literal["auto", "bar", "lines"]
+MODES: tuple[str, ...] = get_args(Mode)
+
+
+def check_mode(mode: str) -> None:
+    """Raises ``ValueError`` unless ``mode`` is one of :data:`MODES`."""
+    if mode not in MODES:
+        raise ValueError(f"progress = {mode!r}: use 'auto', 'bar' or 'lines'")
 
 
 def format_eta(seconds: float | None) -> str:
@@ -122,14 +129,11 @@ def make_display(total: int, mode: Mode = "auto", stream: TextIO | None = None) 
 
     Raises ``ValueError`` for another mode.
     """
+    check_mode(mode)
     stream = stream or sys.stdout
     if mode == "auto":
         mode = "bar" if getattr(stream, "isatty", lambda: False)() else "lines"
-    if mode == "bar":
-        return BarDisplay(total, stream)
-    if mode == "lines":
-        return LineDisplay(total, stream)
-    raise ValueError(f"progress mode {mode!r}: use 'auto', 'bar' or 'lines'")
+    return BarDisplay(total, stream) if mode == "bar" else LineDisplay(total, stream)
 
 
 class ConsoleThread(threading.Thread):
