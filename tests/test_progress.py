@@ -7,6 +7,7 @@ import io
 import os
 import re
 import select
+import time
 
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.parallel.dims import ParallelDims
@@ -71,7 +72,10 @@ def test_auto_mode_picks_the_bar_on_a_terminal_and_lines_otherwise():
         assert isinstance(bar, BarDisplay)
         bar.update({"lines": [], "latest": LATEST})
         tty.flush()
-        shown = os.read(master, 65536).decode() if select.select([master], [], [], 5)[0] else ""
+        # Read until the update's draw arrives: the first read may hold only the initial 0/10.
+        shown, deadline = "", time.monotonic() + 5
+        while "3/10" not in shown and select.select([master], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            shown += os.read(master, 65536).decode()
         bar.close()
     os.close(master)
     # Drawn at a fixed width, not at the reported width 0 (which would draw nothing).
