@@ -186,6 +186,10 @@ class Metrics(_Section):
     collector cannot grow a worker)."""
     collector_max_restarts: int = Field(10, ge=0)
     """Times Ray restarts a killed collector actor; it resumes from the metrics it had flushed."""
+    collector_nice: int = Field(10, ge=0, le=19)
+    """CPU priority the collector actor lowers itself by (``os.nice``; 0: unchanged). It has no
+    CPU reserved and shares cores with the workers; at 10 the kernel gives it about a tenth of a
+    worker's share while they compete, and all it wants when they wait on communication."""
 
 
 class Checkpoint(_Section):

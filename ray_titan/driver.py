@@ -262,7 +262,7 @@ def train(
         str(run_dir), dims.world_size, dims.last_stage_ranks(), cfg.training.steps,
         cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
         leak=leak_settings(cfg.memory), on_leak=cfg.memory.on_leak,
-        kill_at_step=cfg.debug.kill_collector_at_step,
+        kill_at_step=cfg.debug.kill_collector_at_step, nice=cfg.metrics.collector_nice,
     ) if cfg.metrics.enabled else None
     print(
         f"ray_titan: run {run_dir.name}: {dims.world_size} workers (pp={dims.pp} × "

@@ -175,3 +175,21 @@ def test_restarted_collector_resumes_from_its_flushed_parts(tmp_path):
     summary = again.finish()
     assert summary["errors"] == [] and summary["final_loss"] == 6.0
     assert read_steps(tmp_path)["step"].to_pylist() == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_collector_lowers_its_own_cpu_priority_by_nice(tmp_path):
+    """``metrics.collector_nice``: the actor's process is reniced (checked in a child process so
+    the test process keeps its priority); a collector built without it leaves it alone."""
+    import os
+    import subprocess
+    import sys
+
+    if os.nice(0) > 12:
+        pytest.skip("this process already runs at nice > 12")
+    code = ("import os, sys; from ray_titan.metrics.collector import MetricsCollector; "
+            "base = os.nice(0); MetricsCollector(sys.argv[1], 1, [0], 10, nice=int(sys.argv[2])); "
+            "print(os.nice(0) - base)")
+    for nice in (0, 7):
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / str(nice)), str(nice)],
+                             check=True, capture_output=True, text=True).stdout
+        assert int(out.split()[-1]) == nice

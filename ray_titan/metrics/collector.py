@@ -113,6 +113,8 @@ class MetricsCollector:
         on_leak: ``"warn"`` or ``"stop"`` (see the module docstring).
         kill_at_step: fault injection (``debug.kill_collector_at_step``): SIGKILL this actor when
             it assembles that step, in its first life only.
+        nice: lower this process's CPU priority by this much (``os.nice``) first; for the Ray
+            actor (``metrics.collector_nice``), not for a collector inside a worker.
     """
 
     MAX_ERRORS = 1000
@@ -129,7 +131,10 @@ class MetricsCollector:
         leak: dict[str, Any] | None = None,
         on_leak: str = "warn",
         kill_at_step: int | None = None,
+        nice: int = 0,
     ):
+        if nice:
+            os.nice(nice)
         self.mirror = None
         if storage.is_remote(run_dir):
             self.mirror = storage.Mirror(storage.staging_dir(run_dir), run_dir)
