@@ -276,14 +276,20 @@ class Memory(_Section):
     checkpoint boundaries. Generation 1 every ``gc_freq`` steps frees a step's young cycles
     cheaply; with automatic GC off nothing else would ever free cycles that reached generation 2,
     so a full collection (tens of ms in a Ray worker) runs now and then, at the same steps."""
+    allocator: Literal["auto", "jemalloc", "system"] = "auto"
+    """The C allocator of the Ray Train workers, which holds every CPU tensor. ``jemalloc``: the
+    one Ray ships (``ray/core/libjemalloc.so``, Linux wheels), preloaded into the workers; host
+    RSS stays flat where glibc's malloc fragments (1-4 MiB per 100 steps on the debug MoE) and
+    steps ran faster. ``system``: the process's default malloc (glibc on Linux). ``auto``:
+    jemalloc where Ray ships it, else the system's. Applies to workers the driver starts; under
+    ``torchrun`` the launching shell's ``LD_PRELOAD`` decides (``ray_titan.allocator``)."""
     malloc_trim: bool = False
-    """After every synchronized GC, glibc ``malloc_trim(0)`` returns the free pages of all malloc
-    arenas to the kernel (part of the GC pause; a no-op without glibc). Measured on the main job
-    it hands back ~25 MiB per rank, the step's freed working set, which the next step faults back
-    in: RSS between collections and its slow rise are unchanged, so it is off by default; useful
-    before a phase that needs host memory elsewhere. The host leak series (RSS less malloc's
-    free bytes) dips at each trim and climbs back as those pages are reused: a level shift,
-    which the verdict does not read as growth."""
+    """After every synchronized GC, malloc returns its free pages to the kernel (glibc
+    ``malloc_trim(0)``, jemalloc ``arena.<all>.purge``; part of the GC pause). Under glibc on the
+    main job it hands back ~25 MiB per rank, the step's freed working set, which the next step
+    faults back in, so it is off by default; useful before a phase that needs host memory
+    elsewhere. The host leak series (RSS less malloc's free bytes) dips at each trim and climbs
+    back as those pages are reused: a level shift, which the verdict does not read as growth."""
     gc_debug: bool = False
     """Collect every step and print (on the worker's stderr) the reference cycles that held
     tensors: a debugging mode, slower."""
@@ -598,6 +604,12 @@ def _validate_memory(cfg: JobConfig) -> None:
             f"{mem.leak_window_steps}: a verdict needs a full window; use warmup_max_steps >= "
             f"{mem.leak_window_steps}"
         )
+    try:
+        from ray_titan.allocator import worker_env_vars
+
+        worker_env_vars(mem.allocator)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if mem.cpu_offload and cfg.parallelism.dp_shard < 2:
         raise ConfigError(
             f"memory.cpu_offload = true offloads FSDP2's shards, but parallelism.dp_shard = "

@@ -217,6 +217,7 @@ def train(
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from ray_titan.allocator import worker_env_vars
     from ray_titan.checkpoint import find_latest
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.leak import MemoryLeakError, leak_settings
@@ -286,6 +287,8 @@ def train(
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_latest_k or None),
             # A worker group that cannot start fails the run at once instead of retrying forever.
             failure_config=FailureConfig(max_failures=cfg.ray.max_failures, controller_failure_limit=0),
+            # The allocator is chosen at process start: preloaded into the workers only.
+            worker_runtime_env={"env_vars": env} if (env := worker_env_vars(cfg.memory.allocator)) else None,
         ),
     )
     if collector is None:

@@ -12,9 +12,9 @@ be freed by those, so every ``full_every``-th collection and every checkpoint bo
 and after the save (where the ranks wait anyway), is a full one, generation 2 (tens of
 milliseconds in a Ray worker, which holds many long-lived objects).
 
-After each collection, with ``trim`` (``[memory] malloc_trim``), glibc's ``malloc_trim(0)``
-hands the free pages of every malloc arena back to the kernel (on the main job ~25 MiB per rank,
-which the next step faults back in).
+After each collection, with ``trim`` (``[memory] malloc_trim``), malloc hands its free pages
+back to the kernel (:func:`ray_titan.allocator.malloc_trim`; under glibc ~25 MiB per rank on the
+main job, which the next step faults back in).
 
 Debug mode collects every step and reports the reference cycles that held tensors: objects the
 collector had to free are kept in ``gc.garbage`` (``gc.DEBUG_SAVEALL``) for inspection, their
@@ -23,39 +23,14 @@ tensors summed and described, and then released.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import gc
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+
+from ray_titan.allocator import libc_function, malloc_trim
 
 __all__ = ["GarbageCollection", "GCResult", "cycle_tensors", "malloc_trim", "libc_function"]
-
-
-@functools.cache
-def libc_function(name: str, restype: Any = ctypes.c_int) -> Any:
-    """The C library's function ``name`` (ctypes, returning ``restype``), looked up once; None
-    where the C library has no such function (``malloc_trim`` and ``mallinfo2`` are glibc's:
-    not on musl or macOS)."""
-    try:
-        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
-    except (OSError, AttributeError):
-        return None
-    fn.restype = restype
-    return fn
-
-
-def malloc_trim() -> bool:
-    """Return the free memory of every glibc malloc arena to the kernel (``malloc_trim(0)``).
-    Returns False where the C library has no ``malloc_trim`` (musl, macOS)."""
-    fn = libc_function("malloc_trim")
-    if fn is None:
-        return False
-    fn(0)
-    return True
 
 
 @dataclass

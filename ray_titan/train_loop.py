@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ray_titan.allocator import active_allocator
 from ray_titan.callbacks import CallbackContext, CallbackList, load_callback
 from ray_titan.checkpoint import Checkpointer, LocalCheckpointStorage
 from ray_titan.config import JobConfig, load_config
@@ -111,7 +113,8 @@ def train_loop(
     and a restart or ``checkpoint.load_path`` resumes from one. Returns a small summary of this
     rank (``rank``, ``steps``, ``last_loss``, ``snapshots``, and the timings of
     :class:`~ray_titan.metrics.timing.StepClock`: ``marks``, ``steady_steps``, ``steady_time_s``,
-    ``tokens_per_step``, ``host_rss_bytes``, ``host_peak_rss_bytes``). With
+    ``tokens_per_step``, ``host_rss_bytes``, ``host_peak_rss_bytes``, and ``allocator``, the malloc
+    this process runs: :func:`~ray_titan.allocator.active_allocator`). With
     ``metrics.enabled = false`` nothing is sampled or sent to ``reporter``. Raises ``RuntimeError`` when the
     process group does not match the mesh, ``RankOutOfMemoryError`` (after writing a snapshot)
     when the rank runs out of memory, ``CheckpointError`` for a bad checkpoint and
@@ -207,6 +210,11 @@ def train_loop(
         return torch.autocast(device.type, dtype=torch.bfloat16)
 
     mem = cfg.memory
+    allocator = active_allocator()
+    if mem.allocator == "jemalloc" and allocator != "jemalloc" and rank == 0:
+        print(f"ray_titan: warning: memory.allocator = 'jemalloc' but this worker runs {allocator} malloc: "
+              "only workers started by ray_titan's driver get it; preload it yourself elsewhere "
+              "(ray_titan.allocator)", file=sys.stderr, flush=True)
     gc_policy = GarbageCollection(cfg.training.gc_freq, mem.gc_full_every, mem.gc_debug, rank, mem.malloc_trim)
     snapshots = MemorySnapshots(run_dir, rank, coords, device, mem.snapshot_steps, mem.snapshot_on_oom,
                                 mem.history_max_entries)
@@ -304,6 +312,7 @@ def train_loop(
     return {
         "rank": rank, "steps": cfg.training.steps, "last_loss": last_loss, **clock.summary(),
         "tokens_per_step": tokens_per_step, "host_rss_bytes": rss, "host_peak_rss_bytes": peak_rss,
+        "allocator": allocator,
         "snapshots": [str(p) for p in snapshots.paths],
     }
 

@@ -6,17 +6,19 @@ field                      unit   source
 host_rss_bytes             bytes  ``VmRSS`` in ``/proc/self/status``: resident set now
 host_peak_rss_bytes        bytes  ``VmHWM`` in ``/proc/self/status``: peak resident set of
                                   the process so far
-host_heap_in_use_bytes     bytes  what glibc malloc has handed out and not taken back
-                                  (``mallinfo2``: ``uordblks + hblkhd``), every arena; None
-                                  without glibc ≥ 2.33. Tensor data on CPU is malloc'd, so
-                                  this is the process's own allocations: RSS minus it is
-                                  mostly free space the allocator keeps (fragmentation), plus
+host_heap_in_use_bytes     bytes  what malloc has handed out and not taken back
+                                  (:func:`ray_titan.allocator.host_heap`: jemalloc
+                                  ``stats.allocated``, glibc ``mallinfo2`` ``uordblks +
+                                  hblkhd``); None without either. Tensor data on CPU is
+                                  malloc'd, so this is the process's own allocations: RSS
+                                  minus it is mostly free space the allocator keeps, plus
                                   code pages and Python's small-object arenas (mmapped
                                   directly, so not counted here)
-host_heap_free_bytes       bytes  free bytes malloc holds in its heaps (``mallinfo2``
-                                  ``fordblks``), mostly resident: the leak verdict watches
+host_heap_free_bytes       bytes  resident bytes malloc keeps without handing them out
+                                  (jemalloc ``stats.resident − stats.allocated``, glibc
+                                  ``fordblks``): the leak verdict watches
                                   ``host_rss_bytes − host_heap_free_bytes``, RSS without the
-                                  allocator's free space; None without glibc ≥ 2.33
+                                  allocator's free space; None without either
 host_available_bytes       bytes  what the node can still give this process: ``MemAvailable``
                                   in ``/proc/meminfo``, or less where the process's cgroup
                                   (v2 ``memory.max`` − ``memory.current``, v1
@@ -38,8 +40,8 @@ device_capacity_bytes      bytes  total of ``torch.accelerator.get_memory_info``
 =========================  =====  ==========================================================
 
 Device fields are ``None`` on CPU-only workers. The cost of one sample is printed by
-``benchmarks/memory_sampling.py`` (tens of microseconds on CPU: three small ``/proc`` reads and
-``mallinfo2``, which walks malloc's free lists: ~40 µs with 4,600 free chunks).
+``benchmarks/memory_sampling.py`` (tens of microseconds on CPU: three small ``/proc`` reads and the
+allocator's statistics, ~20 µs under jemalloc, ~40 µs under glibc with 4,600 free chunks).
 
 :class:`MemorySnapshots` writes snapshots to ``<run_dir>/memory/``: on CUDA the allocator's
 history (``torch.cuda.memory._record_memory_history``, pickled with ``_dump_snapshot``, viewable
@@ -49,7 +51,6 @@ out-of-memory error on a rank leaves a snapshot and becomes :class:`RankOutOfMem
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import sys
@@ -58,7 +59,7 @@ from typing import Any
 
 import torch
 
-from ray_titan.gc import libc_function
+from ray_titan.allocator import host_heap
 
 __all__ = [
     "MEMORY_FIELDS", "sample_memory", "host_memory", "host_heap", "host_available", "MemorySnapshots",
@@ -94,28 +95,6 @@ def host_memory() -> tuple[int, int]:
             elif line.startswith(b"VmHWM:"):
                 peak = int(line.split()[1]) * 1024
     return rss, peak
-
-
-class _MallInfo2(ctypes.Structure):
-    # struct mallinfo2 (glibc >= 2.33, malloc.h): every field a size_t.
-    _fields_ = [(n, ctypes.c_size_t) for n in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def host_heap() -> tuple[int | None, int | None]:
-    """``(in_use, free)`` bytes of glibc malloc over every arena, from ``mallinfo2(3)``:
-    ``in_use = uordblks + hblkhd`` (handed out from the heaps, and chunks mmapped on their own),
-    ``free = fordblks`` (free chunks malloc keeps in its heaps). ``(None, None)`` where the C
-    library has no ``mallinfo2`` (glibc < 2.33, musl, macOS).
-
-    A heap whose holes do not fit the next request grows, and RSS rises, while ``in_use`` stays
-    flat and ``free`` rises by as much: fragmentation, not a leak.
-    """
-    fn = libc_function("mallinfo2", _MallInfo2)
-    if fn is None:
-        return None, None
-    m = fn()
-    return m.uordblks + m.hblkhd, m.fordblks
 
 
 _CGROUP: list[tuple[Path, Path]] | None = None

@@ -1,0 +1,167 @@
+"""The C allocator under every CPU tensor: which one a worker runs, its in-use and free bytes,
+and giving its free pages back to the kernel.
+
+Why it matters: CPU tensors are ``malloc``'d. glibc's malloc fragments under a trainer's
+pattern (each step frees and re-allocates tensors of shifting sizes: MoE token buffers,
+checkpoint staging), so its heaps grow around holes and RSS creeps up 1-4 MiB per 100 steps
+while the bytes in use stay flat (measured on the debug MoE, pp=2 × ep=2, under Ray).
+jemalloc (Evans, "A Scalable Concurrent malloc(3) Implementation for FreeBSD", BSDCan 2006)
+keeps size classes apart and returns idle pages on a timer, so RSS stays flat (< 1 MiB per 100
+steps on that job), and steps were no slower (0.307 s against 0.319 s). Ray ships jemalloc 5.3 in its Linux wheels (``ray/core/libjemalloc.so``,
+built for Ray's own processes), so it needs no extra install; ``[memory] allocator`` chooses,
+and the driver preloads it (``LD_PRELOAD``) into the Ray Train workers only.
+
+Only the process start can change the allocator: the preload is set in the worker actors'
+runtime environment. A loop launched some other way (``torchrun``) runs whatever the launching
+shell preloads: ``LD_PRELOAD=$(python -c "from ray_titan.allocator import jemalloc_library as
+j; print(j())") torchrun ...``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "ALLOCATORS", "JEMALLOC_CONF", "active_allocator", "jemalloc_library", "worker_env_vars", "host_heap",
+    "malloc_trim", "libc_function",
+]
+
+ALLOCATORS = ("auto", "jemalloc", "system")
+"""Values of ``[memory] allocator``."""
+
+JEMALLOC_CONF = "dirty_decay_ms:1000,muzzy_decay_ms:0"
+"""jemalloc options for the workers: freed pages go back to the kernel after ~1 s instead of
+jemalloc's default 10 s, so RSS follows what a rank uses within a few steps (per-step RSS
+jitter on the debug MoE: ±0.4 instead of ±1.3 MiB per 100 steps as a slope), at no measured
+cost in step time."""
+
+# jemalloc's MALLCTL_ARENAS_ALL: "arena.<i>.purge" with this index purges every arena.
+_ARENAS_ALL = 4096
+
+
+@functools.cache
+def libc_function(name: str, restype: Any = ctypes.c_int) -> Any:
+    """The C library's function ``name`` (ctypes, returning ``restype``), looked up once; None
+    where the C library has no such function (``malloc_trim`` and ``mallinfo2`` are glibc's:
+    not on musl or macOS)."""
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    fn.restype = restype
+    return fn
+
+
+@functools.cache
+def _mallctl() -> Any:
+    """jemalloc's ``mallctl`` when jemalloc is this process's malloc (preloaded or linked), else
+    None. Looked up in the global symbol namespace: a preloaded library's symbols come first."""
+    try:
+        fn = ctypes.CDLL(None).mallctl
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
+                   ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def active_allocator() -> Literal["jemalloc", "glibc", "unknown"]:
+    """Which malloc this process runs: ``jemalloc`` (its ``mallctl`` resolves), ``glibc`` (glibc's
+    ``mallinfo2`` resolves and no jemalloc), or ``unknown`` (musl, macOS, older glibc)."""
+    if _mallctl() is not None:
+        return "jemalloc"
+    return "glibc" if libc_function("mallinfo2") is not None else "unknown"
+
+
+def jemalloc_library() -> str | None:
+    """Path of the jemalloc shared library bundled with the installed Ray
+    (``<ray package>/core/libjemalloc.so``, Linux wheels), or None where it has none."""
+    import ray
+
+    path = Path(ray.__file__).parent / "core" / "libjemalloc.so"
+    return str(path) if path.is_file() else None
+
+
+def worker_env_vars(allocator: str) -> dict[str, str]:
+    """Environment variables that give a new worker process ``allocator`` (a ``[memory]
+    allocator`` value). For jemalloc ``LD_PRELOAD`` (Ray's library, then the driver's own
+    ``LD_PRELOAD`` if any) and ``MALLOC_CONF`` (the driver's if set, else :data:`JEMALLOC_CONF`);
+    nothing for ``system`` or where ``auto`` finds no jemalloc. The path is the driver's: nodes
+    are assumed to share one Python installation, as Ray assumes for itself.
+
+    Raises ValueError for ``jemalloc`` where the installed Ray has no jemalloc library, and for
+    a value not in :data:`ALLOCATORS`.
+    """
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"memory.allocator = {allocator!r}: expected one of {', '.join(ALLOCATORS)}")
+    if allocator == "system":
+        return {}
+    lib = jemalloc_library()
+    if lib is None:
+        if allocator == "jemalloc":
+            raise ValueError(
+                "memory.allocator = 'jemalloc', but the installed Ray has no jemalloc library "
+                "(ray/core/libjemalloc.so ships in Ray's Linux wheels only); use 'auto' or 'system'")
+        return {}
+    preload = " ".join(p for p in (lib, os.environ.get("LD_PRELOAD", "")) if p)
+    return {"LD_PRELOAD": preload, "MALLOC_CONF": os.environ.get("MALLOC_CONF") or JEMALLOC_CONF}
+
+
+class _MallInfo2(ctypes.Structure):
+    # struct mallinfo2 (glibc >= 2.33, malloc.h): every field a size_t.
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _jemalloc_stat(mallctl: Any, name: bytes) -> int:
+    value, size = ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
+    if mallctl(name, ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+        raise OSError(f"jemalloc mallctl({name.decode()!r}) failed")
+    return value.value
+
+
+def host_heap() -> tuple[int | None, int | None]:
+    """``(in_use, free)`` bytes of this process's malloc.
+
+    - jemalloc: ``in_use = stats.allocated`` (bytes handed out), ``free = stats.resident -
+      stats.allocated`` (resident pages the allocator holds without handing them out: dirty
+      pages not yet returned, partly used pages, its metadata). Refreshed with ``epoch``.
+    - glibc (``mallinfo2(3)``, every arena): ``in_use = uordblks + hblkhd`` (handed out from the
+      heaps, and chunks mmapped on their own), ``free = fordblks`` (free chunks kept in the heaps).
+    - ``(None, None)`` otherwise (glibc < 2.33, musl, macOS).
+
+    A heap whose holes do not fit the next request grows, and RSS rises, while ``in_use`` stays
+    flat and ``free`` rises by as much: fragmentation, not a leak. ~20 µs (jemalloc), ~40 µs
+    (glibc with 4,600 free chunks: it walks the free lists).
+    """
+    mallctl = _mallctl()
+    if mallctl is not None:
+        epoch = ctypes.c_uint64(1)
+        mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch))
+        allocated = _jemalloc_stat(mallctl, b"stats.allocated")
+        return allocated, max(0, _jemalloc_stat(mallctl, b"stats.resident") - allocated)
+    fn = libc_function("mallinfo2", _MallInfo2)
+    if fn is None:
+        return None, None
+    m = fn()
+    return m.uordblks + m.hblkhd, m.fordblks
+
+
+def malloc_trim() -> bool:
+    """Return malloc's free pages to the kernel: jemalloc purges every arena
+    (``arena.<MALLCTL_ARENAS_ALL>.purge``), glibc runs ``malloc_trim(0)`` over every arena.
+    Returns False where neither is available (musl, macOS)."""
+    mallctl = _mallctl()
+    if mallctl is not None:
+        return mallctl(f"arena.{_ARENAS_ALL}.purge".encode(), None, None, None, 0) == 0
+    fn = libc_function("malloc_trim")
+    if fn is None:
+        return False
+    fn(0)
+    return True
