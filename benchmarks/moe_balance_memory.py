@@ -8,13 +8,14 @@ for ``--steps`` steps with ``metrics.log_freq`` larger than the run, once per
   ranks from the collector's ``expert_load``), as min and max × the uniform share ``1/N``, and
   the worst layer's max/mean;
 - host RSS growth per rank after warm-up: the Theil–Sen slope of ``host_rss_bytes`` (read by
-  each rank from ``/proc/self/statm`` after every step) over steps > ``--warmup``, in KiB per
-  100 steps; and the same slope of ``host_heap_in_use_bytes`` (what glibc malloc has handed
-  out and not taken back, ``mallinfo2``): the trainer's own allocations, without the free space
-  the allocator keeps;
+  each rank from ``/proc/self/status`` after every step) over steps > ``--warmup``, in KiB per
+  100 steps; and the same slope of ``host_heap_in_use_bytes`` (what malloc has handed out and
+  not taken back: ``ray_titan.allocator.host_heap``): the trainer's own allocations, without
+  the free space the allocator keeps; and which malloc the workers ran (``memory.allocator``,
+  ``--allocator`` to compare);
 - median tokens/s and the mean loss of the last 20 steps.
 
-``python benchmarks/moe_balance_memory.py [--steps 300] [--modes aux_loss aux_free none] [--json out.json]``
+``python benchmarks/moe_balance_memory.py [--steps 300] [--modes aux_loss aux_free none] [--allocator auto] [--json out.json]``
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def run_mode(mode: str, steps: int, warmup: int, dump: str) -> dict:
+def run_mode(mode: str, steps: int, warmup: int, dump: str, allocator: str = "auto") -> dict:
     import ray_titan
     from ray_titan.config import load_config
     from ray_titan.metrics.moe_stats import expert_shares, memory_slopes
 
     cfg = load_config(REPO / "configs" / "debug_deepseek.toml", [
         f"--job.name=bench_moe_{mode}", f"--job.dump_folder={dump}", f"--training.steps={steps}",
-        f"--metrics.log_freq={steps + 1}", f"--model.load_balance={mode}",
+        f"--metrics.log_freq={steps + 1}", f"--model.load_balance={mode}", f"--memory.allocator={allocator}",
     ])
     result = ray_titan.train(cfg)
     t = result.steps
@@ -50,6 +51,7 @@ def run_mode(mode: str, steps: int, warmup: int, dump: str) -> dict:
     return {
         "mode": mode,
         "steps": steps,
+        "allocator": sorted({v.get("allocator") for k, v in result.timings.items() if k.startswith("rank")}),
         "share_min_x_uniform": min(min(s) for s in shares.values()) * n,
         "share_max_x_uniform": max(max(s) for s in shares.values()) * n,
         "per_layer_shares": {str(k): [round(x, 4) for x in v] for k, v in shares.items()},
@@ -67,14 +69,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--modes", nargs="+", default=["aux_loss", "aux_free", "none"])
+    ap.add_argument("--allocator", default="auto", choices=["auto", "jemalloc", "system"],
+                    help="memory.allocator of the workers (default auto: jemalloc where Ray ships it)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     rows = []
     with tempfile.TemporaryDirectory() as dump:
         for mode in args.modes:
-            rows.append(run_mode(mode, args.steps, args.warmup, dump))
-    print(f"\nDeepSeek-V2 debug MoE, pp=2 × dp_shard=2 × ep=2, {args.steps} steps; balance over the last 50 steps")
+            rows.append(run_mode(mode, args.steps, args.warmup, dump, args.allocator))
+    print(f"\nDeepSeek-V2 debug MoE, pp=2 × dp_shard=2 × ep=2, {args.steps} steps; balance over the last 50 steps; "
+          f"workers' malloc: {', '.join(sorted({a for r in rows for a in r['allocator']}))}")
     print(f"{'load_balance':<12} {'min share':>10} {'max share':>10} {'rss KiB/100 steps (r0..r3)':>34} "
           f"{'malloc in-use KiB/100 steps':>34} {'tok/s':>8} {'loss':>7}")
     for r in rows:

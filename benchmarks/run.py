@@ -17,7 +17,10 @@ Names (default: every CPU benchmark, in this order):
 Every comparison runs both sides alternately in this one invocation (A B, B A, ...) and reports
 the median of the paired ratios with min and max (``benchmarks/stats.py``). Tokens/s is measured
 on the workers over the steps after :data:`ray_titan.metrics.timing.WARMUP_STEPS`, so process
-and cluster start-up are excluded (they are the ``startup`` benchmark). MFU uses
+and cluster start-up are excluded (they are the ``startup`` benchmark). Every baseline process
+and plain Ray Train's workers run the C allocator ray_titan gives its workers
+(``memory.allocator``, jemalloc by default; :func:`baseline_env`), so no ratio credits or
+charges ray_titan for malloc. MFU uses
 ``ray_titan/metrics/flops.py``; on CPU the peak is the measured single-thread matmul FLOP/s ×
 the CPU threads the job can use (workers × threads each, at most the machine's cores).
 
@@ -132,6 +135,14 @@ def run_ray_titan(bench: Bench, cfg) -> dict[str, Any]:
     }
 
 
+def baseline_env(cfg) -> dict[str, str]:
+    """Environment of a baseline process: one intra-op thread, and the C allocator ray_titan's
+    workers get (``memory.allocator``), so a comparison measures the trainer, not malloc."""
+    from ray_titan.allocator import worker_env_vars
+
+    return {**os.environ, "OMP_NUM_THREADS": "1", **worker_env_vars(cfg.memory.allocator)}
+
+
 def run_torchrun(bench: Bench, cfg) -> dict[str, Any]:
     """The train loop under ``torchrun --nproc-per-node=<mesh>`` (no Ray)."""
     from ray_titan.metrics.timing import read_timings
@@ -140,7 +151,7 @@ def run_torchrun(bench: Bench, cfg) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.world_size}",
            "-m", "ray_titan.train_loop", "--config", str(REPO / "configs" / "debug_llama.toml"),
            *_flags(cfg), f"--job.dump_folder={dump}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=baseline_env(cfg))
     if proc.returncode:
         raise RuntimeError(f"torchrun failed: {proc.stderr[-3000:]}")
     (run_dir,) = dump.glob("*")
@@ -152,7 +163,7 @@ def run_bare(bench: Bench, cfg) -> dict[str, Any]:
     """The bare PyTorch loop in a process of its own."""
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.baselines", "--config-json", cfg.model_dump_json()],
-        capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, cwd=REPO, env=baseline_env(cfg),
     )
     if proc.returncode:
         raise RuntimeError(f"bare PyTorch loop failed: {proc.stderr[-3000:]}")
@@ -169,6 +180,7 @@ def run_plain_ray_train(bench: Bench, cfg) -> dict[str, Any]:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from benchmarks.baselines import plain_ray_train_loop
+    from ray_titan.allocator import worker_env_vars
 
     bench.ray()
     n = cfg.world_size
@@ -180,7 +192,8 @@ def run_plain_ray_train(bench: Bench, cfg) -> dict[str, Any]:
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=n, resources_per_worker={"CPU": cpus}),
         run_config=RunConfig(name=out_dir.name, storage_path=str(out_dir / "ray_train"),
-                             failure_config=FailureConfig(controller_failure_limit=0)),
+                             failure_config=FailureConfig(controller_failure_limit=0),
+                             worker_runtime_env={"env_vars": worker_env_vars(cfg.memory.allocator)}),
     )
     with contextlib.redirect_stdout(io.StringIO()):
         result = trainer.fit()
