@@ -1,5 +1,5 @@
 """The DeepSeek MoE through the driver and collector on the shared Ray cluster: parity of
-pp=2 × ep=2 and of ep=2 with one worker, flat host memory over 300 steps, and balanced experts."""
+pp=2 × ep=2 and of ep=2 with one worker, flat host memory over 400 steps, and balanced experts."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import ray_titan
+from ray_titan.allocator import jemalloc_library
 from ray_titan.config import load_config
 from ray_titan.metrics.collector import expert_load
 from ray_titan.metrics.moe_stats import expert_shares, memory_slopes
@@ -101,32 +102,36 @@ def test_moe_rows_carry_coordinates_and_balance_loss(moe_run):
 
 @pytest.fixture(scope="module")
 def long_moe_run(ray_cluster, tmp_path_factory, corpus_cache):
-    """The README's MoE job as configured (pp=2 × dp_shard=2, ep=2, balance loss), 300 steps,
+    """The README's MoE job as configured (pp=2 × dp_shard=2, ep=2, balance loss), 400 steps,
     logging never (log_freq > steps): the lesson-1 and lesson-2 scenario together."""
-    return _run(tmp_path_factory, corpus_cache, "moe_long", steps=300)
+    return _run(tmp_path_factory, corpus_cache, "moe_long", steps=LONG_STEPS)
 
 
+# At least 300 (the issue); 400 so that 300 steps after warm-up average out RSS's jitter.
+LONG_STEPS = 400
 WARMUP_STEPS = 100
-# What the trainer itself holds on the host: glibc malloc's in-use bytes (mallinfo2; CPU tensors
-# are malloc'd). The lesson-2 leak (a dispatch all-to-all whose backward never runs keeps every
-# step's routed activations: per microbatch and MoE layer 512 token copies × 128 dims × 4 bytes
-# and their expert intermediates, MiBs per step) would add hundreds of MiB per 100 steps.
-# Measured flat here: within ±0.3 MiB over steps 101-300 on every rank.
+# What the trainer itself holds on the host: malloc's in-use bytes (CPU tensors are malloc'd).
+# The lesson-2 leak (a dispatch all-to-all whose backward never runs keeps every step's routed
+# activations: per microbatch and MoE layer 512 token copies × 128 dims × 4 bytes and their
+# expert intermediates, MiBs per step) would add hundreds of MiB per 100 steps.
 MAX_HEAP_GROWTH_PER_100_STEPS = 1 * 2**20
-# RSS also counts the free space malloc keeps. With the in-use bytes flat, RSS still grew
-# 0.7-6.2 MiB per 100 steps per rank on a quiet machine, 0-2 without Ray, and kept doing so up to
-# step 600 (measured with and without checkpoints: glibc's main heap grows around holes that the
-# next requests do not fit), and more on a loaded CI machine. 32 MiB per 100 steps still catches
-# the leak above about 20 times over.
-MAX_RSS_GROWTH_PER_100_STEPS = 32 * 2**20
+# RSS. With the workers on jemalloc (memory.allocator = "auto") it grew -0.04 to +0.97 MiB per 100
+# steps per rank over steps 101-400 (the issue's target: < 1; benchmarks/moe_balance_memory.py
+# prints it). Two things move it: jemalloc's thread caches filling (+0.3 MiB per 100 steps) and
+# the dirty pages it has not yet returned (9-20 MiB, varying from step to step), which shift a
+# rank's slope by up to ±0.4. The test allows 2 MiB so that jitter cannot fail it; glibc's
+# malloc reached up to 6 MiB per 100 steps here, and the lesson-2 leak would add hundreds.
+MAX_RSS_GROWTH_PER_100_STEPS = 2 * 2**20
 
 
 def test_moe_host_memory_is_flat_after_warmup(long_moe_run):
-    """After a 100-step warm-up (Theil–Sen slope over steps 101–300 of every rank's per-step
-    samples): malloc's in-use bytes grow by less than 1 MiB per 100 steps, and RSS (``VmRSS``)
-    by less than 32 MiB per 100 steps."""
+    """After a 100-step warm-up (Theil–Sen slope over steps 101–400 of every rank's per-step
+    samples), on every rank, each running jemalloc: malloc's in-use bytes grow by less than 1 MiB
+    per 100 steps, and RSS (``VmRSS``) by less than 2."""
     run = long_moe_run
-    assert run.errors == [] and run.steps.num_rows == 300 * 4
+    assert run.errors == [] and run.steps.num_rows == LONG_STEPS * 4
+    if jemalloc_library() is not None:
+        assert {v["allocator"] for k, v in run.timings.items() if k.startswith("rank")} == {"jemalloc"}
     heap = memory_slopes(run.steps, WARMUP_STEPS, "host_heap_in_use_bytes")
     rss = memory_slopes(run.steps, WARMUP_STEPS)
     assert sorted(heap) == sorted(rss) == [0, 1, 2, 3]
@@ -135,14 +140,14 @@ def test_moe_host_memory_is_flat_after_warmup(long_moe_run):
         assert rss[rank] * 100 < MAX_RSS_GROWTH_PER_100_STEPS, f"rank {rank}: RSS {rss[rank] * 100 / 2**10:.0f} KiB per 100 steps"
 
 
-# Band for the balance loss on the debug MoE after 300 steps (8 experts, uniform share 12.5%):
+# Band for the balance loss on the debug MoE (8 experts, uniform share 12.5%):
 # every expert's share of the last 50 steps' tokens within [1/2, 2] × uniform.
 SHARE_BAND = (0.5 / 8, 2.0 / 8)
 
 
 def test_moe_experts_are_balanced_and_it_learns(long_moe_run):
     run = long_moe_run
-    shares = expert_shares(run.steps, 251, 300)
+    shares = expert_shares(run.steps, LONG_STEPS - 49, LONG_STEPS)
     assert sorted(shares) == [1, 2, 3]
     for layer, s in shares.items():
         assert SHARE_BAND[0] <= min(s) and max(s) <= SHARE_BAND[1], f"layer {layer}: {np.round(s, 3)}"
