@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import ray_titan.allocator as allocator
-from ray_titan.allocator import JEMALLOC_CONF, active_allocator, jemalloc_library, worker_env_vars
+from ray_titan.allocator import active_allocator, jemalloc_library, worker_env_vars
 from ray_titan.config import ConfigError, JobConfig, validate_job
 
 JEMALLOC = jemalloc_library()
@@ -28,7 +28,7 @@ def test_system_preloads_nothing_and_a_test_process_runs_glibc():
 def test_auto_and_jemalloc_preload_rays_library_ahead_of_the_drivers_preload(monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv("MALLOC_CONF", raising=False)
-    assert worker_env_vars("auto") == worker_env_vars("jemalloc") == {"LD_PRELOAD": JEMALLOC, "MALLOC_CONF": JEMALLOC_CONF}
+    assert worker_env_vars("auto") == worker_env_vars("jemalloc") == {"LD_PRELOAD": JEMALLOC}
     monkeypatch.setenv("LD_PRELOAD", "/opt/libother.so")
     monkeypatch.setenv("MALLOC_CONF", "narenas:2")
     assert worker_env_vars("auto") == {"LD_PRELOAD": f"{JEMALLOC} /opt/libother.so", "MALLOC_CONF": "narenas:2"}

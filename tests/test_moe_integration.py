@@ -115,11 +115,11 @@ WARMUP_STEPS = 100
 # activations: per microbatch and MoE layer 512 token copies × 128 dims × 4 bytes and their
 # expert intermediates, MiBs per step) would add hundreds of MiB per 100 steps.
 MAX_HEAP_GROWTH_PER_100_STEPS = 1 * 2**20
-# RSS. With the workers on jemalloc (memory.allocator = "auto") it grew -0.04 to +0.97 MiB per 100
-# steps per rank over steps 101-400 (the target: < 1; benchmarks/moe_balance_memory.py
-# prints it). Two things move it: jemalloc's thread caches filling (+0.3 MiB per 100 steps) and
-# the dirty pages it has not yet returned (9-20 MiB, varying from step to step), which shift a
-# rank's slope by up to ±0.4. The test allows 2 MiB so that jitter cannot fail it; glibc's
+# RSS. With the workers on jemalloc (memory.allocator = "auto") it grew -0.04 to +1.01 MiB per 100
+# steps per rank over steps 101-400 in four runs (the target: < 1;
+# benchmarks/moe_balance_memory.py prints it). Two things move it: jemalloc's thread caches
+# filling (+0.3 MiB per 100 steps) and the freed pages it has not yet returned (9-20 MiB,
+# varying from step to step), which shift a rank's slope by up to ±0.4. The test allows 2 MiB so that jitter cannot fail it; glibc's
 # malloc reached up to 6 MiB per 100 steps here, and the lesson-2 leak would add hundreds.
 MAX_RSS_GROWTH_PER_100_STEPS = 2 * 2**20
 
