@@ -92,6 +92,10 @@ class RunResult:
         return self.step_column("step_loss")
 
 
+# Without a collector, why the workers ended the run early (training.on_nonfinite = "stop").
+STOP_REASON_FILE = "stop_reason.txt"
+
+
 def _under(run_dir: Path | str, *parts: str) -> Path | str:
     return run_dir.joinpath(*parts) if isinstance(run_dir, Path) else storage.join(run_dir, *parts)
 
@@ -191,7 +195,10 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         # Every rank stops at the same step. Raising would make Ray Train restart the group
         # (ray.max_failures), only to meet the same NaN: end the run and let the driver raise.
         if ray.train.get_context().get_world_rank() == 0:
-            ray.get(loop_config["collector"].stop_run.remote(str(e)), timeout=120)
+            if loop_config["collector"] is None:  # metrics.enabled = false: the driver reads it here
+                storage.write_text(_under(loop_config["run_dir"], STOP_REASON_FILE), str(e))
+            else:
+                ray.get(loop_config["collector"].stop_run.remote(str(e)), timeout=120)
         return
     summary["marks"]["worker_start"] = worker_start
     write_timings(loop_config["run_dir"], f"rank{rank}", summary)
@@ -358,5 +365,12 @@ def _fit_without_metrics(trainer, cfg: JobConfig, run_dir: Path, marks: dict[str
     finally:
         marks["fit_returned"] = time.time()
         write_timings(run_dir, "driver", {"marks": marks})
-    print(f"ray_titan: done (metrics.enabled = false: timings only in {run_dir / 'timings'})", flush=True)
+    stop = _under(run_dir, STOP_REASON_FILE)
+    if storage.exists(stop):
+        from ray_titan.fault import NonFiniteError
+
+        print(f"ray_titan: run stopped (metrics.enabled = false: timings only in {_under(run_dir, 'timings')})",
+              file=sys.stderr, flush=True)
+        raise NonFiniteError(storage.read_text(stop))
+    print(f"ray_titan: done (metrics.enabled = false: timings only in {_under(run_dir, 'timings')})", flush=True)
     return RunResult(run_dir=run_dir, steps=pa.table({}), final_loss=None, config=cfg, timings=read_timings(run_dir))

@@ -120,6 +120,20 @@ def test_nonfinite_stop_ends_the_run_without_a_restart(ray_cluster, tmp_path_fac
     assert steps.filter(pa.compute.equal(steps["step"], 2))["skipped_update"].to_pylist() == [True, True]
 
 
+def test_nonfinite_stop_without_metrics_raises_too(ray_cluster, tmp_path_factory, corpus_cache):
+    """``metrics.enabled = false``: no collector to tell, so rank 0 leaves the reason in the run
+    directory and the driver raises it (the group is not restarted to meet the same NaN)."""
+    from ray_titan.driver import STOP_REASON_FILE
+    from ray_titan.fault import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match=r"step 2: the loss is not finite on the last stage \(stage 0\)"):
+        _run(tmp_path_factory, corpus_cache, "nan_stop_nometrics", "--parallelism.pp=1", "--parallelism.dp_shard=2",
+             "--ray.max_failures=1", "--debug.nonfinite_loss_at_steps=[2]", "--training.steps=3",
+             "--metrics.enabled=false")
+    (run_dir,) = (tmp_path_factory.getbasetemp() / "nan_stop_nometrics").glob("nan_stop_nometrics-*")
+    assert (run_dir / STOP_REASON_FILE).read_text().startswith("step 2: the loss is not finite")
+
+
 def test_ctrl_c_stops_workers_flushes_metrics_and_names_the_last_checkpoint(ray_cluster, tmp_path, corpus_cache):
     env = {**os.environ, "RAY_ADDRESS": ray_cluster, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     dump = tmp_path / "runs"
