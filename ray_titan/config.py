@@ -188,8 +188,10 @@ class Metrics(_Section):
     """Times Ray restarts a killed collector actor; it resumes from the metrics it had flushed."""
     collector_nice: int = Field(10, ge=0, le=19)
     """CPU priority the collector actor lowers itself by (``os.nice``; 0: unchanged). It has no
-    CPU reserved and shares cores with the workers; at 10 the kernel gives it about a tenth of a
-    worker's share while they compete, and all it wants when they wait on communication."""
+    CPU reserved and shares cores with the workers. Ray starts its workers, this actor included,
+    at niceness 15 (``RAY_worker_niceness``) and the kernel caps it at 19: at 10 the actor runs
+    at 19, weighted 15 against a worker's 36 (Linux CFS weights) while they compete, and gets
+    all it wants while they wait on communication."""
 
 
 class Checkpoint(_Section):
