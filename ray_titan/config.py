@@ -278,13 +278,15 @@ class Memory(_Section):
     checkpoint boundaries. Generation 1 every ``gc_freq`` steps frees a step's young cycles
     cheaply; with automatic GC off nothing else would ever free cycles that reached generation 2,
     so a full collection (tens of ms in a Ray worker) runs now and then, at the same steps."""
-    allocator: Literal["auto", "jemalloc", "system"] = "auto"
+    allocator: Literal["auto", "jemalloc", "system"] = "system"
     """The C allocator of the Ray Train workers, which holds every CPU tensor. ``jemalloc``: the
     one Ray ships (``ray/core/libjemalloc.so``, Linux wheels), preloaded into the workers; host
-    RSS stays flat where glibc's malloc fragments (1-4 MiB per 100 steps on the debug MoE) and
-    steps ran faster. ``system``: the process's default malloc (glibc on Linux). ``auto``:
-    jemalloc where Ray ships it, else the system's. Applies to workers the driver starts; under
-    ``torchrun`` the launching shell's ``LD_PRELOAD`` decides (``ray_titan.allocator``)."""
+    RSS stays flat where glibc's malloc fragments (1-6 MiB per 100 steps on the debug MoE, which
+    sets it: ``configs/debug_deepseek.toml``). ``system``: the process's default malloc (glibc
+    on Linux), the default until the leak verdict's host series is validated under jemalloc
+    (one flaky run of the injected-leak test). ``auto``: jemalloc where Ray ships it, else the
+    system's. Applies to workers the driver starts; under ``torchrun`` the launching shell's
+    ``LD_PRELOAD`` decides (``ray_titan.allocator``)."""
     malloc_trim: bool = False
     """After every synchronized GC, malloc returns its free pages to the kernel (glibc
     ``malloc_trim(0)``, jemalloc ``arena.<all>.purge``; part of the GC pause). Under glibc on the
