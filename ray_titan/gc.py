@@ -28,9 +28,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ray_titan.allocator import libc_function, malloc_trim
+from ray_titan.allocator import malloc_trim
 
-__all__ = ["GarbageCollection", "GCResult", "cycle_tensors", "malloc_trim", "libc_function"]
+__all__ = ["GarbageCollection", "GCResult", "cycle_tensors"]
 
 
 @dataclass
