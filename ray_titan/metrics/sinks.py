@@ -180,35 +180,46 @@ class TensorBoardSink:
         self.writer = SummaryWriter(str(tb_dir), purge_step=purge_step, filename_suffix=suffix, max_queue=1000)
 
     def add_step(self, step: int, scalars: dict[str, float], rows: list[dict[str, Any]]) -> None:
-        for k, v in scalars.items():
-            if v is not None:
-                self.writer.add_scalar(k, v, step)
+        values = [(k, v) for k, v in scalars.items() if v is not None]
         for row in rows:
+            rank = row["rank"]
             for k in ("host_rss_bytes", "host_peak_rss_bytes", "device_allocated_bytes",
                       "device_reserved_bytes", "device_peak_active_bytes", "device_peak_reserved_bytes"):
                 if row.get(k) is not None:
-                    name = k.removesuffix("_bytes") + "_mib"
-                    self.writer.add_scalar(f"memory/rank{row['rank']}/{name}", row[k] / 2**20, step)
+                    values.append((f"memory/rank{rank}/{k.removesuffix('_bytes')}_mib", row[k] / 2**20))
             if row.get("memory_verdict") is not None:
-                self.writer.add_scalar(f"memory/rank{row['rank']}/verdict", VERDICT_CODES[row["memory_verdict"]], step)
+                values.append((f"memory/rank{rank}/verdict", VERDICT_CODES[row["memory_verdict"]]))
             if row.get("memory_slope_mib_per_step") is not None:
-                self.writer.add_scalar(f"memory/rank{row['rank']}/slope_mib_per_step", row["memory_slope_mib_per_step"], step)
+                values.append((f"memory/rank{rank}/slope_mib_per_step", row["memory_slope_mib_per_step"]))
             if row.get("gc_generation") is not None:
-                self.writer.add_scalar(f"gc/rank{row['rank']}/pause_s", row["gc_pause_s"], step)
+                values.append((f"gc/rank{rank}/pause_s", row["gc_pause_s"]))
+        self._scalars(step, values)
+
+    def _scalars(self, step: int, values: list[tuple[str, float]]) -> None:
+        """All of a step's scalars as one event: one Summary with a value per tag, which
+        TensorBoard reads as separate series (as TF1's merged summaries). ``add_scalar`` would
+        make an event per tag, each pickled through tensorboardX's multiprocessing queue: about
+        25 of them per step took most of the collector's CPU time outside Ray."""
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        if values:
+            summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in values])
+            self.writer.file_writer.add_summary(summary, step)
 
     def add_text(self, tag: str, text: str, step: int) -> None:
+        """A text entry (Markdown) at ``step``, shown in TensorBoard's Text tab."""
         self.writer.add_text(tag, text, step)
 
     def add_expert_load(self, step: int, load: dict[int, list[int]]) -> None:
         """Per MoE layer: max over mean of the experts' token counts (1 = perfectly balanced) and
         each expert's share of the layer's routed tokens."""
+        values = []
         for layer, counts in load.items():
             total = sum(counts)
             if total:
-                mean = total / len(counts)
-                self.writer.add_scalar(f"moe/layer{layer}/load_max_over_mean", max(counts) / mean, step)
-                for e, c in enumerate(counts):
-                    self.writer.add_scalar(f"moe/layer{layer}/expert{e}_share", c / total, step)
+                values.append((f"moe/layer{layer}/load_max_over_mean", max(counts) * len(counts) / total))
+                values += [(f"moe/layer{layer}/expert{e}_share", c / total) for e, c in enumerate(counts)]
+        self._scalars(step, values)
 
     def flush(self) -> None:
         self.writer.flush()
