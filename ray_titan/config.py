@@ -178,6 +178,11 @@ class Metrics(_Section):
     """The collector writes a Parquet part and flushes TensorBoard every this many assembled steps."""
     save_rank_reports: bool = False
     """Each rank also writes its own reports to ``<run_dir>/metrics/ranks/rank{r}.jsonl``."""
+    report_interval_s: float = Field(1.0, ge=0)
+    """Seconds between a worker's report calls to the collector; the reports of the steps in
+    between travel in one call (a Ray call costs ~0.6 ms of the worker's CPU and ~0.75 ms of the
+    collector's, one report or many). Every step is still recorded; console lines and the memory
+    verdict's stop lag by at most this. 0: a call every step."""
     max_inflight_reports: int = Field(16, gt=0)
     """Report batches a worker may have in flight to the collector before it buffers locally."""
     max_buffered_reports: int = Field(10_000, gt=0)

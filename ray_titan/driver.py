@@ -180,7 +180,8 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         reporter = Reporter()
     else:
         reporter = CollectorReporter(
-            loop_config["collector"], cfg.metrics.max_inflight_reports, cfg.metrics.max_buffered_reports
+            loop_config["collector"], cfg.metrics.max_inflight_reports, cfg.metrics.max_buffered_reports,
+            interval_s=cfg.metrics.report_interval_s,
         )
     if cfg.metrics.save_rank_reports:
         reporter = JsonlReporter(rank_reports_path(loop_config["run_dir"], rank), reporter)

@@ -30,8 +30,10 @@ def stuck_collector(ray_cluster):
             self.gate = threading.Event()
             self.steps: list[int] = []
             self.dropped = 0
+            self.calls = 0
 
         def report(self, batch, dropped=0, flush=False):
+            self.calls += 1
             self.gate.wait()
             self.steps.extend(r["step"] for r in batch)
             self.dropped = max(self.dropped, dropped)
@@ -42,6 +44,9 @@ def stuck_collector(ray_cluster):
 
         def received(self):
             return sorted(self.steps), self.dropped
+
+        def count(self):
+            return self.calls
 
     actor = Stuck.remote()
     yield actor
@@ -90,3 +95,17 @@ def test_close_gives_up_after_its_deadline(stuck_collector):
     assert _report_all(reporter, range(1, 11))
     reporter.close(timeout_s=1.0)  # the collector never answers: returns, counting the unconfirmed
     assert reporter.dropped == 10 and reporter._pending == [] and len(reporter._queue) == 0
+
+
+def test_reports_between_calls_travel_together(stuck_collector):
+    import ray
+
+    ray.get(stuck_collector.release.remote())
+    reporter = CollectorReporter(stuck_collector, interval_s=3600.0)
+    for s in range(1, 51):
+        reporter.report(_rep(s))
+    assert ray.get(stuck_collector.count.remote()) == 1  # step 1 went at once, the rest wait
+    assert [r["step"] for r in reporter._queue] == list(range(2, 51))
+    reporter.close()  # delivers what is held, whatever the interval
+    assert ray.get(stuck_collector.received.remote()) == (list(range(1, 51)), 0)
+    assert ray.get(stuck_collector.count.remote()) == 2

@@ -92,7 +92,10 @@ class CollectorReporter(Reporter):
     """Fire-and-forget delivery to the collector actor (``handle.report.remote(batch)``), with
     every report held until the collector says it is on disk.
 
-    Reports are sent in batches while fewer than ``max_inflight`` calls are unanswered. Each
+    Reports are sent in batches while fewer than ``max_inflight`` calls are unanswered, at most one
+    call per ``interval_s`` seconds (the first report at once): a Ray call costs the worker ~0.6 ms
+    and the collector ~0.75 ms of CPU time whether it carries one report or ten, so reports of
+    fast steps travel together (0: a call every step). Each
     answer names the collector's incarnation and, per attempt, the step up to which rows are on
     disk; held reports up to there are forgotten. A failed call (the collector died) or a new
     incarnation (it was restarted) makes every held report due again, sent after a back-off of
@@ -103,9 +106,11 @@ class CollectorReporter(Reporter):
     :class:`~ray_titan.metrics.leak.MemoryLeakError` with the collector's reason.
     """
 
-    def __init__(self, handle, max_inflight: int = 16, max_buffered: int = 10_000, retry_s: float = 1.0):
+    def __init__(self, handle, max_inflight: int = 16, max_buffered: int = 10_000, retry_s: float = 1.0,
+                 interval_s: float = 0.0):
         self.handle = handle
         self.max_inflight, self.max_buffered = max_inflight, max_buffered
+        self.interval_s, self._next_call = interval_s, 0.0
         self._pending: list = []
         self._held: deque[dict[str, Any]] = deque()
         self._unsent = 0  # the newest ``_unsent`` held reports have not been sent
@@ -124,7 +129,8 @@ class CollectorReporter(Reporter):
 
     def report(self, rep: StepReport) -> None:
         self._hold([rep.to_dict()])
-        self._send()
+        if time.monotonic() >= self._next_call:
+            self._send()
         _raise_if_stopped(self.stop_reason)
 
     def _hold(self, reports: list[dict[str, Any]]) -> None:
@@ -191,6 +197,7 @@ class CollectorReporter(Reporter):
             batch = self._queue
             self._unsent = 0
             self._pending.append(self.handle.report.remote(batch, self.dropped, flush))
+            self._next_call = time.monotonic() + self.interval_s
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Wait, ``timeout_s`` in all, until every held report is on disk at the collector
