@@ -47,6 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cpu import CPUSampler
 from benchmarks.stats import Row, alternate, fmt_si, format_table, ratio_stats, slope
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +57,7 @@ MiB = 2**20
 
 # Steps per run, (full, --quick). Long enough that the steady part dwarfs timer noise.
 STEPS = {
-    "collector": (30, 12), "ray_train": (10, 8), "bare": (50, 12), "torchrun": (40, 12),
+    "collector": (120, 12), "ray_train": (10, 8), "bare": (50, 12), "torchrun": (40, 12),
     "memory": (240, 40), "startup": (2, 2), "gpu": (50, 10),
 }
 
@@ -121,7 +122,7 @@ def run_ray_titan(bench: Bench, cfg) -> dict[str, Any]:
 
     bench.ray()
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with contextlib.redirect_stdout(out), CPUSampler() as sampler:
         result = ray_titan.train(cfg)
     ranks = rank_summaries(result.timings)
     return {
@@ -132,6 +133,7 @@ def run_ray_titan(bench: Bench, cfg) -> dict[str, Any]:
         "metric_columns": result.steps.num_columns,
         "run_dir": str(result.run_dir),
         "result": result,
+        "cpu_sampler": sampler,  # every process's CPU time during the run (benchmarks.cpu)
     }
 
 
@@ -283,30 +285,59 @@ def compare(bench: Bench, name: str, a_label: str, run_a, b_label: str, run_b, t
 
 
 def _jsonable(runs: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "result"} for r in runs]
+    return [{k: v for k, v in r.items() if k not in ("result", "cpu_sampler")} for r in runs]
 
 
 # -- the benchmarks ------------------------------------------------------------------------------
 def bench_collector(bench: Bench) -> list[Row]:
     on = bench.job("collector")
     off = bench.job("collector", "--metrics.enabled=false")
-    row, a, _ = compare(
+    row, a, b = compare(
         bench, "collector overhead (pp=2 × dp_shard=2, 1F1B, 4 workers)",
-        "collector + memory sampling", lambda: run_ray_titan(bench, on),
-        "metrics.enabled=false", lambda: run_ray_titan(bench, off),
+        "collector + memory sampling", lambda: _with_cpu(run_ray_titan(bench, on)),
+        "metrics.enabled=false", lambda: _with_cpu(run_ray_titan(bench, off)),
         "A/B ≥ 0.99", "ratio of tokens/s; 1 − ratio is the overhead", 4, on,
     )
     # The worker-side cost per step, measured directly: sampling + building + sending a report.
-    row.data["per_step_cost"] = _worker_side_cost(bench, a[0]["result"])
+    row.data["per_step_cost"] = _worker_side_cost(bench, a[0]["result"], on.metrics.report_interval_s)
     c = row.data["per_step_cost"]
     row.note += (f"; worker-side cost per step {c['per_step_us']:.0f} µs = "
-                 f"{100 * c['fraction_of_step']:.2f}% of the median step")
+                 f"{100 * c['fraction_of_step']:.2f}% of the median step (a report {c['held_us']:.0f} µs, "
+                 f"a Ray call {c['call_us'] - c['held_us']:.0f} µs more, made at {100 * c['share_of_steps_with_a_call']:.0f}% of steps)")
+    # The CPU the other processes take, per role, median over repetitions: steadier than tokens/s.
+    roles = sorted({r for x in a + b for r in x["cpu_cores"]} | {"collector actor", "driver", "ray system"})
+    med = {side: {r: statistics.median(x["cpu_cores"].get(r, 0.0) for x in runs) for r in roles}
+           for side, runs in (("a", a), ("b", b))}
+    extra = {r: med["a"][r] - med["b"][r] for r in ("collector actor", "driver", "ray system")}
+    row.data["cpu_cores"] = {**med, "a_minus_b": extra}
+    cores = os.cpu_count() or 1
+    row.note += ("; CPU beside the workers, A − B (median cores): " +
+                 ", ".join(f"{r} {v:+.4f}" for r, v in extra.items()) +
+                 f" = {100 * sum(extra.values()) / cores:.2f}% of the machine's {cores} cores")
     return [row]
 
 
-def _worker_side_cost(bench: Bench, result) -> dict[str, float]:
-    """Median cost of ``sample_memory`` + ``StepReport`` + ``CollectorReporter.report`` against a
-    live collector actor, over 200 calls, and its fraction of the run's median step time."""
+def _with_cpu(run: dict[str, Any]) -> dict[str, Any]:
+    """Add ``cpu_cores``: each role's CPU cores (CPU seconds per wall second) over the run's steady
+    window, from the sampler :func:`run_ray_titan` ran."""
+    ranks = rank_summaries(run["result"].timings)
+    # From a second after the first step (the steady window starts after step 2) to the last one.
+    t0 = max(r["marks"]["step1_end"] for r in ranks) + 1.0
+    t1 = min(r["marks"]["last_step_end"] for r in ranks)
+    try:
+        cpu, wall = run.pop("cpu_sampler").cpu_by_role(t0, t1)
+    except ValueError:  # a run too short for two samples (--quick)
+        cpu, wall = {}, 1.0
+    run["cpu_cores"] = {role: secs / wall for role, secs in cpu.items()}
+    return run
+
+
+def _worker_side_cost(bench: Bench, result, interval_s: float) -> dict[str, float]:
+    """Cost on a worker of ``sample_memory`` + ``StepReport`` + ``CollectorReporter.report``
+    against a live collector actor: the median over 200 reports that each make a Ray call, and
+    over 200 that are only held (a call every ``metrics.report_interval_s``). Per step of the run:
+    held + (call − held) × the share of steps that make a call (median step / interval, at most
+    1), and its fraction of the median step."""
     import ray
 
     from ray_titan.metrics.collector import MetricsCollector
@@ -318,24 +349,31 @@ def _worker_side_cost(bench: Bench, result) -> dict[str, float]:
     bench.ray()
     n = 200
     actor = ray.remote(MetricsCollector).options(num_cpus=0).remote(
-        str(bench.work / "runs" / f"cost-{time.time_ns()}"), 1, [0], n, 10**9, 20, True)
-    reporter = CollectorReporter(actor)
-    times = []
-    for step in range(1, n + 1):
-        t0 = time.perf_counter()
-        memory = sample_memory(torch.device("cpu"))
-        reporter.report(StepReport(
-            step=step, rank=0, coords={"pp": 0, "dp_shard": 0}, is_last_stage=True, loss=1.0,
-            tokens=512, step_time_s=0.1, data_time_s=0.0, fwd_bwd_time_s=0.1, optim_time_s=0.0,
-            grad_norm=1.0, lr=1e-3, memory=memory, gc_pause_s=0.0, time=time.time()))
-        times.append(time.perf_counter() - t0)
-        time.sleep(0.005)  # a step's worth of spacing, so calls do not pile up unrealistically
-    reporter.close()
+        str(bench.work / "runs" / f"cost-{time.time_ns()}"), 1, [0], 2 * n, 10**9, 20, True)
+    median = {}
+    for kind, interval in (("call", 0.0), ("held", float("inf"))):
+        reporter = CollectorReporter(actor, interval_s=interval)
+        times = []
+        for step in range(1, n + 1):
+            t0 = time.perf_counter()
+            memory = sample_memory(torch.device("cpu"))
+            reporter.report(StepReport(
+                step=step if kind == "call" else n + step, rank=0, coords={"pp": 0, "dp_shard": 0},
+                is_last_stage=True, loss=1.0, tokens=512, step_time_s=0.1, data_time_s=0.0,
+                fwd_bwd_time_s=0.1, optim_time_s=0.0, grad_norm=1.0, lr=1e-3, memory=memory,
+                gc_pause_s=0.0, time=time.time()))
+            times.append(time.perf_counter() - t0)
+            time.sleep(0.005)  # a step's worth of spacing, so calls do not pile up unrealistically
+        reporter.close()
+        # The held run's first report makes the one call: leave it out.
+        median[kind] = statistics.median(times if kind == "call" else times[1:])
     ray.get(actor.finish.remote())
     ray.kill(actor)
     step_time = statistics.median(result.steps["step_time_s"].to_pylist())
-    per = statistics.median(times)
-    return {"per_step_us": per * 1e6, "median_step_s": step_time, "fraction_of_step": per / step_time}
+    share = min(1.0, step_time / interval_s) if interval_s > 0 else 1.0
+    per = median["held"] + (median["call"] - median["held"]) * share
+    return {"per_step_us": per * 1e6, "call_us": median["call"] * 1e6, "held_us": median["held"] * 1e6,
+            "median_step_s": step_time, "share_of_steps_with_a_call": share, "fraction_of_step": per / step_time}
 
 
 def bench_ray_train(bench: Bench) -> list[Row]:

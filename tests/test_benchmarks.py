@@ -88,3 +88,37 @@ def test_subprocess_flags_reproduce_the_config():
     with_cb = cfg.model_copy(update={"callbacks": [Callback(target="a.b:c")]})
     with pytest.raises(ValueError, match="callbacks: 1 entries"):
         _flags(with_cb)
+
+
+def test_cpu_sampler_charges_a_busy_process_to_its_role():
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.cpu import CPUSampler, role_of
+
+    assert role_of(7, "ray::MetricsCollector.report", driver_pid=1) == "collector actor"
+    assert role_of(7, "/usr/bin/raylet --foo", driver_pid=1) == "ray system"
+    assert role_of(7, "ray::RayTrainWorker._RayTrainWorker__execute", driver_pid=7) == "driver"
+    # A child that spins for 1.5 s, named like the collector actor on its command line.
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5: pass"
+    with CPUSampler(interval_s=0.1) as sampler:
+        t0 = time.time()
+        subprocess.run([sys.executable, "-c", burn, "ray::MetricsCollector"], check=True)
+        time.sleep(0.3)  # a last sample with the child gone
+        t1 = time.time()
+    roles, wall = sampler.cpu_by_role(t0 - 1, t1)
+    assert 0 < wall <= t1 - t0 + 0.5
+    # The child started and ended inside the window: processes not alive at both ends are left out.
+    assert roles.get("collector actor", 0.0) == 0.0
+    with CPUSampler(interval_s=0.1) as sampler:
+        child = subprocess.Popen([sys.executable, "-c", burn, "ray::MetricsCollector"])
+        time.sleep(0.3)
+        t0 = time.time()
+        time.sleep(0.8)  # the child spins for 1.5 s of CPU, so it is alive all through
+        t1 = time.time()
+        child.wait()
+    roles, wall = sampler.cpu_by_role(t0, t1)
+    assert 0.3 < roles["collector actor"] <= wall + 0.05  # it spun for most of the window
+    with pytest.raises(ValueError, match="fewer than two"):
+        sampler.cpu_by_role(t1 + 100, t1 + 200)
