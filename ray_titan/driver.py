@@ -265,8 +265,10 @@ def train(
     run_dir = make_run_dir(cfg)
     storage.write_text(_under(run_dir, "config.json"), cfg.model_dump_json(indent=2))
     # Restarted by Ray if it dies; it resumes from its flushed parts and workers resend the rest.
+    # No task events: each report call would be one more entry the GCS keeps (up to 100k) and
+    # the dashboard lists, and their bookkeeping costs the GCS and the actor CPU every call.
     collector = ray.remote(MetricsCollector).options(
-        num_cpus=0, max_restarts=cfg.metrics.collector_max_restarts,
+        num_cpus=0, max_restarts=cfg.metrics.collector_max_restarts, enable_task_events=False,
     ).remote(
         str(run_dir), dims.world_size, dims.last_stage_ranks(), cfg.training.steps,
         cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
