@@ -9,8 +9,10 @@ Which generation: every ``gc_freq`` steps generation 1 (young objects: the cycle
 creates, such as autograd graphs captured by closures, are young when they die; a pass costs
 about a millisecond). With automatic GC off, a cycle that survived into generation 2 would never
 be freed by those, so every ``full_every``-th collection and every checkpoint boundary, before
-and after the save (where the ranks wait anyway), is a full one, generation 2 (tens of
-milliseconds in a Ray worker, which holds many long-lived objects).
+and after the save (where the ranks wait anyway), is a full one, generation 2. What exists when
+the policy starts (after the model, optimizer and data are built) is frozen (``gc.freeze``), so
+a full collection traverses only what the run created since: in a main-job Ray worker it took
+0.58–0.73 s before, when it also walked every object of Ray, torch and the model.
 
 After each collection, with ``trim`` (``[memory] malloc_trim``), malloc hands its free pages
 back to the kernel (:func:`ray_titan.allocator.malloc_trim`; under glibc ~25 MiB per rank on the
@@ -89,8 +91,13 @@ class GarbageCollection:
         self.collections = 0
         self._was_enabled = gc.isenabled()
         self._old_flags = gc.get_debug()
+        self._froze = gc.get_freeze_count() == 0  # someone else's freeze is theirs to undo
         gc.disable()
         gc.collect(1)
+        # Everything alive now (modules, Ray, the model, optimizer and loader, built before this)
+        # lives for the run: moved to the permanent generation, full collections skip it. A
+        # full collection of a main-job Ray worker took 0.58-0.73 s without this.
+        gc.freeze()
 
     def _collect(self, generation: int) -> GCResult:
         if self.debug:
@@ -131,7 +138,9 @@ class GarbageCollection:
         return self._collect(2)
 
     def close(self) -> None:
-        """Restore the GC state found at construction."""
+        """Restore the GC state found at construction (and unfreeze what construction froze)."""
         gc.set_debug(self._old_flags)
+        if self._froze:
+            gc.unfreeze()
         if self._was_enabled:
             gc.enable()

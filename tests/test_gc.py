@@ -61,3 +61,24 @@ def test_debug_mode_collects_every_step_and_reports_cycles_holding_tensors(capsy
     assert res.cycle_tensors == 1 and res.cycle_tensor_bytes == 64 * 32 * 4
     assert "tensor(64, 32) torch.float32 held by _Node" in res.description
     assert "gc debug: rank 3: reference cycles held 1 tensor(s), 8192 bytes" in capsys.readouterr().err
+
+
+def test_startup_objects_are_frozen_and_a_later_cycle_is_still_freed():
+    import weakref
+
+    before = _Node()
+    before.self = before  # a cycle alive at start: frozen, a full collection does not walk it
+    policy = GarbageCollection(gc_freq=1)
+    try:
+        assert gc.get_freeze_count() > 0
+        late = _Node()
+        late.self = late
+        freed = []
+        weakref.finalize(late, freed.append, True)
+        del late
+        policy.at_checkpoint()  # a full collection still frees what the run made
+        assert freed == [True]
+    finally:
+        policy.close()
+    assert gc.get_freeze_count() == 0
+    del before
