@@ -116,16 +116,20 @@ def rank_summaries(timings: dict[str, dict]) -> list[dict[str, Any]]:
     return [v for k, v in sorted(timings.items()) if k.startswith("rank")]
 
 
-def run_ray_titan(bench: Bench, cfg) -> dict[str, Any]:
-    """``ray_titan.train(cfg)`` on the shared cluster; its console output is kept, not printed."""
+def run_ray_titan(bench: Bench, cfg, cpu: bool = False) -> dict[str, Any]:
+    """``ray_titan.train(cfg)`` on the shared cluster; its console output is kept, not printed.
+    ``cpu``: also ``cpu_cores``, each process role's CPU cores (CPU seconds per wall second) over
+    the steady window (``benchmarks.cpu``; a thread reading ``/proc`` in this process, so only
+    where both sides of a comparison run it)."""
     import ray_titan
 
     bench.ray()
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), CPUSampler() as sampler:
+    with contextlib.redirect_stdout(out), contextlib.ExitStack() as stack:
+        sampler = stack.enter_context(CPUSampler()) if cpu else None
         result = ray_titan.train(cfg)
     ranks = rank_summaries(result.timings)
-    return {
+    run = {
         "tokens_per_s": tokens_per_s(cfg, ranks),
         "rss_bytes": [r["host_rss_bytes"] for r in ranks],
         "peak_rss_bytes": [r["host_peak_rss_bytes"] for r in ranks],
@@ -133,8 +137,17 @@ def run_ray_titan(bench: Bench, cfg) -> dict[str, Any]:
         "metric_columns": result.steps.num_columns,
         "run_dir": str(result.run_dir),
         "result": result,
-        "cpu_sampler": sampler,  # every process's CPU time during the run (benchmarks.cpu)
     }
+    if sampler is not None:
+        # From a second after the first step (the steady window starts after step 2) to the last.
+        t0 = max(r["marks"]["step1_end"] for r in ranks) + 1.0
+        t1 = min(r["marks"]["last_step_end"] for r in ranks)
+        try:
+            secs, wall = sampler.cpu_by_role(t0, t1)
+        except ValueError:  # a run too short for two samples (--quick)
+            secs, wall = {}, 1.0
+        run["cpu_cores"] = {role: v / wall for role, v in secs.items()}
+    return run
 
 
 def baseline_env(cfg) -> dict[str, str]:
@@ -285,7 +298,7 @@ def compare(bench: Bench, name: str, a_label: str, run_a, b_label: str, run_b, t
 
 
 def _jsonable(runs: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in ("result", "cpu_sampler")} for r in runs]
+    return [{k: v for k, v in r.items() if k != "result"} for r in runs]
 
 
 # -- the benchmarks ------------------------------------------------------------------------------
@@ -294,8 +307,8 @@ def bench_collector(bench: Bench) -> list[Row]:
     off = bench.job("collector", "--metrics.enabled=false")
     row, a, b = compare(
         bench, "collector overhead (pp=2 × dp_shard=2, 1F1B, 4 workers)",
-        "collector + memory sampling", lambda: _with_cpu(run_ray_titan(bench, on)),
-        "metrics.enabled=false", lambda: _with_cpu(run_ray_titan(bench, off)),
+        "collector + memory sampling", lambda: run_ray_titan(bench, on, cpu=True),
+        "metrics.enabled=false", lambda: run_ray_titan(bench, off, cpu=True),
         "A/B ≥ 0.99", "ratio of tokens/s; 1 − ratio is the overhead", 4, on,
     )
     # The worker-side cost per step, measured directly: sampling + building + sending a report.
@@ -315,21 +328,6 @@ def bench_collector(bench: Bench) -> list[Row]:
                  ", ".join(f"{r} {v:+.4f}" for r, v in extra.items()) +
                  f" = {100 * sum(extra.values()) / cores:.2f}% of the machine's {cores} cores")
     return [row]
-
-
-def _with_cpu(run: dict[str, Any]) -> dict[str, Any]:
-    """Add ``cpu_cores``: each role's CPU cores (CPU seconds per wall second) over the run's steady
-    window, from the sampler :func:`run_ray_titan` ran."""
-    ranks = rank_summaries(run["result"].timings)
-    # From a second after the first step (the steady window starts after step 2) to the last one.
-    t0 = max(r["marks"]["step1_end"] for r in ranks) + 1.0
-    t1 = min(r["marks"]["last_step_end"] for r in ranks)
-    try:
-        cpu, wall = run.pop("cpu_sampler").cpu_by_role(t0, t1)
-    except ValueError:  # a run too short for two samples (--quick)
-        cpu, wall = {}, 1.0
-    run["cpu_cores"] = {role: secs / wall for role, secs in cpu.items()}
-    return run
 
 
 def _worker_side_cost(bench: Bench, result, interval_s: float) -> dict[str, float]:

@@ -368,12 +368,12 @@ def _fit_without_metrics(trainer, cfg: JobConfig, run_dir: Path, marks: dict[str
     finally:
         marks["fit_returned"] = time.time()
         write_timings(run_dir, "driver", {"marks": marks})
+    where = f"metrics.enabled = false: timings only in {_under(run_dir, 'timings')}"
     stop = _under(run_dir, STOP_REASON_FILE)
     if storage.exists(stop):
         from ray_titan.fault import NonFiniteError
 
-        print(f"ray_titan: run stopped (metrics.enabled = false: timings only in {_under(run_dir, 'timings')})",
-              file=sys.stderr, flush=True)
+        print(f"ray_titan: run stopped ({where})", file=sys.stderr, flush=True)
         raise NonFiniteError(storage.read_text(stop))
-    print(f"ray_titan: done (metrics.enabled = false: timings only in {_under(run_dir, 'timings')})", flush=True)
+    print(f"ray_titan: done ({where})", flush=True)
     return RunResult(run_dir=run_dir, steps=pa.table({}), final_loss=None, config=cfg, timings=read_timings(run_dir))
