@@ -1,5 +1,7 @@
-"""Cost of the per-step memory sample (``ray_titan.metrics.memory.sample_memory``) and of the
-memory verdict per step in the collector, printed as figures (not a test).
+"""Cost of the per-step memory sample (``ray_titan.metrics.memory.MemorySampler``), of each of
+its reads, and of the memory verdict per step in the collector, printed as figures (not a test).
+The heap's cost depends on the process: glibc's ``mallinfo2`` takes ~2 µs here and ~0.55 ms in a
+Ray train worker, whose threads each hold an arena; a run's real cost is its ``metrics_time_s``.
 
     python benchmarks/memory_sampling.py [--samples 2000]
 
@@ -16,7 +18,8 @@ import time
 import torch
 
 from ray_titan.metrics.leak import LeakMonitor, leak_settings
-from ray_titan.metrics.memory import host_available, host_memory, sample_memory
+from ray_titan.allocator import host_heap
+from ray_titan.metrics.memory import MemorySampler, host_available, host_memory, sample_memory
 
 
 def _per_call_us(fn, n: int) -> float:
@@ -35,9 +38,14 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     print(f"device: {device}")
-    print(f"sample_memory:  {_per_call_us(lambda: sample_memory(device), args.samples):8.1f} us per call (every step, every rank)")
-    print(f"  host_memory:  {_per_call_us(host_memory, args.samples):8.1f} us (/proc/self/status)")
+    sampler = MemorySampler(device, slow_interval_s=1.0)
+    print(f"MemorySampler:  {_per_call_us(sampler.sample, args.samples):8.1f} us per call (every step, every rank; "
+          "heap and available memory once a second)")
+    print(f"sample_memory:  {_per_call_us(lambda: sample_memory(device), args.samples):8.1f} us (every field read)")
+    print(f"  host_memory:  {_per_call_us(host_memory, args.samples):8.1f} us (/proc/self/statm opened, getrusage)")
+    print(f"  host_heap:    {_per_call_us(host_heap, args.samples):8.1f} us (malloc's statistics)")
     print(f"  host_available: {_per_call_us(host_available, args.samples):6.1f} us (/proc/meminfo and the cgroup)")
+    sampler.close()
     monitor = LeakMonitor(**leak_settings())
     row = sample_memory(device) | {"rank": 0, "coords": {"pp": 0, "dp_shard": 0}}
     step = iter(range(1, 10**9))

@@ -311,12 +311,12 @@ def bench_collector(bench: Bench) -> list[Row]:
         "metrics.enabled=false", lambda: run_ray_titan(bench, off, cpu=True),
         "A/B ≥ 0.99", "ratio of tokens/s; 1 − ratio is the overhead", 4, on,
     )
-    # The worker-side cost per step, measured directly: sampling + building + sending a report.
-    row.data["per_step_cost"] = _worker_side_cost(bench, a[0]["result"], on.metrics.report_interval_s)
-    c = row.data["per_step_cost"]
-    row.note += (f"; worker-side cost per step {c['per_step_us']:.0f} µs = "
-                 f"{100 * c['fraction_of_step']:.2f}% of the median step (a report {c['held_us']:.0f} µs, "
-                 f"a Ray call {c['call_us'] - c['held_us']:.0f} µs more, made at {100 * c['share_of_steps_with_a_call']:.0f}% of steps)")
+    # The worker-side cost, as the runs recorded it: every step's metrics_time_s on every rank.
+    c = row.data["per_step_cost"] = worker_side_cost(a)
+    row.note += (f"; worker-side cost per step (the runs' metrics_time_s, median) {c['per_step_us']:.0f} µs = "
+                 f"{100 * c['fraction_of_step']:.2f}% of the median step"
+                 + (f", {100 * c['fraction_of_worker_cpu']:.2f}% of a worker's CPU time per step"
+                    if c.get("fraction_of_worker_cpu") is not None else ""))
     # The CPU the other processes take, per role, median over repetitions: steadier than tokens/s.
     roles = sorted({r for x in a + b for r in x["cpu_cores"]} | {"collector actor", "driver", "ray system"})
     med = {side: {r: statistics.median(x["cpu_cores"].get(r, 0.0) for x in runs) for r in roles}
@@ -330,48 +330,24 @@ def bench_collector(bench: Bench) -> list[Row]:
     return [row]
 
 
-def _worker_side_cost(bench: Bench, result, interval_s: float) -> dict[str, float]:
-    """Cost on a worker of ``sample_memory`` + ``StepReport`` + ``CollectorReporter.report``
-    against a live collector actor: the median over 200 reports that each make a Ray call, and
-    over 200 that are only held (a call every ``metrics.report_interval_s``). Per step of the run:
-    held + (call − held) × the share of steps that make a call (median step / interval, at most
-    1), and its fraction of the median step."""
-    import ray
-
-    from ray_titan.metrics.collector import MetricsCollector
-    from ray_titan.metrics.memory import sample_memory
-    from ray_titan.metrics.report import CollectorReporter, StepReport
-
-    import torch
-
-    bench.ray()
-    n = 200
-    actor = ray.remote(MetricsCollector).options(num_cpus=0).remote(
-        str(bench.work / "runs" / f"cost-{time.time_ns()}"), 1, [0], 2 * n, 10**9, 20, True)
-    median = {}
-    for kind, interval in (("call", 0.0), ("held", float("inf"))):
-        reporter = CollectorReporter(actor, interval_s=interval)
-        times = []
-        for step in range(1, n + 1):
-            t0 = time.perf_counter()
-            memory = sample_memory(torch.device("cpu"))
-            reporter.report(StepReport(
-                step=step if kind == "call" else n + step, rank=0, coords={"pp": 0, "dp_shard": 0},
-                is_last_stage=True, loss=1.0, tokens=512, step_time_s=0.1, data_time_s=0.0,
-                fwd_bwd_time_s=0.1, optim_time_s=0.0, grad_norm=1.0, lr=1e-3, memory=memory,
-                gc_pause_s=0.0, time=time.time()))
-            times.append(time.perf_counter() - t0)
-            time.sleep(0.005)  # a step's worth of spacing, so calls do not pile up unrealistically
-        reporter.close()
-        # The held run's first report makes the one call: leave it out.
-        median[kind] = statistics.median(times if kind == "call" else times[1:])
-    ray.get(actor.finish.remote())
-    ray.kill(actor)
-    step_time = statistics.median(result.steps["step_time_s"].to_pylist())
-    share = min(1.0, step_time / interval_s) if interval_s > 0 else 1.0
-    per = median["held"] + (median["call"] - median["held"]) * share
-    return {"per_step_us": per * 1e6, "call_us": median["call"] * 1e6, "held_us": median["held"] * 1e6,
-            "median_step_s": step_time, "share_of_steps_with_a_call": share, "fraction_of_step": per / step_time}
+def worker_side_cost(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    """What sampling memory and reporting cost the workers, from the runs' own ``metrics_time_s``
+    column (each step's figure is the previous step's cost, measured on the worker): the median
+    over every step and rank of every run, its fraction of the median ``step_time_s``, and, where
+    the runs sampled CPU by role, of a worker's CPU seconds per step (train workers' cores × median
+    step ÷ workers): on a machine with fewer cores than workers, CPU is what the step waits on."""
+    costs, steps, cpu = [], [], []
+    for run in runs:
+        t = run["result"].steps
+        costs += [c for c in t["metrics_time_s"].to_pylist() if c is not None]
+        step = statistics.median(t["step_time_s"].to_pylist())
+        steps.append(step)
+        if (cores := run.get("cpu_cores", {}).get("train workers")):
+            cpu.append(cores * step / len(set(t["rank"].to_pylist())))
+    per, step = statistics.median(costs), statistics.median(steps)
+    return {"per_step_us": per * 1e6, "median_step_s": step, "fraction_of_step": per / step,
+            "worker_cpu_per_step_s": statistics.median(cpu) if cpu else None,
+            "fraction_of_worker_cpu": per / statistics.median(cpu) if cpu else None}
 
 
 def bench_ray_train(bench: Bench) -> list[Row]:

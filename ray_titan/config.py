@@ -183,6 +183,12 @@ class Metrics(_Section):
     between travel in one call (a Ray call costs ~0.6 ms of the worker's CPU and ~0.75 ms of the
     collector's, one report or many). Every step is still recorded; console lines and the memory
     verdict's stop lag by at most this. 0: a call every step."""
+    heap_stats_interval_s: float = Field(1.0, ge=0)
+    """Seconds between reads of malloc's statistics and the node's available memory
+    (``host_heap_in_use_bytes``, ``host_heap_free_bytes``, ``host_available_bytes``); steps in
+    between carry the last read. RSS and device memory are read every step. glibc's
+    ``mallinfo2`` costs ~0.55 ms in a Ray worker (``ray_titan.metrics.memory.MemorySampler``).
+    0: every step."""
     max_inflight_reports: int = Field(16, gt=0)
     """Report batches a worker may have in flight to the collector before it buffers locally."""
     max_buffered_reports: int = Field(10_000, gt=0)

@@ -35,7 +35,7 @@ from ray_titan.data.loader import PackedLoader
 from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.fault import FaultHandler
 from ray_titan.gc import GarbageCollection
-from ray_titan.metrics.memory import MemorySnapshots, host_memory, sample_memory
+from ray_titan.metrics.memory import MemorySampler, MemorySnapshots, host_memory
 from ray_titan.metrics.report import Reporter, StepReport
 from ray_titan.metrics.timing import StepClock
 from ray_titan.models.registry import build_model, is_moe
@@ -220,7 +220,9 @@ def train_loop(
                                 mem.history_max_entries)
     hooks = _callbacks(cfg, callbacks, CallbackContext(
         rank, coords, world, device, Path(run_dir) if run_dir is not None else None, cfg))
+    sampler = MemorySampler(device, cfg.metrics.heap_stats_interval_s)
     last_loss, step, error, tokens_per_step = None, 0, None, 0
+    metrics_time: float | None = None  # the previous step's sampling + reporting, seconds
     try:
         snapshots.start()
         hooks.on_train_start()
@@ -272,7 +274,8 @@ def train_loop(
             gc_result = gc_policy.run(step)
             report = None
             if metrics_on:
-                memory = sample_memory(device)
+                t_sample = time.perf_counter()
+                memory = sampler.sample()
                 t4 = time.perf_counter()
                 report = StepReport(
                     step=step, rank=rank, coords=coords, is_last_stage=is_last, loss=loss,
@@ -282,9 +285,13 @@ def train_loop(
                     gc_generation=gc_result.generation,
                     aux_loss=aux_loss, moe_layers=moe_layers, expert_load=expert_load,
                     skipped_update=skipped, attempt_start_time=faults.attempt_start_time,
+                    metrics_time_s=metrics_time,
                 )
-                hooks.on_step_end(step, report)
+                t_hooks = time.perf_counter()
+                hooks.on_step_end(step, report)  # the user's callbacks: not the metrics path's cost
+                t_report = time.perf_counter()
                 reporter.report(report)
+                metrics_time = (t_hooks - t_sample) + (time.perf_counter() - t_report)
             clock.step_end(step)
             faults.end_step(step, ckpt.restarted)  # on_nonfinite = "stop"; debug.kill_at_step
             if ckpt.due(step):
@@ -303,6 +310,7 @@ def train_loop(
         raise
     finally:
         snapshots.close()
+        sampler.close()
         gc_policy.close()
         try:
             hooks.on_train_end(error)

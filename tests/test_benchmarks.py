@@ -122,3 +122,22 @@ def test_cpu_sampler_charges_a_busy_process_to_its_role():
     assert 0.3 < roles["collector actor"] <= wall + 0.05  # it spun for most of the window
     with pytest.raises(ValueError, match="fewer than two"):
         sampler.cpu_by_role(t1 + 100, t1 + 200)
+
+
+def test_worker_side_cost_reads_the_runs_own_metrics_time():
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+
+    from benchmarks.run import worker_side_cost
+
+    def run(costs, step_s, cores):
+        t = pa.table({"rank": [0, 1] * len(costs), "metrics_time_s": [c for c in costs for _ in (0, 1)],
+                      "step_time_s": [step_s] * 2 * len(costs)})
+        return {"result": SimpleNamespace(steps=t), "cpu_cores": {"train workers": cores}}
+
+    c = worker_side_cost([run([None, 0.001, 0.003], 0.2, 1.6), run([None, 0.002, 0.002], 0.2, 1.6)])
+    assert c["per_step_us"] == pytest.approx(2000)  # the first step of a run has no figure
+    assert c["fraction_of_step"] == pytest.approx(0.01)
+    assert c["worker_cpu_per_step_s"] == pytest.approx(1.6 * 0.2 / 2)
+    assert c["fraction_of_worker_cpu"] == pytest.approx(0.002 / 0.16)

@@ -100,6 +100,29 @@ def test_memory_sample_reads_proc():
     del block
 
 
+def test_memory_sampler_reads_rss_every_step_and_slow_fields_per_interval(monkeypatch):
+    import torch
+
+    import ray_titan.metrics.memory as memory
+
+    reads = []
+    monkeypatch.setattr(memory, "host_heap", lambda: (reads.append(1), (len(reads), 7))[1])
+    slow = memory.MemorySampler(torch.device("cpu"), slow_interval_s=3600)
+    first = slow.sample()
+    block = bytearray(64 << 20)
+    block[:: 4096] = b"x" * len(block[:: 4096])
+    second = slow.sample()
+    # RSS is read afresh (the held /proc fd is re-read), malloc's figures carried from the first read.
+    assert second["host_rss_bytes"] - first["host_rss_bytes"] > 48 << 20
+    assert second["host_peak_rss_bytes"] >= second["host_rss_bytes"]
+    assert len(reads) == 1 and second["host_heap_in_use_bytes"] == first["host_heap_in_use_bytes"] == 1
+    assert second["host_available_bytes"] == first["host_available_bytes"]
+    every = memory.MemorySampler(torch.device("cpu"), slow_interval_s=0)
+    assert [every.sample()["host_heap_in_use_bytes"] for _ in range(2)] == [2, 3]
+    slow.close(), every.close()
+    del block
+
+
 def test_finish_is_idempotent_and_parts_never_overwritten(tmp_path):
     dims = ParallelDims(pp=1, dp_shard=1)
     parts = tmp_path / "metrics" / "parts"

@@ -42,6 +42,9 @@ def test_single_process_prints_and_records_every_step(single):
     assert steps.num_rows == STEPS and len(losses) == STEPS
     assert f"step {STEPS}/{STEPS} | loss" in stdout
     assert losses[0] == pytest.approx(np.log(258), abs=0.1)
+    # Each step carries the previous step's own metrics cost; the first has none to carry.
+    cost = steps.sort_by("step")["metrics_time_s"].to_pylist()
+    assert cost[0] is None and all(0 < c < 0.5 for c in cost[1:])
 
 
 @pytest.mark.parametrize(

@@ -423,6 +423,7 @@ class MetricsCollector:
         row.update(aux_loss=r.get("aux_loss"), moe_layers=r.get("moe_layers") or [],
                    expert_load=r.get("expert_load") or [])
         row["gc_generation"] = r.get("gc_generation")
+        row["metrics_time_s"] = r.get("metrics_time_s")
         row.update(skipped_update=r.get("skipped_update", False), attempt=0,
                    attempt_start_time=r.get("attempt_start_time", 0.0), pid=r.get("pid"))
         row.update({k: r["memory"].get(k) for k in MEMORY_FIELDS})

@@ -3,9 +3,10 @@
 =========================  =====  ==========================================================
 field                      unit   source
 =========================  =====  ==========================================================
-host_rss_bytes             bytes  ``VmRSS`` in ``/proc/self/status``: resident set now
-host_peak_rss_bytes        bytes  ``VmHWM`` in ``/proc/self/status``: peak resident set of
-                                  the process so far
+host_rss_bytes             bytes  resident pages of ``/proc/self/statm`` × page size: the
+                                  resident set now (``VmRSS``)
+host_peak_rss_bytes        bytes  ``ru_maxrss`` of ``getrusage(RUSAGE_SELF)``: peak resident
+                                  set of the process so far (``VmHWM``)
 host_heap_in_use_bytes     bytes  what malloc has handed out and not taken back
                                   (:func:`ray_titan.allocator.host_heap`: jemalloc
                                   ``stats.allocated``, glibc ``mallinfo2`` ``uordblks +
@@ -39,9 +40,12 @@ device_capacity_bytes      bytes  total of ``torch.accelerator.get_memory_info``
                                   ``get_device_properties(..).total_memory`` on older torch)
 =========================  =====  ==========================================================
 
-Device fields are ``None`` on CPU-only workers. The cost of one sample is printed by
-``benchmarks/memory_sampling.py`` (tens of microseconds on CPU: three small ``/proc`` reads and the
-allocator's statistics, ~20 µs under jemalloc, ~40 µs under glibc with 4,600 free chunks).
+Device fields are ``None`` on CPU-only workers. The train loop samples with
+:class:`MemorySampler`: RSS and the device counters every step, the ``host_heap_*`` and
+``host_available_bytes`` fields at most every ``metrics.heap_stats_interval_s`` (glibc's
+``mallinfo2`` walks every arena's free lists: 0.55 ms in a main-job Ray worker). The cost of
+each read is printed by ``benchmarks/memory_sampling.py``; a run's own cost of sampling and
+reporting is in its ``metrics_time_s`` column.
 
 :class:`MemorySnapshots` writes snapshots to ``<run_dir>/memory/``: on CUDA the allocator's
 history (``torch.cuda.memory._record_memory_history``, pickled with ``_dump_snapshot``, viewable
@@ -53,7 +57,11 @@ from __future__ import annotations
 
 import gc
 import json
+import math
+import os
+import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +70,7 @@ import torch
 from ray_titan.allocator import host_heap
 
 __all__ = [
-    "MEMORY_FIELDS", "sample_memory", "host_memory", "host_heap", "host_available", "MemorySnapshots",
+    "MEMORY_FIELDS", "MemorySampler", "sample_memory", "host_memory", "host_heap", "host_available", "MemorySnapshots",
     "RankOutOfMemoryError", "live_tensors", "timeline_peaks",
 ]
 
@@ -85,16 +93,22 @@ MEMORY_FIELDS = (
 )
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
 def host_memory() -> tuple[int, int]:
-    """``(rss, peak_rss)`` of this process in bytes, from ``/proc/self/status``."""
-    rss = peak = 0
-    with open("/proc/self/status", "rb") as f:
-        for line in f:
-            if line.startswith(b"VmRSS:"):
-                rss = int(line.split()[1]) * 1024
-            elif line.startswith(b"VmHWM:"):
-                peak = int(line.split()[1]) * 1024
-    return rss, peak
+    """``(rss, peak_rss)`` of this process in bytes: resident pages of ``/proc/self/statm``
+    (``VmRSS``, cheaper to read than ``/proc/self/status``) and ``ru_maxrss`` of ``getrusage``
+    (``VmHWM``, KiB on Linux)."""
+    with open("/proc/self/statm", "rb") as f:
+        rss = int(f.read().split()[1]) * _PAGE
+    return rss, _peak_rss(rss)
+
+
+def _peak_rss(rss: int) -> int:
+    # The kernel's RSS counters are per-CPU and summed approximately: ru_maxrss can trail a
+    # statm read taken a moment earlier by a few pages.
+    return max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 _CGROUP: list[tuple[Path, Path]] | None = None
@@ -145,26 +159,78 @@ def host_available() -> int:
 
 
 def sample_memory(device: torch.device) -> dict[str, int | None]:
-    """One sample of every field in the table above; resets the device peak statistics."""
-    rss, peak = host_memory()
-    out: dict[str, int | None] = dict.fromkeys(MEMORY_FIELDS)
-    out["host_rss_bytes"], out["host_peak_rss_bytes"] = rss, peak
-    out["host_heap_in_use_bytes"], out["host_heap_free_bytes"] = host_heap()
-    out["host_available_bytes"] = host_available()
-    if device.type != "cpu":
-        acc = _accelerator()
-        s = acc.memory_stats(device)
-        out.update(
-            device_allocated_bytes=s.get("allocated_bytes.all.current", 0),
-            device_active_bytes=s.get("active_bytes.all.current", 0),
-            device_reserved_bytes=s.get("reserved_bytes.all.current", 0),
-            device_peak_active_bytes=s.get("active_bytes.all.peak", 0),
-            device_peak_reserved_bytes=s.get("reserved_bytes.all.peak", 0),
-            device_alloc_retries=s.get("num_alloc_retries", 0),
-            device_ooms=s.get("num_ooms", 0),
-            device_capacity_bytes=_capacity(device),
-        )
-        acc.reset_peak_memory_stats(device)
+    """One sample of every field in the table above, all read now; resets the device peak
+    statistics. Per step, :class:`MemorySampler` bounds the cost of the slow fields."""
+    sampler = MemorySampler(device, 0.0)
+    try:
+        return sampler.sample()
+    finally:
+        sampler.close()
+
+
+class MemorySampler:
+    """Samples every field of :data:`MEMORY_FIELDS`, once per step, at a bounded cost.
+
+    Every :meth:`sample`: host RSS (``/proc/self/statm``, kept open and re-read with ``pread``,
+    ~2 µs), peak RSS (``getrusage``) and the device counters (resetting the device peaks). At most
+    every ``slow_interval_s`` seconds (the first sample always): malloc's statistics
+    (``host_heap_in_use_bytes``, ``host_heap_free_bytes``) and ``host_available_bytes``; samples in
+    between carry the last values. glibc's ``mallinfo2`` walks every arena's free lists under
+    the arena's lock: 0.55 ms per call in a main-job Ray worker (its threads each get an arena),
+    ``/proc/meminfo`` 0.1 ms; every step they made sampling 0.8 ms of a worker's CPU per step,
+    1 % of it. Both drift slowly, and the memory verdict fits a slope over many steps.
+    0: every field every sample.
+    """
+
+    def __init__(self, device: torch.device, slow_interval_s: float = 1.0):
+        self.device, self.slow_interval_s = device, slow_interval_s
+        self._slow: dict[str, int | None] = {}
+        self._slow_at = -math.inf
+        self._fd, self._pid = -1, -1
+
+    def _rss(self) -> int:
+        if self._pid != os.getpid():  # opened by a parent before a fork: /proc/self was its
+            self.close()
+            self._fd, self._pid = os.open("/proc/self/statm", os.O_RDONLY), os.getpid()
+        return int(os.pread(self._fd, 256, 0).split()[1]) * _PAGE
+
+    def sample(self) -> dict[str, int | None]:
+        """``{field: bytes or count or None}`` for every field of :data:`MEMORY_FIELDS`."""
+        out: dict[str, int | None] = dict.fromkeys(MEMORY_FIELDS)
+        out["host_rss_bytes"] = rss = self._rss()
+        out["host_peak_rss_bytes"] = _peak_rss(rss)
+        now = time.monotonic()
+        if now - self._slow_at >= self.slow_interval_s:
+            in_use, free = host_heap()
+            self._slow = {"host_heap_in_use_bytes": in_use, "host_heap_free_bytes": free,
+                          "host_available_bytes": host_available()}
+            self._slow_at = now
+        out.update(self._slow)
+        if self.device.type != "cpu":
+            out.update(_device_memory(self.device))
+        return out
+
+    def close(self) -> None:
+        if self._fd >= 0 and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd, self._pid = -1, -1
+
+
+def _device_memory(device: torch.device) -> dict[str, int]:
+    """The ``device_*`` fields; resets the device peak statistics."""
+    acc = _accelerator()
+    s = acc.memory_stats(device)
+    out = dict(
+        device_allocated_bytes=s.get("allocated_bytes.all.current", 0),
+        device_active_bytes=s.get("active_bytes.all.current", 0),
+        device_reserved_bytes=s.get("reserved_bytes.all.current", 0),
+        device_peak_active_bytes=s.get("active_bytes.all.peak", 0),
+        device_peak_reserved_bytes=s.get("reserved_bytes.all.peak", 0),
+        device_alloc_retries=s.get("num_alloc_retries", 0),
+        device_ooms=s.get("num_ooms", 0),
+        device_capacity_bytes=_capacity(device),
+    )
+    acc.reset_peak_memory_stats(device)
     return out
 
 

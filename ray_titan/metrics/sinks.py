@@ -25,7 +25,7 @@ STEP_SCHEMA = pa.schema(
         ("step", _I), ("rank", _I), ("pp", _I), ("dp_shard", _I), ("ep", _I), ("is_last_stage", _B),
         ("loss", _F), ("tokens", _I), ("step_time_s", _F), ("data_time_s", _F),
         ("fwd_bwd_time_s", _F), ("optim_time_s", _F), ("grad_norm", _F), ("lr", _F),
-        ("gc_pause_s", _F), ("time", _F),
+        ("gc_pause_s", _F), ("time", _F), ("metrics_time_s", _F),
         ("host_rss_bytes", _I), ("host_peak_rss_bytes", _I), ("host_heap_in_use_bytes", _I), ("host_heap_free_bytes", _I),
         ("host_available_bytes", _I),
         ("device_allocated_bytes", _I), ("device_active_bytes", _I), ("device_reserved_bytes", _I),
@@ -46,6 +46,8 @@ STEP_SCHEMA = pa.schema(
 """One row per step per rank. ``loss`` is the rank's own (null off the last stage);
 ``step_loss`` is the step's loss: token-weighted mean over the last stage's DP ranks.
 ``gc_generation``: the generation of the synchronized GC run at this step (null: none ran).
+``metrics_time_s``: seconds the rank spent in the previous step on its memory sample and report
+(the metrics path's own cost; null at an attempt's first step).
 ``memory_verdict``: ``warming_up`` / ``stable`` / ``growing``; ``memory_slope_mib_per_step``: the
 Theil–Sen rate; ``memory_oom_step``: the step at which the rank would run out of memory at that
 rate (null unless growing with a known capacity).
