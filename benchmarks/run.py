@@ -313,7 +313,8 @@ def bench_collector(bench: Bench) -> list[Row]:
     )
     # The worker-side cost, as the runs recorded it: every step's metrics_time_s on every rank.
     c = row.data["per_step_cost"] = worker_side_cost(a)
-    row.note += (f"; worker-side cost per step (the runs' metrics_time_s, median) {c['per_step_us']:.0f} µs = "
+    row.note += (f"; worker-side cost per step (the runs' metrics_time_s: mean {c['per_step_us']:.0f} µs, "
+                 f"median {c['median_us']:.0f} µs) = "
                  f"{100 * c['fraction_of_step']:.2f}% of the median step"
                  + (f", {100 * c['fraction_of_worker_cpu']:.2f}% of a worker's CPU time per step"
                     if c.get("fraction_of_worker_cpu") is not None else ""))
@@ -332,8 +333,9 @@ def bench_collector(bench: Bench) -> list[Row]:
 
 def worker_side_cost(runs: list[dict[str, Any]]) -> dict[str, float | None]:
     """What sampling memory and reporting cost the workers, from the runs' own ``metrics_time_s``
-    column (each step's figure is the previous step's cost, measured on the worker): the median
-    over every step and rank of every run, its fraction of the median ``step_time_s``, and, where
+    column (each step's figure is the previous step's cost, measured on the worker): the mean
+    over every step and rank of every run (a cost adds up: the steps that make the Ray call, one a
+    second, cost ~30 × the others), its fraction of the median ``step_time_s``, and, where
     the runs sampled CPU by role, of a worker's CPU seconds per step (train workers' cores × median
     step ÷ workers): on a machine with fewer cores than workers, CPU is what the step waits on."""
     costs, steps, cpu = [], [], []
@@ -344,8 +346,9 @@ def worker_side_cost(runs: list[dict[str, Any]]) -> dict[str, float | None]:
         steps.append(step)
         if (cores := run.get("cpu_cores", {}).get("train workers")):
             cpu.append(cores * step / len(set(t["rank"].to_pylist())))
-    per, step = statistics.median(costs), statistics.median(steps)
-    return {"per_step_us": per * 1e6, "median_step_s": step, "fraction_of_step": per / step,
+    per, step = statistics.fmean(costs), statistics.median(steps)
+    return {"per_step_us": per * 1e6, "median_us": statistics.median(costs) * 1e6,
+            "median_step_s": step, "fraction_of_step": per / step,
             "worker_cpu_per_step_s": statistics.median(cpu) if cpu else None,
             "fraction_of_worker_cpu": per / statistics.median(cpu) if cpu else None}
 

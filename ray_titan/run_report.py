@@ -11,7 +11,7 @@ matplotlib's Agg backend (no display needed):
   verdict in the legend;
 
 and returns the summary table (one row per rank: coordinates, last verdict and rate, peak
-memory, GC count and pause) that the command prints.
+memory, GC count and pause, the metrics path's share of the step time) that the command prints.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def _memory_series(r: dict[str, list]) -> tuple[str, np.ndarray, np.ndarray | No
 def summary_rows(t: pa.Table) -> list[dict[str, Any]]:
     """One dict per rank: ``rank``, ``coords``, ``verdict`` (last), ``slope_mib_per_step``,
     ``oom_step``, ``peak_host_rss_mib``, ``peak_device_reserved_mib`` (None on CPU),
-    ``gc_count``, ``gc_pause_s`` (total), ``steps``."""
+    ``gc_count``, ``gc_pause_s`` (total), ``steps``, ``metrics_share``: the rank's seconds in its
+    memory samples and reports (``metrics_time_s``) over its step time, the steps that carry a
+    figure (None before that column existed)."""
     rows, axes = [], _axes(t)
     for rank, r in _rank_tables(t).items():
         verdicts = r.get("memory_verdict") or [None]
@@ -78,13 +80,20 @@ def summary_rows(t: pa.Table) -> list[dict[str, Any]]:
             "peak_host_rss_mib": max(r["host_peak_rss_bytes"]) / MiB,
             "peak_device_reserved_mib": max(dev_peak) / MiB if dev_peak else None,
             "gc_count": len(gcs), "gc_pause_s": float(sum(gcs)), "steps": len(r["step"]),
+            "metrics_share": _metrics_share(r),
         })
     return rows
 
 
+def _metrics_share(r: dict[str, list]) -> float | None:
+    pairs = [(c, s) for c, s in zip(r.get("metrics_time_s", []), r["step_time_s"]) if c is not None]
+    spent = sum(s for _, s in pairs)
+    return sum(c for c, _ in pairs) / spent if pairs and spent > 0 else None
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The summary rows as an aligned text table."""
-    head = ["rank", "coords", "verdict", "MiB/step", "OOM step", "peak RSS MiB", "peak dev MiB", "GCs", "GC s"]
+    head = ["rank", "coords", "verdict", "MiB/step", "OOM step", "peak RSS MiB", "peak dev MiB", "GCs", "GC s", "metrics %"]
     body = [[
         str(r["rank"]), r["coords"], str(r["verdict"]),
         "" if r["slope_mib_per_step"] is None else f"{r['slope_mib_per_step']:+.3f}",
@@ -92,6 +101,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         f"{r['peak_host_rss_mib']:.0f}",
         "" if r["peak_device_reserved_mib"] is None else f"{r['peak_device_reserved_mib']:.0f}",
         str(r["gc_count"]), f"{r['gc_pause_s']:.3f}",
+        "" if r.get("metrics_share") is None else f"{100 * r['metrics_share']:.2f}",
     ] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body])

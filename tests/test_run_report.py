@@ -12,7 +12,10 @@ def _run_dir(tmp_path, steps=80):
     dims = ParallelDims(pp=2, dp_shard=2)
     c = MetricsCollector(str(tmp_path), 4, dims.last_stage_ranks(), steps, enable_tensorboard=False)
     for step in range(1, steps + 1):
-        c.report([_rep(step, r, dims, 500 * MiB + (2 * step * MiB if r == 1 else 0)) for r in range(4)])
+        reps = [_rep(step, r, dims, 500 * MiB + (2 * step * MiB if r == 1 else 0)) for r in range(4)]
+        for r, rep in enumerate(reps):  # rank r's metrics path: (r + 1) % of its 0.1 s steps
+            rep["metrics_time_s"] = None if step == 1 else 0.001 * (r + 1)
+        c.report(reps)
     c.finish()
     return tmp_path
 
@@ -30,7 +33,8 @@ def test_report_writes_plots_and_prints_each_ranks_verdict(tmp_path, capsys):
     by_rank = {line.split()[0]: line for line in lines[1:5]}
     assert "pp=0, dp_shard=1  growing  +2.000" in by_rank["1"]
     assert all("stable" in by_rank[r] for r in ("0", "2", "3"))
-    assert by_rank["0"].split()[-2:] == ["16", "0.000"]  # GC every 5 of 80 steps, 0 s in these reports
+    assert by_rank["0"].split()[-3:-1] == ["16", "0.000"]  # GC every 5 of 80 steps, 0 s in these reports
+    assert [by_rank[r].split()[-1] for r in "0123"] == ["1.00", "2.00", "3.00", "4.00"]
 
 
 def test_report_of_a_directory_without_metrics_is_an_error(tmp_path, capsys):
