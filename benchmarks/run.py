@@ -315,9 +315,7 @@ def bench_collector(bench: Bench) -> list[Row]:
     c = row.data["per_step_cost"] = worker_side_cost(a)
     row.note += (f"; worker-side cost per step (the runs' metrics_time_s: mean {c['per_step_us']:.0f} µs, "
                  f"median {c['median_us']:.0f} µs) = "
-                 f"{100 * c['fraction_of_step']:.2f}% of the median step"
-                 + (f", {100 * c['fraction_of_worker_cpu']:.2f}% of a worker's CPU time per step"
-                    if c.get("fraction_of_worker_cpu") is not None else ""))
+                 f"{100 * c['fraction_of_step']:.2f}% of the median step")
     # The CPU the other processes take, per role, median over repetitions: steadier than tokens/s.
     roles = sorted({r for x in a + b for r in x["cpu_cores"]} | {"collector actor", "driver", "ray system"})
     med = {side: {r: statistics.median(x["cpu_cores"].get(r, 0.0) for x in runs) for r in roles}
@@ -331,26 +329,19 @@ def bench_collector(bench: Bench) -> list[Row]:
     return [row]
 
 
-def worker_side_cost(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+def worker_side_cost(runs: list[dict[str, Any]]) -> dict[str, float]:
     """What sampling memory and reporting cost the workers, from the runs' own ``metrics_time_s``
-    column (each step's figure is the previous step's cost, measured on the worker): the mean
+    column (each step's figure is the previous step's cost, wall seconds on the worker): the mean
     over every step and rank of every run (a cost adds up: the steps that make the Ray call, one a
-    second, cost ~30 × the others), its fraction of the median ``step_time_s``, and, where
-    the runs sampled CPU by role, of a worker's CPU seconds per step (train workers' cores × median
-    step ÷ workers): on a machine with fewer cores than workers, CPU is what the step waits on."""
-    costs, steps, cpu = [], [], []
+    second, cost ~30 × the others) and its fraction of the median ``step_time_s``."""
+    costs, steps = [], []
     for run in runs:
         t = run["result"].steps
         costs += [c for c in t["metrics_time_s"].to_pylist() if c is not None]
-        step = statistics.median(t["step_time_s"].to_pylist())
-        steps.append(step)
-        if (cores := run.get("cpu_cores", {}).get("train workers")):
-            cpu.append(cores * step / len(set(t["rank"].to_pylist())))
+        steps.append(statistics.median(t["step_time_s"].to_pylist()))
     per, step = statistics.fmean(costs), statistics.median(steps)
     return {"per_step_us": per * 1e6, "median_us": statistics.median(costs) * 1e6,
-            "median_step_s": step, "fraction_of_step": per / step,
-            "worker_cpu_per_step_s": statistics.median(cpu) if cpu else None,
-            "fraction_of_worker_cpu": per / statistics.median(cpu) if cpu else None}
+            "median_step_s": step, "fraction_of_step": per / step}
 
 
 def bench_ray_train(bench: Bench) -> list[Row]:

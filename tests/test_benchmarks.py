@@ -131,14 +131,12 @@ def test_worker_side_cost_reads_the_runs_own_metrics_time():
 
     from benchmarks.run import worker_side_cost
 
-    def run(costs, step_s, cores):
+    def run(costs, step_s):
         t = pa.table({"rank": [0, 1] * len(costs), "metrics_time_s": [c for c in costs for _ in (0, 1)],
                       "step_time_s": [step_s] * 2 * len(costs)})
-        return {"result": SimpleNamespace(steps=t), "cpu_cores": {"train workers": cores}}
+        return {"result": SimpleNamespace(steps=t)}
 
-    c = worker_side_cost([run([None, 0.001, 0.001], 0.2, 1.6), run([None, 0.001, 0.005], 0.2, 1.6)])
+    c = worker_side_cost([run([None, 0.001, 0.001], 0.2), run([None, 0.001, 0.005], 0.2)])
     # The first step of a run has no figure; a cost is a mean, the rare dear step included.
     assert c["per_step_us"] == pytest.approx(2000) and c["median_us"] == pytest.approx(1000)
     assert c["fraction_of_step"] == pytest.approx(0.01)
-    assert c["worker_cpu_per_step_s"] == pytest.approx(1.6 * 0.2 / 2)
-    assert c["fraction_of_worker_cpu"] == pytest.approx(0.002 / 0.16)
