@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ray_titan.models.deepseek import (
-    DeepSeekV2, MoE, activated_parameters, sequence_balance_loss,
+    MoE, activated_parameters, sequence_balance_loss,
 )
 from ray_titan.models.llama import count_parameters
 from ray_titan.models.registry import build_model, get_model_args
