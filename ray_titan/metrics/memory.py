@@ -101,8 +101,13 @@ def host_memory() -> tuple[int, int]:
     (``VmRSS``, cheaper to read than ``/proc/self/status``) and ``ru_maxrss`` of ``getrusage``
     (``VmHWM``, KiB on Linux)."""
     with open("/proc/self/statm", "rb") as f:
-        rss = int(f.read().split()[1]) * _PAGE
+        rss = _statm_rss(f.read())
     return rss, _peak_rss(rss)
+
+
+def _statm_rss(statm: bytes) -> int:
+    """Bytes resident, from the text of ``/proc/<pid>/statm`` (its second field, in pages)."""
+    return int(statm.split()[1]) * _PAGE
 
 
 def _peak_rss(rss: int) -> int:
@@ -192,7 +197,7 @@ class MemorySampler:
         if self._pid != os.getpid():  # opened by a parent before a fork: /proc/self was its
             self.close()
             self._fd, self._pid = os.open("/proc/self/statm", os.O_RDONLY), os.getpid()
-        return int(os.pread(self._fd, 256, 0).split()[1]) * _PAGE
+        return _statm_rss(os.pread(self._fd, 256, 0))
 
     def sample(self) -> dict[str, int | None]:
         """``{field: bytes or count or None}`` for every field of :data:`MEMORY_FIELDS`."""
@@ -211,6 +216,7 @@ class MemorySampler:
         return out
 
     def close(self) -> None:
+        """Close the held ``/proc/self/statm``; the next :meth:`sample` opens it again."""
         if self._fd >= 0 and self._pid == os.getpid():
             os.close(self._fd)
         self._fd, self._pid = -1, -1

@@ -68,7 +68,8 @@ class StepReport:
     metrics_time_s: float | None = None
     """Seconds this rank spent in the previous step sampling memory, building its report and
     handing it to the reporter (the Ray call included when one was made): the metrics path's own
-    cost, outside ``step_time_s``'s phases. None at an attempt's first step."""
+    cost, callbacks excluded. The sample falls inside that step's ``step_time_s``, the report
+    after it. None at an attempt's first step."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a dict, sharing the nested dicts and lists (``dataclasses.asdict`` deep
