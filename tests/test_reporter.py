@@ -104,7 +104,11 @@ def test_reports_between_calls_travel_together(stuck_collector):
     reporter = CollectorReporter(stuck_collector, interval_s=3600.0)
     for s in range(1, 51):
         reporter.report(_rep(s))
-    assert ray.get(stuck_collector.count.remote()) == 1  # step 1 went at once, the rest wait
+    # Step 1 went at once, the rest wait. The actor is threaded (max_concurrency), so count()
+    # could run before the report call it should see: wait for that call first.
+    assert len(reporter._pending) == 1
+    ray.get(reporter._pending)
+    assert ray.get(stuck_collector.count.remote()) == 1
     assert [r["step"] for r in reporter._queue] == list(range(2, 51))
     reporter.close()  # delivers what is held, whatever the interval
     assert ray.get(stuck_collector.received.remote()) == (list(range(1, 51)), 0)
