@@ -28,7 +28,7 @@ from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.metrics.memory import host_memory
 from ray_titan.metrics.timing import StepClock
 from ray_titan.models.registry import build_model
-from ray_titan.train_loop import build_lr_lambda
+from ray_titan.trainer.build import build_lr_lambda
 
 __all__ = ["bare_pytorch_loop", "plain_ray_train_loop"]
 

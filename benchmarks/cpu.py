@@ -13,7 +13,7 @@ import os
 import threading
 import time
 
-__all__ = ["ROLES", "role_of", "read_cpu_times", "CPUSampler"]
+__all__ = ["ROLES", "CPUSampler", "read_cpu_times", "role_of"]
 
 ROLES = [
     ("MetricsCollector", "collector actor"),

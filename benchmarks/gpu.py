@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from benchmarks.stats import Row, fmt_si
 
-__all__ = ["gpu_rows", "LLAMA_1B"]
+__all__ = ["LLAMA_1B", "gpu_rows"]
 
 MiB = 2**20
 
@@ -36,14 +36,14 @@ LLAMA_1B = "bench_1B"
 def _run(bench, flavor: str, batch: int, seq_len: int, bf16: bool, device=None) -> dict:
     import torch
 
-    from ray_titan.config import validate_job
-    from ray_titan.driver import make_run_dir
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.flops import gpu_peak_flops, llama_flops_per_token, measure_matmul_peak_flops
     from ray_titan.metrics.report import LocalReporter
     from ray_titan.metrics.sinks import read_steps
     from ray_titan.models.registry import get_model_args
-    from ray_titan.train_loop import train_loop
+    from ray_titan.preflight import validate_job
+    from ray_titan.run_dir import make_run_dir
+    from ray_titan.trainer import train_loop
 
     steps = bench.steps("gpu")
     cfg = bench.job("gpu", f"--model.flavor={flavor}", "--parallelism.pp=1", "--parallelism.dp_shard=1",
@@ -79,10 +79,11 @@ def gpu_rows(bench) -> list[Row]:
     autocast, 4 × 2048 tokens per step) on CUDA device 0."""
     from ray_titan.models.registry import MODELS
 
-    MODELS["llama"].setdefault(LLAMA_1B, _llama_1b())  # a benchmark-only flavor, this process only
+    MODELS["llama"].flavors.setdefault(LLAMA_1B, _llama_1b())  # a benchmark-only flavor, this process only
     out = []
     for label, flavor, batch, seq, bf16 in (("debug Llama, fp32", "debug", 64, 512, False),
-                                            ("~1 B Llama (Llama 3.2 1B shape), bf16 autocast", LLAMA_1B, 4, 2048, True)):
+                                            ("~1 B Llama (Llama 3.2 1B shape), bf16 autocast", LLAMA_1B, 4, 2048,
+                                             True)):
         try:
             r = _run(bench, flavor, batch, seq, bf16)
         except Exception as e:  # e.g. out of memory on a small GPU: say so, keep the other row
@@ -90,7 +91,8 @@ def gpu_rows(bench) -> list[Row]:
             continue
         out.append(Row(
             f"GPU ({r['gpu']}): {label}, train loop without Ray", "tokens/s, MFU, peak reserved",
-            f"{fmt_si(r['tokens_per_s'], 'tok/s')}, MFU {100 * r['mfu']:.1f}% (peak {fmt_si(r['peak_flops'], 'FLOP/s')}, "
+            f"{fmt_si(r['tokens_per_s'], 'tok/s')}, MFU {100 * r['mfu']:.1f}% "
+            f"(peak {fmt_si(r['peak_flops'], 'FLOP/s')}, "
             f"{r['peak_source']}), {r['peak_reserved_bytes'] / MiB:.0f} MiB",
             note=f"{batch} × {seq} tokens per step, {r['steps']} steps", data=r,
         ))

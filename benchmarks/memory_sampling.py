@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from ray_titan.metrics.leak import LeakMonitor, leak_settings
 from ray_titan.allocator import host_heap
+from ray_titan.metrics.leak import LeakMonitor, leak_settings
 from ray_titan.metrics.memory import MemorySampler, host_available, host_memory, sample_memory
 
 
@@ -49,7 +49,8 @@ def main() -> None:
     monitor = LeakMonitor(**leak_settings())
     row = sample_memory(device) | {"rank": 0, "coords": {"pp": 0, "dp_shard": 0}}
     step = iter(range(1, 10**9))
-    print(f"verdict update: {_per_call_us(lambda: monitor.update(next(step), row), 500):8.1f} us per rank per step (collector)")
+    print(f"verdict update: {_per_call_us(lambda: monitor.update(next(step), row), 500):8.1f} "
+          "us per rank per step (collector)")
 
 
 if __name__ == "__main__":

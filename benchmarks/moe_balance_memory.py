@@ -16,7 +16,7 @@ for ``--steps`` steps with ``metrics.log_freq`` larger than the run, once per
 - median tokens/s and the mean loss of the last 20 steps.
 
 ``python benchmarks/moe_balance_memory.py [--steps 300] [--modes aux_loss aux_free none] [--allocator auto] [--json out.json]``
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ class Bench:
         """The README's main job with ``overrides``; one intra-op thread per worker everywhere,
         so every side uses the same CPU threads."""
         from ray_titan.config import load_config
-        from ray_titan.driver import resolve_paths
+        from ray_titan.run_dir import resolve_paths
 
         return resolve_paths(load_config(REPO / "configs" / "debug_llama.toml", [
             f"--job.name={name}", f"--job.dump_folder={self.work / 'runs'}",
@@ -164,7 +164,7 @@ def run_torchrun(bench: Bench, cfg) -> dict[str, Any]:
 
     dump = bench.work / "runs" / f"torchrun-{time.time_ns()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.world_size}",
-           "-m", "ray_titan.train_loop", "--config", str(REPO / "configs" / "debug_llama.toml"),
+           "-m", "ray_titan.launch", "--config", str(REPO / "configs" / "debug_llama.toml"),
            *_flags(cfg), f"--job.dump_folder={dump}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=baseline_env(cfg))
     if proc.returncode:
@@ -384,7 +384,7 @@ def bench_torchrun(bench: Bench) -> list[Row]:
     row, _, _ = compare(
         bench, "Ray overhead (same train loop, dp_shard=2, 2 workers)",
         "under Ray (ray_titan.train)", lambda: run_ray_titan(bench, cfg),
-        "under torchrun (python -m ray_titan.train_loop)", lambda: run_torchrun(bench, cfg),
+        "under torchrun (python -m ray_titan.launch)", lambda: run_torchrun(bench, cfg),
         "", "both with the collector (torchrun: per-rank JSONL, assembled at the end)", 2, cfg,
     )
     return [row]
@@ -460,7 +460,8 @@ def bench_startup(bench: Bench) -> list[Row]:
             "run dir + collector actor": d["fit_called"] - d["cluster_ready"],
             "worker group (TorchTrainer.fit → train function on every worker)":
                 max(r["worker_start"] for r in ranks) - d["fit_called"],
-            "data + model build (slowest rank)": max(r["model_built"] for r in ranks) - max(r["worker_start"] for r in ranks),
+            "data + model build (slowest rank)":
+                max(r["model_built"] for r in ranks) - max(r["worker_start"] for r in ranks),
             "first step": max(r["step1_end"] for r in ranks) - max(r["model_built"] for r in ranks),
             "collector → console line": first_line - max(r["step1_end"] for r in ranks),
         }
@@ -521,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help=f"benchmarks to run (default: {' '.join(CPU_NAMES)}; also: gpu, all)")
     ap.add_argument("--repeats", type=int, default=3, help="repetitions per comparison (default 3)")
-    ap.add_argument("--quick", action="store_true", help="few steps and 2 repetitions: checks the runner, not the figures")
+    ap.add_argument("--quick", action="store_true",
+                    help="few steps and 2 repetitions: checks the runner, not the figures")
     ap.add_argument("--json", type=Path, default=None, help="where to write the results")
     args = ap.parse_args(argv)
     names = args.names or CPU_NAMES

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["RatioStats", "ratio_stats", "alternate", "slope", "Row", "format_table", "fmt_si"]
+__all__ = ["RatioStats", "Row", "alternate", "fmt_si", "format_table", "ratio_stats", "slope"]
 
 
 @dataclass(frozen=True)

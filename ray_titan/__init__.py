@@ -1,7 +1,7 @@
 """ray_titan: a distributed LLM trainer on Ray (PP × FSDP2) with a metrics collector that reports
 the real last-stage loss and every rank's memory.
 
-The driver API is :func:`train`; the per-worker loop is ``ray_titan.train_loop``.
+The driver API is :func:`train`; the per-worker loop is ``ray_titan.trainer.train_loop``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ __version__ = "0.1.0"
 
 
 def train(
-    config: "JobConfig | str | Path", overrides: list[str] | None = None, progress: str = "auto", *,
+    config: JobConfig | str | Path, overrides: list[str] | None = None, progress: str = "auto", *,
     callbacks: list | None = None,
-) -> "RunResult":
+) -> RunResult:
     """Run a training job on Ray; see :func:`ray_titan.driver.train` (imported lazily, so that
     ``import ray_titan`` does not import Ray). ``progress``: ``auto``, ``bar`` or ``lines``.
     ``callbacks``: worker-side callback objects (``ray_titan.callbacks``) run on every worker."""

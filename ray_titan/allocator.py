@@ -30,8 +30,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
-    "ALLOCATORS", "active_allocator", "jemalloc_library", "worker_env_vars", "host_heap",
-    "malloc_trim", "libc_function",
+    "ALLOCATORS",
+    "active_allocator",
+    "host_heap",
+    "jemalloc_library",
+    "libc_function",
+    "malloc_trim",
+    "worker_env_vars",
 ]
 
 ALLOCATORS = ("auto", "jemalloc", "system")

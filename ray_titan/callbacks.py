@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from ray_titan.config import JobConfig
+    from ray_titan.config.schema import JobConfig
     from ray_titan.metrics.report import StepReport
 
-__all__ = ["Callback", "CallbackContext", "CallbackList", "load_callback", "InjectLeak", "InjectOOM"]
+__all__ = ["Callback", "CallbackContext", "CallbackList", "InjectLeak", "InjectOOM", "load_callback"]
 
 
 @dataclass
@@ -49,9 +49,9 @@ class CallbackContext:
     rank: int
     coords: dict[str, int]
     world_size: int
-    device: "torch.device"
+    device: torch.device
     run_dir: Path | None
-    config: "JobConfig"
+    config: JobConfig
 
 
 class Callback:
@@ -63,7 +63,7 @@ class Callback:
     def on_step_begin(self, ctx: CallbackContext, step: int) -> None:
         pass
 
-    def on_step_end(self, ctx: CallbackContext, step: int, report: "StepReport") -> None:
+    def on_step_end(self, ctx: CallbackContext, step: int, report: StepReport) -> None:
         pass
 
     def on_train_end(self, ctx: CallbackContext, error: BaseException | None = None) -> None:
@@ -110,7 +110,7 @@ class CallbackList:
     def on_step_begin(self, step: int) -> None:
         self._call("on_step_begin", step)
 
-    def on_step_end(self, step: int, report: "StepReport") -> None:
+    def on_step_end(self, step: int, report: StepReport) -> None:
         self._call("on_step_end", step, report)
 
     def on_train_end(self, error: BaseException | None = None) -> None:
@@ -128,7 +128,7 @@ class InjectLeak(Callback):
         self.device = device
         self.kept: list[Any] = []
 
-    def on_step_end(self, ctx: CallbackContext, step: int, report: "StepReport") -> None:
+    def on_step_end(self, ctx: CallbackContext, step: int, report: StepReport) -> None:
         if ctx.rank not in self.ranks or step < self.start_step:
             return
         if self.device and ctx.device.type != "cpu":

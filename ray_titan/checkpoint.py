@@ -36,15 +36,15 @@ import time
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -55,9 +55,19 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 __all__ = [
-    "CheckpointError", "MANIFEST", "step_dir_name", "read_manifest", "find_latest", "resolve_checkpoint",
-    "check_load_path", "ModelParts", "Checkpointer", "LocalCheckpointStorage", "RayTrainCheckpointStorage",
-    "SafeFileSystemReader", "SafeLoadPlanner",
+    "MANIFEST",
+    "CheckpointError",
+    "Checkpointer",
+    "LocalCheckpointStorage",
+    "ModelParts",
+    "RayTrainCheckpointStorage",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "check_compatible",
+    "find_latest",
+    "read_manifest",
+    "resolve_checkpoint",
+    "step_dir_name",
 ]
 
 MANIFEST = "ray_titan_checkpoint.json"
@@ -111,10 +121,13 @@ class SafeFileSystemReader(FileSystemReader):
         except Exception as e:
             raise CheckpointError(f"checkpoint {self.path}: .metadata is unreadable: {type(e).__name__}: {e}") from None
         if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"checkpoint {self.path}: .metadata holds a {type(metadata).__name__}, not DCP Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+            raise CheckpointError(
+                f"checkpoint {self.path}: .metadata holds a {type(metadata).__name__}, not DCP Metadata"
+            )
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -258,18 +271,6 @@ def check_compatible(manifest: dict[str, Any], cfg, vocab_size: int, path: str |
         )
 
 
-def check_load_path(cfg, vocab_size: int) -> None:
-    """``checkpoint.load_path`` exists, is complete and fits the job (before any worker starts).
-    Raises ``ConfigError``."""
-    from ray_titan.config import ConfigError
-
-    try:
-        path = resolve_checkpoint(cfg.checkpoint.load_path)
-        check_compatible(read_manifest(path), cfg, vocab_size, path, cfg.checkpoint.load_model_only)
-    except CheckpointError as e:
-        raise ConfigError(f"checkpoint.load_path = {cfg.checkpoint.load_path!r}: {e}") from None
-
-
 # -- the training state -------------------------------------------------------------------------
 
 class ModelParts(nn.Module):
@@ -287,7 +288,8 @@ class ModelParts(nn.Module):
                 if isinstance(child, nn.ModuleDict):
                     if name not in self._modules:
                         self.add_module(name, nn.ModuleDict())
-                    self._modules[name].update(child)
+                    # ModuleDict.update accepts a ModuleDict at runtime; torch annotates it Mapping only.
+                    cast(nn.ModuleDict, self._modules[name]).update(child)  # type: ignore[arg-type]
                 elif self._modules.get(name, child) is not child:
                     raise ValueError(f"two pipeline stages on this rank both hold {name!r}")
                 else:
@@ -447,7 +449,7 @@ class Checkpointer:
         rdir.mkdir(parents=True, exist_ok=True)
         (rdir / f"rank{self.rank}.json").write_text(json.dumps(reports))
         entries = {} if self.storage.shared else _file_entries(write_dir)
-        gathered = [entries]
+        gathered: list[Any] | None = [entries]
         if self.world > 1:
             gathered = [None] * self.world if self.rank == 0 else None
             dist.gather_object(entries, gathered, dst=0)
@@ -456,6 +458,7 @@ class Checkpointer:
             if self.storage.shared:
                 files = _file_entries(write_dir)
             else:
+                assert gathered is not None  # rank 0 gathers every rank's entries
                 for e in gathered:
                     files.update(e)
             manifest = {"format": FORMAT, "step": step, "saved_at": time.time(), **self.job, "files": files}

@@ -29,7 +29,7 @@ _OVERRIDES = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ray_titan.config_docs import REGENERATE, settings_help
+    from ray_titan.config.docs import REGENERATE, settings_help
     from ray_titan.progress import MODES
 
     ap = argparse.ArgumentParser(
@@ -102,8 +102,9 @@ def _train(args, overrides: list[str]) -> int:
 
 
 def _config(args, overrides: list[str]) -> int:
-    from ray_titan.config import ConfigError, load_config, validate_job
-    from ray_titan.config_docs import reference_markdown, to_toml
+    from ray_titan.config import ConfigError, load_config
+    from ray_titan.config.docs import reference_markdown, to_toml
+    from ray_titan.preflight import validate_job
 
     if args.config_command == "docs":
         if overrides:

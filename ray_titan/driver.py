@@ -21,23 +21,20 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pyarrow as pa
 
 from ray_titan import storage
-from ray_titan.config import (
-    ConfigError,
-    JobConfig,
-    apply_overrides,
-    job_warnings,
-    load_config,
-    validate_job,
-)
+from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides, load_config
+from ray_titan.preflight import job_warnings, validate_job
+from ray_titan.run_dir import STOP_REASON_FILE, make_run_dir, resolve_paths, under
 
-__all__ = ["RunResult", "train", "make_run_dir", "resolve_paths"]
+if TYPE_CHECKING:
+    from ray_titan.progress import Mode
+
+__all__ = ["RunResult", "train"]
 
 
 @dataclass
@@ -75,11 +72,11 @@ class RunResult:
 
     @property
     def metrics_path(self) -> Path | str:
-        return _under(self.run_dir, "metrics", "steps.parquet")
+        return under(self.run_dir, "metrics", "steps.parquet")
 
     @property
     def tensorboard_dir(self) -> Path | str:
-        return _under(self.run_dir, "tb")
+        return under(self.run_dir, "tb")
 
     def step_column(self, column: str) -> list:
         """A step-level column (``step_loss``, ``grad_norm``, ``lr``, ...) in step order, one value
@@ -90,41 +87,6 @@ class RunResult:
     def losses(self) -> list[float]:
         """The step losses (nats per token) in step order."""
         return self.step_column("step_loss")
-
-
-# Without a collector, why the workers ended the run early (training.on_nonfinite = "stop").
-STOP_REASON_FILE = "stop_reason.txt"
-
-
-def _under(run_dir: Path | str, *parts: str) -> Path | str:
-    return run_dir.joinpath(*parts) if isinstance(run_dir, Path) else storage.join(run_dir, *parts)
-
-
-def make_run_dir(cfg: JobConfig) -> Path | str:
-    """``<dump_folder>/<job.name>-<UTC timestamp>``, created: an absolute local path (also for a
-    ``file://`` dump folder), or a URI string for remote storage (:mod:`ray_titan.storage`)."""
-    stamp = datetime.utcnow().strftime("%Y%m%d-%H%M%S-%f")
-    name = f"{cfg.job.name}-{stamp}"
-    local = storage.local_path(cfg.job.dump_folder)
-    if local is None:
-        run_dir = storage.join(cfg.job.dump_folder, name)
-        storage.makedirs(run_dir)
-        return run_dir
-    run_dir = local / name
-    run_dir.mkdir(parents=True, exist_ok=False)
-    return run_dir
-
-
-def resolve_paths(cfg: JobConfig) -> JobConfig:
-    """A copy with every user path made absolute: Ray Train changes a worker's working directory."""
-    data = cfg.data.model_copy(update={
-        k: str(Path(v).expanduser().resolve())
-        for k in ("path", "tokenizer_path", "cache_dir")
-        if (v := getattr(cfg.data, k))
-    })
-    dump = cfg.job.dump_folder
-    job = cfg.job.model_copy(update={"dump_folder": str(storage.local_path(dump) or dump)})
-    return cfg.model_copy(update={"data": data, "job": job})
 
 
 def _connect(cfg: JobConfig) -> None:
@@ -171,7 +133,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     from ray_titan.fault import NonFiniteError
     from ray_titan.metrics.report import CollectorReporter, JsonlReporter, Reporter, rank_reports_path
     from ray_titan.metrics.timing import write_timings
-    from ray_titan.train_loop import train_loop
+    from ray_titan.trainer import train_loop
 
     worker_start = time.time()
     cfg = JobConfig.model_validate(loop_config["config"])
@@ -197,7 +159,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         # (ray.max_failures), only to meet the same NaN: end the run and let the driver raise.
         if ray.train.get_context().get_world_rank() == 0:
             if loop_config["collector"] is None:  # metrics.enabled = false: the driver reads it here
-                storage.write_text(_under(loop_config["run_dir"], STOP_REASON_FILE), str(e))
+                storage.write_text(under(loop_config["run_dir"], STOP_REASON_FILE), str(e))
             else:
                 ray.get(loop_config["collector"].stop_run.remote(str(e)), timeout=120)
         return
@@ -232,7 +194,7 @@ def train(
     from ray_titan.metrics.sinks import read_steps
     from ray_titan.metrics.timing import read_timings, write_timings
     from ray_titan.progress import ConsoleThread, check_mode, make_display
-    from ray_titan.train_loop import parallel_dims
+    from ray_titan.trainer.build import parallel_dims
 
     check_mode(progress)
     marks = {"train_called": time.time()}
@@ -263,11 +225,12 @@ def train(
         cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
             update={"threads_per_worker": max(1, int(cpus + 0.999))})})
     run_dir = make_run_dir(cfg)
-    storage.write_text(_under(run_dir, "config.json"), cfg.model_dump_json(indent=2))
+    storage.write_text(under(run_dir, "config.json"), cfg.model_dump_json(indent=2))
     # Restarted by Ray if it dies; it resumes from its flushed parts and workers resend the rest.
     # No task events: each report call would be one more entry the GCS keeps (up to 100k) and
     # the dashboard lists, and their bookkeeping costs the GCS and the actor CPU every call.
-    collector = ray.remote(MetricsCollector).options(
+    # Any: Ray types an actor handle's `method.remote()` only for @ray.method-decorated methods.
+    collector: Any = ray.remote(MetricsCollector).options(
         num_cpus=0, max_restarts=cfg.metrics.collector_max_restarts, enable_task_events=False,
     ).remote(
         str(run_dir), dims.world_size, dims.last_stage_ranks(), cfg.training.steps,
@@ -275,8 +238,10 @@ def train(
         leak=leak_settings(cfg.memory), on_leak=cfg.memory.on_leak,
         kill_at_step=cfg.debug.kill_collector_at_step, nice=cfg.metrics.collector_nice,
     ) if cfg.metrics.enabled else None
+    # The run directory's last part; run_dir is a URI string (no .name) on remote storage.
+    run_name = run_dir.name if isinstance(run_dir, Path) else run_dir.rstrip("/").rsplit("/", 1)[-1]
     print(
-        f"ray_titan: run {run_dir.name}: {dims.world_size} workers (pp={dims.pp} × "
+        f"ray_titan: run {run_name}: {dims.world_size} workers (pp={dims.pp} × "
         f"dp_shard={dims.dp_shard}, {cpus} CPU each), {cfg.model.name}/{cfg.model.flavor}, "
         f"{cfg.training.steps} steps; last stage on ranks {dims.last_stage_ranks()}; run dir {run_dir}",
         flush=True,
@@ -290,13 +255,16 @@ def train(
             num_workers=dims.world_size, use_gpu=cfg.ray.use_gpu,
             resources_per_worker={"CPU": cpus, **({"GPU": 1} if cfg.ray.use_gpu else {})},
         ),
-        run_config=RunConfig(
+        # The ignores: worker_runtime_env and controller_failure_limit are Ray Train V2's (the
+        # RunConfig and FailureConfig ray.train exports at runtime); mypy resolves the V1 classes.
+        run_config=RunConfig(  # type: ignore[call-arg]
             # Checkpoints land in <run_dir>/checkpoints/step-NNNNNNNN (ray_titan.checkpoint).
             name="checkpoints",
             storage_path=str(run_dir),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_latest_k or None),
             # A worker group that cannot start fails the run at once instead of retrying forever.
-            failure_config=FailureConfig(max_failures=cfg.ray.max_failures, controller_failure_limit=0),
+            failure_config=FailureConfig(  # type: ignore[call-arg]
+                max_failures=cfg.ray.max_failures, controller_failure_limit=0),
             # The allocator is chosen at process start: preloaded into the workers only.
             worker_runtime_env={"env_vars": env} if (env := worker_env_vars(cfg.memory.allocator)) else None,
         ),
@@ -304,9 +272,10 @@ def train(
     if collector is None:
         return _fit_without_metrics(trainer, cfg, run_dir, marks)
     console = ConsoleThread(lambda: ray.get(collector.poll.remote(), timeout=30),
-                            make_display(cfg.training.steps, progress))
+                            make_display(cfg.training.steps, cast("Mode", progress)))  # checked above
     console.start()
     failure: BaseException | None = None
+    summary: dict[str, Any]
     marks["fit_called"] = time.time()
     try:
         trainer.fit()
@@ -328,18 +297,18 @@ def train(
              if latest else "no checkpoint was saved")
     if isinstance(failure, (KeyboardInterrupt, SystemExit)):
         # Ray Train's SIGINT handler aborted the worker group and exits the driver.
-        print(f"ray_titan: interrupted: workers stopped; metrics in {_under(run_dir, 'metrics')}; {where}",
+        print(f"ray_titan: interrupted: workers stopped; metrics in {under(run_dir, 'metrics')}; {where}",
               file=sys.stderr, flush=True)
         raise KeyboardInterrupt(str(where)) from None
     if failure is not None:
-        print(f"ray_titan: run failed; metrics so far in {_under(run_dir, 'metrics')}; {where}", file=sys.stderr)
+        print(f"ray_titan: run failed; metrics so far in {under(run_dir, 'metrics')}; {where}", file=sys.stderr)
         if summary.get("stop"):
             raise MemoryLeakError(summary["stop"]) from failure
         raise failure
     if summary.get("stop_reason"):
         from ray_titan.fault import NonFiniteError
 
-        print(f"ray_titan: run stopped; metrics in {_under(run_dir, 'metrics')}; {where}", file=sys.stderr)
+        print(f"ray_titan: run stopped; metrics in {under(run_dir, 'metrics')}; {where}", file=sys.stderr)
         raise NonFiniteError(summary["stop_reason"])
     for err in summary["errors"]:
         print(f"ray_titan: metrics error: {err}", file=sys.stderr)
@@ -358,7 +327,7 @@ def train(
     return result
 
 
-def _fit_without_metrics(trainer, cfg: JobConfig, run_dir: Path, marks: dict[str, float]) -> RunResult:
+def _fit_without_metrics(trainer, cfg: JobConfig, run_dir: Path | str, marks: dict[str, float]) -> RunResult:
     """``metrics.enabled = false``: run the worker group with no collector; only timings are kept."""
     from ray_titan.metrics.timing import read_timings, write_timings
 
@@ -368,8 +337,8 @@ def _fit_without_metrics(trainer, cfg: JobConfig, run_dir: Path, marks: dict[str
     finally:
         marks["fit_returned"] = time.time()
         write_timings(run_dir, "driver", {"marks": marks})
-    where = f"metrics.enabled = false: timings only in {_under(run_dir, 'timings')}"
-    stop = _under(run_dir, STOP_REASON_FILE)
+    where = f"metrics.enabled = false: timings only in {under(run_dir, 'timings')}"
+    stop = under(run_dir, STOP_REASON_FILE)
     if storage.exists(stop):
         from ray_titan.fault import NonFiniteError
 

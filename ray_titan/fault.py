@@ -16,14 +16,15 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ray_titan.parallel import local_tensor
 
-__all__ = ["NonFiniteError", "FaultHandler"]
+__all__ = ["FaultHandler", "NonFiniteError"]
 
 
 class NonFiniteError(RuntimeError):
@@ -60,7 +61,7 @@ class FaultHandler:
     def begin_step(self, step: int) -> None:
         self._poison = step in self.cfg.debug.nonfinite_loss_at_steps
 
-    def check(self, step: int, loss: float | None, grad_norm: float, params: list[torch.Tensor]) -> bool:
+    def check(self, step: int, loss: float | None, grad_norm: float, params: Sequence[torch.Tensor]) -> bool:
         """True when this step's update must be dropped: a non-finite loss or gradient norm.
         Under ``stop``, :meth:`end_step` then raises :class:`NonFiniteError` (after the step is
         reported, so the metrics show it). Every rank reaches the same verdict (one tiny
@@ -77,7 +78,7 @@ class FaultHandler:
             p.grad is not None and not torch.isfinite(local_tensor(p.grad)).all() for p in params
         )
         mine = (self.stage_ids, local_grads_bad)
-        everyone = [mine]
+        everyone: list[Any] = [mine]  # every rank's (stage_ids, grads_bad)
         if self.world > 1:
             everyone = [None] * self.world
             dist.all_gather_object(everyone, mine)

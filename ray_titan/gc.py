@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from ray_titan.allocator import malloc_trim
 
-__all__ = ["GarbageCollection", "GCResult", "cycle_tensors"]
+__all__ = ["GCResult", "GarbageCollection", "cycle_tensors"]
 
 
 @dataclass

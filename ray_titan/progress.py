@@ -14,9 +14,12 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Literal, TextIO, get_args
+from collections.abc import Callable
+from typing import Any, Literal, TextIO, get_args
 
-__all__ = ["MODES", "check_mode", "format_postfix", "format_eta", "LineDisplay", "BarDisplay", "make_display", "ConsoleThread"]
+__all__ = [
+    "MODES", "BarDisplay", "ConsoleThread", "LineDisplay", "check_mode", "format_eta", "format_postfix", "make_display",
+]
 
 MiB = 2**20
 Mode = Literal["auto", "bar", "lines"]
@@ -33,7 +36,7 @@ def format_eta(seconds: float | None) -> str:
     """``H:MM:SS`` (``M:SS`` under an hour); ``?`` when unknown."""
     if seconds is None or seconds != seconds or seconds < 0:
         return "?"
-    s = int(round(seconds))
+    s = round(seconds)
     h, rem = divmod(s, 3600)
     return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
 
@@ -53,7 +56,8 @@ class _Eta:
     """Seconds left from the step rate since the first step seen (which includes no start-up)."""
 
     def __init__(self, clock: Callable[[], float]):
-        self.clock, self.first = clock, None
+        self.clock = clock
+        self.first: tuple[int, float] | None = None
 
     def __call__(self, step: int, total: int) -> float | None:
         now = self.clock()

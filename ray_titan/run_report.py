@@ -25,13 +25,13 @@ import pyarrow as pa
 from ray_titan.metrics.leak import SERIES_NAMES, host_series
 from ray_titan.metrics.sinks import read_steps
 
-__all__ = ["write_report", "summary_rows", "format_table"]
+__all__ = ["format_table", "summary_rows", "write_report"]
 
 MiB = 2**20
 _COORDS = ("pp", "dp_shard", "ep")
 
 
-def _rank_tables(t: pa.Table) -> dict[int, dict[str, np.ndarray | list]]:
+def _rank_tables(t: pa.Table) -> dict[int, dict[str, list]]:
     out = {}
     for rank in sorted(set(t["rank"].to_pylist())):
         rows = t.filter(pa.compute.equal(t["rank"], rank)).sort_by("step")
@@ -57,8 +57,8 @@ def _memory_series(r: dict[str, list]) -> tuple[str, np.ndarray, np.ndarray | No
         return SERIES_NAMES["device"], np.array(dev, dtype=float) / MiB, None
     rss = np.array(r["host_rss_bytes"], dtype=float) / MiB
     free = r.get("host_heap_free_bytes")
-    free = np.array(free, dtype=float) / MiB if free and all(v is not None for v in free) else None
-    y, source = host_series(rss, free)
+    free_mib = np.array(free, dtype=float) / MiB if free and all(v is not None for v in free) else None
+    y, source = host_series(rss, free_mib)
     return SERIES_NAMES[source], y, rss if source == "host" else None
 
 
@@ -93,7 +93,8 @@ def _metrics_share(r: dict[str, list]) -> float | None:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The summary rows as an aligned text table."""
-    head = ["rank", "coords", "verdict", "MiB/step", "OOM step", "peak RSS MiB", "peak dev MiB", "GCs", "GC s", "metrics %"]
+    head = ["rank", "coords", "verdict", "MiB/step", "OOM step", "peak RSS MiB", "peak dev MiB", "GCs", "GC s",
+            "metrics %"]
     body = [[
         str(r["rank"]), r["coords"], str(r["verdict"]),
         "" if r["slope_mib_per_step"] is None else f"{r['slope_mib_per_step']:+.3f}",

@@ -20,8 +20,18 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-__all__ = ["is_remote", "local_path", "resolve", "join", "makedirs", "write_text", "read_text",
-           "exists", "Mirror", "staging_dir"]
+__all__ = [
+    "Mirror",
+    "exists",
+    "is_remote",
+    "join",
+    "local_path",
+    "makedirs",
+    "read_text",
+    "resolve",
+    "staging_dir",
+    "write_text",
+]
 
 
 def _scheme(uri: str) -> str:

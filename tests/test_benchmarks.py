@@ -80,7 +80,7 @@ def test_subprocess_flags_reproduce_the_config():
     """The torchrun comparison passes the job to its ranks as flags: every section, scalars,
     lists and strings, must come back equal (the [[callbacks]] array has no flag form)."""
     from benchmarks.run import _flags
-    from ray_titan.config import Callback, load_config
+    from ray_titan.config.schema import Callback, load_config
     from tests.conftest import REPO
 
     cfg = load_config(REPO / "configs" / "debug_deepseek.toml", ["--training.steps=7", "--memory.snapshot_steps=[3]"])

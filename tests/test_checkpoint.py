@@ -19,11 +19,12 @@ from ray_titan.checkpoint import (
     read_manifest,
     resolve_checkpoint,
 )
-from ray_titan.config import ConfigError, load_config, validate_job
+from ray_titan.config import ConfigError, load_config
 from ray_titan.fault import NonFiniteError
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.report import LocalReporter
-from ray_titan.train_loop import train_loop
+from ray_titan.preflight import validate_job
+from ray_titan.trainer import train_loop
 from tests.conftest import REPO
 
 
@@ -140,7 +141,8 @@ def test_metadata_is_not_unpickled_unrestricted(saved, tmp_path, corpus_cache):
     m["files"][".metadata"] = {"bytes": len(evil), "crc32": __import__("zlib").crc32(evil)}
     (ckpt / MANIFEST).write_text(json.dumps(m))
     cfg = _cfg(tmp_path / "run", corpus_cache, f"--checkpoint.load_path={ckpt}")
-    with pytest.raises(CheckpointError, match=r"\.metadata is unreadable: UnpicklingError: refusing to unpickle posix.system"):
+    with pytest.raises(CheckpointError,
+                       match=r"\.metadata is unreadable: UnpicklingError: refusing to unpickle posix.system"):
         _train(tmp_path / "run", cfg, save=False)
 
 

@@ -52,7 +52,7 @@ def test_every_option_of_every_command_is_described():
     import argparse
 
     from ray_titan.cli import _parser
-    from ray_titan.config_docs import sections
+    from ray_titan.config.docs import sections
 
     parsers = list(_all_parsers(_parser()))
     assert {p.prog for p in parsers} == {"ray-titan", "ray-titan train", "ray-titan config",
@@ -67,7 +67,8 @@ def test_every_option_of_every_command_is_described():
                 continue
             assert action.help and len(action.help) > 15, (p.prog, action.dest)
     # train --help lists every setting it can override, with its description.
-    out = subprocess.run([sys.executable, "-m", "ray_titan", "train", "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "ray_titan", "train", "--help"],
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     for name, cls in sections():
         for key, field in cls.model_fields.items():
@@ -88,7 +89,8 @@ def test_config_show_prints_the_resolved_config_with_defaults(capsys):
     assert "steps = 7\n" in text and "lr = 0.0001\n" in text
     assert "max_inflight_reports = 16\n" in text  # a default the TOML file does not set
     assert "# tokenizer_path = (unset)" in text
-    assert JobConfig.from_dict(tomllib.loads(text)) == load_config(cfg_path, ["--training.steps=7", "--optimizer.lr=1e-4"])
+    assert JobConfig.from_dict(tomllib.loads(text)) == load_config(
+        cfg_path, ["--training.steps=7", "--optimizer.lr=1e-4"])
     assert main(["config", "show", "--training.bogus=1"]) == 2
     assert "unknown setting 'training.bogus'" in capsys.readouterr().err
     assert main(["config", "show", "--validate", "--training.global_batch_size=10"]) == 2
@@ -96,7 +98,7 @@ def test_config_show_prints_the_resolved_config_with_defaults(capsys):
 
 
 def test_committed_config_reference_matches_the_config_classes():
-    from ray_titan.config_docs import REGENERATE, reference_markdown, sections
+    from ray_titan.config.docs import REGENERATE, reference_markdown, sections
 
     committed = (REPO / "docs" / "configuration.md").read_text()
     assert committed == reference_markdown(), f"docs/configuration.md is stale: run {REGENERATE}"

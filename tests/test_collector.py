@@ -69,7 +69,7 @@ def test_every_step_recorded_whatever_log_freq(tmp_path):
     for step in range(1, 26):
         c.report([_report(step, r, dims, loss=1.0) for r in range(2)])
     summary = c.finish()
-    assert [l.split("|")[0].split()[1] for l in summary["lines"] if l.startswith("step")] == ["1/25", "25/25"]
+    assert [ln.split("|")[0].split()[1] for ln in summary["lines"] if ln.startswith("step")] == ["1/25", "25/25"]
     t = read_steps(tmp_path)
     assert t.num_rows == 50 and sorted(set(t["step"].to_pylist())) == list(range(1, 26))
 
@@ -181,7 +181,8 @@ def test_replayed_steps_replace_the_lost_ones_and_the_restart_is_marked(tmp_path
 
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()  # the restart purged step 3 of the first attempt
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0), (6, 2.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [
+        (1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0), (6, 2.0)]
 
 
 def test_restarted_collector_resumes_from_its_flushed_parts(tmp_path):

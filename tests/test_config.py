@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import tomllib
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import tomllib
 
 import ray_titan.driver as driver
-from ray_titan.config import ConfigError, JobConfig, load_config, validate_job
+from ray_titan.config import ConfigError, JobConfig, load_config
+from ray_titan.preflight import validate_job
 from tests.conftest import REPO
 
 
@@ -59,7 +59,8 @@ def _cfg(*overrides: str) -> JobConfig:
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["--ray.num_workers=3"], r"ray.num_workers = 3 but the mesh needs parallelism.pp × parallelism.dp_shard = 2 × 2 = 4"),
+        (["--ray.num_workers=3"],
+         r"ray.num_workers = 3 but the mesh needs parallelism.pp × parallelism.dp_shard = 2 × 2 = 4"),
         (["--parallelism.pp=5", "--parallelism.dp_shard=1", "--parallelism.pipeline_schedule=GPipe"],
          r"n_layers = 4, fewer than the 5 pipeline stages"),
         (["--parallelism.microbatches=1", "--training.global_batch_size=16"],
@@ -73,13 +74,17 @@ def _cfg(*overrides: str) -> JobConfig:
         (["--training.global_batch_size=12"],
          r"global_batch_size = 12 is not divisible by parallelism.microbatches × parallelism.dp_shard = 4 × 2 = 8"),
         (["--training.seq_len=4096"], r"training.seq_len = 4096 exceeds the model's maximum sequence length 1024"),
-        (["--data.source=parquet", "--data.path=/nonexistent/x.parquet"], r"data.path = '/nonexistent/x.parquet' does not exist"),
+        (["--data.source=parquet", "--data.path=/nonexistent/x.parquet"],
+         r"data.path = '/nonexistent/x.parquet' does not exist"),
         (["--data.tokenizer=huggingface"], r"needs data.tokenizer_path"),
         (["--data.tokenizer=huggingface", "--data.tokenizer_path=/nonexistent/tokenizer.json"],
          r"data.tokenizer_path = '/nonexistent/tokenizer.json' does not exist"),
-        (["--ray.max_failures=2", "--checkpoint.enable=false"], r"ray.max_failures = 2 with checkpoint.enable = false: a restarted worker group would start again from step 1"),
+        (["--ray.max_failures=2", "--checkpoint.enable=false"],
+         r"ray.max_failures = 2 with checkpoint.enable = false: "
+         r"a restarted worker group would start again from step 1"),
         (["--debug.kill_at_step=3", "--debug.kill_rank=4"], r"debug.kill_rank = 4 but the mesh has ranks 0..3"),
-        (["--data.path=/some/file.parquet"], r"data.path = '/some/file.parquet' is set but data.source = 'python_stdlib' ignores it"),
+        (["--data.path=/some/file.parquet"],
+         r"data.path = '/some/file.parquet' is set but data.source = 'python_stdlib' ignores it"),
         (["--training.seed=-1"], r"training.seed = -1: Input should be greater than or equal to 0"),
         (["--model.flavor=huge"], r"model.flavor = 'huge' is unknown .* valid: \['8B', 'debug'\]"),
         (["--parallelism.ep=2"], r"parallelism.ep = 2 but model.name = 'llama' has no experts"),
@@ -90,12 +95,15 @@ def _cfg(*overrides: str) -> JobConfig:
          r"parallelism.ep = 3 does not divide the 8 routed experts of deepseek_v2/debug"),
         (["--model.name=deepseek_v2", "--model.load_balance=sometimes"], r"model.load_balance = 'sometimes'"),
         (["--memory.snapshot_steps=[0, 5, 400]"],
-         r"memory.snapshot_steps = \[0, 5, 400\]: step\(s\) \[0, 400\] are outside the run \(1 .. training.steps = 300\)"),
-        (["--memory.warmup_max_steps=20"], r"memory.warmup_max_steps = 20 is below memory.leak_window_steps = 28: a verdict needs a full window"),
+         r"memory.snapshot_steps = \[0, 5, 400\]: step\(s\) \[0, 400\] "
+         r"are outside the run \(1 .. training.steps = 300\)"),
+        (["--memory.warmup_max_steps=20"],
+         r"memory.warmup_max_steps = 20 is below memory.leak_window_steps = 28: a verdict needs a full window"),
         (["--memory.cpu_offload=true", "--parallelism.dp_shard=1"],
          r"memory.cpu_offload = true offloads FSDP2's shards, but parallelism.dp_shard = 1 applies no FSDP2"),
         (["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=layer",
-          "--activation_checkpoint.layer_freq=9"], r"activation_checkpoint.layer_freq = 9 exceeds the model's 4 layers"),
+          "--activation_checkpoint.layer_freq=9"],
+         r"activation_checkpoint.layer_freq = 9 exceeds the model's 4 layers"),
         (["--memory.on_leak=halt"], r"memory.on_leak = 'halt': Input should be 'warn' or 'stop'"),
         (["--activation_checkpoint.mode=partial"], r"activation_checkpoint.mode = 'partial'"),
     ],
@@ -133,7 +141,7 @@ def test_valid_layouts_pass():
 
 
 def test_lr_schedule_warms_up_to_the_peak_and_ends_at_the_floor():
-    from ray_titan.train_loop import build_lr_lambda
+    from ray_titan.trainer.build import build_lr_lambda
 
     for decay in ("cosine", "linear"):
         cfg = _cfg("--training.steps=10", "--lr_scheduler.warmup_steps=2", f"--lr_scheduler.decay={decay}",
@@ -153,7 +161,7 @@ def test_cpu_request_larger_than_the_cluster_is_refused_before_workers(ray_clust
 
 
 def test_warmup_longer_than_the_run_is_a_warning_not_an_error():
-    from ray_titan.config import job_warnings
+    from ray_titan.preflight import job_warnings
 
     assert job_warnings(_cfg()) == []
     (warning,) = job_warnings(_cfg("--training.steps=10"))

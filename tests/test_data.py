@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from ray_titan.config import ConfigError, Data
+from ray_titan.config.schema import ConfigError, Data
 from ray_titan.data.corpus import check_source, load_texts, materialize_python_stdlib
 from ray_titan.data.loader import PackedLoader
 from ray_titan.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
@@ -93,7 +93,8 @@ def test_packing_uses_every_token_once_with_bos_and_eos():
     tok = ByteTokenizer()
     docs = _docs(20)
     loader = PackedLoader(docs, tok, seq_len=15, global_batch_size=2, seed=1)
-    stream = np.concatenate([torch.cat([x, y[:, -1:]], dim=1).flatten().numpy() for x, y in (next(loader) for _ in range(40))])
+    stream = np.concatenate([torch.cat([x, y[:, -1:]], dim=1).flatten().numpy()
+                             for x, y in (next(loader) for _ in range(40))])
     order = np.random.default_rng([1, 0]).permutation(20)
     expected = np.concatenate([np.concatenate(([256], tok.encode(docs[int(i)].as_py()), [257])) for i in order])
     n = min(len(stream), len(expected))

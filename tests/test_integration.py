@@ -63,7 +63,7 @@ def test_parity_with_one_worker(pp_run, reference):
 
 
 def test_collector_loss_is_what_the_last_stage_computed(pp_run):
-    name, run = pp_run
+    _, run = pp_run
     assert run.errors == []
     ranks = {r: {rep["step"]: rep for rep in read_rank_reports(run.run_dir, r)} for r in range(4)}
     for step in range(1, STEPS + 1):

@@ -79,7 +79,8 @@ def head(corpus_cache):
     home.mkdir()
     env = _base_env(home)
     env["RAY_AUTH_MODE"] = "token"
-    gen = subprocess.run([*RAY_CLI, "get-auth-token", "--generate"], env=env, capture_output=True, text=True, timeout=120)
+    gen = subprocess.run([*RAY_CLI, "get-auth-token", "--generate"], env=env, capture_output=True, text=True,
+                         timeout=120)
     assert gen.returncode == 0, gen.stderr
     token = (home / ".ray" / "auth_token").read_text().strip()
     assert token and token in gen.stdout  # the command prints the token it saved
@@ -199,7 +200,8 @@ def test_python_driver_api_on_the_running_cluster(head):
     dump = head["base"] / "api_runs"
     code = (
         "import json, ray, ray_titan\n"
-        f"r = ray_titan.train('configs/debug_llama.toml', {SMALL + ['--job.name=api', f'--job.dump_folder=file://{dump}', '--data.cache_dir=' + head['cache']]!r})\n"
+        "r = ray_titan.train('configs/debug_llama.toml', "
+        f"{SMALL + ['--job.name=api', f'--job.dump_folder=file://{dump}', '--data.cache_dir=' + head['cache']]!r})\n"
         "print('RESULT', json.dumps({'run_dir': str(r.run_dir), 'final_loss': r.final_loss, "
         "'rows': r.steps.num_rows, 'session': ray.get_runtime_context().gcs_address}))\n"
     )

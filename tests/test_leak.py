@@ -8,7 +8,13 @@ import pytest
 
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.leak import (
-    GROWING, STABLE, WARMING_UP, LeakDetector, LeakMonitor, leak_settings, theil_sen_slope,
+    GROWING,
+    STABLE,
+    WARMING_UP,
+    LeakDetector,
+    LeakMonitor,
+    leak_settings,
+    theil_sen_slope,
 )
 from ray_titan.metrics.memory import MEMORY_FIELDS
 from ray_titan.metrics.report import StepReport
@@ -179,8 +185,9 @@ def test_collector_records_verdicts_and_stops_on_request(tmp_path, on_leak):
     assert summary["memory_verdicts"][1]["slope_mib_per_step"] == pytest.approx(2.0)
     assert t.filter(t["rank"].to_numpy() == 1)["memory_oom_step"].to_pylist()[-1] > 80
     assert t["gc_generation"].to_pylist().count(1) == 16 * 4
-    growing_lines = [l for l in summary["lines"] if "growing" in l]
-    assert len(growing_lines) == 1 and "rank 1 (pp=0, dp_shard=1) growing +2.000 MiB/step (host RSS)" in growing_lines[0]
+    growing_lines = [ln for ln in summary["lines"] if "growing" in ln]
+    assert len(growing_lines) == 1 and (
+        "rank 1 (pp=0, dp_shard=1) growing +2.000 MiB/step (host RSS)" in growing_lines[0])
     if on_leak == "warn":
         assert summary["stop"] is None and not any(a["stop"] for a in answers)
     else:

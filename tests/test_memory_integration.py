@@ -82,7 +82,9 @@ def test_on_leak_stop_ends_the_run_naming_rank_coordinates_and_rate(ray_cluster,
     # CI, above the 0.5 default, but that was malloc's free space, which the host series leaves out.
     cfg = _cfg(tmp_path, corpus_cache, "--job.name=stop", "--training.steps=300", "--memory.on_leak=stop",
                "--parallelism.pp=1")
-    with pytest.raises(MemoryLeakError, match=r"rank 1 \(pp=0, dp_shard=1\): memory growing \+\d\.\d+ MiB/step \(host RSS - malloc free\)"):
+    with pytest.raises(MemoryLeakError,
+                       match=r"rank 1 \(pp=0, dp_shard=1\): memory growing \+\d\.\d+ MiB/step "
+                             r"\(host RSS - malloc free\)"):
         ray_titan.train(cfg, callbacks=[InjectLeak(ranks=[1], mib_per_step=2.0)])
     (run_dir,) = tmp_path.glob("stop-*")
     steps = read_steps(run_dir)

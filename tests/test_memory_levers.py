@@ -15,7 +15,7 @@ from ray_titan.metrics.leak import MemoryLeakError, leak_settings
 from ray_titan.metrics.memory import RankOutOfMemoryError
 from ray_titan.metrics.report import LocalReporter
 from ray_titan.metrics.sinks import read_steps
-from ray_titan.train_loop import train_loop
+from ray_titan.trainer import train_loop
 from tests.conftest import REPO
 
 
@@ -54,7 +54,7 @@ def no_ac(tmp_path_factory, corpus_cache):
 
 @pytest.mark.parametrize("mode", list(AC_MODES))
 def test_activation_checkpointing_keeps_losses_and_lowers_the_peak(no_ac, tmp_path, corpus_cache, mode):
-    out, summary, steps = _train(tmp_path, corpus_cache, "--memory.snapshot_steps=[2]", *AC_MODES[mode])
+    out, _, steps = _train(tmp_path, corpus_cache, "--memory.snapshot_steps=[2]", *AC_MODES[mode])
     ref_out, _, ref_steps = no_ac
     # fp32 on CPU: the recomputed forward is the same arithmetic, so the losses are identical.
     assert steps["step_loss"].to_pylist() == ref_steps["step_loss"].to_pylist()
@@ -67,7 +67,7 @@ def test_activation_checkpointing_keeps_losses_and_lowers_the_peak(no_ac, tmp_pa
 
 
 def test_snapshot_on_request_is_under_run_dir_memory(no_ac, tmp_path):
-    out, summary, _ = no_ac
+    out, _, _ = no_ac
     names = sorted(p.rsplit("/", 1)[1] for p in out["snapshots"])
     assert names == ["rank0-step2-summary.json", "rank0-step2.json.gz"]
     assert all("/memory/" in p for p in out["snapshots"])

@@ -53,7 +53,8 @@ def test_device_fields_come_from_the_allocator_stats_and_peaks_are_reset(monkeyp
     monkeypatch.setattr(memory, "_capacity", lambda device: 80 * 1024 * MiB)
     s = sample_memory(torch.device("cuda", 0))
     assert set(s) == set(MEMORY_FIELDS) and all(v is not None for v in s.values())
-    assert (s["device_allocated_bytes"], s["device_active_bytes"], s["device_reserved_bytes"]) == (10 * MiB, 11 * MiB, 16 * MiB)
+    assert (s["device_allocated_bytes"], s["device_active_bytes"], s["device_reserved_bytes"]) == (
+        10 * MiB, 11 * MiB, 16 * MiB)
     assert (s["device_peak_active_bytes"], s["device_peak_reserved_bytes"]) == (12 * MiB, 20 * MiB)
     assert (s["device_alloc_retries"], s["device_ooms"], s["device_capacity_bytes"]) == (2, 1, 80 * 1024 * MiB)
     assert fake.resets == 1  # peaks are "since the previous sample"

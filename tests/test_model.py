@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ray_titan.models.llama import count_parameters
+from ray_titan.models.decoder import count_parameters
 from ray_titan.models.registry import build_model, get_model_args
 from ray_titan.parallel.dims import ParallelDims
 from ray_titan.parallel.pipeline import build_stage_module, split_layers

@@ -14,12 +14,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_titan.models.deepseek import (
-    MoE, activated_parameters, sequence_balance_loss,
+from ray_titan.models.decoder import count_parameters
+from ray_titan.models.deepseek_v2.model import (
+    MoE,
+    activated_parameters,
+    route_tokens,
+    sequence_balance_loss,
 )
-from ray_titan.models.llama import count_parameters
 from ray_titan.models.registry import build_model, get_model_args
-from ray_titan.parallel.expert import MoEStepState, dispatch_combine
+from ray_titan.parallel.expert import MoEStepState
 
 DEBUG = get_model_args("deepseek_v2", "debug")
 
@@ -56,11 +59,11 @@ def _reference_routed(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def test_dispatch_combine_equals_the_per_token_definition():
+def test_route_tokens_equals_the_per_token_definition():
     moe = _moe()
     x = torch.randn(37, DEBUG.dim, requires_grad=True)
     weights, indices, _ = moe.router(x)
-    got = dispatch_combine(x, weights, indices, moe.experts, moe.n_experts, None)
+    got = route_tokens(x, weights, indices, moe.experts, moe.n_experts)
     want = _reference_routed(moe, x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     g = torch.randn_like(got)
@@ -104,7 +107,7 @@ def test_aux_loss_gradient_reaches_the_router_without_changing_the_output():
     (g,) = torch.autograd.grad(out.sum(), [moe.router.weight])
     # Reference: d/dW [sum(out) + 0.5 · balance loss], computed explicitly.
     w, i, s = moe.router(x.reshape(-1, DEBUG.dim))
-    routed = dispatch_combine(x.reshape(-1, DEBUG.dim), w, i, moe.experts, moe.n_experts, None)
+    routed = route_tokens(x.reshape(-1, DEBUG.dim), w, i, moe.experts, moe.n_experts)
     total = (routed + moe.shared_experts(x.reshape(-1, DEBUG.dim))).sum() + 0.5 * sequence_balance_loss(
         s.view(2, 6, -1), i.view(2, 6, -1), moe.n_experts, moe.top_k
     )
@@ -167,7 +170,7 @@ def _ep_worker(rank: int, port: int, out_dir: str):
         # The single-rank truth on both ranks' tokens.
         x_all = torch.cat(xs).requires_grad_()
         w, i, _ = full.router(x_all)
-        y_all = dispatch_combine(x_all, w, i, full.experts, full.n_experts, None)
+        y_all = route_tokens(x_all, w, i, full.experts, full.n_experts)
         want_grad_w1 = torch.autograd.grad((y_all * torch.cat(gouts)).sum(), [full.experts.w1])[0]
 
         class Holder(torch.nn.Module):
@@ -187,7 +190,7 @@ def _ep_worker(rank: int, port: int, out_dir: str):
                 getattr(ep_moe.experts, n).to_local().copy_(getattr(full.experts, n).chunk(2)[rank])
         x = xs[rank].clone().requires_grad_()
         w, i, _ = ep_moe.router(x)
-        y = dispatch_combine(x, w, i, ep_moe.experts, ep_moe.n_experts, ep_moe.ep_group)
+        y = route_tokens(x, w, i, ep_moe.experts, ep_moe.n_experts, ep_moe.run_experts)
         gx, gw1 = torch.autograd.grad((y * gouts[rank]).sum(), [x, ep_moe.experts.w1])
         lo, hi = (0, t0) if rank == 0 else (t0, t0 + t1)
         out[name] = {

@@ -119,7 +119,8 @@ MAX_HEAP_GROWTH_PER_100_STEPS = 1 * 2**20
 # steps per rank over steps 101-400 in four runs (the target: < 1;
 # benchmarks/moe_balance_memory.py prints it). Two things move it: jemalloc's thread caches
 # filling (+0.3 MiB per 100 steps) and the freed pages it has not yet returned (9-20 MiB,
-# varying from step to step), which shift a rank's slope by up to ±0.4. The test allows 2 MiB so that jitter cannot fail it; glibc's
+# varying from step to step), which shift a rank's slope by up to ±0.4. The test allows 2 MiB
+# so that jitter cannot fail it; glibc's
 # malloc reached up to 6 MiB per 100 steps here, and the lesson-2 leak would add hundreds.
 MAX_RSS_GROWTH_PER_100_STEPS = 2 * 2**20
 
@@ -136,8 +137,10 @@ def test_moe_host_memory_is_flat_after_warmup(long_moe_run):
     rss = memory_slopes(run.steps, WARMUP_STEPS)
     assert sorted(heap) == sorted(rss) == [0, 1, 2, 3]
     for rank in heap:
-        assert heap[rank] * 100 < MAX_HEAP_GROWTH_PER_100_STEPS, f"rank {rank}: malloc in-use {heap[rank] * 100 / 2**10:.0f} KiB per 100 steps"
-        assert rss[rank] * 100 < MAX_RSS_GROWTH_PER_100_STEPS, f"rank {rank}: RSS {rss[rank] * 100 / 2**10:.0f} KiB per 100 steps"
+        assert heap[rank] * 100 < MAX_HEAP_GROWTH_PER_100_STEPS, (
+            f"rank {rank}: malloc in-use {heap[rank] * 100 / 2**10:.0f} KiB per 100 steps")
+        assert rss[rank] * 100 < MAX_RSS_GROWTH_PER_100_STEPS, (
+            f"rank {rank}: RSS {rss[rank] * 100 / 2**10:.0f} KiB per 100 steps")
 
 
 # Band for the balance loss on the debug MoE (8 experts, uniform share 12.5%):

@@ -11,8 +11,7 @@ import time
 
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.parallel.dims import ParallelDims
-from ray_titan.progress import (BarDisplay, ConsoleThread, LineDisplay, format_eta, format_postfix,
-                                make_display)
+from ray_titan.progress import BarDisplay, ConsoleThread, LineDisplay, format_eta, format_postfix, make_display
 from tests.test_collector import _report
 
 MiB = 2**20
@@ -29,7 +28,8 @@ class _Clock:
 
 
 def test_format_eta_and_postfix():
-    assert [format_eta(s) for s in (None, float("nan"), 0, 59.6, 61, 3725)] == ["?", "?", "0:00", "1:00", "1:01", "1:02:05"]
+    assert [format_eta(s) for s in (None, float("nan"), 0, 59.6, 61, 3725)] == [
+        "?", "?", "0:00", "1:00", "1:01", "1:02:05"]
     assert format_postfix(LATEST) == "loss 2.5000 | 6,843 tok/s | rss max 583 MiB (r2)"
     assert format_postfix({**LATEST, "loss": None, "max_memory": None}) == "loss n/a | 6,843 tok/s"
 
@@ -61,7 +61,8 @@ def test_bar_mode_renders_steps_eta_loss_throughput_and_memory():
     text = out.getvalue()
     last = text.split("\r")[-1]
     assert "step  1/10 | loss 5.0\n" in text  # console lines are written above the bar
-    assert re.search(r"\| 3/10 \[\d\d:\d\d<[\d:?]+, loss 2\.5000 \| 6,843 tok/s \| rss max 583 MiB \(r2\)\]", last), last
+    assert re.search(r"\| 3/10 \[\d\d:\d\d<[\d:?]+, loss 2\.5000 \| 6,843 tok/s \| rss max 583 MiB \(r2\)\]",
+                     last), last
     d.close()
 
 
@@ -107,8 +108,10 @@ def test_collector_poll_gives_the_newest_step_and_the_rank_with_most_memory(tmp_
     dims = ParallelDims(pp=2, dp_shard=1)
     c = MetricsCollector(str(tmp_path), 2, dims.last_stage_ranks(), 5, log_freq=2, enable_tensorboard=False)
     assert c.poll() == {"lines": [], "latest": None}
-    c.report([_report(1, 0, dims, rss=300 * MiB), _report(1, 1, dims, loss=4.0, tokens=512, step_time=0.5, rss=200 * MiB)])
-    c.report([_report(2, 0, dims, step_time=0.25, rss=300 * MiB), _report(2, 1, dims, loss=3.0, tokens=512, step_time=0.25, rss=400 * MiB)])
+    c.report([_report(1, 0, dims, rss=300 * MiB),
+              _report(1, 1, dims, loss=4.0, tokens=512, step_time=0.5, rss=200 * MiB)])
+    c.report([_report(2, 0, dims, step_time=0.25, rss=300 * MiB),
+              _report(2, 1, dims, loss=3.0, tokens=512, step_time=0.25, rss=400 * MiB)])
     p = c.poll()
     assert [line.split(" |")[0] for line in p["lines"] if line.startswith("step")] == ["step 1/5", "step 2/5"]
     assert p["latest"] == {"step": 2, "total": 5, "loss": 3.0, "tokens_per_s": 512 / 0.25,

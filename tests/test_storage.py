@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import ray_titan.driver as driver
+import ray_titan.run_dir as run_dirs
 from ray_titan import storage
 from ray_titan.config import ConfigError, load_config
 from ray_titan.metrics.collector import MetricsCollector
@@ -17,7 +18,8 @@ def test_local_paths_and_file_uris_are_local(tmp_path):
     assert storage.local_path(f"file://{tmp_path}/runs") == tmp_path / "runs"
     assert storage.local_path("~/x") == storage.local_path("~/x").expanduser().resolve()
     assert storage.local_path("s3://bucket/runs") is None
-    assert storage.is_remote("gs://b/x") and not storage.is_remote(f"file://{tmp_path}") and not storage.is_remote("rel/x")
+    assert (storage.is_remote("gs://b/x") and not storage.is_remote(f"file://{tmp_path}")
+            and not storage.is_remote("rel/x"))
     assert storage.join("s3://bucket/runs/", "a", "b.parquet") == "s3://bucket/runs/a/b.parquet"
     assert storage.join(f"file://{tmp_path}", "a") == str(tmp_path / "a")
 
@@ -32,9 +34,9 @@ def test_write_read_and_makedirs_through_pyarrow(tmp_path):
 
 
 def test_make_run_dir_on_a_file_uri_is_a_local_path(tmp_path):
-    cfg = driver.resolve_paths(load_config(None, [f'--job.dump_folder="file://{tmp_path}/runs"', "--job.name=u"]))
+    cfg = run_dirs.resolve_paths(load_config(None, [f'--job.dump_folder="file://{tmp_path}/runs"', "--job.name=u"]))
     assert cfg.job.dump_folder == str(tmp_path / "runs")
-    run_dir = driver.make_run_dir(cfg)
+    run_dir = run_dirs.make_run_dir(cfg)
     assert run_dir.parent == tmp_path / "runs" and run_dir.is_dir() and run_dir.name.startswith("u-")
 
 
@@ -92,7 +94,7 @@ def test_unusable_dump_folder_is_refused_before_workers(overrides, message, monk
 
 
 def test_rank_reports_need_a_local_dump_folder(monkeypatch):
-    from ray_titan.config import validate_job
+    from ray_titan.preflight import validate_job
 
     monkeypatch.setattr(storage, "resolve", lambda uri: (None, str(uri)))  # no network for s3://
     cfg = load_config(None, ['--job.dump_folder="s3://bucket/runs"', "--metrics.save_rank_reports=true"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ray_titan.config import load_config
 from ray_titan.metrics.report import Reporter
 from ray_titan.metrics.timing import read_timings, write_timings
-from ray_titan.train_loop import train_loop
+from ray_titan.trainer import train_loop
 
 
 class _Recording(Reporter):

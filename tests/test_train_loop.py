@@ -18,9 +18,10 @@ STEPS = 6
 
 def _launch(tmp_path, corpus_cache, nproc: int, *overrides: str):
     dump = tmp_path / f"n{nproc}-{abs(hash(overrides))}"
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"] if nproc > 1
+                else [sys.executable])
     out = subprocess.run(
-        [*launcher, "-m", "ray_titan.train_loop", "--config", str(REPO / "configs" / "debug_llama.toml"),
+        [*launcher, "-m", "ray_titan.launch", "--config", str(REPO / "configs" / "debug_llama.toml"),
          f"--training.steps={STEPS}", f"--job.dump_folder={dump}", f"--data.cache_dir={corpus_cache}",
          "--metrics.log_freq=1", *overrides],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},

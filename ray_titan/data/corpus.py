@@ -19,9 +19,9 @@ import pyarrow as pa
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from ray_titan.config import ConfigError, Data
+from ray_titan.config.schema import ConfigError, Data
 
-__all__ = ["materialize_python_stdlib", "source_files", "check_source", "load_texts"]
+__all__ = ["check_source", "load_texts", "materialize_python_stdlib", "source_files"]
 
 _SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl"}
 _EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -49,6 +49,7 @@ def materialize_python_stdlib(cache_dir: str | Path | None = None) -> Path:
         if not _EXCLUDED_DIRS.intersection(p.relative_to(stdlib).parts[:-1])
     )
     tmp = Path(tempfile.mkdtemp(prefix=f".{tag}-", dir=root))
+    shard: dict[str, list[str]]
     shard, size, n = {"path": [], "text": []}, 0, 0
     for f in files + [None]:
         if f is not None:

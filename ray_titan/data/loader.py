@@ -71,7 +71,7 @@ class PackedLoader:
             have += len(parts[-1])
         self._buffer = np.concatenate(parts)
 
-    def __iter__(self) -> "PackedLoader":
+    def __iter__(self) -> PackedLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:

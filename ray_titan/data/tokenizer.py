@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "build_tokenizer"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "build_tokenizer"]
 
 
 class Tokenizer:

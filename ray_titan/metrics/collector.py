@@ -36,14 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401  (pa.compute)
+import pyarrow.compute
 
 from ray_titan import storage
 from ray_titan.metrics.leak import GROWING, LeakMonitor, leak_settings
 from ray_titan.metrics.memory import MEMORY_FIELDS
 from ray_titan.metrics.sinks import ParquetSink, TensorBoardSink, latest_rows, read_raw_parts
 
-__all__ = ["MetricsCollector", "format_step_line", "expert_load"]
+__all__ = ["MetricsCollector", "expert_load", "format_step_line"]
 
 MiB = 2**20
 _STOPPED = "run stopped: "
@@ -345,7 +345,8 @@ class MetricsCollector:
         changes = [self._verdict(step, r, row) for r, row in zip(rows, flat)]
         self.parquet.add(flat)
         if self.tb:
-            self.tb.add_step(step, {k: summary[k] for k in ("loss", "loss_max", "tokens_per_s", "lr", "grad_norm", "step_time_s", "moe/aux_loss")}, flat)
+            scalars = ("loss", "loss_max", "tokens_per_s", "lr", "grad_norm", "step_time_s", "moe/aux_loss")
+            self.tb.add_step(step, {k: summary[k] for k in scalars}, flat)
             if load:
                 self.tb.add_expert_load(step, load)
             for message in filter(None, changes):

@@ -36,14 +36,14 @@ import torch
 
 __all__ = [
     "GPU_PEAK_FLOPS",
-    "transformer_flops_per_token",
-    "llama_non_embedding_params",
-    "llama_flops_per_token",
     "deepseek_flops_per_token",
-    "model_flops_per_token",
-    "mfu",
     "gpu_peak_flops",
+    "llama_flops_per_token",
+    "llama_non_embedding_params",
     "measure_matmul_peak_flops",
+    "mfu",
+    "model_flops_per_token",
+    "transformer_flops_per_token",
 ]
 
 # Dense bf16 tensor-core peak, FLOP/s, from NVIDIA's datasheets (sparsity excluded).
@@ -65,8 +65,8 @@ def transformer_flops_per_token(
     ``non_embedding_params`` (N): parameters that take part in matmuls for one token, i.e. all
     parameters minus the token embedding; for MoE the *activated* ones (shared + ``top_k``
     routed + shared experts). ``attention_dim``: heads × head dimension (``H·Q``), or
-    ``H·(d_qk + d_v)/2`` when query/key and value head dimensions differ (MLA). ``seq_len`` (T): tokens of context each token attends over. Raises
-    ``ValueError`` for a negative argument.
+    ``H·(d_qk + d_v)/2`` when query/key and value head dimensions differ (MLA). ``seq_len`` (T):
+    tokens of context each token attends over. Raises ``ValueError`` for a negative argument.
     """
     args = dict(non_embedding_params=non_embedding_params, n_layers=n_layers,
                 attention_dim=attention_dim, seq_len=seq_len)
@@ -77,7 +77,7 @@ def transformer_flops_per_token(
 
 
 def llama_non_embedding_params(args: Any) -> int:
-    """Parameters of a :class:`ray_titan.models.llama.LlamaArgs` model minus its token embedding
+    """Parameters of a :class:`ray_titan.models.llama.args.LlamaArgs` model minus its token embedding
     (attention, SwiGLU feed-forward, RMSNorm weights, final norm, untied output head), counted
     from the arguments alone."""
     hd, d = args.head_dim, args.dim
@@ -88,7 +88,7 @@ def llama_non_embedding_params(args: Any) -> int:
 
 
 def llama_flops_per_token(args: Any, seq_len: int) -> int:
-    """Training FLOPs per token of a dense Llama (:class:`~ray_titan.models.llama.LlamaArgs`)
+    """Training FLOPs per token of a dense Llama (:class:`~ray_titan.models.llama.args.LlamaArgs`)
     at sequence length ``seq_len``: :func:`transformer_flops_per_token` with
     N = :func:`llama_non_embedding_params`, L = ``n_layers``, H·Q = ``n_heads × head_dim``."""
     return transformer_flops_per_token(
@@ -98,14 +98,14 @@ def llama_flops_per_token(args: Any, seq_len: int) -> int:
 
 def deepseek_flops_per_token(args: Any, seq_len: int) -> int:
     """Training FLOPs per token of a DeepSeek-V2-style MoE
-    (:class:`~ray_titan.models.deepseek.DeepSeekV2Args`) at ``seq_len``:
+    (:class:`~ray_titan.models.deepseek_v2.args.DeepSeekV2Args`) at ``seq_len``:
     :func:`transformer_flops_per_token` with N = the *activated* non-embedding parameters
-    (:func:`ray_titan.models.deepseek.activated_parameters`, counted on the meta device: shared
+    (:func:`ray_titan.models.deepseek_v2.model.activated_parameters`, counted on the meta device: shared
     parameters, the shared experts and ``top_k`` of the routed experts), L = ``n_layers`` and the
     MLA attention width ``H·(d_qk + d_v)/2``."""
     import torch
 
-    from ray_titan.models.deepseek import DeepSeekV2, activated_parameters
+    from ray_titan.models.deepseek_v2.model import DeepSeekV2, activated_parameters
 
     with torch.device("meta"):
         n = activated_parameters(DeepSeekV2(args))

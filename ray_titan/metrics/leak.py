@@ -37,10 +37,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 __all__ = [
-    "WARMING_UP", "STABLE", "GROWING", "theil_sen_slope", "host_series", "SERIES_NAMES", "LeakDetector", "LeakMonitor",
-    "Verdict", "MemoryLeakError", "describe_coords", "leak_settings",
+    "GROWING",
+    "SERIES_NAMES",
+    "STABLE",
+    "WARMING_UP",
+    "LeakDetector",
+    "LeakMonitor",
+    "MemoryLeakError",
+    "Verdict",
+    "describe_coords",
+    "host_series",
+    "leak_settings",
+    "theil_sen_slope",
 ]
 
 WARMING_UP, STABLE, GROWING = "warming_up", "stable", "growing"
@@ -57,7 +68,7 @@ def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.triu_indices(n, k=1)
 
 
-def theil_sen_slope(x: np.ndarray, y: np.ndarray) -> float:
+def theil_sen_slope(x: ArrayLike, y: ArrayLike) -> float:
     """Median of ``(y[j] - y[i]) / (x[j] - x[i])`` over all pairs ``i < j`` with ``x[j] != x[i]``.
 
     ``x``, ``y``: 1-D, same length >= 2; the result is in units of ``y`` per unit of ``x``.
@@ -152,7 +163,7 @@ def leak_settings(memory: Any = None) -> dict[str, Any]:
     """Keyword arguments of :class:`LeakMonitor` from a ``[memory]`` config section
     (``ray_titan.config.Memory``; its defaults when None)."""
     if memory is None:
-        from ray_titan.config import Memory
+        from ray_titan.config.schema import Memory
 
         memory = Memory()
     return dict(window=memory.leak_window_steps, threshold_mib_per_step=memory.leak_threshold_mib_per_step,

@@ -62,16 +62,28 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ray_titan.allocator import host_heap
 
+if TYPE_CHECKING:
+    from torch.profiler import profile
+
 __all__ = [
-    "MEMORY_FIELDS", "MemorySampler", "sample_memory", "host_memory", "host_heap", "host_available", "MemorySnapshots",
-    "RankOutOfMemoryError", "live_tensors", "timeline_peaks",
+    "MEMORY_FIELDS",
+    "MemorySampler",
+    "MemorySnapshots",
+    "RankOutOfMemoryError",
+    "host_available",
+    "host_heap",
+    "host_memory",
+    "live_tensors",
+    "sample_memory",
+    "timeline_peaks",
 ]
 
 MiB = 2**20
@@ -135,7 +147,8 @@ def _cgroup_files() -> list[tuple[Path, Path]]:
                 cands = [(root / path.lstrip("/") / "memory.max", root / path.lstrip("/") / "memory.current")]
             elif "memory" in controllers.split(","):  # v1; a container often mounts its own at the root
                 base = root / "memory"
-                cands = [(base / path.lstrip("/") / "memory.limit_in_bytes", base / path.lstrip("/") / "memory.usage_in_bytes"),
+                cg = base / path.lstrip("/")
+                cands = [(cg / "memory.limit_in_bytes", cg / "memory.usage_in_bytes"),
                          (base / "memory.limit_in_bytes", base / "memory.usage_in_bytes")]
             else:
                 continue
@@ -329,7 +342,7 @@ class MemorySnapshots:
     """
 
     def __init__(self, run_dir: str | Path | None, rank: int, coords: dict[str, int], device: torch.device,
-                 steps: list[int] | set[int] = (), on_oom: bool = True, max_entries: int = 100_000):
+                 steps: Iterable[int] = (), on_oom: bool = True, max_entries: int = 100_000):
         self.dir = Path(run_dir) / "memory" if run_dir is not None else None
         self.rank, self.coords, self.device = rank, coords, device
         self.steps = set(steps) if self.dir is not None else set()
@@ -337,7 +350,7 @@ class MemorySnapshots:
         self.record = self.cuda and self.dir is not None and (bool(self.steps) or on_oom)
         self.max_entries = max_entries
         self.paths: list[Path] = []
-        self._prof = None
+        self._prof: profile | None = None
 
     def _path(self, what: str) -> Path:
         assert self.dir is not None

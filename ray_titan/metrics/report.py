@@ -4,8 +4,8 @@ A report holds host scalars only, never tensors (DESIGN.md, Contracts). :class:`
 sends to the collector actor without waiting and is bounded: at most ``max_inflight`` calls in
 flight and at most ``max_buffered`` reports held until the collector has them on disk, so a slow,
 stuck or restarting collector can neither stall nor grow a worker, and a killed one loses
-nothing (the held reports are resent to its next life, and saved in each checkpoint). :class:`LocalReporter` hands reports to an
-in-process collector, for the train loop run without Ray.
+nothing (the held reports are resent to its next life, and saved in each checkpoint).
+:class:`LocalReporter` hands reports to an in-process collector, for the train loop run without Ray.
 """
 
 from __future__ import annotations
@@ -20,8 +20,13 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "StepReport", "Reporter", "CollectorReporter", "LocalReporter", "JsonlReporter",
-    "rank_reports_path", "read_rank_reports",
+    "CollectorReporter",
+    "JsonlReporter",
+    "LocalReporter",
+    "Reporter",
+    "StepReport",
+    "rank_reports_path",
+    "read_rank_reports",
 ]
 
 

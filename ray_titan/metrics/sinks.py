@@ -26,7 +26,8 @@ STEP_SCHEMA = pa.schema(
         ("loss", _F), ("tokens", _I), ("step_time_s", _F), ("data_time_s", _F),
         ("fwd_bwd_time_s", _F), ("optim_time_s", _F), ("grad_norm", _F), ("lr", _F),
         ("gc_pause_s", _F), ("time", _F), ("metrics_time_s", _F),
-        ("host_rss_bytes", _I), ("host_peak_rss_bytes", _I), ("host_heap_in_use_bytes", _I), ("host_heap_free_bytes", _I),
+        ("host_rss_bytes", _I), ("host_peak_rss_bytes", _I),
+        ("host_heap_in_use_bytes", _I), ("host_heap_free_bytes", _I),
         ("host_available_bytes", _I),
         ("device_allocated_bytes", _I), ("device_active_bytes", _I), ("device_reserved_bytes", _I),
         ("device_peak_active_bytes", _I), ("device_peak_reserved_bytes", _I),
@@ -152,7 +153,9 @@ def read_steps(run_dir: str | Path) -> pa.Table:
             return STEP_SCHEMA.empty_table()
         table = pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA, filesystem=fs) for f in files])
         return table.sort_by([("step", "ascending"), ("rank", "ascending")])
-    metrics = storage.local_path(run_dir) / "metrics"
+    local = storage.local_path(run_dir)
+    assert local is not None  # not remote (above)
+    metrics = local / "metrics"
     if (metrics / "steps.parquet").exists():
         return pq.read_table(metrics / "steps.parquet")
     if (metrics / "parts").is_dir():

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WARMUP_STEPS", "StepClock", "timings_dir", "write_timings", "read_timings"]
+__all__ = ["WARMUP_STEPS", "StepClock", "read_timings", "timings_dir", "write_timings"]
 
 WARMUP_STEPS = 2
 
@@ -66,12 +66,11 @@ class StepClock:
     def summary(self) -> dict[str, Any]:
         """``{"marks", "steady_steps", "steady_time_s"}`` (``last_step_end`` added to marks)."""
         self.mark("last_step_end")
-        done = self._last is not None and self._steady_start is not None
-        return {
-            "marks": dict(self.marks),
-            "steady_steps": self.total_steps - self.warmup if done else 0,
-            "steady_time_s": (self._last - self._steady_start) if done else 0.0,
-        }
+        if self._last is not None and self._steady_start is not None:
+            steady_steps, steady_time_s = self.total_steps - self.warmup, self._last - self._steady_start
+        else:
+            steady_steps, steady_time_s = 0, 0.0
+        return {"marks": dict(self.marks), "steady_steps": steady_steps, "steady_time_s": steady_time_s}
 
 
 def timings_dir(run_dir: str | Path) -> Path:

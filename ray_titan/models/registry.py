@@ -1,73 +1,95 @@
-"""Registry of model families and their flavors (sizes).
+"""The model registry: a family name maps to everything the trainer needs of it.
 
-``debug`` flavors are tiny and CPU-friendly. ``llama/8B`` has the dimensions of Meta Llama 3 8B
-(model card: 8.03 B parameters with its 128,256-token vocabulary); ``deepseek_v2/V2-Lite`` those
-of DeepSeek-V2-Lite (model card: 15.7 B total, 2.4 B activated parameters). Both are
-constructible on the meta device.
+A :class:`ModelSpec` (the role of torchtitan's train spec) holds a family's model class, its
+flavors (sizes), its ``parallelize`` step and how the job's ``[model]`` settings become model
+arguments. The trainer reaches a family only through its spec, so it never branches on a
+family's name; adding a family is adding a package under ``ray_titan/models/`` and one entry in
+:data:`MODELS`.
+
+Flavors: ``debug`` is tiny and CPU-friendly in each family; ``llama/8B`` has the dimensions of
+Meta Llama 3 8B (8.03 B parameters), ``deepseek_v2/V2-Lite`` those of DeepSeek-V2-Lite (15.7 B
+total, 2.4 B activated). Every flavor is constructible on the meta device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
-from ray_titan.models.deepseek import DeepSeekV2, DeepSeekV2Args
-from ray_titan.models.llama import Llama, LlamaArgs
+from ray_titan.config.schema import JobConfig, Model
+from ray_titan.models import deepseek_v2, llama
+from ray_titan.models.decoder import Decoder
+from ray_titan.parallel.dims import Meshes, ParallelDims
 
-__all__ = ["MODELS", "get_model_args", "build_model", "is_moe"]
+__all__ = ["MODELS", "ModelSpec", "build_model", "get_model_args", "get_spec", "is_moe"]
 
-MODELS: dict[str, dict[str, LlamaArgs | DeepSeekV2Args]] = {
-    "llama": {
-        "debug": LlamaArgs(
-            dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=258, multiple_of=64,
-            ffn_dim_multiplier=None, rope_theta=10_000.0, max_seq_len=1024,
-        ),
-        # Meta Llama 3 8B (github.com/meta-llama/llama3, params.json).
-        "8B": LlamaArgs(
-            dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128_256, multiple_of=1024,
-            ffn_dim_multiplier=1.3, rope_theta=500_000.0, max_seq_len=8192,
-        ),
-    },
-    "deepseek_v2": {
-        # 4 layers (the first dense), 8 routed experts, top-2, 1 shared expert.
-        "debug": DeepSeekV2Args(
-            dim=128, n_layers=4, n_dense_layers=1, n_heads=4, vocab_size=258, inter_dim=256,
-            moe_inter_dim=64, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
-            q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-            max_seq_len=1024,
-        ),
-        # DeepSeek-V2-Lite (huggingface.co/deepseek-ai/DeepSeek-V2-Lite, config.json).
-        "V2-Lite": DeepSeekV2Args(),
-    },
+Parallelize = Callable[[nn.Module, ParallelDims, "Meshes | None", JobConfig], None]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model family's parts.
+
+    ``model_cls`` builds the whole model from an arguments dataclass; ``flavors`` maps a flavor
+    name to its arguments; ``parallelize(stage, dims, meshes, cfg)`` applies the family's
+    parallelisms to one pipeline stage module in the fixed order (TP → EP → AC → compile →
+    FSDP); ``config_args(cfg.model)`` gives the argument fields the job's ``[model]`` settings
+    override (e.g. MoE load balancing); ``moe``: whether it has mixture-of-experts layers.
+    """
+
+    name: str
+    model_cls: type[Decoder]
+    flavors: dict[str, Any]
+    parallelize: Parallelize
+    config_args: Callable[[Model], dict[str, Any]] = lambda m: {}
+    moe: bool = False
+
+
+def _moe_args(m: Model) -> dict[str, Any]:
+    return {"load_balance": m.load_balance, "aux_loss_coeff": m.aux_loss_coeff, "bias_update_rate": m.bias_update_rate}
+
+
+MODELS: dict[str, ModelSpec] = {
+    "llama": ModelSpec("llama", llama.Llama, llama.FLAVORS, llama.parallelize_llama),
+    "deepseek_v2": ModelSpec(
+        "deepseek_v2", deepseek_v2.DeepSeekV2, deepseek_v2.FLAVORS, deepseek_v2.parallelize_deepseek_v2,
+        config_args=_moe_args, moe=True,
+    ),
 }
-_CLASSES = {"llama": Llama, "deepseek_v2": DeepSeekV2}
+
+
+def get_spec(name: str) -> ModelSpec:
+    """The family ``name``'s spec. Raises ``KeyError`` naming the valid families."""
+    if name not in MODELS:
+        raise KeyError(f"model.name = {name!r} is unknown; valid: {sorted(MODELS)}")
+    return MODELS[name]
 
 
 def is_moe(name: str) -> bool:
     """Whether the family has mixture-of-experts layers."""
-    return name == "deepseek_v2"
+    return get_spec(name).moe
 
 
-def get_model_args(name: str, flavor: str) -> LlamaArgs | DeepSeekV2Args:
+def get_model_args(name: str, flavor: str) -> Any:
     """The arguments of ``name``/``flavor``. Raises ``KeyError`` naming the valid choices."""
-    if name not in MODELS:
-        raise KeyError(f"model.name = {name!r} is unknown; valid: {sorted(MODELS)}")
-    if flavor not in MODELS[name]:
-        raise KeyError(
-            f"model.flavor = {flavor!r} is unknown for model {name!r}; valid: {sorted(MODELS[name])}"
-        )
-    return MODELS[name][flavor]
+    flavors = get_spec(name).flavors
+    if flavor not in flavors:
+        raise KeyError(f"model.flavor = {flavor!r} is unknown for model {name!r}; valid: {sorted(flavors)}")
+    return flavors[flavor]
 
 
-def build_model(name: str, flavor: str, vocab_size: int | None = None, **overrides) -> nn.Module:
+def build_model(name: str, flavor: str, vocab_size: int | None = None, **overrides: Any) -> Decoder:
     """Construct the whole model (on the current default device; use ``torch.device("meta")``
     as a context to allocate nothing). ``vocab_size`` overrides the flavor's, to match the
     tokenizer; ``overrides`` replace other fields of the flavor's arguments (e.g. the MoE
-    ``load_balance``)."""
+    ``load_balance``). Raises ``KeyError`` for an unknown family or flavor."""
     args = get_model_args(name, flavor)
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     if overrides:
         args = dataclasses.replace(args, **overrides)
-    return _CLASSES[name](args)
+    return get_spec(name).model_cls(args)

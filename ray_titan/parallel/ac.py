@@ -24,12 +24,13 @@ after FSDP2's pre-backward unshard, as with torchtitan's ordering (AC, then FSDP
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["apply_ac", "SAVED_OPS"]
+__all__ = ["SAVED_OPS", "apply_ac"]
 
 _aten = torch.ops.aten
 SAVED_OPS = {
@@ -76,7 +77,7 @@ def apply_ac(model: nn.Module, mode: str, selective_option: str = "op", layer_fr
     if mode == "selective" and selective_option not in ("op", "layer"):
         raise ValueError(f"activation_checkpoint.selective_option = {selective_option!r}; valid: 'op', 'layer'")
     done = []
-    for key, block in model.layers.items():
+    for key, block in cast(nn.ModuleDict, model.layers).items():
         if mode == "selective" and selective_option == "layer" and int(key) % layer_freq:
             continue
         op_level = mode == "selective" and selective_option == "op"

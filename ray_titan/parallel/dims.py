@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["ParallelDims"]
+__all__ = ["Meshes", "ParallelDims"]
+
+Meshes = dict[str, DeviceMesh]
+"""The 1-D meshes of a job by axis name (:meth:`ParallelDims.build_mesh`)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class ParallelDims:
         """Global ranks that hold the last pipeline stage (one per DP rank)."""
         return [r for r in range(self.world_size) if self.is_last_stage_rank(r)]
 
-    def build_mesh(self, device_type: str) -> dict[str, DeviceMesh]:
+    def build_mesh(self, device_type: str) -> Meshes:
         """The 1-D meshes of each axis by name, from ``init_device_mesh`` over the default process
         group: ``"pp"``, ``"dp_shard"``, and with ``ep > 1`` also ``"ep"`` and ``"dp_shard_mod_ep"``
         (module docstring)."""

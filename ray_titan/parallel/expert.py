@@ -9,19 +9,23 @@ all-to-all whose backward never ran grew device memory every step until OOM).
 Per MoE layer and forward, on each rank of an ``ep`` group of size ``E`` holding ``N / E``
 experts each:
 
-1. tokens are sorted by their chosen expert (``top_k`` copies per token);
+1. the model sorts tokens by their chosen expert (``top_k`` copies per token;
+   ``ray_titan.models.deepseek_v2.model.route_tokens``) and calls :func:`run_remote_experts`:
 2. the per-expert counts ``(N,)`` are exchanged with an (equal-split) all-to-all, so every rank
    knows how many tokens it sends to and receives from each peer: the only host sync;
 3. dispatch: the sorted tokens go to the ranks owning their experts (uneven splits);
 4. the received tokens, ordered by (source rank, local expert), are regrouped by local expert and
    run through the local experts;
-5. combine: the inverse all-to-all returns the outputs, which are weighted by the router and
-   summed per token.
+5. combine: the inverse all-to-all returns the outputs, which the model weights by the router
+   and sums per token.
 
 Routing is dropless: no capacity limit, no token is dropped or padded.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -30,40 +34,17 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["dispatch_combine", "apply_expert_parallel", "MoEStepState"]
+__all__ = ["MoEStepState", "apply_expert_parallel", "run_remote_experts"]
 
 
-def dispatch_combine(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    indices: torch.Tensor,
-    experts: nn.Module,
-    n_experts: int,
-    ep_group: dist.ProcessGroup | None,
-) -> torch.Tensor:
-    """Route ``x (tokens, dim)`` to experts and back: ``Σ_k weights[t, k] · expert_{indices[t, k]}(x_t)``.
+class _MoEModel(Protocol):
+    """A stage module with MoE layers (``ray_titan.models.deepseek_v2.DeepSeekV2``, which this
+    package may not import): its ``MoE`` modules by layer index."""
 
-    ``weights (tokens, top_k)`` fp32, ``indices (tokens, top_k)`` int64 in ``[0, n_experts)``.
-    ``experts(x_grouped, counts)`` computes this rank's experts (:class:`GroupedExperts`).
-    ``ep_group``: the ``ep`` process group, or ``None`` when every expert is local.
-    Returns ``(tokens, dim)`` in ``x``'s dtype.
-    """
-    top_k = indices.shape[1]
-    flat = indices.flatten()
-    order = torch.argsort(flat, stable=True)
-    token_of = order // top_k
-    counts = torch.bincount(flat, minlength=n_experts)
-    x_sorted = x[token_of]
-    if ep_group is None or dist.get_world_size(ep_group) == 1:
-        y_sorted = experts(x_sorted, counts.tolist())
-    else:
-        y_sorted = _run_remote_experts(x_sorted, counts, experts, ep_group)
-    w = weights.flatten()[order].unsqueeze(-1)
-    contrib = (y_sorted.float() * w).to(x.dtype)
-    return x.new_zeros(x.shape).index_add(0, token_of, contrib)
+    def moe_modules(self) -> dict[int, Any]: ...
 
 
-def _run_remote_experts(
+def run_remote_experts(
     x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.Module, group: dist.ProcessGroup
 ) -> torch.Tensor:
     """Dispatch ``x_sorted`` (grouped by global expert, ``counts (N,)``) over ``group``, run the
@@ -95,10 +76,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     Call before FSDP, before materialising. Raises ``ValueError`` if ``E`` does not divide ``N``.
     """
     ep = ep_mesh.size()
-    for moe in model.moe_modules().values():
+    for moe in cast(_MoEModel, model).moe_modules().values():
         if moe.n_experts % ep:
             raise ValueError(f"{moe.n_experts} routed experts cannot be split over ep = {ep}")
-        moe.ep_group = ep_mesh.get_group()
+        moe.run_experts = functools.partial(run_remote_experts, group=ep_mesh.get_group())
         for name, p in list(moe.experts.named_parameters(recurse=False)):
             local = torch.empty((p.shape[0] // ep, *p.shape[1:]), dtype=p.dtype, device=p.device)
             dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
@@ -107,7 +88,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The routed experts' parameters of ``model`` (empty for a dense model)."""
-    mods = model.moe_modules().values() if hasattr(model, "moe_modules") else []
+    mods = cast(_MoEModel, model).moe_modules().values() if hasattr(model, "moe_modules") else []
     return [p for moe in mods for p in moe.experts.parameters()]
 
 
@@ -127,7 +108,7 @@ class MoEStepState:
     def __init__(self, stages: dict[int, nn.Module], ep: int, dp_group: dist.ProcessGroup | None,
                  n_microbatches: int):
         self.moes = {layer: moe for m in stages.values() if hasattr(m, "moe_modules")
-                     for layer, moe in m.moe_modules().items()}
+                     for layer, moe in cast(_MoEModel, m).moe_modules().items()}
         self.layers = sorted(self.moes)
         self.expert_params = [p for m in stages.values() for p in expert_parameters(m)]
         self.ep, self.dp_group, self.n_mb = ep, dp_group, n_microbatches

@@ -4,6 +4,8 @@ parallelism over ``dp_shard_mod_ep`` (what ``ep`` leaves of ``dp_shard``)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -52,7 +54,7 @@ def apply_fsdp(
     """
     policy = offload_policy(cpu_offload, dp_mesh.device_type)
     ignored: set[nn.Parameter] = set()
-    for block in model.layers.values():
+    for block in cast(nn.ModuleDict, model.layers).values():
         moe = getattr(block, "moe", None)
         if moe is not None and expert_mesh is not None:
             if expert_mesh.size() > 1:

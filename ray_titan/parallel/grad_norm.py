@@ -34,7 +34,7 @@ def clip_grad_norm_(
             groups.setdefault(key, []).append(p)
     sq = None
     for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         sq = norm**2 if sq is None else sq + norm**2

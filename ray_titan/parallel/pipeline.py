@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -16,14 +17,31 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
-    ScheduleGPipe,
     Schedule1F1B,
+    ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
 
-__all__ = ["split_layers", "build_stage_module", "build_pipeline_schedule", "SCHEDULES"]
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedules' parameter type
 
-SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
+__all__ = ["SCHEDULES", "build_pipeline_schedule", "build_stage_module", "split_layers"]
+
+SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
+    "GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
+}
+
+_M = TypeVar("_M", bound=nn.Module)
+
+
+class _DecoderParts(Protocol):
+    """The parts of a ``ray_titan.models.decoder.Decoder`` (which this package may not import)
+    that a pipeline stage removes."""
+
+    layers: nn.ModuleDict
+    tok_embeddings: nn.Module | None
+    norm: nn.Module | None
+    output: nn.Module | None
 
 
 def split_layers(n_layers: int, num_stages: int) -> list[list[int]]:
@@ -49,19 +67,20 @@ def split_layers(n_layers: int, num_stages: int) -> list[list[int]]:
     return out
 
 
-def build_stage_module(whole: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:
+def build_stage_module(whole: _M, layers: list[int], first: bool, last: bool) -> _M:
     """A copy of ``whole`` (normally on the meta device) keeping only ``layers``, the embedding
     if ``first`` and the final norm and output head if ``last``. Parameter names are unchanged."""
     stage = copy.deepcopy(whole)
+    parts = cast(_DecoderParts, stage)
     keep = {str(i) for i in layers}
-    for name in list(stage.layers.keys()):
+    for name in list(parts.layers.keys()):
         if name not in keep:
-            del stage.layers[name]
+            del parts.layers[name]
     if not first:
-        stage.tok_embeddings = None
+        parts.tok_embeddings = None
     if not last:
-        stage.norm = None
-        stage.output = None
+        parts.norm = None
+        parts.output = None
     return stage
 
 
@@ -81,7 +100,7 @@ def build_pipeline_schedule(
     if schedule not in SCHEDULES:
         raise ValueError(f"parallelism.pipeline_schedule = {schedule!r}; valid: {sorted(SCHEDULES)}")
     cls = SCHEDULES[schedule]
-    stages = [
+    stages: list[_PipelineStageBase] = [
         PipelineStage(mod, idx, num_stages, device, group=pp_group)
         for idx, mod in sorted(stage_modules.items())
     ]

@@ -19,71 +19,34 @@ Architecture after DeepSeek-V2 (DeepSeek-AI 2024, arXiv:2405.04434) and its V2-L
   ``bias_update_rate · sign(mean load − load)`` after every optimizer step;
   ``"none"``.
 
-Routing is dropless (no capacity factor): every token reaches its top-k experts. The experts'
-token dispatch and combine, on one rank or across the ``ep`` mesh axis, are in
-``ray_titan.parallel.expert``. YaRN rope scaling of the released checkpoints (for 32k+ contexts)
-is not implemented; it does not change parameter shapes.
+Routing is dropless (no capacity factor): every token reaches its top-k experts
+(:func:`route_tokens`). The model knows nothing of parallelism: expert parallelism
+(``ray_titan.parallel.expert``) shards the experts' weights and sets :attr:`MoE.run_experts` to
+move the grouped tokens to the ranks that hold their experts and back. YaRN rope scaling of
+the released checkpoints (for 32k+ contexts) is not implemented; it does not change parameter
+shapes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from ray_titan.models.llama import Decoder, FeedForward, RMSNorm, apply_rope
-from ray_titan.parallel import local_tensor
+from ray_titan.models.decoder import Decoder, FeedForward, RMSNorm, apply_rope
+from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
 
-__all__ = ["DeepSeekV2Args", "DeepSeekV2", "MoE", "Router", "GroupedExperts", "MLA", "activated_parameters"]
+__all__ = [
+    "MLA", "DeepSeekV2", "GroupedExperts", "MoE", "Router", "activated_parameters", "route_tokens",
+]
 
-
-@dataclass(frozen=True)
-class DeepSeekV2Args:
-    """Hyper-parameters of a DeepSeek-V2-style model. Defaults: DeepSeek-V2-Lite.
-
-    Head dimensions: queries and keys have ``qk_nope_head_dim + qk_rope_head_dim`` per head,
-    values ``v_head_dim``. ``inter_dim`` is the dense layers' SwiGLU hidden size,
-    ``moe_inter_dim`` each expert's; the shared experts form one SwiGLU of
-    ``n_shared_experts × moe_inter_dim``.
-    """
-
-    dim: int = 2048
-    n_layers: int = 27
-    n_dense_layers: int = 1
-    n_heads: int = 16
-    vocab_size: int = 102_400
-    inter_dim: int = 10_944
-    moe_inter_dim: int = 1408
-    n_routed_experts: int = 64
-    n_shared_experts: int = 2
-    n_activated_experts: int = 6
-    route_scale: float = 1.0
-    norm_topk_prob: bool = False
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    norm_eps: float = 1e-6
-    rope_theta: float = 10_000.0
-    max_seq_len: int = 4096
-    init_std: float = 0.02
-    load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
-    aux_loss_coeff: float = 0.001
-    """α of the balance loss (DeepSeek-V2-Lite: 0.001)."""
-    bias_update_rate: float = 0.001
-    """γ of auxiliary-loss-free balancing (DeepSeek-V3 used 0.001)."""
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return list(range(self.n_dense_layers, self.n_layers))
+ExpertRunner = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]
+"""``(x_sorted (tokens, dim), counts (n_experts,) int64, experts) -> (tokens, dim)``: runs the
+routed experts on tokens grouped by expert, wherever those experts live."""
 
 
 class MLA(nn.Module):
@@ -138,14 +101,21 @@ class Router(nn.Module):
     expert since it was last zeroed (the train loop reads and zeroes it once per step).
     """
 
+    # The buffers' types (registered in __init__; annotations only).
+    expert_bias: torch.Tensor
+    tokens_per_expert: torch.Tensor
+
     def __init__(self, args: DeepSeekV2Args):
         super().__init__()
-        self.top_k, self.route_scale, self.norm_topk_prob = args.n_activated_experts, args.route_scale, args.norm_topk_prob
+        self.top_k, self.route_scale = args.n_activated_experts, args.route_scale
+        self.norm_topk_prob = args.norm_topk_prob
         self.use_bias = args.load_balance == "aux_free"
         self.bias_update_rate = args.bias_update_rate
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim))
         self.register_buffer("expert_bias", torch.zeros(args.n_routed_experts), persistent=True)
-        self.register_buffer("tokens_per_expert", torch.zeros(args.n_routed_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(args.n_routed_experts, dtype=torch.int64), persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         scores = F.linear(x.float(), self.weight.float()).softmax(dim=-1)
@@ -176,7 +146,8 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
+        # Under expert parallelism the weights are DTensors: compute with this rank's experts.
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         if _use_grouped_mm(x, w1):
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
@@ -237,12 +208,45 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, n_experts
     return (f * p).sum(dim=1).mean()
 
 
+def route_tokens(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    experts: nn.Module,
+    n_experts: int,
+    run_experts: ExpertRunner | None = None,
+) -> torch.Tensor:
+    """Route ``x (tokens, dim)`` to experts and back: ``Σ_k weights[t, k] · expert_{indices[t, k]}(x_t)``.
+
+    ``weights (tokens, top_k)`` fp32, ``indices (tokens, top_k)`` int64 in ``[0, n_experts)``.
+    Tokens are sorted by chosen expert (``top_k`` copies per token), run through the experts
+    (``experts(x_grouped, counts)``, :class:`GroupedExperts`, or ``run_experts`` when expert
+    parallelism places them on other ranks), weighted by the router and summed per token.
+    Returns ``(tokens, dim)`` in ``x``'s dtype.
+    """
+    top_k = indices.shape[1]
+    flat = indices.flatten()
+    order = torch.argsort(flat, stable=True)
+    token_of = order // top_k
+    counts = torch.bincount(flat, minlength=n_experts)
+    x_sorted = x[token_of]
+    if run_experts is None:
+        y_sorted = experts(x_sorted, counts.tolist())
+    else:
+        y_sorted = run_experts(x_sorted, counts, experts)
+    w = weights.flatten()[order].unsqueeze(-1)
+    contrib = (y_sorted.float() * w).to(x.dtype)
+    return x.new_zeros(x.shape).index_add(0, token_of, contrib)
+
+
 class MoE(nn.Module):
     """Routed plus shared experts. Input and output ``(batch, seq, dim)``.
 
-    ``dispatch`` (set by ``ray_titan.parallel.expert``) moves tokens to the experts and back;
-    by default all experts are local.
+    ``run_experts`` (set by ``ray_titan.parallel.expert``) runs the routed experts on other
+    ranks; by default all experts are local (:func:`route_tokens`).
     """
+
+    aux_loss_sum: torch.Tensor  # the buffer registered in __init__ (annotation only)
 
     def __init__(self, args: DeepSeekV2Args):
         super().__init__()
@@ -253,18 +257,17 @@ class MoE(nn.Module):
         self.shared_experts = (
             FeedForward(args.dim, args.n_shared_experts * args.moe_inter_dim) if args.n_shared_experts else None
         )
-        self.ep_group = None  # set by apply_expert_parallel
+        # Set by expert parallelism (ray_titan.parallel.expert); None: every expert is local.
+        self.run_experts: ExpertRunner | None = None
         # Sum of the balance loss over this step's forwards (microbatches), for reporting;
         # a fixed buffer updated in place, read and zeroed once per step by the train loop.
         self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ray_titan.parallel.expert import dispatch_combine
-
         bsz, seq, dim = x.shape
         flat = x.reshape(-1, dim)
         weights, indices, scores = self.router(flat)
-        out = dispatch_combine(flat, weights, indices, self.experts, self.n_experts, self.ep_group)
+        out = route_tokens(flat, weights, indices, self.experts, self.n_experts, self.run_experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         out = out.view(bsz, seq, dim)
@@ -312,7 +315,7 @@ class DeepSeekV2(Decoder):
 
     def moe_modules(self) -> dict[int, MoE]:
         """This module's MoE feed-forwards by layer index (only the layers it holds)."""
-        return {int(i): b.moe for i, b in self.layers.items() if hasattr(b, "moe")}
+        return {int(i): cast(MoE, b.moe) for i, b in self.layers.items() if hasattr(b, "moe")}
 
     @torch.no_grad()
     def init_buffers(self) -> None:

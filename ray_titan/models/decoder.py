@@ -1,61 +1,28 @@
-"""Llama-style decoder-only transformer.
+"""The decoder-only skeleton shared by the model families, and its common layers.
 
-Architecture after Llama 2/3 (Touvron et al. 2023, arXiv:2307.09288; Dubey et al. 2024,
-arXiv:2407.21783): pre-norm RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et
-al. 2021, arXiv:2104.09864), grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245)
-through ``scaled_dot_product_attention``, and a SwiGLU feed-forward (Shazeer 2020,
-arXiv:2002.05202) whose hidden size follows Meta's reference code (2/3 · 4·dim, times
-``ffn_dim_multiplier``, rounded up to ``multiple_of``).
-
-The model knows nothing of parallelism. Pipeline stages are made by removing modules
+:class:`Decoder` holds the token embedding, a ``ModuleDict`` of blocks keyed by their index in
+the whole model, the final norm and the output head, and the rotary tables; a family subclasses
+it with its own block (:meth:`Decoder.make_layer`). Pipeline stages are made by removing modules
 (``tok_embeddings``, entries of ``layers``, ``norm``/``output`` set to ``None``); fully qualified
-parameter names stay those of the whole model, and :meth:`Llama.init_weights` seeds every
+parameter names stay those of the whole model, and :meth:`Decoder.init_weights` seeds every
 parameter from its name, so a stage's weights do not depend on how the model was split.
+
+Layers: RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467), rotary position embeddings (Su et al.
+2021, arXiv:2104.09864) in Meta's interleaved-pair layout, and the SwiGLU feed-forward (Shazeer
+2020, arXiv:2002.05202). Nothing here knows of parallelism, except that :meth:`init_weights`
+copies into this rank's shard when a parameter is already a ``DTensor``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LlamaArgs", "Llama", "Decoder", "RMSNorm", "FeedForward", "param_seed", "count_parameters"]
-
-
-@dataclass(frozen=True)
-class LlamaArgs:
-    """Hyper-parameters of a Llama-style model.
-
-    ``n_kv_heads`` < ``n_heads`` gives grouped-query attention (``n_heads`` must be a multiple).
-    ``max_seq_len`` bounds the rotary table and the training sequence length.
-    """
-
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int = 8
-    vocab_size: int = 128_256
-    multiple_of: int = 1024
-    ffn_dim_multiplier: float | None = 1.3
-    norm_eps: float = 1e-5
-    rope_theta: float = 500_000.0
-    max_seq_len: int = 8192
-    init_std: float = 0.02
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        hidden = int(2 * 4 * self.dim / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+__all__ = ["Decoder", "FeedForward", "RMSNorm", "apply_rope", "count_parameters", "param_seed", "rope_tables"]
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -96,33 +63,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
-class Attention(nn.Module):
-    """Causal grouped-query self-attention via ``F.scaled_dot_product_attention``.
-
-    Input and output ``(batch, seq, dim)``.
-    """
-
-    def __init__(self, args: LlamaArgs):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
-
-
 class FeedForward(nn.Module):
     """SwiGLU: ``w2(silu(w1 x) * w3 x)``. Input and output ``(batch, seq, dim)``."""
 
@@ -134,21 +74,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
-
-    def __init__(self, args: LlamaArgs):
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Decoder(nn.Module):
@@ -163,6 +88,12 @@ class Decoder(nn.Module):
 
     #: Parameter-name suffixes of residual output projections, scaled by 1/sqrt(2·n_layers).
     RESIDUAL_OUTPUTS: tuple[str, ...] = ("wo.weight", "w2.weight")
+
+    # Types of the attributes set in __init__ (nn.Module's __getattr__ would give them as
+    # ``Tensor | Module``); annotations only, no class attributes.
+    layers: nn.ModuleDict
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
     def __init__(self, args):
         super().__init__()
@@ -228,17 +159,6 @@ class Decoder(nn.Module):
         cos, sin = rope_tables(self.rope_dim, self.args.max_seq_len, self.args.rope_theta)
         self.rope_cos = cos.to(self.rope_cos.device)
         self.rope_sin = sin.to(self.rope_sin.device)
-
-
-class Llama(Decoder):
-    """Llama-style decoder (see the module docstring); input/output as :class:`Decoder`."""
-
-    def make_layer(self, layer_id: int) -> nn.Module:
-        return TransformerBlock(self.args)
-
-    @property
-    def rope_dim(self) -> int:
-        return self.args.head_dim
 
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:

@@ -4,7 +4,7 @@
 :class:`~ray_titan.config.JobConfig`, every setting's type, constraints, default and
 description); :func:`settings_help` the same settings as ``--section.key`` lines for
 ``ray-titan train --help``; :func:`to_toml` a resolved config as TOML (``ray-titan config show``).
-Descriptions are the attribute docstrings in ``ray_titan/config.py`` (pydantic
+Descriptions are the attribute docstrings in ``ray_titan/config/schema.py`` (pydantic
 ``use_attribute_docstrings``). Regenerate the committed reference with
 ``ray-titan config docs --output docs/configuration.md``.
 """
@@ -20,9 +20,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from ray_titan.config import JobConfig
+from ray_titan.config.schema import JobConfig
 
-__all__ = ["reference_markdown", "settings_help", "to_toml", "sections"]
+__all__ = ["reference_markdown", "sections", "settings_help", "to_toml"]
 
 DOC_PATH = "docs/configuration.md"
 REGENERATE = f"ray-titan config docs --output {DOC_PATH}"
@@ -93,7 +93,7 @@ def reference_markdown() -> str:
     out = [
         "# Configuration reference",
         "",
-        f"Generated from `ray_titan/config.py` by `{REGENERATE}`; do not edit by hand",
+        f"Generated from `ray_titan/config/schema.py` by `{REGENERATE}`; do not edit by hand",
         "(`tests/test_cli.py` fails when this file and the config classes disagree).",
         "",
         "A job config is a TOML file with one table per section below; any setting can be",

@@ -1,0 +1,15 @@
+"""Job configuration.
+
+- :mod:`~ray_titan.config.schema`: the sections (pydantic), TOML loading and dotted overrides;
+  imports nothing of the project. Its names are re-exported here.
+- :mod:`~ray_titan.config.docs`: the configuration reference (``docs/configuration.md``) and
+  ``ray-titan config show``, rendered from the schema.
+
+The checks run before any worker starts need the data, model, checkpoint and callback modules,
+so they live outside this package, in :mod:`ray_titan.preflight`: this package imports nothing
+of the project and the package graph has no cycle.
+"""
+
+from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides, load_config
+
+__all__ = ["ConfigError", "JobConfig", "apply_overrides", "load_config"]

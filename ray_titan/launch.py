@@ -1,0 +1,123 @@
+"""The train loop without Ray: one process, or every rank of a ``torchrun`` launch.
+
+``python -m ray_titan.launch --config X.toml [--section.key=value ...]`` runs
+:func:`ray_titan.trainer.train_loop` in this process; under ``torchrun --nproc-per-node=N``
+(N = the mesh size) each rank runs it in a gloo (CPU) or NCCL (CUDA, one GPU per rank by
+``LOCAL_RANK``) process group. The run directory, checkpoints and metrics are those of a Ray run:
+one process reports to an in-process collector and prints its lines as it goes; under torchrun
+each rank writes its reports to ``metrics/ranks/rank{r}.jsonl`` and rank 0 assembles them into
+``metrics/steps.parquet`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ray_titan.checkpoint import LocalCheckpointStorage
+from ray_titan.config.schema import load_config
+from ray_titan.metrics.collector import MetricsCollector
+from ray_titan.metrics.leak import leak_settings
+from ray_titan.metrics.report import JsonlReporter, LocalReporter, Reporter, rank_reports_path, read_rank_reports
+from ray_titan.metrics.timing import write_timings
+from ray_titan.preflight import validate_job
+from ray_titan.run_dir import make_run_dir, resolve_paths
+from ray_titan.trainer.build import parallel_dims
+from ray_titan.trainer.loop import train_loop
+
+__all__ = ["local_cuda_device", "main"]
+
+
+def local_cuda_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` (as torchrun sets it), made the current device; CPU without CUDA."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m ray_titan.launch --config X.toml [--section.key=value ...]`` without Ray.
+
+    One process, or every rank of a ``torchrun --nproc-per-node=N`` launch (N = the mesh size).
+    One process reports to an in-process collector and prints its lines as it goes; under
+    torchrun each rank writes its reports to ``metrics/ranks/rank{r}.jsonl`` and rank 0 assembles
+    them into the same ``metrics/steps.parquet`` at the end.
+    """
+    ap = argparse.ArgumentParser(prog="python -m ray_titan.launch", description=main.__doc__)
+    ap.add_argument("--config", default=None, help="TOML job config (default: the built-in defaults)")
+    args, overrides = ap.parse_known_args(argv)
+    cfg = resolve_paths(load_config(args.config, overrides))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if cfg.world_size != world:
+        raise SystemExit(
+            f"the mesh needs {cfg.world_size} processes (pp × dp_shard = {cfg.parallelism.pp} × "
+            f"{cfg.parallelism.dp_shard}) but this launch has {world}: use torchrun --nproc-per-node={cfg.world_size}"
+        )
+    validate_job(cfg)  # on every rank, so a bad config stops them all before the process group
+    device = local_cuda_device()
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    holder = [str(make_run_dir(cfg))] if rank == 0 else [None]
+    if world > 1:
+        dist.broadcast_object_list(holder, src=0, device=device)
+    assert holder[0] is not None  # rank 0's, broadcast to every rank
+    run_dir = Path(holder[0])
+    dims = parallel_dims(cfg)
+
+    def new_collector() -> MetricsCollector:
+        return MetricsCollector(
+            str(run_dir), world, dims.last_stage_ranks(), cfg.training.steps, cfg.metrics.log_freq,
+            cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
+            leak_settings(cfg.memory), cfg.memory.on_leak,
+        )
+
+    storage = LocalCheckpointStorage(run_dir / "checkpoints", cfg.checkpoint.keep_latest_k)
+    if not cfg.metrics.enabled:  # overhead measurements only: no collector, no reports
+        summary = train_loop(cfg, Reporter(), device, run_dir, checkpoint_storage=storage)
+        write_timings(run_dir, f"rank{rank}", summary)
+        if world > 1:
+            dist.destroy_process_group()
+        if rank == 0:
+            print(f"run dir: {run_dir}  (metrics.enabled = false: timings only)", flush=True)
+        return
+    if world == 1:
+        collector = new_collector()
+
+        class _Printing(LocalReporter):
+            def report(self, rep):
+                try:
+                    super().report(rep)
+                finally:
+                    for line in self.collector.drain_lines():
+                        print(line, flush=True)
+
+        write_timings(run_dir, "rank0", train_loop(cfg, _Printing(collector), device, run_dir,
+                                                   checkpoint_storage=storage))
+    else:
+        summary = train_loop(cfg, JsonlReporter(rank_reports_path(run_dir, rank)), device, run_dir,
+                             checkpoint_storage=storage)
+        write_timings(run_dir, f"rank{rank}", summary)
+        dist.barrier()
+        if rank == 0:
+            collector = new_collector()
+            for r in range(world):
+                collector.report(read_rank_reports(run_dir, r))
+        dist.destroy_process_group()
+    if rank == 0:
+        summary = collector.finish()
+        for line in summary["lines"] if world > 1 else []:
+            print(line, flush=True)
+        for err in summary["errors"]:
+            print(f"metrics error: {err}", flush=True)
+        print(f"run dir: {run_dir}  final loss: {summary['final_loss']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

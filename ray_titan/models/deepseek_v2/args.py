@@ -1,0 +1,70 @@
+"""Arguments of the DeepSeek-V2 family and its flavors (sizes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["FLAVORS", "DeepSeekV2Args"]
+
+
+@dataclass(frozen=True)
+class DeepSeekV2Args:
+    """Hyper-parameters of a DeepSeek-V2-style model. Defaults: DeepSeek-V2-Lite.
+
+    Head dimensions: queries and keys have ``qk_nope_head_dim + qk_rope_head_dim`` per head,
+    values ``v_head_dim``. ``inter_dim`` is the dense layers' SwiGLU hidden size,
+    ``moe_inter_dim`` each expert's; the shared experts form one SwiGLU of
+    ``n_shared_experts × moe_inter_dim``.
+    """
+
+    dim: int = 2048
+    n_layers: int = 27
+    n_dense_layers: int = 1
+    n_heads: int = 16
+    vocab_size: int = 102_400
+    inter_dim: int = 10_944
+    moe_inter_dim: int = 1408
+    n_routed_experts: int = 64
+    n_shared_experts: int = 2
+    n_activated_experts: int = 6
+    route_scale: float = 1.0
+    norm_topk_prob: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    max_seq_len: int = 4096
+    init_std: float = 0.02
+    load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
+    aux_loss_coeff: float = 0.001
+    """α of the balance loss (DeepSeek-V2-Lite: 0.001)."""
+    bias_update_rate: float = 0.001
+    """γ of auxiliary-loss-free balancing (DeepSeek-V3 used 0.001)."""
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(range(self.n_dense_layers, self.n_layers))
+
+
+
+FLAVORS: dict[str, DeepSeekV2Args] = {
+    # 4 layers (the first dense), 8 routed experts, top-2, 1 shared expert.
+    "debug": DeepSeekV2Args(
+        dim=128, n_layers=4, n_dense_layers=1, n_heads=4, vocab_size=258, inter_dim=256,
+        moe_inter_dim=64, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
+        q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        max_seq_len=1024,
+    ),
+    # DeepSeek-V2-Lite (huggingface.co/deepseek-ai/DeepSeek-V2-Lite, config.json): 15.7 B total,
+    # 2.4 B activated parameters.
+    "V2-Lite": DeepSeekV2Args(),
+}
+"""Flavors by name. ``debug`` is tiny and CPU-friendly."""

@@ -1,0 +1,54 @@
+"""The run directory: ``<job.dump_folder>/<job.name>-<UTC timestamp>``, on a local path or a URI.
+
+Both launchers (the Ray driver and the launcher without Ray) make it the same way, after
+:func:`resolve_paths` has made the job's paths absolute (Ray Train changes a worker's working
+directory). What lives in it: ``config.json``, ``metrics/``, ``tb/``, ``checkpoints/``,
+``timings/``, ``memory/`` and, when the workers stopped a run without a collector,
+:data:`STOP_REASON_FILE`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ray_titan import storage
+from ray_titan.config.schema import JobConfig
+
+__all__ = ["STOP_REASON_FILE", "make_run_dir", "resolve_paths", "under"]
+
+STOP_REASON_FILE = "stop_reason.txt"
+"""Without a collector, why the workers ended the run early (``training.on_nonfinite = "stop"``)."""
+
+
+def under(run_dir: Path | str, *parts: str) -> Path | str:
+    """``run_dir / parts``: a :class:`~pathlib.Path` for a local run directory, a URI string for
+    a remote one."""
+    return run_dir.joinpath(*parts) if isinstance(run_dir, Path) else storage.join(run_dir, *parts)
+
+
+def make_run_dir(cfg: JobConfig) -> Path | str:
+    """``<dump_folder>/<job.name>-<UTC timestamp>``, created: an absolute local path (also for a
+    ``file://`` dump folder), or a URI string for remote storage (:mod:`ray_titan.storage`)."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-%f")
+    name = f"{cfg.job.name}-{stamp}"
+    local = storage.local_path(cfg.job.dump_folder)
+    if local is None:
+        uri = storage.join(cfg.job.dump_folder, name)
+        storage.makedirs(uri)
+        return uri
+    run_dir = local / name
+    run_dir.mkdir(parents=True, exist_ok=False)
+    return run_dir
+
+
+def resolve_paths(cfg: JobConfig) -> JobConfig:
+    """A copy with every user path made absolute: Ray Train changes a worker's working directory."""
+    data = cfg.data.model_copy(update={
+        k: str(Path(v).expanduser().resolve())
+        for k in ("path", "tokenizer_path", "cache_dir")
+        if (v := getattr(cfg.data, k))
+    })
+    dump = cfg.job.dump_folder
+    job = cfg.job.model_copy(update={"dump_folder": str(storage.local_path(dump) or dump)})
+    return cfg.model_copy(update={"data": data, "job": job})

@@ -1,0 +1,166 @@
+"""Building one rank's share of a job: mesh, model stages, optimizer, LR schedule, pipeline schedule.
+
+:func:`build` takes the job and the data loader and returns a :class:`TrainParts`: the model is
+built whole on the meta device, this rank's pipeline stages are cut out
+(``ray_titan.parallel.pipeline``), each is parallelized by its family's ``parallelize`` step
+(``ray_titan.models.registry``), then materialised on the device and initialised from the seed.
+The optimizer, the LR schedule and, under PP, the pipeline schedule are built over those stages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+from ray_titan.config.schema import JobConfig
+from ray_titan.data.loader import PackedLoader
+from ray_titan.fault import FaultHandler
+from ray_titan.models.registry import build_model, get_spec
+from ray_titan.parallel.dims import Meshes, ParallelDims
+from ray_titan.parallel.expert import MoEStepState
+from ray_titan.parallel.pipeline import build_pipeline_schedule, build_stage_module, split_layers
+
+__all__ = ["TrainParts", "build", "build_lr_lambda", "build_optimizer", "cross_entropy_loss", "parallel_dims"]
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy in nats per token. ``logits (batch, seq, vocab)``, ``labels (batch, seq)``
+    int64. Computed in fp32."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def parallel_dims(cfg: JobConfig) -> ParallelDims:
+    """The job's :class:`ParallelDims` (mesh sizes and stages per rank)."""
+    par = cfg.parallelism
+    return ParallelDims(pp=par.pp, dp_shard=par.dp_shard, stages_per_rank=par.stages_per_rank, ep=par.ep)
+
+
+def build_lr_lambda(cfg: JobConfig) -> Callable[[int], float]:
+    """Multiplier of ``optimizer.lr`` at scheduler step ``i`` (0-based): linear warm-up over
+    ``warmup_steps``, then cosine or linear decay to ``min_lr_ratio`` at ``training.steps``."""
+    warmup, total = cfg.lr_scheduler.warmup_steps, cfg.training.steps
+    decay, floor = cfg.lr_scheduler.decay, cfg.lr_scheduler.min_lr_ratio
+
+    def lr_lambda(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        if decay == "none" or total <= warmup:
+            return 1.0
+        # The last step (index total - 1) runs at exactly the floor.
+        progress = min(1.0, (i + 1 - warmup) / (total - warmup))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
+        return floor + (1 - floor) * shape
+
+    return lr_lambda
+
+
+def build_optimizer(cfg: JobConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The ``[optimizer]`` over ``params``: AdamW, Adam or SGD (``beta1`` is SGD's momentum), with
+    the kernel ``optimizer.implementation`` names."""
+    o = cfg.optimizer
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[o.implementation]
+    if o.name == "SGD":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay, **impl)
+    cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
+    return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **impl)
+
+
+@dataclass
+class TrainParts:
+    """One rank's share of the job, as :func:`build` made it.
+
+    ``stages``: this rank's pipeline stage modules by stage index (one without PP);
+    ``params``: their parameters; ``schedule``: the pipeline schedule, None without PP (then
+    ``stages`` holds the whole model and microbatches are accumulated); ``loss_fn``: the
+    per-microbatch loss (:func:`cross_entropy_loss`, poisoned by ``debug.nonfinite_loss_at_steps``);
+    ``moe``: the MoE layers' per-step bookkeeping (inactive for a dense model); ``faults``: the
+    non-finite policy and fault injection; ``pp_group``: the ``pp`` process group (None without PP).
+    """
+
+    dims: ParallelDims
+    rank: int
+    coords: dict[str, int]
+    meshes: Meshes | None
+    stages: dict[int, nn.Module]
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    schedule: _PipelineSchedule | None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    moe: MoEStepState
+    faults: FaultHandler
+    pp_group: dist.ProcessGroup | None
+    device: torch.device
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.dims.is_last_stage_rank(self.rank)
+
+
+def build_stages(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, pp_rank: int,
+                 vocab_size: int, device: torch.device) -> dict[int, nn.Module]:
+    """This rank's pipeline stages, parallelized, materialised on ``device`` and initialised.
+
+    The whole model is built on the meta device (nothing allocated), split into
+    ``dims.num_stages`` stages by layers, and the stages of ``pp_rank`` are kept; each goes
+    through its family's ``parallelize`` step before its weights exist, then ``to_empty`` and
+    ``init_weights(training.seed)`` (each parameter seeded by its name, so the weights do not
+    depend on the mesh)."""
+    spec = get_spec(cfg.model.name)
+    with torch.device("meta"):
+        whole = build_model(cfg.model.name, cfg.model.flavor, vocab_size=vocab_size, **spec.config_args(cfg.model))
+    split = split_layers(whole.args.n_layers, dims.num_stages)
+    stages: dict[int, nn.Module] = {}
+    for s in dims.stages_on_pp_rank(pp_rank):
+        mod = build_stage_module(whole, split[s], first=s == 0, last=s == dims.num_stages - 1)
+        spec.parallelize(mod, dims, meshes, cfg)
+        mod.to_empty(device=device)
+        mod.init_weights(cfg.training.seed)
+        mod.train()
+        stages[s] = mod
+    return stages
+
+
+def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, device: torch.device) -> TrainParts:
+    """Build this rank's :class:`TrainParts` (module docstring). ``loader`` gives the shape of a
+    batch for the MoE pipeline's shape inference. Collective: every rank calls it."""
+    dims = parallel_dims(cfg)
+    coords = dims.coords(rank)
+    meshes = dims.build_mesh(device.type) if dims.world_size > 1 else None
+    stages = build_stages(cfg, dims, meshes, coords["pp"], vocab_size, device)
+    params = [p for m in stages.values() for p in m.parameters()]
+    optimizer = build_optimizer(cfg, params)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, build_lr_lambda(cfg))
+    n_mb = cfg.parallelism.microbatches
+    pp_group = meshes["pp"].get_group() if meshes is not None and dims.pp > 1 else None
+    dp_group = meshes["dp_shard"].get_group() if meshes is not None and dims.dp_shard > 1 else None
+    moe = MoEStepState(stages, dims.ep, dp_group, n_mb)
+    faults = FaultHandler(cfg, rank, sorted(stages), dims.num_stages - 1, device)
+    loss_fn = faults.wrap_loss(cross_entropy_loss)
+    parts = TrainParts(dims, rank, coords, meshes, stages, params, optimizer, scheduler, None, loss_fn,
+                       moe, faults, pp_group, device)
+    if dims.pp > 1:
+        parts.schedule = build_pipeline_schedule(
+            cfg.parallelism.pipeline_schedule, stages, dims.num_stages, n_mb, loss_fn, device, pp_group,
+        )
+        if moe.active:
+            # The schedule infers stage shapes at its first step by running every stage once,
+            # on uninitialised inputs past stage 0: MoE routers would count those phantom tokens
+            # in step 1. So infer now, on a dummy batch, and forget what it counted.
+            dummy = torch.zeros(loader.local_batch, cfg.training.seq_len, dtype=torch.int64, device=device)
+            last = parts.is_last_stage
+            parts.schedule.step(*((dummy,) if parts.has_first_stage else ()), target=dummy if last else None,
+                                losses=[] if last else None)
+            optimizer.zero_grad(set_to_none=True)
+            moe.reset()
+    return parts

@@ -1,0 +1,170 @@
+"""The per-worker train loop, top to bottom.
+
+:func:`train_loop` is a plain function of (config, reporter): Ray Train runs it on every worker
+(``ray_titan.driver``), and it also runs without Ray, in one process or under ``torchrun``
+(``ray_titan.launch``), which is how the CUDA paths are exercised on a machine without Ray.
+
+Per step: data → :func:`~ray_titan.trainer.step.train_step` (forward/backward, clip, optimizer,
+LR; the loss becomes a host float on last-stage ranks) → synchronized GC → memory sample → one
+StepReport, sent without waiting → checkpoint when due. Nothing from a step outlives it on the
+device (DESIGN.md, lesson 1).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ray_titan.allocator import active_allocator
+from ray_titan.callbacks import CallbackContext, CallbackList, load_callback
+from ray_titan.checkpoint import Checkpointer
+from ray_titan.config.schema import JobConfig
+from ray_titan.data.corpus import load_texts
+from ray_titan.data.loader import PackedLoader
+from ray_titan.data.tokenizer import build_tokenizer
+from ray_titan.gc import GarbageCollection
+from ray_titan.metrics.memory import MemorySampler, MemorySnapshots, host_memory
+from ray_titan.metrics.report import Reporter, StepReport
+from ray_titan.metrics.timing import StepClock
+from ray_titan.trainer.build import build, parallel_dims
+from ray_titan.trainer.step import train_step
+
+__all__ = ["train_loop"]
+
+
+def train_loop(
+    cfg: JobConfig, reporter: Reporter, device: torch.device | None = None,
+    run_dir: str | Path | None = None, callbacks: list | None = None, checkpoint_storage: Any = None,
+) -> dict[str, Any]:
+    """Train ``cfg`` on this rank, sending one :class:`StepReport` per step to ``reporter``.
+
+    ``device`` is where this rank computes (default CPU); the caller picks it, since only the
+    launcher knows which GPU, if any, is this rank's. Needs ``torch.distributed`` initialised
+    with ``world_size == cfg.world_size`` unless the mesh is a single rank. ``run_dir``: where
+    memory snapshots go (``<run_dir>/memory/``; none without it). ``callbacks``: worker-side
+    callbacks (``ray_titan.callbacks``), run after those of ``cfg.callbacks``.
+    ``checkpoint_storage`` is where checkpoints go (``ray_titan.checkpoint``; None saves none),
+    and a restart or ``checkpoint.load_path`` resumes from one. Returns a small summary of this
+    rank (``rank``, ``steps``, ``last_loss``, ``snapshots``, and the timings of
+    :class:`~ray_titan.metrics.timing.StepClock`: ``marks``, ``steady_steps``, ``steady_time_s``,
+    ``tokens_per_step``, ``host_rss_bytes``, ``host_peak_rss_bytes``, and ``allocator``, the malloc
+    this process runs: :func:`~ray_titan.allocator.active_allocator`). With
+    ``metrics.enabled = false`` nothing is sampled or sent to ``reporter``. Raises ``RuntimeError`` when the
+    process group does not match the mesh, ``RankOutOfMemoryError`` (after writing a snapshot)
+    when the rank runs out of memory, ``CheckpointError`` for a bad checkpoint and
+    ``NonFiniteError`` under ``training.on_nonfinite = "stop"``.
+    """
+    clock = StepClock(cfg.training.steps)
+    clock.mark("loop_start")
+    dims = parallel_dims(cfg)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != dims.world_size:
+        raise RuntimeError(f"{world} processes, but the mesh needs {dims.world_size} ({dims})")
+    coords = dims.coords(rank)
+    device = device or torch.device("cpu")
+    if cfg.training.threads_per_worker:
+        torch.set_num_threads(cfg.training.threads_per_worker)
+    torch.manual_seed(cfg.training.seed)
+
+    # Data: every rank builds the same stream and keeps its DP slice.
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+    loader = PackedLoader(
+        load_texts(cfg.data), tokenizer, cfg.training.seq_len, cfg.training.global_batch_size,
+        dp_rank=coords["dp_shard"], dp_degree=dims.dp_shard, seed=cfg.training.seed,
+    )
+    clock.mark("data_ready")
+    parts = build(cfg, rank, tokenizer.vocab_size, loader, device)
+    ckpt = Checkpointer(cfg, rank, parts.stages.values(), parts.optimizer, parts.scheduler, loader, reporter,
+                        checkpoint_storage, tokenizer.vocab_size, device)
+    start_step = ckpt.restore()
+    clock.mark("model_built")
+
+    mem, faults = cfg.memory, parts.faults
+    allocator = active_allocator()
+    if mem.allocator == "jemalloc" and allocator != "jemalloc" and rank == 0:
+        print(f"ray_titan: warning: memory.allocator = 'jemalloc' but this worker runs {allocator} malloc: "
+              "only workers started by ray_titan's driver get it; preload it yourself elsewhere "
+              "(ray_titan.allocator)", file=sys.stderr, flush=True)
+    gc_policy = GarbageCollection(cfg.training.gc_freq, mem.gc_full_every, mem.gc_debug, rank, mem.malloc_trim)
+    snapshots = MemorySnapshots(run_dir, rank, coords, device, mem.snapshot_steps, mem.snapshot_on_oom,
+                                mem.history_max_entries)
+    hooks = _callbacks(cfg, callbacks, CallbackContext(
+        rank, coords, world, device, Path(run_dir) if run_dir is not None else None, cfg))
+    sampler = MemorySampler(device, cfg.metrics.heap_stats_interval_s)
+    error: BaseException | None = None
+    last_loss, step, tokens_per_step = None, 0, 0
+    metrics_time: float | None = None  # the previous step's sampling + reporting, seconds
+    try:
+        snapshots.start()
+        hooks.on_train_start()
+        for step in range(start_step + 1, cfg.training.steps + 1):
+            faults.begin_step(step)
+            hooks.on_step_begin(step)
+            snapshots.before_step(step)
+            t0 = time.perf_counter()
+            inputs, labels = next(loader)
+            inputs, labels = inputs.to(device), labels.to(device)
+            t1 = time.perf_counter()
+            out = train_step(parts, inputs, labels, step, cfg.parallelism.microbatches, cfg.training.max_norm,
+                             cfg.training.autocast)
+            gc_result = gc_policy.run(step)
+            if cfg.metrics.enabled:
+                t_sample = time.perf_counter()
+                memory = sampler.sample()
+                t4 = time.perf_counter()
+                report = StepReport(
+                    step=step, rank=rank, coords=coords, is_last_stage=parts.is_last_stage, loss=out.loss,
+                    tokens=labels.numel(), step_time_s=t4 - t0, data_time_s=t1 - t0,
+                    fwd_bwd_time_s=out.fwd_bwd_time_s, optim_time_s=out.optim_time_s,
+                    grad_norm=out.grad_norm, lr=out.lr, memory=memory, gc_pause_s=gc_result.pause_s,
+                    time=time.time(), gc_generation=gc_result.generation, aux_loss=out.aux_loss,
+                    moe_layers=out.moe_layers, expert_load=out.expert_load, skipped_update=out.skipped,
+                    attempt_start_time=faults.attempt_start_time, metrics_time_s=metrics_time,
+                )
+                t_hooks = time.perf_counter()
+                hooks.on_step_end(step, report)  # the user's callbacks: not the metrics path's cost
+                t_report = time.perf_counter()
+                reporter.report(report)
+                metrics_time = (t_hooks - t_sample) + (time.perf_counter() - t_report)
+            clock.step_end(step)
+            faults.end_step(step, ckpt.restarted)  # on_nonfinite = "stop"; debug.kill_at_step
+            if ckpt.due(step):
+                gc_policy.at_checkpoint()
+                ckpt.save(step)
+                gc_policy.at_checkpoint()
+            last_loss = out.loss
+            tokens_per_step = labels.numel()
+            del inputs, labels
+            snapshots.after_step(step)
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        error = snapshots.oom(step, e)
+        raise error from e
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        snapshots.close()
+        sampler.close()
+        gc_policy.close()
+        try:
+            hooks.on_train_end(error)
+        finally:
+            reporter.close()
+    rss, peak_rss = host_memory()
+    return {
+        "rank": rank, "steps": cfg.training.steps, "last_loss": last_loss, **clock.summary(),
+        "tokens_per_step": tokens_per_step, "host_rss_bytes": rss, "host_peak_rss_bytes": peak_rss,
+        "allocator": allocator,
+        "snapshots": [str(p) for p in snapshots.paths],
+    }
+
+
+def _callbacks(cfg: JobConfig, extra: list | None, ctx: CallbackContext) -> CallbackList:
+    built = [load_callback(c.target, c.kwargs) for c in cfg.callbacks]
+    return CallbackList(built + list(extra or []), ctx)
