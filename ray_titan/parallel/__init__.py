@@ -1,6 +1,8 @@
-"""Parallelisms: the device mesh (dims.py), FSDP2 (fsdp.py), pipeline parallel (pipeline.py) and
-gradient clipping across both (grad_norm.py). Each is applied by one ``apply_*``/``build_*``
-function that takes the model and the mesh."""
+"""Parallelisms: the device mesh and stage placement (dims.py), FSDP2 (fsdp.py), pipeline parallel
+(pipeline.py), expert parallel (expert.py), activation checkpointing (ac.py) and gradient clipping
+over the whole model (grad_norm.py). Each is applied by one ``apply_*``/``build_*`` function that
+takes the model and the mesh; each model family's ``parallelize`` step calls them in a fixed order
+(TP → EP → AC → compile → FSDP). Nothing here imports the models."""
 
 from __future__ import annotations
 
