@@ -223,6 +223,20 @@ class Checkpoint(_Section):
     load_model_only: bool = False
     """With ``load_path``: take the model weights only and start at step 1 with a fresh optimizer,
     LR schedule and data order (fine-tuning); otherwise continue the saved run's state."""
+    initial_load_hf: str | None = None
+    """Start from a Hugging Face model directory (a local path or a URI pyarrow's filesystems
+    read): ``config.json`` gives the model family and sizes (``model.name`` / ``model.flavor``, if
+    set, must agree), ``tokenizer.json`` the tokenizer (unless ``data.tokenizer`` or
+    ``data.tokenizer_path`` is set), and the safetensors files (``model.safetensors`` or shards
+    with ``model.safetensors.index.json``, any float dtype) the weights, each rank reading only
+    its own stages' shards. Supported ``model_type``: ``llama``, ``qwen3``, ``deepseek_v2``. A
+    restarted worker group, or ``load_path``, loads its DCP checkpoint instead."""
+    last_save_hf: bool = False
+    """After the run, also write the final checkpoint as a Hugging Face model directory
+    ``<run_dir>/hf`` (``config.json``, safetensors shards with ``model.safetensors.index.json``,
+    the tokenizer files), as ``ray-titan export`` does. Needs ``enable``."""
+    last_save_hf_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Weights dtype of the ``last_save_hf`` export."""
 
 
 class Debug(_Section):

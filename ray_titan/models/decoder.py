@@ -91,10 +91,12 @@ class Decoder(nn.Module):
     by the layer's index in the whole model, so a pipeline stage keeps the whole model's names.
     Subclasses provide :meth:`make_layer` and :attr:`rope_dim`.
 
-    ``args.tie_word_embeddings`` (Llama 3.2 1B/3B, small Qwen3): the output head's weight is the
-    embedding's, one ``Parameter``, where a module holds both; a pipeline stage holding only the
-    head keeps its own copy, initialised as the embedding (:meth:`init_weights`), and the
-    trainer sums the two copies' gradients across the first and last stages.
+    ``args.tie_word_embeddings`` (Llama 3.2 1B/3B, small Qwen3): the model has no ``output``
+    module and computes logits with the embedding's weight; a last pipeline stage without the
+    embedding gets an ``output`` copy (``ray_titan.parallel.pipeline.build_stage_module``),
+    initialised as the embedding (:meth:`init_weights`), and the trainer sums the two copies'
+    gradients across the first and last stages (``ray_titan.parallel.tied``). (One
+    ``Parameter`` shared by two modules would come apart at ``to_empty``.)
     """
 
     #: Parameter-name suffixes of residual output projections, scaled by 1/sqrt(2·n_layers).
@@ -112,9 +114,7 @@ class Decoder(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): self.make_layer(i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if self.tied:
-            self.output.weight = self.tok_embeddings.weight
+        self.output: nn.Linear | None = None if self.tied else nn.Linear(args.dim, args.vocab_size, bias=False)
         # Not persistent: recomputed by init_weights (also after materialising from meta).
         cos, sin = rope_tables(self.rope_dim, args.max_seq_len, args.rope_theta, self.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -144,10 +144,12 @@ class Decoder(nn.Module):
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         for layer in self.layers.values():
             h = layer(h, cos, sin)
-        if self.norm is not None:
+        if self.norm is not None:  # the last stage
             h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
+            if self.output is not None:
+                h = self.output(h)
+            elif self.tok_embeddings is not None:  # tied, and this module holds the embedding
+                h = F.linear(h, self.tok_embeddings.weight)
         return h
 
     @torch.no_grad()
@@ -164,7 +166,7 @@ class Decoder(nn.Module):
         """
         std = self.args.init_std
         for name, param in self.named_parameters():
-            if self.tied and name == "output.weight":  # a last stage's copy of the embedding
+            if name == "output.weight" and self.tied:  # a last stage's copy of the embedding
                 name = "tok_embeddings.weight"
             full = torch.empty(param.shape, dtype=torch.float32)
             if name.endswith("norm.weight"):
