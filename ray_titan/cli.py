@@ -85,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
         "shards with model.safetensors.index.json, and the run's tokenizer files. Streams one shard "
         "at a time. Exit status 2 for a missing or incomplete checkpoint.",
     )
-    ex.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN_DIR")
+    ex.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN_DIR",
+                    help="a step-NNNNNNNN checkpoint, or a run directory (its latest complete checkpoint)")
     ex.add_argument("--to", choices=["hf"], required=True, help="the format: hf (Hugging Face)")
     ex.add_argument("out_dir", metavar="OUT_DIR", help="the directory to write (a local path or a URI)")
     ex.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="weights dtype (default bf16)")
