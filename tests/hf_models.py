@@ -91,3 +91,22 @@ def make_hf_model(family: str, directory: Path, dtype: torch.dtype = torch.float
     model.to(dtype).save_pretrained(directory)
     write_tokenizer(directory)
     return model.float()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.hf_models OUT_DIR [--family qwen3]``: write a tiny random Hugging Face
+    model (with its tokenizer) to ``OUT_DIR/<family>`` and a JSON Lines text to
+    ``OUT_DIR/text.jsonl``, to try ``configs/finetune_hf.toml`` without downloading a model."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tests.hf_models", description=main.__doc__)
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--family", choices=["llama", "qwen3", "deepseek_v2"], default="qwen3")
+    a = ap.parse_args(argv)
+    make_hf_model(a.family, a.out_dir / a.family)
+    (a.out_dir / "text.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_lines()))
+    print(f"wrote {a.out_dir / a.family} and {a.out_dir / 'text.jsonl'}")
+
+
+if __name__ == "__main__":
+    main()
