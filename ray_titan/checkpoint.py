@@ -213,19 +213,20 @@ def find_latest(directory: str | Path) -> Path | None:
     return None
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | Path, setting: str = "checkpoint.load_path") -> Path:
     """``path`` itself if it is a checkpoint (it has a manifest or DCP metadata), else the latest
-    complete checkpoint in it or in its ``checkpoints/``. Raises :class:`CheckpointError`."""
+    complete checkpoint in it or in its ``checkpoints/``. Raises :class:`CheckpointError` naming
+    ``setting`` (where the path came from) and the path."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise CheckpointError(f"checkpoint.load_path = {str(path)!r} does not exist")
+        raise CheckpointError(f"{setting} = {str(path)!r} does not exist")
     if (path / MANIFEST).exists() or (path / ".metadata").exists() or path.name.startswith("step-"):
         read_manifest(path)
         return path
     for d in (path, path / "checkpoints"):
         if (latest := find_latest(d)) is not None:
             return latest
-    raise CheckpointError(f"checkpoint.load_path = {str(path)!r} holds no complete checkpoint (step-* with {MANIFEST})")
+    raise CheckpointError(f"{setting} = {str(path)!r} holds no complete checkpoint (step-* with {MANIFEST})")
 
 
 def _job_manifest(cfg, vocab_size: int) -> dict[str, Any]:

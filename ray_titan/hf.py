@@ -36,7 +36,6 @@ once.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import struct
@@ -54,6 +53,7 @@ from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.models.registry import ModelSpec, build_model, get_model_args, get_spec, spec_for_hf
 from ray_titan.models.rope import RopeScaling
 from ray_titan.models.state_dict_adapter import HFConfigError, Source
+from ray_titan.parallel import local_tensor
 
 __all__ = [
     "CONFIG",
@@ -89,7 +89,6 @@ class HFCheckpointError(ValueError):
 
 # -- config.json ------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=8)
 def read_hf_config(path: str) -> dict[str, Any]:
     """``<path>/config.json`` as a dict (``path``: a local directory or a URI pyarrow reads).
     Raises :class:`HFCheckpointError` when it is missing, unreadable or not a JSON object."""
@@ -347,15 +346,15 @@ def check_hf_checkpoint(path: str) -> tuple[ModelSpec, Any]:
 
 # -- loading on the workers --------------------------------------------------------------------
 
-def _local_chunk(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """This rank's local tensor of ``t`` and its offsets in the whole tensor (zeros unless a
-    ``DTensor``)."""
+def _offsets(t: torch.Tensor) -> tuple[int, ...]:
+    """Where this rank's local tensor of ``t`` starts in the whole tensor (zeros unless a
+    ``DTensor``): the chunk DCP's planner would read for this rank."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
-        (chunk,) = t.__create_chunk_list__()  # the chunk DCP's planner reads for this rank
-        return t.to_local(), tuple(chunk.offsets)
-    return t, (0,) * t.dim()
+        (chunk,) = t.__create_chunk_list__()
+        return tuple(chunk.offsets)
+    return (0,) * t.dim()
 
 
 @torch.no_grad()
@@ -378,13 +377,13 @@ def load_hf_weights(module: nn.Module, path: str, spec: ModelSpec, args: Any,
             src = sources[name]
             if src.optional and not all(k in files.entries for k in src.keys):
                 continue
-            local, offsets = _local_chunk(t)
-            if local.numel() == 0:
+            local = local_tensor(t)
+            if local.numel() == 0:  # an empty shard (FSDP2 pads uneven dim-0 splits)
                 continue
-            full_shape = tuple(t.shape)
+            offsets = _offsets(t)
             lo = offsets[0] if offsets else 0
             value = _read_source(files, src, lo, lo + (local.shape[0] if local.dim() else 1))
-            if local.dim() > 1 and tuple(local.shape[1:]) != full_shape[1:]:  # sharded beyond dim 0
+            if local.dim() > 1 and tuple(local.shape[1:]) != tuple(t.shape[1:]):  # sharded beyond dim 0
                 value = value[(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], local.shape[1:])))]
             local.copy_(value.reshape(local.shape))
     finally:
@@ -408,15 +407,15 @@ def _args_of(manifest: dict[str, Any], spec: ModelSpec) -> Any:
     """The model arguments a checkpoint manifest records (``model_args``, written since Hugging
     Face export exists), else its flavor's with its vocabulary."""
     recorded = manifest.get("model_args")
-    base = get_model_args(spec.name, next(iter(spec.flavors)))
+    args_cls = type(next(iter(spec.flavors.values())))
     if recorded is None:
         args = get_model_args(spec.name, manifest["model"]["flavor"])
         return dataclasses.replace(args, vocab_size=manifest["model"]["vocab_size"])
-    fields = {f.name for f in dataclasses.fields(base)}
+    fields = {f.name for f in dataclasses.fields(args_cls)}
     values = {k: v for k, v in recorded.items() if k in fields}
     if values.get("rope_scaling") is not None:
         values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
-    return type(base)(**values)
+    return args_cls(**values)
 
 
 def _plan_shards(items: list[tuple[str, Source, tuple[int, ...]]], itemsize: int,
@@ -462,7 +461,7 @@ def export_hf(checkpoint: str | Path, out_dir: str, dtype: str = "bf16",
     if dtype not in _EXPORT_DTYPES:
         raise ValueError(f"dtype = {dtype!r}; valid: {sorted(_EXPORT_DTYPES)}")
     torch_dtype = _EXPORT_DTYPES[dtype]
-    path = resolve_checkpoint(checkpoint)
+    path = resolve_checkpoint(checkpoint, "CHECKPOINT_OR_RUN_DIR")
     manifest = read_manifest(path)
     spec = get_spec(manifest["model"]["name"])
     args = _args_of(manifest, spec)

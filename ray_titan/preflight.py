@@ -188,9 +188,10 @@ def _check_hf(cfg: JobConfig, vocab_size: int) -> None:
     except HFCheckpointError as e:
         raise ConfigError(f"checkpoint.initial_load_hf = {ck.initial_load_hf!r}: {e}") from None
     if vocab_size > args.vocab_size:
-        tokenizer = cfg.data.tokenizer_path or f"the {cfg.data.tokenizer} tokenizer"
+        path = cfg.data.tokenizer_path
+        setting = f"data.tokenizer_path = {path!r}" if path else f"data.tokenizer = {cfg.data.tokenizer!r}"
         raise ConfigError(
-            f"data.tokenizer_path = {tokenizer!r}: its vocabulary ({vocab_size} tokens) does not fit the "
+            f"{setting}: its vocabulary ({vocab_size} tokens) does not fit the "
             f"model's embedding ({args.vocab_size} rows, vocab_size in {ck.initial_load_hf}/config.json); "
             "use the checkpoint's own tokenizer"
         )

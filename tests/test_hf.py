@@ -264,7 +264,14 @@ def test_sharded_index_is_read(hf_dirs, tmp_path):
     path, ref = hf_dirs["deepseek_v2"]
     ref.save_pretrained(tmp_path / "sharded", max_shard_size="60KB")
     assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 2
-    model, _, _ = _load(tmp_path / "sharded")
+    model, _, _ = _load(f"file://{tmp_path / 'sharded'}")  # a URI goes through pyarrow's filesystems
     want, _, _ = _load(path)
     for (n, a), (_, b) in zip(model.state_dict().items(), want.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+def test_export_of_a_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
+    from ray_titan.cli import main
+
+    assert main(["export", str(tmp_path / "nope"), "--to", "hf", str(tmp_path / "out")]) == 2
+    assert f"ray-titan export: CHECKPOINT_OR_RUN_DIR = '{tmp_path / 'nope'}' does not exist" in capsys.readouterr().err
