@@ -158,6 +158,41 @@ def test_qwen3_non_embedding_counts_match_the_model_cards():
         assert round((n - emb) / 1e9, len(str(want).split(".")[1])) == want, flavor
 
 
+# The architecture fields of the released config.json files (huggingface.co/<repo>/blob/main/config.json).
+HUB_CONFIGS = {
+    ("llama", "3.2-1B"): {
+        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
+    ("qwen3", "0.6B"): {
+        "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000, "rope_scaling": None,
+        "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False, "tie_word_embeddings": True},
+    ("deepseek_v2", "V2-Lite"): {
+        "model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27, "first_k_dense_replace": 1, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False, "topk_method": "greedy", "scoring_func": "softmax", "moe_layer_freq": 1,
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "vocab_size": 102400, "max_position_embeddings": 163840, "rms_norm_eps": 1e-06,
+        "rope_theta": 10000, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                         "original_max_position_embeddings": 4096, "type": "yarn"}},
+}
+
+
+@pytest.mark.parametrize("family, flavor", list(HUB_CONFIGS))
+def test_flavor_is_what_the_released_config_json_describes(family, flavor):
+    from ray_titan.models.registry import get_spec
+
+    adapter = get_spec(family).hf
+    assert adapter.differences(get_model_args(family, flavor), adapter.args_from_hf(HUB_CONFIGS[family, flavor])) == []
+
+
 def test_v2_lite_is_the_released_v2_lite():
     """YaRN at every length: 21 of 32 rotary frequencies differ, the softmax scale is x1.59."""
     a = get_model_args("deepseek_v2", "V2-Lite")
