@@ -59,6 +59,7 @@ __all__ = [
     "CONFIG",
     "INDEX",
     "TOKENIZER_FILES",
+    "ExportResult",
     "HFCheckpointError",
     "SafetensorsFiles",
     "check_hf_checkpoint",
