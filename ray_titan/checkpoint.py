@@ -26,6 +26,7 @@ builds DCP's own metadata classes, and non-tensor values with ``torch.load(weigh
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -212,19 +213,20 @@ def find_latest(directory: str | Path) -> Path | None:
     return None
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | Path, setting: str = "checkpoint.load_path") -> Path:
     """``path`` itself if it is a checkpoint (it has a manifest or DCP metadata), else the latest
-    complete checkpoint in it or in its ``checkpoints/``. Raises :class:`CheckpointError`."""
+    complete checkpoint in it or in its ``checkpoints/``. Raises :class:`CheckpointError` naming
+    ``setting`` (where the path came from) and the path."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise CheckpointError(f"checkpoint.load_path = {str(path)!r} does not exist")
+        raise CheckpointError(f"{setting} = {str(path)!r} does not exist")
     if (path / MANIFEST).exists() or (path / ".metadata").exists() or path.name.startswith("step-"):
         read_manifest(path)
         return path
     for d in (path, path / "checkpoints"):
         if (latest := find_latest(d)) is not None:
             return latest
-    raise CheckpointError(f"checkpoint.load_path = {str(path)!r} holds no complete checkpoint (step-* with {MANIFEST})")
+    raise CheckpointError(f"{setting} = {str(path)!r} holds no complete checkpoint (step-* with {MANIFEST})")
 
 
 def _job_manifest(cfg, vocab_size: int) -> dict[str, Any]:
@@ -402,11 +404,19 @@ class Checkpointer:
     def __init__(self, cfg, rank: int, stages: Iterable[nn.Module], optimizer, scheduler, loader,
                  reporter, storage, vocab_size: int, device: torch.device):
         self.cfg, self.rank = cfg, rank
+        stages = list(stages)
         self.parts = ModelParts(stages)
         self.optimizer, self.scheduler, self.loader = optimizer, scheduler, loader
         self.reporter, self.storage, self.device = reporter, storage, device
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.job = _job_manifest(cfg, vocab_size)
+        # What an export to Hugging Face needs (ray_titan.hf): the model's arguments (a Hugging
+        # Face checkpoint's sizes are no flavor), the tokenizer files, the imported config.json.
+        args = getattr(stages[0], "args", None) if stages else None
+        if dataclasses.is_dataclass(args) and not isinstance(args, type):
+            self.job["model_args"] = dataclasses.asdict(args)
+        self.job["tokenizer_path"] = cfg.data.tokenizer_path
+        self.job["initial_load_hf"] = cfg.checkpoint.initial_load_hf
         self.resumed_from: str | None = None
         self.restarted = False
         """True when this worker group resumed its own run's checkpoint (a restart)."""
@@ -502,8 +512,15 @@ class Checkpointer:
         reader = SafeFileSystemReader(str(path))
         metadata = reader.read_metadata()
         sd = self._state(0, model_only, same_mesh, metadata)
+        # A tied model's last-stage head copy, saved without pipeline stages as the embedding only.
+        head, emb = "model.output.weight", "model.tok_embeddings.weight"
+        tied_copy = head in sd and head not in metadata.state_dict_metadata and emb not in sd
+        if tied_copy:
+            sd[emb] = sd.pop(head)
         _check_keys(sd, metadata, path)
         dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
+        if tied_copy:
+            sd[head] = sd.pop(emb)
         set_model_state_dict(self.parts, {k[6:]: v for k, v in sd.items() if k.startswith("model.")})
         self.resumed_from, self.restarted = str(path), own
         if model_only:

@@ -28,6 +28,7 @@ import pyarrow as pa
 
 from ray_titan import storage
 from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides, load_config
+from ray_titan.hf import resolve_hf_job, save_last_hf
 from ray_titan.preflight import job_warnings, validate_job
 from ray_titan.run_dir import STOP_REASON_FILE, make_run_dir, resolve_paths, under
 
@@ -69,6 +70,8 @@ class RunResult:
     timings: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The run's ``timings/`` files by name (``driver``, ``rank0``, ...;
     ``ray_titan.metrics.timing``): start-up marks and steady-state step timing."""
+    hf_export: Path | None = None
+    """The Hugging Face model directory ``checkpoint.last_save_hf`` wrote (``<run_dir>/hf``)."""
 
     @property
     def metrics_path(self) -> Path | str:
@@ -212,7 +215,7 @@ def train(
             "absolute --job.dump_folder (shared storage on a multi-node cluster) to keep the run",
             file=sys.stderr, flush=True,
         )
-    cfg = resolve_paths(cfg)
+    cfg = resolve_hf_job(resolve_paths(cfg))
     for warning in job_warnings(cfg):
         print(f"ray_titan: warning: {warning}", file=sys.stderr, flush=True)
     validate_job(cfg)  # also materialises the built-in corpus, once, before workers read it
@@ -321,6 +324,7 @@ def train(
         memory_snapshots=sorted((run_dir / "memory").glob("*"))
         if isinstance(run_dir, Path) and (run_dir / "memory").is_dir() else [],
         timings=read_timings(run_dir),
+        hf_export=save_last_hf(cfg, latest, run_dir),
     )
     print(f"ray_titan: done: final loss {result.final_loss}, metrics {result.metrics_path}, "
           f"{where}", flush=True)

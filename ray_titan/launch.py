@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ray_titan.checkpoint import LocalCheckpointStorage
+from ray_titan.checkpoint import LocalCheckpointStorage, find_latest
 from ray_titan.config.schema import load_config
+from ray_titan.hf import resolve_hf_job, save_last_hf
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.leak import leak_settings
 from ray_titan.metrics.report import JsonlReporter, LocalReporter, Reporter, rank_reports_path, read_rank_reports
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m ray_titan.launch", description=main.__doc__)
     ap.add_argument("--config", default=None, help="TOML job config (default: the built-in defaults)")
     args, overrides = ap.parse_known_args(argv)
-    cfg = resolve_paths(load_config(args.config, overrides))
+    cfg = resolve_hf_job(resolve_paths(load_config(args.config, overrides)))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if cfg.world_size != world:
         raise SystemExit(
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         for err in summary["errors"]:
             print(f"metrics error: {err}", flush=True)
         print(f"run dir: {run_dir}  final loss: {summary['final_loss']}", flush=True)
+        save_last_hf(cfg, find_latest(run_dir / "checkpoints"), run_dir)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from ray_titan.checkpoint import CheckpointError, check_compatible, read_manifes
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.data.corpus import check_source
 from ray_titan.data.tokenizer import build_tokenizer
-from ray_titan.models.registry import get_model_args, is_moe
+from ray_titan.hf import HFCheckpointError, check_hf_checkpoint, job_model_args
+from ray_titan.models.registry import is_moe
 
 __all__ = ["job_warnings", "validate_job"]
 
@@ -82,10 +83,7 @@ def validate_job(cfg: JobConfig) -> None:
             f"data.path = {cfg.data.path!r} is set but data.source = 'python_stdlib' ignores it; "
             "set data.source = 'parquet' or 'jsonl' to train on it"
         )
-    try:
-        margs = get_model_args(cfg.model.name, cfg.model.flavor)
-    except KeyError as e:
-        raise ConfigError(str(e.args[0])) from None
+    margs = _model_args(cfg)
     if par.ep > 1:
         if not is_moe(cfg.model.name):
             raise ConfigError(
@@ -163,6 +161,45 @@ def validate_job(cfg: JobConfig) -> None:
         ) from None
     if cfg.checkpoint.load_path is not None:
         _check_load_path(cfg, tokenizer.vocab_size)
+    _check_hf(cfg, tokenizer.vocab_size)
+
+
+def _model_args(cfg: JobConfig):
+    """The job's model arguments (flavor, or the Hugging Face ``config.json``), as a ConfigError."""
+    try:
+        return job_model_args(cfg)
+    except KeyError as e:
+        raise ConfigError(str(e.args[0])) from None
+    except HFCheckpointError as e:
+        raise ConfigError(f"checkpoint.initial_load_hf = {cfg.checkpoint.initial_load_hf!r}: {e}") from None
+
+
+def _check_hf(cfg: JobConfig, vocab_size: int) -> None:
+    """``checkpoint.initial_load_hf``: config.json, tensor names, shapes and dtypes (from the
+    safetensors headers) and the tokenizer's fit; ``last_save_hf`` needs checkpoints."""
+    ck = cfg.checkpoint
+    if ck.last_save_hf and not ck.enable:
+        raise ConfigError("checkpoint.last_save_hf = true exports the final checkpoint, but checkpoint.enable = "
+                          "false saves none; set checkpoint.enable = true")
+    if not ck.initial_load_hf:
+        return
+    try:
+        spec, args = check_hf_checkpoint(ck.initial_load_hf)
+    except HFCheckpointError as e:
+        raise ConfigError(f"checkpoint.initial_load_hf = {ck.initial_load_hf!r}: {e}") from None
+    if vocab_size > args.vocab_size:
+        path = cfg.data.tokenizer_path
+        setting = f"data.tokenizer_path = {path!r}" if path else f"data.tokenizer = {cfg.data.tokenizer!r}"
+        raise ConfigError(
+            f"{setting}: its vocabulary ({vocab_size} tokens) does not fit the "
+            f"model's embedding ({args.vocab_size} rows, vocab_size in {ck.initial_load_hf}/config.json); "
+            "use the checkpoint's own tokenizer"
+        )
+    if spec.name != cfg.model.name:
+        raise ConfigError(
+            f"checkpoint.initial_load_hf = {ck.initial_load_hf!r} holds a {spec.name} model but model.name = "
+            f"{cfg.model.name!r}: load the job with ray_titan.hf.resolve_hf_job (the launchers do)"
+        )
 
 
 def _validate_memory(cfg: JobConfig) -> None:
@@ -191,7 +228,7 @@ def _validate_memory(cfg: JobConfig) -> None:
         )
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_option == "layer":
-        n_layers = get_model_args(cfg.model.name, cfg.model.flavor).n_layers
+        n_layers = _model_args(cfg).n_layers
         if ac.layer_freq > n_layers:
             raise ConfigError(
                 f"activation_checkpoint.layer_freq = {ac.layer_freq} exceeds the model's {n_layers} "

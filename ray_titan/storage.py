@@ -27,9 +27,11 @@ __all__ = [
     "join",
     "local_path",
     "makedirs",
+    "read_bytes",
     "read_text",
     "resolve",
     "staging_dir",
+    "write_bytes",
     "write_text",
 ]
 
@@ -87,16 +89,26 @@ def exists(uri: str | Path) -> bool:
 
 def write_text(uri: str | Path, text: str) -> None:
     """Write a small UTF-8 file (a config, a summary) in one piece."""
-    fs, path = resolve(uri)
-    with fs.open_output_stream(path) as f:
-        f.write(text.encode())
+    write_bytes(uri, text.encode())
 
 
 def read_text(uri: str | Path) -> str:
     """Read a small UTF-8 file."""
+    return read_bytes(uri).decode()
+
+
+def write_bytes(uri: str | Path, data: bytes) -> None:
+    """Write a file in one piece (a safetensors shard, a copied tokenizer file)."""
+    fs, path = resolve(uri)
+    with fs.open_output_stream(path) as f:
+        f.write(data)
+
+
+def read_bytes(uri: str | Path) -> bytes:
+    """Read a whole file. Raises ``FileNotFoundError`` when it does not exist."""
     fs, path = resolve(uri)
     with fs.open_input_stream(path) as f:
-        return f.read().decode()
+        return f.read()
 
 
 def staging_dir(uri: str) -> Path:

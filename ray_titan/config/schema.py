@@ -46,11 +46,15 @@ class Job(_Section):
 class Model(_Section):
     """Which model: family and flavor from ``ray_titan.models.registry``."""
 
-    name: Literal["llama", "deepseek_v2"] = "llama"
-    """Model family in the registry (``ray_titan.models.registry``): dense ``llama`` or the
-    mixture-of-experts ``deepseek_v2``."""
+    name: Literal["llama", "qwen3", "deepseek_v2"] = "llama"
+    """Model family in the registry (``ray_titan.models.registry``): dense ``llama`` or ``qwen3``,
+    or the mixture-of-experts ``deepseek_v2``. With ``checkpoint.initial_load_hf`` it comes from
+    the checkpoint's ``config.json`` (set here, it must agree)."""
     flavor: str = "debug"
-    """Size within the family, e.g. ``debug`` or ``8B`` (llama), ``debug`` or ``V2-Lite`` (deepseek_v2)."""
+    """Size within the family: ``debug``, ``3-8B`` (= ``8B``), ``3.1-8B``, ``3.1-70B``, ``3.2-1B``,
+    ``3.2-3B`` (llama); ``debug``, ``0.6B``, ``1.7B``, ``4B``, ``8B`` (qwen3); ``debug``, ``V2-Lite``
+    (deepseek_v2). With ``checkpoint.initial_load_hf`` the checkpoint's ``config.json`` gives the
+    sizes (a flavor set here must agree with it) and this reads ``hf``."""
     load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
     """MoE only: expert load balancing. ``aux_loss``: DeepSeek-V2's balance loss (per sequence);
     ``aux_free``: DeepSeek-V3's auxiliary-loss-free router bias; ``none``."""
@@ -219,6 +223,20 @@ class Checkpoint(_Section):
     load_model_only: bool = False
     """With ``load_path``: take the model weights only and start at step 1 with a fresh optimizer,
     LR schedule and data order (fine-tuning); otherwise continue the saved run's state."""
+    initial_load_hf: str | None = None
+    """Start from a Hugging Face model directory (a local path or a URI pyarrow's filesystems
+    read): ``config.json`` gives the model family and sizes (``model.name`` / ``model.flavor``, if
+    set, must agree), ``tokenizer.json`` the tokenizer (unless ``data.tokenizer`` or
+    ``data.tokenizer_path`` is set), and the safetensors files (``model.safetensors`` or shards
+    with ``model.safetensors.index.json``, any float dtype) the weights, each rank reading only
+    its own stages' shards. Supported ``model_type``: ``llama``, ``qwen3``, ``deepseek_v2``. A
+    restarted worker group, or ``load_path``, loads its DCP checkpoint instead."""
+    last_save_hf: bool = False
+    """After the run, also write the final checkpoint as a Hugging Face model directory
+    ``<run_dir>/hf`` (``config.json``, safetensors shards with ``model.safetensors.index.json``,
+    the tokenizer files), as ``ray-titan export`` does. Needs ``enable``."""
+    last_save_hf_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Weights dtype of the ``last_save_hf`` export."""
 
 
 class Debug(_Section):

@@ -16,6 +16,7 @@ def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
     pp_group: dist.ProcessGroup | None = None,
+    norm_exclude: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clip gradients in place to a total L2 norm of ``max_norm`` (no clipping if 0) and return
     the total norm before clipping, a 0-dim tensor.
@@ -24,8 +25,11 @@ def clip_grad_norm_(
     mesh and placements (FSDP over ``dp_shard``; routed experts over ``ep`` or
     ``(dp_shard_mod_ep, ep)``), each group's norm is reduced over its mesh by ``full_tensor()``,
     and the squared norms of the groups, then of the stages on different pp ranks (summed over
-    ``pp_group``), are added. Every rank gets the same value.
+    ``pp_group``), are added. Every rank gets the same value. ``norm_exclude``: parameters
+    clipped but left out of the norm, because another rank counts the same gradient (a tied
+    embedding's copy, ``ray_titan.parallel.tied``).
     """
+    skip = {id(p) for p in norm_exclude}
     groups: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
@@ -34,7 +38,10 @@ def clip_grad_norm_(
             groups.setdefault(key, []).append(p)
     sq = None
     for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type=2.0)
+        counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         sq = norm**2 if sq is None else sq + norm**2

@@ -39,9 +39,10 @@ class _DecoderParts(Protocol):
     that a pipeline stage removes."""
 
     layers: nn.ModuleDict
-    tok_embeddings: nn.Module | None
+    tok_embeddings: nn.Embedding | None
     norm: nn.Module | None
     output: nn.Module | None
+    tied: bool
 
 
 def split_layers(n_layers: int, num_stages: int) -> list[list[int]]:
@@ -69,9 +70,14 @@ def split_layers(n_layers: int, num_stages: int) -> list[list[int]]:
 
 def build_stage_module(whole: _M, layers: list[int], first: bool, last: bool) -> _M:
     """A copy of ``whole`` (normally on the meta device) keeping only ``layers``, the embedding
-    if ``first`` and the final norm and output head if ``last``. Parameter names are unchanged."""
+    if ``first`` and the final norm and output head if ``last``. Parameter names are unchanged.
+    A model whose head is tied to its embedding computes logits with the embedding; a last
+    stage without it gets its own ``output`` (the copy ``ray_titan.parallel.tied`` keeps equal)."""
     stage = copy.deepcopy(whole)
     parts = cast(_DecoderParts, stage)
+    if parts.tied and last and not first and parts.tok_embeddings is not None:
+        emb = parts.tok_embeddings
+        parts.output = nn.Linear(emb.embedding_dim, emb.num_embeddings, bias=False, device=emb.weight.device)
     keep = {str(i) for i in layers}
     for name in list(parts.layers.keys()):
         if name not in keep:

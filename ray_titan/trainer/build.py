@@ -21,10 +21,12 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from ray_titan.config.schema import JobConfig
 from ray_titan.data.loader import PackedLoader
 from ray_titan.fault import FaultHandler
+from ray_titan.hf import hf_model, load_hf_weights
 from ray_titan.models.registry import build_model, get_spec
 from ray_titan.parallel.dims import Meshes, ParallelDims
 from ray_titan.parallel.expert import MoEStepState
 from ray_titan.parallel.pipeline import build_pipeline_schedule, build_stage_module, split_layers
+from ray_titan.parallel.tied import TiedEmbeddings
 
 __all__ = ["TrainParts", "build", "build_lr_lambda", "build_optimizer", "cross_entropy_loss", "parallel_dims"]
 
@@ -80,7 +82,8 @@ class TrainParts:
     ``stages`` holds the whole model and microbatches are accumulated); ``loss_fn``: the
     per-microbatch loss (:func:`cross_entropy_loss`, poisoned by ``debug.nonfinite_loss_at_steps``);
     ``moe``: the MoE layers' per-step bookkeeping (inactive for a dense model); ``faults``: the
-    non-finite policy and fault injection; ``pp_group``: the ``pp`` process group (None without PP).
+    non-finite policy and fault injection; ``pp_group``: the ``pp`` process group (None without PP);
+    ``tied``: a tied embedding's copies across pipeline stages (``ray_titan.parallel.tied``).
     """
 
     dims: ParallelDims
@@ -97,6 +100,7 @@ class TrainParts:
     faults: FaultHandler
     pp_group: dist.ProcessGroup | None
     device: torch.device
+    tied: TiedEmbeddings | None = None
 
     @property
     def has_first_stage(self) -> bool:
@@ -115,17 +119,26 @@ def build_stages(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, pp_r
     ``dims.num_stages`` stages by layers, and the stages of ``pp_rank`` are kept; each goes
     through its family's ``parallelize`` step before its weights exist, then ``to_empty`` and
     ``init_weights(training.seed)`` (each parameter seeded by its name, so the weights do not
-    depend on the mesh)."""
+    depend on the mesh), or, with ``checkpoint.initial_load_hf``, the Hugging Face checkpoint's
+    weights, each rank reading its own shards only (``ray_titan.hf``; the model's sizes and
+    vocabulary are then the checkpoint's)."""
     spec = get_spec(cfg.model.name)
+    hf = cfg.checkpoint.initial_load_hf
+    hf_args = hf_model(hf)[1] if hf else None
     with torch.device("meta"):
-        whole = build_model(cfg.model.name, cfg.model.flavor, vocab_size=vocab_size, **spec.config_args(cfg.model))
+        whole = build_model(cfg.model.name, cfg.model.flavor, vocab_size=None if hf else vocab_size, args=hf_args,
+                            **spec.config_args(cfg.model))
     split = split_layers(whole.args.n_layers, dims.num_stages)
     stages: dict[int, nn.Module] = {}
     for s in dims.stages_on_pp_rank(pp_rank):
         mod = build_stage_module(whole, split[s], first=s == 0, last=s == dims.num_stages - 1)
         spec.parallelize(mod, dims, meshes, cfg)
         mod.to_empty(device=device)
-        mod.init_weights(cfg.training.seed)
+        if hf:
+            mod.init_buffers()
+            load_hf_weights(mod, hf, spec, whole.args)
+        else:
+            mod.init_weights(cfg.training.seed)
         mod.train()
         stages[s] = mod
     return stages
@@ -147,8 +160,9 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
     moe = MoEStepState(stages, dims.ep, dp_group, n_mb)
     faults = FaultHandler(cfg, rank, sorted(stages), dims.num_stages - 1, device)
     loss_fn = faults.wrap_loss(cross_entropy_loss)
+    tied = TiedEmbeddings(stages, dims, rank, bool(getattr(next(iter(stages.values())), "tied", False)))
     parts = TrainParts(dims, rank, coords, meshes, stages, params, optimizer, scheduler, None, loss_fn,
-                       moe, faults, pp_group, device)
+                       moe, faults, pp_group, device, tied)
     if dims.pp > 1:
         parts.schedule = build_pipeline_schedule(
             cfg.parallelism.pipeline_schedule, stages, dims.num_stages, n_mb, loss_fn, device, pp_group,

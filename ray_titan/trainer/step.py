@@ -95,8 +95,12 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
         loss = (total / n_microbatches).item()
         del total, mb_loss
     parts.moe.scale_expert_grads()
+    exclude: list[torch.Tensor] = []
+    if parts.tied is not None:
+        parts.tied.sync_grads()
+        exclude = parts.tied.norm_exclude
     t2 = time.perf_counter()
-    grad_norm = clip_grad_norm_(parts.params, max_norm, parts.pp_group).item()
+    grad_norm = clip_grad_norm_(parts.params, max_norm, parts.pp_group, exclude).item()
     lr = float(parts.scheduler.get_last_lr()[0])  # typed float | Tensor; a float here
     skipped = parts.faults.check(step, loss, grad_norm, parts.params)  # training.on_nonfinite
     if not skipped:
