@@ -120,7 +120,8 @@ class Parallelism(_Section):
     """Tensor-parallel degree (mesh axis ``tp``, DTensor ``parallelize_module``): attention heads,
     feed-forward hidden units, routed experts' hidden units and the vocabulary are split over
     ``tp`` ranks, which also splits the activations inside them, even at batch size 1. The
-    attention heads, kv heads, feed-forward hidden size and vocabulary must be divisible by it."""
+    attention heads, kv heads and feed-forward hidden sizes must be divisible by it, the vocabulary
+    too with ``loss_parallel``, and the sequence length with ``sequence_parallel``."""
     sequence_parallel: bool = True
     """With ``tp > 1``: the norms and the residual stream between blocks hold ``1/tp`` of the
     sequence on each tp rank (DTensor ``SequenceParallel``; all-gather before and
