@@ -10,6 +10,7 @@ runs under torchrun; only the per-process start-up is shared), at most 4 at a ti
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import socket
 import traceback
@@ -43,7 +44,8 @@ COMMON = ["--training.global_batch_size=4", "--training.seq_len=32", "--parallel
 V_SHAPED = ["--parallelism.pp=2", "--parallelism.stages_per_rank=2", "--parallelism.microbatches=4"]
 
 DENSE = {
-    "tp2": (2, ["--parallelism.tp=2"]),
+    # A memory snapshot too: the profiler's step peak per rank works under DTensor.
+    "tp2": (2, ["--parallelism.tp=2", "--memory.snapshot_steps=[2]"]),
     "tp2_pp2_1F1B": (4, ["--parallelism.tp=2", "--parallelism.pp=2", "--parallelism.microbatches=2"]),
     "tp2_dp_shard2": (4, ["--parallelism.tp=2", "--parallelism.dp_shard=2"]),
     "dp_replicate2_dp_shard2": (4, ["--parallelism.dp_replicate=2", "--parallelism.dp_shard=2"]),
@@ -169,11 +171,18 @@ def dense_runs(corpus):
 
 
 @pytest.mark.parametrize("name", list(DENSE))
-def test_dense_composition_matches_one_worker(name, dense_runs, references):
+def test_dense_composition_matches_one_worker(name, corpus, dense_runs, references):
+    def run_dir_of(name: str) -> Path:
+        return corpus / name / "run"
+
     run = dense_runs(name)
     _check_parity(name, run, references("llama"))
     if "tp" in name:
         assert {"tp"} <= set(run[1].column_names) and set(run[1]["tp"].to_pylist()) == {0, 1}
+    if name == "tp2":  # each rank's snapshot summary holds its own step peak
+        summaries = [json.loads(f.read_text()) for f in sorted(run_dir_of(name).glob("memory/rank*-summary.json"))]
+        assert [s["coords"] for s in summaries] == [{"pp": 0, "dp_shard": 0, "tp": t} for t in (0, 1)]
+        assert all(s["peak_above_step_start_bytes"] > 100_000 for s in summaries)
     if name.startswith("pp2_") and stage_placement(name[4:]) == "v":
         assert run[2].last_stage_ranks() == [0]  # V shape: the last stage is back on pp rank 0
 
@@ -210,6 +219,21 @@ def test_coordinates_and_dp_rank_on_the_full_mesh():
     # Without the new axes: the (pp, dp_shard) layout and messages of before.
     assert ParallelDims(pp=2, dp_shard=2).coords(3) == {"pp": 1, "dp_shard": 1}
     assert ParallelDims(pp=2, dp_shard=2).describe() == "pp=2 × dp_shard=2"
+
+
+def test_allocation_peak_is_what_the_profiled_code_added():
+    from torch.profiler import ProfilerActivity, profile
+
+    from ray_titan.metrics.memory import allocation_peak
+
+    before = torch.ones(1 << 20)  # 4 MiB alive before: not counted
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = torch.ones(1 << 18)  # 1 MiB
+        b = torch.ones(1 << 19)  # 2 MiB, both alive: the peak
+        del a, b
+        c = torch.ones(1 << 19)  # 2 MiB after the others went
+    assert 3 << 20 <= allocation_peak(prof) < (3 << 20) + 65536
+    del before, c
 
 
 def test_v_shaped_placement_is_the_schedules_own():
