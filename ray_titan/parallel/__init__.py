@@ -1,6 +1,7 @@
-"""Parallelisms: the device mesh (dims.py), FSDP2 (fsdp.py), pipeline parallel (pipeline.py) and
-gradient clipping across both (grad_norm.py). Each is applied by one ``apply_*``/``build_*``
-function that takes the model and the mesh."""
+"""Parallelisms: the device mesh (dims.py), tensor, sequence and loss parallel (tp.py), expert
+parallel (expert.py), FSDP2 and HSDP (fsdp.py), pipeline parallel (pipeline.py), activation
+checkpointing (ac.py) and gradient clipping across all of them (grad_norm.py). Each is applied
+by one ``apply_*``/``build_*`` function that takes the model and the mesh."""
 
 from __future__ import annotations
 

@@ -148,7 +148,8 @@ class MoEStepState:
     - :meth:`scale_expert_grads` after backward: an expert's gradient sums the contributions of
       every rank of its ``ep`` group (whose losses are each a mean over their own tokens), so it
       is divided by ``ep`` to become the gradient of the mean over the data-parallel batch, as
-      FSDP's averaging does for every other parameter.
+      FSDP's averaging does for every other parameter. (Under tensor parallel the tp ranks hold
+      different hidden units of the same experts for the same tokens: nothing to add over tp.)
     - :meth:`end_step` after the optimizer step: reads and zeroes each layer's token counts and
       balance-loss sum (one host sync), and with auxiliary-loss-free balancing updates each
       router's bias from the loads summed over ``dp_group`` (every rank holding that stage), so
