@@ -57,7 +57,10 @@ DENSE = {
 }
 MOE = {
     "tp2_dp_shard2_ep2": (4, ["--parallelism.tp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
-    "pp2_tp2": (4, ["--parallelism.pp=2", "--parallelism.tp=2", "--parallelism.microbatches=2"]),
+    # Sequence and loss parallel off here (on everywhere else): replicated norms and MoE input,
+    # all-gathered logits.
+    "pp2_tp2": (4, ["--parallelism.pp=2", "--parallelism.tp=2", "--parallelism.microbatches=2",
+                    "--parallelism.sequence_parallel=false", "--parallelism.loss_parallel=false"]),
 }
 CONFIGS = {"llama": "debug_llama.toml", "deepseek_v2": "debug_deepseek.toml"}
 
