@@ -167,6 +167,11 @@ class ParallelDims:
         meshes["fsdp"] = root["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else meshes["dp_shard"]
         meshes["dp"] = (root["dp_replicate", "dp_shard"]._flatten("dp") if self.dp_replicate > 1
                         else meshes["dp_shard"])
+        # Flattened views DTensor finds by layout when it reduces over several axes at once (the
+        # gradient norm of FSDP × TP shards, or of experts sharded over dp_shard_mod_ep × ep): one
+        # collective instead of one per axis.
+        if self.tp > 1 and self.fsdp:
+            root["dp_shard", "tp"]._flatten("dp_shard_tp")
         if self.ep > 1:
             ep_view = root._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("dp_shard_mod_ep", "ep"))
             meshes["ep"] = ep_view["ep"]
@@ -175,4 +180,6 @@ class ParallelDims:
                                else meshes["dp_shard_mod_ep"])
             if self.tp > 1:
                 meshes["ep_tp"] = ep_view["ep", "tp"]
+            if self.dp_shard > self.ep:
+                ep_view["dp_shard_mod_ep", "ep"]._flatten("dp_shard_mod_ep_ep")
         return meshes
