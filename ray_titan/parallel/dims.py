@@ -180,6 +180,6 @@ class ParallelDims:
                                else meshes["dp_shard_mod_ep"])
             if self.tp > 1:
                 meshes["ep_tp"] = ep_view["ep", "tp"]
-            if self.dp_shard > self.ep:
+            if self.dp_shard > self.ep or self.dp_replicate > 1:  # the experts are FSDP-sharded
                 ep_view["dp_shard_mod_ep", "ep"]._flatten("dp_shard_mod_ep_ep")
         return meshes
