@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]]
 _V_SHAPED = (ScheduleZBVZeroBubble, ScheduleDualPipeV)
 
 
-def stage_placement(schedule: str) -> str:
+def stage_placement(schedule: str) -> Literal["loop", "v"]:
     """How ``schedule`` places stages on pp ranks: ``"v"`` for the V-shaped schedules
     (ZBVZeroBubble, DualPipeV: torch builds their stage-to-rank mapping with ``style="v"``),
     ``"loop"`` for the others. :class:`~ray_titan.parallel.dims.ParallelDims` derives every

@@ -44,7 +44,7 @@ def parallel_dims(cfg: JobConfig) -> ParallelDims:
     par = cfg.parallelism
     return ParallelDims(pp=par.pp, dp_shard=par.dp_shard, stages_per_rank=par.stages_per_rank, ep=par.ep,
                         tp=par.tp, dp_replicate=par.dp_replicate,
-                        pp_style="v" if stage_placement(par.pipeline_schedule) == "v" else "loop")
+                        pp_style=stage_placement(par.pipeline_schedule))
 
 
 def build_lr_lambda(cfg: JobConfig) -> Callable[[int], float]:
