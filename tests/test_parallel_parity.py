@@ -92,7 +92,8 @@ def _rank_main(rank: int, nproc: int, port: int, config: str, overrides: list[st
 
 
 def _run(tmp: Path, model: str, nproc: int, overrides: list[str], steps: int = STEPS, save: bool = False):
-    """Run one composition; returns the collector's summary and the steps table (rank 0's rows)."""
+    """Run one composition on ``nproc`` processes and assemble its reports as the launcher does;
+    returns ``(collector summary, steps table, ParallelDims)``."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["ray_titan.trainer", "tests.test_parallel_parity"])
     flags = [*COMMON, f"--training.steps={steps}", f"--data.cache_dir={tmp.parent / 'corpus'}",
@@ -108,6 +109,9 @@ def _run(tmp: Path, model: str, nproc: int, overrides: list[str], steps: int = S
         p.start()
     for p in procs:
         p.join(timeout=300)
+    for p in procs:
+        if p.is_alive():  # a hung composition: fail, do not leave its ranks behind
+            p.kill()
     errors = [f.read_text() for f in sorted(run_dir.glob("error-rank*.txt"))]
     assert all(p.exitcode == 0 for p in procs), errors[0][-3000:] if errors else [p.exitcode for p in procs]
     cfg = load_config(REPO / "configs" / CONFIGS[model], flags)
@@ -175,15 +179,12 @@ def dense_runs(corpus):
 
 @pytest.mark.parametrize("name", list(DENSE))
 def test_dense_composition_matches_one_worker(name, corpus, dense_runs, references):
-    def run_dir_of(name: str) -> Path:
-        return corpus / name / "run"
-
     run = dense_runs(name)
     _check_parity(name, run, references("llama"))
     if "tp" in name:
         assert {"tp"} <= set(run[1].column_names) and set(run[1]["tp"].to_pylist()) == {0, 1}
     if name == "tp2":  # each rank's snapshot summary holds its own step peak
-        summaries = [json.loads(f.read_text()) for f in sorted(run_dir_of(name).glob("memory/rank*-summary.json"))]
+        summaries = [json.loads(f.read_text()) for f in sorted((corpus / name).glob("run/memory/rank*-summary.json"))]
         assert [s["coords"] for s in summaries] == [{"pp": 0, "dp_shard": 0, "tp": t} for t in (0, 1)]
         assert all(s["peak_above_step_start_bytes"] > 100_000 for s in summaries)
     if name.startswith("pp2_") and stage_placement(name[4:]) == "v":
