@@ -5,7 +5,8 @@ A checkpoint is a directory ``step-NNNNNNNN`` holding:
 - the DCP files: ``.metadata`` and one ``__<rank>_0.distcp`` per rank. Keys are flat, prefixed by
   what they belong to: ``model.<fqn>`` (FSDP2 shards as ``DTensor``), ``optimizer.state.<fqn>.*``
   and ``optimizer.param_groups.<fqn>.*`` (torch's flattened optimizer state dict, keyed by the
-  whole model's parameter names, so it reshards across pp and dp_shard), ``lr_scheduler.*``,
+  whole model's parameter names, so it reshards across pp, dp_replicate, dp_shard, tp and ep: every
+  tensor is saved with its global shape), ``lr_scheduler.*``,
   ``dataloader.*`` (the stream position, the same on every rank), ``train.step`` and
   ``rng.rank<r>.*`` (each rank's torch RNG state);
 - ``reports/rank<r>.json``: the metric reports rank ``r`` had not yet seen on disk at the collector
@@ -232,7 +233,9 @@ def resolve_checkpoint(path: str | Path, setting: str = "checkpoint.load_path") 
 def _job_manifest(cfg, vocab_size: int) -> dict[str, Any]:
     p = cfg.parallelism
     return {
-        "mesh": {"pp": p.pp, "dp_shard": p.dp_shard, "stages_per_rank": p.stages_per_rank},
+        # tp and dp_replicate only where they exist: a mesh without them reads as before.
+        "mesh": {"pp": p.pp, "dp_shard": p.dp_shard, "stages_per_rank": p.stages_per_rank,
+                 **{a: getattr(p, a) for a in ("dp_replicate", "tp") if getattr(p, a) > 1}},
         "world_size": cfg.world_size,
         "model": {"name": cfg.model.name, "flavor": cfg.model.flavor, "vocab_size": vocab_size},
         "optimizer": cfg.optimizer.name,
@@ -518,7 +521,15 @@ class Checkpointer:
         if tied_copy:
             sd[emb] = sd.pop(head)
         _check_keys(sd, metadata, path)
-        dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
+        try:
+            dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
+        except CheckpointError:
+            raise
+        except Exception as e:  # a layout DCP cannot reshard into this mesh
+            raise CheckpointError(
+                f"checkpoint {path} (saved on mesh {manifest['mesh']}) could not be loaded into this job's mesh "
+                f"{self.job['mesh']}: {e}; load it on the mesh that saved it, or with checkpoint.load_model_only = true"
+            ) from e
         if tied_copy:
             sd[head] = sd.pop(emb)
         set_model_state_dict(self.parts, {k[6:]: v for k, v in sd.items() if k.startswith("model.")})

@@ -3,7 +3,7 @@
 :func:`train` validates the config before anything starts, joins the Ray cluster named by
 ``RAY_ADDRESS`` (or the one this process is already connected to, or starts a local one sized for
 the job), creates the metrics collector actor (``num_cpus=0``, owned by the driver so it outlives
-the worker group), runs the train loop on ``pp × dp_shard`` Ray Train workers, shows the run's
+the worker group), runs the train loop on ``pp × dp_replicate × dp_shard × tp`` Ray Train workers, shows the run's
 progress (a bar on a terminal, the collector's console lines otherwise; :mod:`ray_titan.progress`),
 and returns the run's metrics. The run directory may be a local path or a URI
 (:mod:`ray_titan.storage`).
@@ -244,8 +244,8 @@ def train(
     # The run directory's last part; run_dir is a URI string (no .name) on remote storage.
     run_name = run_dir.name if isinstance(run_dir, Path) else run_dir.rstrip("/").rsplit("/", 1)[-1]
     print(
-        f"ray_titan: run {run_name}: {dims.world_size} workers (pp={dims.pp} × "
-        f"dp_shard={dims.dp_shard}, {cpus} CPU each), {cfg.model.name}/{cfg.model.flavor}, "
+        f"ray_titan: run {run_name}: {dims.world_size} workers ({dims.describe()}, {cpus} CPU each), "
+        f"{cfg.model.name}/{cfg.model.flavor}, "
         f"{cfg.training.steps} steps; last stage on ranks {dims.last_stage_ranks()}; run dir {run_dir}",
         flush=True,
     )

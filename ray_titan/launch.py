@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     if cfg.world_size != world:
         raise SystemExit(
-            f"the mesh needs {cfg.world_size} processes (pp × dp_shard = {cfg.parallelism.pp} × "
-            f"{cfg.parallelism.dp_shard}) but this launch has {world}: use torchrun --nproc-per-node={cfg.world_size}"
+            f"the mesh needs {cfg.world_size} processes (pp × dp_replicate × dp_shard × tp = {cfg.parallelism.pp} × "
+            f"{cfg.parallelism.dp_replicate} × {cfg.parallelism.dp_shard} × {cfg.parallelism.tp}) but this launch "
+            f"has {world}: use torchrun --nproc-per-node={cfg.world_size}"
         )
     validate_job(cfg)  # on every rank, so a bad config stops them all before the process group
     device = local_cuda_device()

@@ -109,21 +109,48 @@ class Training(_Section):
 
 
 class Parallelism(_Section):
-    """Mesh sizes and the pipeline schedule. Workers = ``pp × dp_shard``."""
+    """Mesh sizes and the pipeline schedule. Workers = ``pp × dp_replicate × dp_shard × tp``."""
 
     pp: int = Field(2, gt=0)
     """Pipeline-parallel degree (mesh axis ``pp``)."""
     dp_shard: int = Field(2, gt=0)
     """FSDP2 sharding degree (mesh axis ``dp_shard``)."""
+    dp_replicate: int = Field(1, gt=0)
+    """HSDP replica degree (mesh axis ``dp_replicate``): > 1 makes FSDP2 shard over ``dp_shard``
+    and replicate over ``dp_replicate`` (gradients all-reduced across replicas), so the
+    parameter all-gathers stay within a ``dp_shard`` group (one node) and only the gradient
+    reduction crosses nodes. The data-parallel degree is ``dp_replicate × dp_shard``."""
+    tp: int = Field(1, gt=0)
+    """Tensor-parallel degree (mesh axis ``tp``, DTensor ``parallelize_module``): attention heads,
+    feed-forward hidden units, routed experts' hidden units and the vocabulary are split over
+    ``tp`` ranks, which also splits the activations inside them, even at batch size 1. The
+    attention heads, kv heads and feed-forward hidden sizes must be divisible by it, the vocabulary
+    too with ``loss_parallel``, and the sequence length with ``sequence_parallel``."""
+    sequence_parallel: bool = True
+    """With ``tp > 1``: the norms and the residual stream between blocks hold ``1/tp`` of the
+    sequence on each tp rank (DTensor ``SequenceParallel``; all-gather before and
+    reduce-scatter after each attention and feed-forward instead of an all-reduce), splitting
+    those activations too. ``false``: they are replicated on every tp rank."""
+    loss_parallel: bool = True
+    """With ``tp > 1``: the output head keeps its logits vocabulary-sharded and the cross-entropy
+    is computed on the shards (``torch.distributed.tensor.parallel.loss_parallel``), so no rank
+    holds the full ``(batch, seq, vocab)`` logits. ``false``: the logits are all-gathered first."""
     ep: int = Field(1, gt=0)
     """Expert-parallel degree (mesh axis ``ep``, MoE models only): borrows ranks from ``dp_shard``
     (must divide it); routed experts are split over ``ep`` and FSDP-sharded over ``dp_shard / ep``."""
-    pipeline_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B"] = "1F1B"
-    """Pipeline schedule from ``torch.distributed.pipelining``; ``Interleaved1F1B`` needs ``stages_per_rank >= 2``."""
+    pipeline_schedule: Literal[
+        "GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+    ] = "1F1B"
+    """Pipeline schedule from ``torch.distributed.pipelining``. One stage per rank: ``GPipe``,
+    ``1F1B``. Several, loop placement (stage ``s`` on pp rank ``s % pp``): ``Interleaved1F1B``,
+    ``InterleavedZeroBubble`` (``stages_per_rank >= 2``). Two, V placement (pp rank ``r`` holds
+    stages ``r`` and ``2·pp − 1 − r``, the last stage on pp rank 0): ``ZBVZeroBubble``,
+    ``DualPipeV`` (``stages_per_rank = 2``). The zero-bubble schedules split each backward into
+    its input and weight parts to fill the pipeline's idle time."""
     microbatches: int = Field(4, gt=0)
     """Microbatches per step per DP rank (pipeline microbatches; gradient accumulation when pp = 1)."""
     stages_per_rank: int = Field(1, gt=0)
-    """Pipeline stages held by each pp rank (>= 2 for Interleaved1F1B)."""
+    """Pipeline stages held by each pp rank (>= 2 for the interleaved schedules, 2 for the V-shaped ones)."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP2 ``reshard_after_forward``: ``default`` reshards except under PP (where each microbatch
     would re-gather), ``always`` / ``never`` force it."""
@@ -389,8 +416,9 @@ class JobConfig(_Section):
 
     @property
     def world_size(self) -> int:
-        """Number of workers the mesh needs: ``pp × dp_shard``."""
-        return self.parallelism.pp * self.parallelism.dp_shard
+        """Number of workers the mesh needs: ``pp × dp_replicate × dp_shard × tp``."""
+        p = self.parallelism
+        return p.pp * p.dp_replicate * p.dp_shard * p.tp
 
     @property
     def num_stages(self) -> int:

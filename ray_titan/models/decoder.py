@@ -62,9 +62,11 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float,
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``(batch, seq, heads, head_dim)`` pairwise (interleaved pairs, as Meta's
-    reference) by ``cos``/``sin`` ``(seq, head_dim // 2)``."""
+    reference) by ``cos``/``sin`` ``(>= seq, head_dim // 2)``, whose first ``seq`` rows are used
+    (positions ``0 .. seq - 1``)."""
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    seq = x.shape[1]
+    cos, sin = cos[None, :seq, None, :], sin[None, :seq, None, :]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return out.type_as(x)
 
@@ -140,8 +142,9 @@ class Decoder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        seq = h.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        # The whole tables: a block's attention may see more positions than ``h`` holds here
+        # (sequence parallel keeps 1/tp of them between blocks); apply_rope takes what it needs.
+        cos, sin = self.rope_cos, self.rope_sin
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:  # the last stage

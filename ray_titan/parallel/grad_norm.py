@@ -1,4 +1,5 @@
-"""Gradient-norm clipping over the whole model when it is split by PP and sharded by FSDP."""
+"""Gradient-norm clipping over the whole model when it is split by PP, sharded by FSDP or HSDP,
+split by tensor or expert parallel."""
 
 from __future__ import annotations
 
@@ -22,10 +23,13 @@ def clip_grad_norm_(
     the total norm before clipping, a 0-dim tensor.
 
     The norm is that of the whole model: sharded gradients (``DTensor``) are grouped by their
-    mesh and placements (FSDP over ``dp_shard``; routed experts over ``ep`` or
-    ``(dp_shard_mod_ep, ep)``), each group's norm is reduced over its mesh by ``full_tensor()``,
-    and the squared norms of the groups, then of the stages on different pp ranks (summed over
-    ``pp_group``), are added. Every rank gets the same value. ``norm_exclude``: parameters
+    mesh and placements (FSDP over ``dp_shard``, HSDP over ``(dp_replicate, dp_shard)``, each
+    possibly × ``tp``; routed experts over ``ep``, ``(dp_shard_mod_ep, ep)``, × ``tp``), each
+    group's norm is reduced over its mesh by ``full_tensor()`` (DTensor sums the squares of
+    ``Shard`` dimensions and takes ``Replicate`` ones once), and the squared norms of the groups,
+    then of the stages on different pp ranks (summed over ``pp_group``), are added. Plain tensors
+    are the same on every rank that holds them (replicated over tp), so their local norm is
+    theirs. Every rank gets the same value. ``norm_exclude``: parameters
     clipped but left out of the norm, because another rank counts the same gradient (a tied
     embedding's copy, ``ray_titan.parallel.tied``).
     """

@@ -84,14 +84,15 @@ class MLA(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
-        q_nope, q_pe = q.view(bsz, seq, self.n_heads, -1).split([self.nope, self.rope], dim=-1)
+        # -1 heads: the projections may hold a subset of the heads (tensor parallel).
+        q_nope, q_pe = q.view(bsz, seq, -1, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
         k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin)  # one rotary key shared by all heads
         q_pe = apply_rope(q_pe, cos, sin)
-        kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seq, self.n_heads, self.nope + self.v_dim)
+        kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seq, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

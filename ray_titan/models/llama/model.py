@@ -42,9 +42,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        # -1 heads: the projections may hold a subset of the heads (tensor parallel).
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
