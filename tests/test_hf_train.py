@@ -65,10 +65,19 @@ def _in_process(root, data, family, dump, *extra):
 
 
 def _torchrun(root, data, family, dump, *extra):
-    """The launcher on 4 ranks; returns (rank 0's step losses, run directory)."""
+    """The launcher on 4 ranks from a Hugging Face checkpoint; returns (the first rank's step
+    losses, run directory)."""
+    return _launch(4, dump, *_overrides(root, data, family, dump, *extra))
+
+
+def _launch(nproc, dump, *overrides):
+    """The launcher on ``nproc`` ranks (torchrun when more than one); returns (the first
+    last-stage rank's step losses, run directory)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"] if nproc > 1 else [
+        sys.executable]
+    dump.mkdir(parents=True, exist_ok=True)
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "-m", "ray_titan.launch",
-         *_overrides(root, data, family, dump, *extra)],
+        [*cmd, "-m", "ray_titan.launch", *overrides, f"--job.dump_folder={dump}"],
         capture_output=True, text=True, timeout=600, cwd=dump.parent, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
@@ -144,6 +153,30 @@ def test_import_onto_pp2_dp_shard2_matches_one_process(models, finetune, tmp_pat
                                 "--parallelism.pp=2", "--parallelism.dp_shard=2", "--checkpoint.last_save_hf=true")
     np.testing.assert_allclose(losses, finetune[0][:2], rtol=1e-5)
     _transformers_load(run_dir / "hf")
+
+
+@pytest.fixture(scope="module")
+def qwen3_debug_one_process(models, tmp_path_factory):
+    """Two steps of the built-in ``qwen3/debug`` flavor (tied, 4 k/v heads: tp=2 divides them)."""
+    return _launch(1, tmp_path_factory.mktemp("qwen3_one") / "dump", *_qwen3_debug(models[1]))
+
+
+def _qwen3_debug(data):
+    return ["--model.name=qwen3", "--model.flavor=debug", "--data.tokenizer=byte", f"--data.path={data}", *COMMON,
+            "--training.steps=2", "--checkpoint.enable=false", "--parallelism.pp=1", "--parallelism.dp_shard=1"]
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_tied_head_under_pp2_tp2_matches_one_process(models, qwen3_debug_one_process, tmp_path, schedule):
+    """The tied copies under tensor parallel: the pair is the first- and last-stage ranks of the
+    same tp coordinate (1F1B), or one rank holds both stages (V-shaped); the embedding's
+    gradient, Replicate under TP, is summed as its Shard(0) weight. Either way the second
+    step's loss is the one-process run's."""
+    v = ["--parallelism.stages_per_rank=2"] if schedule == "ZBVZeroBubble" else []
+    losses, _ = _launch(4, tmp_path / "dump", *_qwen3_debug(models[1]), "--parallelism.pp=2",
+                        "--parallelism.dp_shard=1", "--parallelism.tp=2",
+                        f"--parallelism.pipeline_schedule={schedule}", *v)
+    np.testing.assert_allclose(losses, qwen3_debug_one_process[0], rtol=1e-5)
 
 
 def test_import_onto_pp2_ep2_matches_one_process(models, tmp_path):

@@ -200,6 +200,8 @@ def _ep_worker(rank: int, port: int, out_dir: str):
         }
         del gx
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))
+    # Neither rank tears gloo down while the other may still be sending (an abort at exit).
+    dist.barrier()
     dist.destroy_process_group()
 
 

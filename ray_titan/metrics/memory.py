@@ -316,13 +316,20 @@ def allocation_peak(prof: Any) -> int:
     tensor subclasses (DTensor) too."""
     from torch._C._profiler import _EventType
 
-    peak, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
-            peak = max(peak, node.extra_fields.total_allocated)
+            events.append((node.start_time_ns, node.extra_fields.total_allocated, node.extra_fields.alloc_size))
         stack.extend(node.children)
-    return peak
+    if not events:
+        return 0
+    # The CPU reporter's running total survives from one profiling session to the next (what an
+    # earlier profiled step kept alive stays counted), so count from the total before the first
+    # event of this one.
+    events.sort()
+    base = events[0][1] - events[0][2]
+    return max(0, max(total for _, total, _ in events) - base)
 
 
 def timeline_peaks(path: str | Path) -> dict[str, int]:

@@ -160,7 +160,9 @@ class Decoder(nn.Module):
         """Initialise every parameter deterministically from ``seed`` and its own name.
 
         Weights: normal(0, ``init_std``), residual output projections (:attr:`RESIDUAL_OUTPUTS`)
-        scaled by 1/sqrt(2·n_layers) (GPT-2 style residual scaling); embeddings normal(0, 1);
+        scaled by 1/sqrt(2·n_layers) (GPT-2 style residual scaling); embeddings normal(0, 1), or
+        normal(0, ``init_std``) when tied to the output head (as GPT-2 and Hugging Face's
+        ``initializer_range`` do: a unit-variance head would give logits of std ~sqrt(dim));
         norms ones. Each full tensor is drawn on the CPU from a generator seeded by
         :func:`param_seed` and copied into the parameter, or into this rank's shard of it when
         the parameter is a ``DTensor`` (FSDP2, expert parallel), so the result is identical
@@ -177,7 +179,7 @@ class Decoder(nn.Module):
             else:
                 g = torch.Generator().manual_seed(param_seed(seed, name))
                 if name.startswith("tok_embeddings"):
-                    full.normal_(0.0, 1.0, generator=g)
+                    full.normal_(0.0, std if self.tied else 1.0, generator=g)
                 else:
                     s = std / math.sqrt(2 * self.args.n_layers) if name.endswith(self.RESIDUAL_OUTPUTS) else std
                     full.normal_(0.0, s, generator=g)

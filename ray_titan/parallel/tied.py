@@ -6,7 +6,10 @@ the two ranks holds a copy, initialised (or loaded) equal; after every backward
 :meth:`TiedEmbeddings.sync_grads` sums the two copies' gradients between the first-stage and
 last-stage ranks of the same ``dp_shard`` coordinate (Megatron-LM's "embedding group"), so the
 same optimizer step keeps them equal; the gradient norm counts the sum once (the head's copy is
-left out of it, :attr:`TiedEmbeddings.norm_exclude`), as a one-rank run does.
+left out of it, :attr:`TiedEmbeddings.norm_exclude`), as a one-rank run does. The pair of ranks
+is the first- and last-stage ranks with the same ``dp_replicate``, ``dp_shard`` and ``tp``
+coordinates, so their shards cover the same rows (both copies are sharded alike on the
+vocabulary dimension); under a V-shaped schedule one rank holds both stages and sums locally.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ray_titan.parallel import local_tensor
 from ray_titan.parallel.dims import ParallelDims
@@ -26,21 +30,29 @@ class TiedEmbeddings:
 
     ``stages``: this rank's stage modules by stage index; ``tied``: whether the model ties its
     output head to its embedding. Collective when ``dims.pp > 1`` and ``tied``: every rank
-    creates the ``dp_shard`` groups of two ranks (first stage, last stage). Inactive otherwise.
+    creates every group of two ranks (first stage, last stage), in the same order. Inactive
+    otherwise.
     """
 
     def __init__(self, stages: dict[int, nn.Module], dims: ParallelDims, rank: int, tied: bool):
         self.params: list[torch.Tensor] = []
         self.group: dist.ProcessGroup | None = None
         self.norm_exclude: list[torch.Tensor] = []
+        self.local = False
         if not tied or dims.pp == 1:
             return
-        first, last = 0, dims.stage_to_pp_rank(dims.num_stages - 1)
-        for dp in range(dims.dp_shard):  # every rank creates every group, in the same order
-            ranks = [first * dims.dp_shard + dp, last * dims.dp_shard + dp]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                self.group = group
+        by_pp: dict[tuple[int, ...], dict[int, int]] = {}  # other coordinates -> pp rank -> rank
+        for r in range(dims.world_size):
+            c = dims.coords(r)
+            by_pp.setdefault(tuple(c.get(a, 0) for a in ("dp_replicate", "dp_shard", "tp")), {})[c["pp"]] = r
+        first, last = dims.stage_to_pp_rank(0), dims.stage_to_pp_rank(dims.num_stages - 1)
+        self.local = first == last  # V-shaped: the first and last stages on one rank
+        if not self.local:
+            for key in sorted(by_pp):  # every rank creates every group, in the same order
+                ranks = [by_pp[key][first], by_pp[key][last]]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    self.group = group
         if 0 in stages:
             self.params.append(stages[0].get_parameter("tok_embeddings.weight"))
         if dims.num_stages - 1 in stages:
@@ -53,5 +65,15 @@ class TiedEmbeddings:
         """Sum the gradients of the embedding and of its copy as the output head (this rank's
         shards) over the two ranks that hold them. No-op when inactive."""
         for p in self.params:
-            if p.grad is not None:
-                dist.all_reduce(local_tensor(p.grad), group=self.group)
+            # Under TP the embedding's gradient can come back Replicate while the weight (and the
+            # head's gradient) is Shard(0) on the vocabulary: lay it out as its weight first.
+            if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
+        if self.local and len(grads) == 2:
+            total = grads[0] + grads[1]
+            for g in grads:
+                g.copy_(total)
+            return
+        for g in grads:
+            dist.all_reduce(g, group=self.group)
