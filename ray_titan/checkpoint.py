@@ -55,16 +55,20 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 __all__ = [
+    "ALLOWED_GLOBALS",
     "MANIFEST",
     "CheckpointError",
     "Checkpointer",
     "LocalCheckpointStorage",
+    "MetadataUnpickler",
     "ModelParts",
     "RayTrainCheckpointStorage",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "check_compatible",
+    "check_metadata",
     "find_latest",
+    "load_metadata",
     "read_manifest",
     "resolve_checkpoint",
     "step_dir_name",
@@ -87,43 +91,118 @@ def step_dir_name(step: int) -> str:
 
 # -- reading without unrestricted pickle ------------------------------------------------------
 
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
-}
-_ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata"}
+# The classes and objects DCP's ``.metadata`` pickles, by (module, name), and nothing else: no
+# module is trusted as a whole (a module's namespace holds what it imports, ``os`` included), and a
+# dotted name (protocol 4 resolves ``STACK_GLOBAL "m" "os.system"`` attribute by attribute) is
+# never looked up. Resolved here once, so unpickling imports nothing and calls no ``getattr``.
+_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
+    "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata classes, torch dtypes and sizes, and nothing else (Python docs,
-    "Restricting Globals")."""
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    import collections
+    import pathlib
 
-    def find_class(self, module: str, name: str):
-        if (module, name) in _ALLOWED_GLOBALS or module in _ALLOWED_MODULES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+    import torch.distributed.checkpoint.metadata as dcp_md
+    import torch.serialization
+
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_md, name)
+        for name in ("Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
+                     "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                     "_MEM_FORMAT_ENCODING")
+    }
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = dcp_fs._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # layout by name
+    allowed.update({("pathlib", n): getattr(pathlib, n) for n in ("PosixPath", "PurePosixPath")})
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
+    allowed.update({("torch", n): getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)})
+    return allowed
+
+
+ALLOWED_GLOBALS: dict[tuple[str, str], Any] = _allowed_globals()
+"""Every global a checkpoint's ``.metadata`` may name: ``(module, name) -> object``."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata``: builds only the objects of :data:`ALLOWED_GLOBALS` (DCP's
+    metadata dataclasses, ``torch.Size``, dtypes, layouts, paths) from plain data, and refuses any
+    other global, a dotted name, an extension code or a persistent id with
+    ``pickle.UnpicklingError`` (Python docs, pickle, "Restricting Globals"). Nothing else a pickle
+    can call exists on its stack, so a crafted file cannot run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = ALLOWED_GLOBALS.get((module, name)) if "." not in name else None
+        if obj is None:
+            raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("refusing a persistent id")
+
+
+def load_metadata(path: str | Path) -> Metadata:
+    """DCP's ``.metadata`` of the checkpoint directory ``path``, read with
+    :class:`MetadataUnpickler`. Raises :class:`CheckpointError` for a missing or unreadable file,
+    a refused global, or anything that is not DCP ``Metadata``."""
+    path = Path(path)
+    try:
+        with open(path / ".metadata", "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: DCP metadata file .metadata is missing") from None
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: .metadata is unreadable: {type(e).__name__}: {e}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint {path}: .metadata holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+def check_metadata(metadata: Metadata, path: str | Path, files: dict[str, Any]) -> None:
+    """Refuse DCP metadata that does not describe this checkpoint's files: every entry is DCP's
+    tensor or bytes metadata under a string key; every storage entry points into a file the
+    manifest lists (``files``: name -> ``{"bytes", ...}``), within its size, with no transform
+    (ray_titan writes none). Raises :class:`CheckpointError` naming the path and the entry."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path}: .metadata {what}; not a checkpoint this ray_titan wrote")
+
+    sdm = metadata.state_dict_metadata
+    if not isinstance(sdm, dict):
+        raise bad(f"has state_dict_metadata of type {type(sdm).__name__}")
+    for key, md in sdm.items():
+        if not isinstance(key, str) or not isinstance(md, (TensorStorageMetadata, BytesStorageMetadata)):
+            raise bad(f"has entry {key!r} of type {type(md).__name__}")
+        if isinstance(md, TensorStorageMetadata) and not isinstance(md.size, torch.Size):
+            raise bad(f"gives {key!r} a size of type {type(md.size).__name__}")
+    if not isinstance(metadata.storage_data, dict):
+        raise bad(f"has storage_data of type {type(metadata.storage_data).__name__}")
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise bad(f"has a storage entry {type(index).__name__} -> {type(info).__name__}")
+        name, offset, length = info.relative_path, info.offset, info.length
+        entry = files.get(name) if isinstance(name, str) else None
+        if entry is None:
+            raise bad(f"points {index.fqn!r} to {name!r}, which the manifest does not list")
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
+                and offset + length <= entry["bytes"]):
+            raise bad(f"points {index.fqn!r} to bytes {offset!r}+{length!r} of {name} ({entry['bytes']} bytes)")
+        if getattr(info, "transform_descriptors", None):
+            raise bad(f"asks for transforms {info.transform_descriptors!r} on {index.fqn!r}")
 
 
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``.metadata`` is read by a restricted unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {self.path}: DCP metadata file .metadata is missing") from None
-        except Exception as e:
-            raise CheckpointError(f"checkpoint {self.path}: .metadata is unreadable: {type(e).__name__}: {e}") from None
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(
-                f"checkpoint {self.path}: .metadata holds a {type(metadata).__name__}, not DCP Metadata"
-            )
+        metadata = load_metadata(str(self.path))
         storage_meta = getattr(metadata, "storage_meta", None)
         if storage_meta is None:
             storage_meta = metadata.storage_meta = StorageMeta()
@@ -491,6 +570,7 @@ class Checkpointer:
         if self.rank == 0:  # one full check (sizes and CRC-32), shared with every rank
             try:
                 manifest = read_manifest(path, verify_checksums=True)
+                check_metadata(load_metadata(path), path, manifest["files"])
                 check_compatible(manifest, self.cfg, self.job["model"]["vocab_size"], path, model_only or own)
             except CheckpointError as e:
                 problem = str(e)

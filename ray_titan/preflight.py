@@ -16,7 +16,14 @@ from __future__ import annotations
 from ray_titan import storage
 from ray_titan.allocator import worker_env_vars
 from ray_titan.callbacks import load_callback
-from ray_titan.checkpoint import CheckpointError, check_compatible, read_manifest, resolve_checkpoint
+from ray_titan.checkpoint import (
+    CheckpointError,
+    check_compatible,
+    check_metadata,
+    load_metadata,
+    read_manifest,
+    resolve_checkpoint,
+)
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.data.corpus import check_source
 from ray_titan.data.tokenizer import build_tokenizer
@@ -210,6 +217,9 @@ def _check_load_path(cfg: JobConfig, vocab_size: int) -> None:
     assert load_path is not None  # the caller checks
     try:
         path = resolve_checkpoint(load_path)
-        check_compatible(read_manifest(path), cfg, vocab_size, path, cfg.checkpoint.load_model_only)
+        manifest = read_manifest(path)
+        # The same restricted unpickler as the workers': a crafted .metadata stops here.
+        check_metadata(load_metadata(path), path, manifest["files"])
+        check_compatible(manifest, cfg, vocab_size, path, cfg.checkpoint.load_model_only)
     except CheckpointError as e:
         raise ConfigError(f"checkpoint.load_path = {cfg.checkpoint.load_path!r}: {e}") from None

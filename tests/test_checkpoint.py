@@ -7,6 +7,7 @@ import math
 import os
 import pickle
 import shutil
+import zlib
 
 import numpy as np
 import pytest
@@ -127,23 +128,45 @@ def test_damaged_checkpoint_is_a_clear_error(saved, tmp_path, corpus_cache, dama
         _train(tmp_path / "run", cfg, save=False)
 
 
-class _Evil:
-    def __reduce__(self):
-        return (os.system, ("echo pwned",))
+def _craft_metadata(ckpt, data: bytes) -> None:
+    """Replace a checkpoint's .metadata and make its manifest match, as a hostile user with write
+    access to shared storage would: only the unpickler stands in the way."""
+    (ckpt / ".metadata").write_bytes(data)
+    m = json.loads((ckpt / MANIFEST).read_text())
+    m["files"][".metadata"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    (ckpt / MANIFEST).write_text(json.dumps(m))
 
 
-def test_metadata_is_not_unpickled_unrestricted(saved, tmp_path, corpus_cache):
+def test_crafted_metadata_is_refused_before_workers_start_and_by_the_workers(saved, tmp_path, corpus_cache):
     run_dir, _, _ = saved
     ckpt = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
-    evil = pickle.dumps(_Evil())
-    (ckpt / ".metadata").write_bytes(evil)
-    m = json.loads((ckpt / MANIFEST).read_text())  # make it look complete: only the unpickler stands
-    m["files"][".metadata"] = {"bytes": len(evil), "crc32": __import__("zlib").crc32(evil)}
-    (ckpt / MANIFEST).write_text(json.dumps(m))
+    marker = tmp_path / "pwned"
+    # Protocol 4: STACK_GLOBAL "torch.distributed.checkpoint.metadata" "os.system" ("touch ...").
+    mod, name, cmd = (s.encode() for s in ("torch.distributed.checkpoint.metadata", "os.system", f"touch {marker}"))
+    _craft_metadata(ckpt, b"\x80\x04\x8c" + bytes([len(mod)]) + mod + b"\x8c" + bytes([len(name)]) + name
+                    + b"\x93\x8c" + bytes([len(cmd)]) + cmd + b"\x85R.")
     cfg = _cfg(tmp_path / "run", corpus_cache, f"--checkpoint.load_path={ckpt}")
-    with pytest.raises(CheckpointError,
-                       match=r"\.metadata is unreadable: UnpicklingError: refusing to unpickle posix.system"):
-        _train(tmp_path / "run", cfg, save=False)
+    refused = "refusing to unpickle torch.distributed.checkpoint.metadata.os.system"
+    with pytest.raises(ConfigError, match=rf"load_path = .*\.metadata is unreadable: UnpicklingError: {refused}"):
+        validate_job(cfg)
+    with pytest.raises(CheckpointError, match=rf"\.metadata is unreadable: UnpicklingError: {refused}"):
+        _train(tmp_path / "run", cfg, save=False)  # a restarted worker group checks it too
+    assert not marker.exists()
+
+
+def test_metadata_that_points_outside_the_checkpoint_is_refused(saved, tmp_path, corpus_cache):
+    from ray_titan.checkpoint import load_metadata
+
+    run_dir, _, _ = saved
+    ckpt = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
+    metadata = load_metadata(ckpt)
+    index = next(iter(metadata.storage_data))
+    metadata.storage_data[index].relative_path = "../../../etc/passwd"
+    _craft_metadata(ckpt, pickle.dumps(metadata, protocol=4))
+    cfg = _cfg(tmp_path / "run", corpus_cache, f"--checkpoint.load_path={ckpt}")
+    with pytest.raises(ConfigError, match=r"\.metadata points .* to '\.\./\.\./\.\./etc/passwd', which the manifest "
+                                          r"does not list; not a checkpoint this ray_titan wrote"):
+        validate_job(cfg)
 
 
 @pytest.mark.parametrize("override, message", [
