@@ -67,6 +67,7 @@ def validate_job(cfg: JobConfig) -> None:
     exists and has the text column. Raises :class:`ConfigError` naming the setting, its value and
     what would be valid.
     """
+    _check_settings(cfg)
     par, tr = cfg.parallelism, cfg.training
     mesh = f"parallelism.pp × parallelism.dp_shard = {par.pp} × {par.dp_shard} = {cfg.world_size}"
     if cfg.ray.num_workers is not None and cfg.ray.num_workers != cfg.world_size:
@@ -170,6 +171,41 @@ def validate_job(cfg: JobConfig) -> None:
         ) from None
     if cfg.checkpoint.load_path is not None:
         _check_load_path(cfg, tokenizer.vocab_size)
+
+
+_NAME_MAX = 200  # the run directory adds "-<UTC stamp>" (23 characters); file names stop at 255 bytes
+
+
+def _check_settings(cfg: JobConfig) -> None:
+    """Settings that are well typed but cannot work, or would be silently ignored."""
+    name = cfg.job.name
+    bad = [c for c in name if c in "/\\" or ord(c) < 32 or ord(c) == 127]
+    if not name or bad or len(name.encode()) > _NAME_MAX:
+        why = (f"contains {bad[0]!r}" if bad else "is empty" if not name
+               else f"is {len(name.encode())} bytes long")
+        raise ConfigError(
+            f"job.name = {name!r} {why}: the run directory is <dump_folder>/<job.name>-<timestamp>, so the name "
+            f"must be one file name of at most {_NAME_MAX} bytes, without path separators or control characters; "
+            "use letters, digits, '-', '_' or '.'"
+        )
+    if cfg.data.tokenizer == "byte" and cfg.data.tokenizer_path:
+        raise ConfigError(
+            f"data.tokenizer_path = {cfg.data.tokenizer_path!r} is set but data.tokenizer = 'byte' ignores it; "
+            "set data.tokenizer = 'huggingface' to use that tokenizer.json, or remove tokenizer_path"
+        )
+    steps, d = cfg.training.steps, cfg.debug
+    for setting, value in (("kill_at_step", d.kill_at_step), ("kill_collector_at_step", d.kill_collector_at_step)):
+        if value is not None and value > steps:
+            raise ConfigError(
+                f"debug.{setting} = {value} is beyond the run's last step (training.steps = {steps}): the fault "
+                f"would never be injected; use 1 .. {steps}"
+            )
+    outside = sorted(s for s in d.nonfinite_loss_at_steps if not 1 <= s <= steps)
+    if outside:
+        raise ConfigError(
+            f"debug.nonfinite_loss_at_steps = {d.nonfinite_loss_at_steps}: step(s) {outside} are outside the run "
+            f"(1 .. training.steps = {steps})"
+        )
 
 
 def _validate_memory(cfg: JobConfig) -> None:

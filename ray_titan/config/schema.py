@@ -21,13 +21,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 __all__ = ["ConfigError", "JobConfig", "apply_overrides", "load_config"]
 
 
+MAX_STEPS = 10**9
+"""More optimizer steps than any run makes; a larger ``training.steps`` is a typo."""
+
+
 class ConfigError(ValueError):
     """A job setting is invalid. The message names the setting, its value and what is valid."""
 
 
 class _Section(BaseModel):
     # Attribute docstrings become field descriptions (ray-titan config docs, docs/configuration.md).
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, use_attribute_docstrings=True)
+    # allow_inf_nan=False: no setting means anything when infinite or NaN (optimizer.lr = inf made
+    # every weight NaN at step 1).
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
 
 
 class Job(_Section):
@@ -81,14 +88,15 @@ class Data(_Section):
 class Training(_Section):
     """Steps, batch (sequences), sequence length (tokens), seed, clipping and GC."""
 
-    steps: int = Field(300, gt=0)
-    """Optimizer steps to train."""
+    steps: int = Field(300, gt=0, le=MAX_STEPS)
+    """Optimizer steps to train (at most 10⁹)."""
     global_batch_size: int = Field(16, gt=0)
     """Sequences per optimizer step, summed over all data-parallel ranks."""
     seq_len: int = Field(128, gt=0)
     """Tokens per sequence fed to the model (labels are the same sequence shifted by one)."""
-    seed: int = Field(0, ge=0)
-    """Seed of model initialisation and data order (the same seed gives the same losses)."""
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    """Seed of model initialisation and data order (the same seed gives the same losses); below
+    2⁶³, the range of ``torch.manual_seed``'s int64."""
     max_norm: float = Field(1.0, ge=0)
     """Gradient-norm clipping threshold over the whole model; 0 disables clipping."""
     gc_freq: int = Field(50, gt=0)
@@ -411,9 +419,10 @@ def _parse_value(text: str) -> Any:
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``--section.key=value`` (or ``section.key=value``) overrides to nested dicts.
 
-    Raises :class:`ConfigError` for a flag that is not of that form.
+    Raises :class:`ConfigError` for a flag that is not of that form, or a setting given twice.
     """
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    given: dict[str, str] = {}
     for flag in overrides:
         body = flag[2:] if flag.startswith("--") else flag
         if "=" not in body or "." not in body.split("=", 1)[0]:
@@ -422,6 +431,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 "(for example --training.steps=50)"
             )
         key, value = body.split("=", 1)
+        if key in given:
+            raise ConfigError(
+                f"override {key} is given twice ({given[key]!r} and {flag!r}); give each setting once"
+            )
+        given[key] = flag
         section, _, name = key.partition(".")
         if "." in name:
             raise ConfigError(f"override {flag!r}: settings are two levels deep (section.key)")
@@ -435,15 +449,38 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Load a TOML job config (or the defaults when ``path`` is None) and apply overrides.
 
-    Raises :class:`ConfigError` for a missing file, invalid TOML, unknown keys or wrong types.
+    Raises :class:`ConfigError` for a missing file, a directory, a file that is not UTF-8 text
+    (binary, or with a byte-order mark), invalid TOML, unknown keys or wrong types.
     """
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        data = _read_toml(Path(path))
     return JobConfig.from_dict(apply_overrides(data, overrides or []))
+
+
+def _read_toml(p: Path) -> dict[str, Any]:
+    """The parsed TOML file ``p``; every way it can fail is a :class:`ConfigError` saying what it is."""
+    where = f"config file {str(p)!r}"
+    if p.is_dir():
+        raise ConfigError(f"{where} is a directory, not a TOML file")
+    if not p.exists():
+        raise ConfigError(f"{where} does not exist")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read: {e.strerror or e}") from None
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raise ConfigError(f"{where} starts with a UTF-8 byte-order mark, which TOML does not allow; save it "
+                          "as UTF-8 without BOM")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {e.start} is {raw[e.start:e.start + 1]!r}): "
+                          "a binary file? give a TOML job config") from None
+    if "\x00" in text:
+        raise ConfigError(f"{where} holds a NUL character (byte {text.index(chr(0))}): a binary file? "
+                          "give a TOML job config")
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where} is not valid TOML: {e}") from None
