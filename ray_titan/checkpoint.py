@@ -75,7 +75,8 @@ __all__ = [
 ]
 
 MANIFEST = "ray_titan_checkpoint.json"
-FORMAT = 1
+FORMAT = 2
+"""2: the data position is (epoch, document, offset); 1 saved the loader's unread tokens."""
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -259,8 +260,8 @@ def read_manifest(path: str | Path, verify_checksums: bool = False) -> dict[str,
         files, step = manifest["files"], int(manifest["step"])
     except Exception as e:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt: {type(e).__name__}: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}, this ray_titan reads {FORMAT}")
+    if manifest.get("format") not in (1, FORMAT):
+        raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}; this ray_titan reads 1, {FORMAT}")
     if ".metadata" not in files:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} lists no DCP .metadata")
     for name, entry in files.items():
@@ -332,6 +333,11 @@ def check_compatible(manifest: dict[str, Any], cfg, vocab_size: int, path: str |
         )
     if model_only:
         return
+    if manifest["format"] == 1:
+        raise CheckpointError(
+            f"checkpoint {path} was saved by an earlier ray_titan (format 1), which stored the data position "
+            "as unread tokens; take its weights with checkpoint.load_model_only = true"
+        )
     if manifest["optimizer"] != here["optimizer"]:
         raise CheckpointError(
             f"checkpoint {path} holds {manifest['optimizer']} optimizer state, this job uses "
@@ -491,21 +497,15 @@ class Checkpointer:
         """True when this worker group resumed its own run's checkpoint (a restart)."""
 
     # -- state dicts -------------------------------------------------------------------------
-    def _state(self, step: int, model_only: bool, same_mesh: bool, metadata: Metadata | None = None) -> dict[str, Any]:
+    def _state(self, step: int, model_only: bool, same_mesh: bool) -> dict[str, Any]:
         sd: dict[str, Any] = {f"model.{k}": v for k, v in get_model_state_dict(self.parts).items()}
         if model_only:
             return sd
         osd = get_optimizer_state_dict(self.parts, self.optimizer, options=_OPTIM_OPTIONS)
         sd.update({f"optimizer.{k}": v for k, v in osd.items()})
         sd.update({f"lr_scheduler.{k}": v for k, v in self.scheduler.state_dict().items()})
-        loader = self.loader.state_dict()
-        buf = torch.from_numpy(loader["buffer"])
-        if metadata is not None:  # its length differs between saves: size the slot from the checkpoint
-            md = metadata.state_dict_metadata.get("dataloader.buffer")
-            if isinstance(md, TensorStorageMetadata):
-                buf = torch.empty(md.size, dtype=torch.int64)
-        sd.update({"dataloader.epoch": loader["epoch"], "dataloader.doc_pos": loader["doc_pos"],
-                   "dataloader.buffer": buf, "train.step": step})
+        sd.update({f"dataloader.{k}": v for k, v in self.loader.state_dict().items()})
+        sd["train.step"] = step
         if same_mesh:
             sd[f"rng.rank{self.rank}.cpu"] = torch.get_rng_state()
             if self.device.type == "cuda":
@@ -581,7 +581,7 @@ class Checkpointer:
         same_mesh = manifest["mesh"] == self.job["mesh"]
         reader = SafeFileSystemReader(str(path))
         metadata = reader.read_metadata()
-        sd = self._state(0, model_only, same_mesh, metadata)
+        sd = self._state(0, model_only, same_mesh)
         _check_keys(sd, metadata, path)
         dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
         set_model_state_dict(self.parts, {k[6:]: v for k, v in sd.items() if k.startswith("model.")})
@@ -592,8 +592,7 @@ class Checkpointer:
                                  {k[10:]: v for k, v in sd.items() if k.startswith("optimizer.")},
                                  options=_OPTIM_OPTIONS)
         self.scheduler.load_state_dict({k[13:]: v for k, v in sd.items() if k.startswith("lr_scheduler.")})
-        self.loader.load_state_dict({"epoch": sd["dataloader.epoch"], "doc_pos": sd["dataloader.doc_pos"],
-                                     "buffer": sd["dataloader.buffer"].numpy()})
+        self.loader.load_state_dict({k[11:]: v for k, v in sd.items() if k.startswith("dataloader.")})
         if same_mesh:
             torch.set_rng_state(sd[f"rng.rank{self.rank}.cpu"])
             if f"rng.rank{self.rank}.cuda" in sd:

@@ -169,6 +169,12 @@ def validate_job(cfg: JobConfig) -> None:
             f"data.tokenizer = {cfg.data.tokenizer!r}, data.tokenizer_path = "
             f"{cfg.data.tokenizer_path!r}: {e}"
         ) from None
+    if tokenizer.max_id >= tokenizer.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer_path = {cfg.data.tokenizer_path!r}: the tokenizer has token id {tokenizer.max_id} but "
+            f"reports a vocabulary of {tokenizer.vocab_size} (ids 0 .. {tokenizer.vocab_size - 1}), which sizes the "
+            "model's embedding; renumber its vocabulary and added tokens without gaps"
+        )
     if cfg.checkpoint.load_path is not None:
         _check_load_path(cfg, tokenizer.vocab_size)
 

@@ -20,7 +20,7 @@ from ray_titan.checkpoint import (
     read_manifest,
     resolve_checkpoint,
 )
-from ray_titan.config import ConfigError, load_config
+from ray_titan.config import ConfigError, load_config, merge_overrides
 from ray_titan.fault import NonFiniteError
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.report import LocalReporter
@@ -30,11 +30,10 @@ from tests.conftest import REPO
 
 
 def _cfg(tmp_path, corpus_cache, *overrides):
-    return load_config(REPO / "configs" / "debug_llama.toml", [
+    return load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
         "--parallelism.pp=1", "--parallelism.dp_shard=1", "--training.steps=4", "--checkpoint.interval=2",
         f"--data.cache_dir={corpus_cache}", f"--job.dump_folder={tmp_path}", "--training.threads_per_worker=1",
-        "--metrics.enable_tensorboard=false", *overrides,
-    ])
+        "--metrics.enable_tensorboard=false"], overrides))
 
 
 def _train(run_dir, cfg, save=True):

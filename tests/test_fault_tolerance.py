@@ -18,7 +18,7 @@ import pyarrow as pa
 import pytest
 
 import ray_titan
-from ray_titan.config import load_config
+from ray_titan.config import load_config, merge_overrides
 from ray_titan.metrics.sinks import read_steps
 from tests.conftest import REPO
 
@@ -34,11 +34,10 @@ RESUME_CASES = {
 
 
 def _run(tmp_path_factory, corpus_cache, name, *overrides):
-    cfg = load_config(REPO / "configs" / "debug_llama.toml", [
+    cfg = load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
         f"--job.name={name}", f"--job.dump_folder={tmp_path_factory.mktemp(name, numbered=False)}",
         f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}", "--metrics.log_freq=1000",
-        f"--checkpoint.interval={INTERVAL}", "--metrics.flush_every_steps=2", *overrides,
-    ])
+        f"--checkpoint.interval={INTERVAL}", "--metrics.flush_every_steps=2"], overrides))
     return ray_titan.train(cfg)
 
 

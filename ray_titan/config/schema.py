@@ -18,7 +18,7 @@ from typing import Any, Literal
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["ConfigError", "JobConfig", "apply_overrides", "load_config"]
+__all__ = ["ConfigError", "JobConfig", "apply_overrides", "load_config", "merge_overrides"]
 
 
 MAX_STEPS = 10**9
@@ -414,6 +414,21 @@ def _parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+
+
+def _flag_key(flag: str) -> str:
+    return (flag[2:] if flag.startswith("--") else flag).split("=", 1)[0]
+
+
+def merge_overrides(*groups: list[str] | tuple[str, ...]) -> list[str]:
+    """The override flags of ``groups`` in order, a later flag replacing an earlier one of the same
+    setting: for layering a program's defaults under its caller's flags
+    (:func:`apply_overrides` refuses a setting given twice in one list, a user's typo)."""
+    merged: dict[str, str] = {}
+    for flag in (f for group in groups for f in group):
+        merged.pop(_flag_key(flag), None)
+        merged[_flag_key(flag)] = flag
+    return list(merged.values())
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
