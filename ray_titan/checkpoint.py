@@ -54,6 +54,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ray_titan.fault import all_finite
+
 __all__ = [
     "ALLOWED_GLOBALS",
     "MANIFEST",
@@ -519,10 +521,15 @@ class Checkpointer:
         return self.storage is not None and c.enable and (step % c.interval == 0 or step == self.cfg.training.steps)
 
     def save(self, step: int) -> None:
-        """Write the state after ``step`` (every rank calls this at the same step)."""
+        """Write the state after ``step`` (every rank calls this at the same step). Raises
+        :class:`CheckpointError`, writing nothing, if a parameter or optimizer state is not finite
+        on some rank: such a checkpoint could only resume a broken run."""
+        state = self._state(step, False, True)
+        if not all_finite([v for k, v in state.items() if k.startswith(("model.", "optimizer.state."))
+                           and isinstance(v, torch.Tensor)], self.device):
+            raise CheckpointError(f"step {step}: parameters or optimizer state are not finite; no checkpoint written")
         write_dir = self.storage.begin(step, self.rank)
-        dcp.save(self._state(step, False, True), storage_writer=FileSystemWriter(str(write_dir)),
-                 no_dist=not dist.is_initialized())
+        dcp.save(state, storage_writer=FileSystemWriter(str(write_dir)), no_dist=not dist.is_initialized())
         reports = self.reporter.unacknowledged() if hasattr(self.reporter, "unacknowledged") else []
         rdir = write_dir / "reports"
         rdir.mkdir(parents=True, exist_ok=True)
@@ -584,6 +591,9 @@ class Checkpointer:
         sd = self._state(0, model_only, same_mesh)
         _check_keys(sd, metadata, path)
         dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
+        if not all_finite([v for k, v in sd.items() if k.startswith("model.") and isinstance(v, torch.Tensor)],
+                          self.device):
+            raise CheckpointError(f"checkpoint {path} holds non-finite model weights; load an earlier checkpoint")
         set_model_state_dict(self.parts, {k[6:]: v for k, v in sd.items() if k.startswith("model.")})
         self.resumed_from, self.restarted = str(path), own
         if model_only:

@@ -17,6 +17,7 @@ metrics and says where the last checkpoint is.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -310,6 +311,9 @@ def train(
 
         print(f"ray_titan: run stopped; metrics in {under(run_dir, 'metrics')}; {where}", file=sys.stderr)
         raise NonFiniteError(summary["stop_reason"])
+    final = summary["final_loss"]
+    if final is not None and not math.isfinite(final):  # never a success (training.on_nonfinite = "skip")
+        summary["errors"].append(f"the final loss (step {summary.get('last_step')}) is {final}, not finite")
     for err in summary["errors"]:
         print(f"ray_titan: metrics error: {err}", file=sys.stderr)
     result = RunResult(

@@ -12,6 +12,7 @@ each rank writes its reports to ``metrics/ranks/rank{r}.jsonl`` and rank 0 assem
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -117,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         for err in summary["errors"]:
             print(f"metrics error: {err}", flush=True)
         print(f"run dir: {run_dir}  final loss: {summary['final_loss']}", flush=True)
+        if summary["final_loss"] is not None and not math.isfinite(summary["final_loss"]):
+            raise SystemExit(f"the final loss is {summary['final_loss']}, not finite")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -215,3 +216,69 @@ def test_nonfinite_skip_drops_the_update_and_counts_it(tmp_path, corpus_cache):
     assert math.isnan(losses[1]) and math.isnan(grad_norms[1])
     # Had the NaN update been applied, every later loss would be NaN.
     assert all(math.isfinite(x) for x in losses[2:])
+
+
+def test_an_update_that_makes_weights_nonfinite_stops_or_is_undone(tmp_path, corpus_cache):
+    """optimizer.lr = 1e300 is finite, but in fp32 it is inf: the first update makes every weight
+    NaN from finite gradients (the reported run printed 'final loss nan' and exited 0)."""
+    cfg = _cfg(tmp_path / "stop", corpus_cache, "--optimizer.lr=1e300", "--lr_scheduler.warmup_steps=0",
+               "--checkpoint.enable=false")
+    collector = MetricsCollector(str(tmp_path / "stop"), 1, [0], cfg.training.steps, enable_tensorboard=False)
+    with pytest.raises(NonFiniteError, match=r"step 1: the optimizer update made parameters non-finite from finite "
+                                             r"gradients \(optimizer.lr = 1e\+300 overflows"):
+        train_loop(cfg, LocalReporter(collector), None)
+    collector.finish()
+    good = _cfg(tmp_path / "good", corpus_cache, "--checkpoint.enable=false", "--lr_scheduler.warmup_steps=0")
+    good_losses, *_ = _train(tmp_path / "good", good, save=False)
+    cfg = _cfg(tmp_path / "skip", corpus_cache, "--optimizer.lr=1e300", "--lr_scheduler.warmup_steps=0",
+               "--training.on_nonfinite=skip")
+    losses, skipped, _, summary = _train(tmp_path / "skip", cfg)
+    assert skipped == [True] * 4 and summary["skipped_steps"] == 4
+    assert losses[0] == good_losses[0] and all(math.isfinite(x) for x in losses)
+    # Every update was undone: the weights stay the initial ones, and the checkpoints hold them.
+    ckpt = find_latest(tmp_path / "skip" / "checkpoints")
+    assert ckpt.name == "step-00000004"
+    resumed = _cfg(tmp_path / "resumed", corpus_cache, "--checkpoint.load_model_only=true",
+                   f"--checkpoint.load_path={ckpt}", "--checkpoint.enable=false", "--lr_scheduler.warmup_steps=0",
+                   "--training.steps=1")
+    first, *_ = _train(tmp_path / "resumed", resumed, save=False)
+    assert first == good_losses[:1]
+
+
+def test_nonfinite_weights_are_never_saved_or_loaded(saved, tmp_path):
+    """The save refuses non-finite state (nothing written); a checkpoint whose weights were made
+    NaN on disk (its manifest matching) is refused at load."""
+    import torch
+    from torch import nn
+
+    from ray_titan.checkpoint import Checkpointer, load_metadata
+    from ray_titan.metrics.report import Reporter
+
+    run_dir, cfg, _ = saved
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = type("Position", (), {"state_dict": lambda self: {"epoch": 0, "doc_pos": 0, "offset": 0}})()
+    storage = LocalCheckpointStorage(tmp_path / "checkpoints", 0)
+    ckpt = Checkpointer(cfg, 0, [model], opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0), loader,
+                        Reporter(), storage, 258, torch.device("cpu"))
+    with torch.no_grad():
+        model[0].weight[1, 2] = float("nan")
+    with pytest.raises(CheckpointError, match="step 3: parameters or optimizer state are not finite; no checkpoint"):
+        ckpt.save(3)
+    assert not (tmp_path / "checkpoints").exists()
+
+    damaged = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
+    info = next(v for k, v in load_metadata(damaged).storage_data.items() if k.fqn.startswith("model."))
+    shard = damaged / info.relative_path
+    data = bytearray(shard.read_bytes())
+    blob = bytes(data[info.offset:info.offset + info.length])  # one torch.save'd tensor
+    raw = torch.load(io.BytesIO(blob), weights_only=True).numpy().tobytes()
+    at = info.offset + blob.index(raw)
+    data[at:at + 4] = np.float32(np.nan).tobytes()
+    shard.write_bytes(bytes(data))
+    m = json.loads((damaged / MANIFEST).read_text())
+    m["files"][info.relative_path]["crc32"] = zlib.crc32(bytes(data))
+    (damaged / MANIFEST).write_text(json.dumps(m))
+    cfg = _cfg(tmp_path / "run", str(cfg.data.cache_dir), f"--checkpoint.load_path={damaged}")
+    with pytest.raises(CheckpointError, match=f"checkpoint {damaged} holds non-finite model weights"):
+        _train(tmp_path / "run", cfg, save=False)
