@@ -44,19 +44,22 @@ def job_warnings(cfg: JobConfig) -> list[str]:
 
 
 def _check_dump_folder(cfg: JobConfig) -> None:
+    """``job.dump_folder`` takes a probe file (written and removed) within ``job.storage_timeout_s``."""
     dump = cfg.job.dump_folder
-    try:
-        storage.resolve(dump)
-    except Exception as e:  # unknown scheme, pyarrow built without that filesystem, bad URI
-        raise ConfigError(
-            f"job.dump_folder = {dump!r}: pyarrow cannot open it ({e}); use a local path or a URI "
-            "of a filesystem pyarrow supports (file://, s3://, gs://, hdfs://, abfs://)"
-        ) from None
     if storage.is_remote(dump) and cfg.metrics.save_rank_reports:
         raise ConfigError(
             f"metrics.save_rank_reports = true writes local files on every worker, but job.dump_folder "
             f"= {dump!r} is remote; use a local or shared-filesystem dump_folder, or set it to false"
         )
+    try:
+        storage.check_writable(dump, cfg.job.storage_timeout_s)
+    except storage.StorageError as e:
+        where = "" if e.where == dump else f" ({e.where})"
+        raise ConfigError(
+            f"job.dump_folder = {dump!r}{where}: {e.cause}; use a writable local path, or a URI of a filesystem "
+            "pyarrow supports (file://, s3://, gs://, hdfs://, abfs://) that answers within "
+            f"job.storage_timeout_s = {cfg.job.storage_timeout_s:g} s, with credentials in the environment"
+        ) from None
 
 
 def validate_job(cfg: JobConfig) -> None:

@@ -48,6 +48,9 @@ class Job(_Section):
     ``gs://...``; see ``ray_titan.storage``). Shared or object storage on a multi-node cluster."""
     description: str = ""
     """Free text kept with the run (``config.json``); not used by training."""
+    storage_timeout_s: float = Field(30.0, gt=0)
+    """Seconds pre-flight waits for ``dump_folder``'s storage to take a probe file (written and
+    removed before any worker starts); an unreachable bucket or endpoint is refused after this."""
 
 
 class Model(_Section):

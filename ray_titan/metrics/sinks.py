@@ -139,28 +139,19 @@ def _read_parts(parts: Path) -> pa.Table:
 
 def read_steps(run_dir: str | Path) -> pa.Table:
     """The per-step, per-rank metrics of a run: ``steps.parquet``, or the flushed parts if the
-    run ended before consolidating them. An empty table (with the schema) if neither exists.
-    ``run_dir`` may be a URI (:mod:`ray_titan.storage`)."""
+    run ended before consolidating them (one row per step and rank: :func:`latest_rows`). An
+    empty table (with the schema) if neither exists. ``run_dir`` may be a URI
+    (:mod:`ray_titan.storage`); local and remote run directories are read the same way."""
     from ray_titan import storage
 
-    if storage.is_remote(run_dir):
-        fs, path = storage.resolve(storage.join(run_dir, "metrics"))
-        if storage.exists(storage.join(run_dir, "metrics", "steps.parquet")):
-            return pq.read_table(f"{path}/steps.parquet", filesystem=fs)
-        files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(f"{path}/parts", allow_not_found=True))
-                       if i.base_name.startswith("part-") and i.base_name.endswith(".parquet"))
-        if not files:
-            return STEP_SCHEMA.empty_table()
-        table = pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA, filesystem=fs) for f in files])
-        return table.sort_by([("step", "ascending"), ("rank", "ascending")])
-    local = storage.local_path(run_dir)
-    assert local is not None  # not remote (above)
-    metrics = local / "metrics"
-    if (metrics / "steps.parquet").exists():
-        return pq.read_table(metrics / "steps.parquet")
-    if (metrics / "parts").is_dir():
-        return _read_parts(metrics / "parts")
-    return STEP_SCHEMA.empty_table()
+    fs, path = storage.resolve(storage.join(run_dir, "metrics"))
+    if fs.get_file_info(f"{path}/steps.parquet").type == pafs.FileType.File:
+        return pq.read_table(f"{path}/steps.parquet", filesystem=fs)
+    files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(f"{path}/parts", allow_not_found=True))
+                   if i.base_name.startswith("part-") and i.base_name.endswith(".parquet"))
+    if not files:
+        return STEP_SCHEMA.empty_table()
+    return latest_rows(pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA, filesystem=fs) for f in files]))
 
 
 VERDICT_CODES = {"warming_up": 0, "stable": 1, "growing": 2}
