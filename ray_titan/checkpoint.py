@@ -69,10 +69,13 @@ __all__ = [
     "SafeLoadPlanner",
     "check_compatible",
     "check_metadata",
+    "checkpoint_candidates",
     "find_latest",
     "load_metadata",
     "read_manifest",
+    "remove_staging",
     "resolve_checkpoint",
+    "staging_root",
     "step_dir_name",
 ]
 
@@ -294,19 +297,36 @@ def find_latest(directory: str | Path) -> Path | None:
     return None
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """``path`` itself if it is a checkpoint (it has a manifest or DCP metadata), else the latest
-    complete checkpoint in it or in its ``checkpoints/``. Raises :class:`CheckpointError`."""
+def checkpoint_candidates(path: str | Path) -> list[Path]:
+    """The checkpoints ``path`` may mean, the one to try first first: ``[path]`` if it is a
+    checkpoint (it has a manifest or DCP metadata, or is named ``step-*``), else the complete
+    ones (manifest and file sizes checked) in it or in its ``checkpoints/``, newest first.
+    Raises :class:`CheckpointError` when there is none."""
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"checkpoint.load_path = {str(path)!r} does not exist")
     if (path / MANIFEST).exists() or (path / ".metadata").exists() or path.name.startswith("step-"):
         read_manifest(path)
-        return path
+        return [path]
     for d in (path, path / "checkpoints"):
-        if (latest := find_latest(d)) is not None:
-            return latest
+        complete = [p for p in sorted(d.glob("step-*"), reverse=True) if _is_complete(p)] if d.is_dir() else []
+        if complete:
+            return complete
     raise CheckpointError(f"checkpoint.load_path = {str(path)!r} holds no complete checkpoint (step-* with {MANIFEST})")
+
+
+def _is_complete(path: Path) -> bool:
+    try:
+        read_manifest(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """``path`` itself if it is a checkpoint (it has a manifest or DCP metadata), else the latest
+    complete checkpoint in it or in its ``checkpoints/``. Raises :class:`CheckpointError`."""
+    return checkpoint_candidates(path)[0]
 
 
 def _job_manifest(cfg, vocab_size: int) -> dict[str, Any]:
@@ -432,15 +452,19 @@ class RayTrainCheckpointStorage:
         for p in sorted((local / "checkpoints").glob("step-*"), reverse=True):
             if _step_of(p.name) <= known:
                 break
-            try:
-                read_manifest(p, verify_checksums=True)
-            except CheckpointError:
-                continue
-            return ray.train.Checkpoint.from_directory(str(p))
+            if _is_complete(p):  # sizes here; rank 0 checks the CRC-32s when it loads
+                return ray.train.Checkpoint.from_directory(str(p))
         return ckpt
 
     def begin(self, step: int, rank: int) -> Path:
-        return Path(tempfile.mkdtemp(prefix=f"ray_titan_ckpt_r{rank}_"))
+        """A fresh staging directory for this rank's share of ``step``, under the run directory
+        (:func:`staging_root`), after removing what a worker killed while saving left there."""
+        root = staging_root(self.run_dir)
+        for old in root.glob(f"*-rank{rank}"):
+            shutil.rmtree(old, ignore_errors=True)
+        write_dir = root / f"{step_dir_name(step)}-rank{rank}"
+        write_dir.mkdir(parents=True, exist_ok=True)
+        return write_dir
 
     def commit(self, step: int, write_dir: Path, rank: int, metrics: dict[str, Any]) -> None:
         import ray.train
@@ -450,6 +474,28 @@ class RayTrainCheckpointStorage:
                              checkpoint_dir_name=step_dir_name(step))
         finally:
             shutil.rmtree(write_dir, ignore_errors=True)
+
+
+STAGING = ".checkpoint_staging"
+
+
+def staging_root(run_dir: str | Path | None) -> Path:
+    """Where ranks stage a checkpoint before Ray Train copies it into ``checkpoints/``:
+    ``<run_dir>/.checkpoint_staging`` (a remote run directory: the same under this node's local
+    staging directory, :func:`ray_titan.storage.staging_dir`; no run directory: the system's temp
+    directory). Removed by the driver however the run ends (:func:`remove_staging`)."""
+    from ray_titan import storage
+
+    if run_dir is None:
+        return Path(tempfile.gettempdir()) / "ray_titan" / STAGING
+    local = storage.local_path(run_dir)
+    return (local if local is not None else storage.staging_dir(str(run_dir))) / STAGING
+
+
+def remove_staging(run_dir: str | Path) -> None:
+    """Remove every rank's checkpoint staging of the run (what a save interrupted by Ctrl-C, a
+    SIGTERM or a crash left behind; model-sized on a real run)."""
+    shutil.rmtree(staging_root(run_dir), ignore_errors=True)
 
 
 def _step_of(name: str) -> int:
@@ -574,9 +620,11 @@ class Checkpointer:
 
     def _load(self, path: Path, model_only: bool, own: bool) -> int:
         problem = None
-        if self.rank == 0:  # one full check (sizes and CRC-32), shared with every rank
+        if self.rank == 0:  # one check, shared with every rank
             try:
-                manifest = read_manifest(path, verify_checksums=True)
+                # CRC-32 of every file: pre-flight did it for checkpoint.load_path; a restarted
+                # worker group's own checkpoint is checked here, once, on rank 0.
+                manifest = read_manifest(path, verify_checksums=own)
                 check_metadata(load_metadata(path), path, manifest["files"])
                 check_compatible(manifest, self.cfg, self.job["model"]["vocab_size"], path, model_only or own)
             except CheckpointError as e:

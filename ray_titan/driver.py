@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import math
 import os
+import select
+import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +39,85 @@ from ray_titan.run_dir import STOP_REASON_FILE, make_run_dir, resolve_paths, und
 if TYPE_CHECKING:
     from ray_titan.progress import Mode
 
-__all__ = ["RunResult", "train"]
+__all__ = ["Interrupted", "RunResult", "train"]
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped by Ctrl-C (SIGINT) or SIGTERM: the workers are stopped, the metrics
+    flushed, and the message names the last complete checkpoint. ``signum`` is the signal; the
+    CLI exits with ``128 + signum`` (130, 143)."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.signum = signum
+
+
+class _Signals:
+    """While the driver runs: SIGTERM (what schedulers and Kubernetes send) does what Ctrl-C does
+    (Ray Train's handler aborts the worker group during ``fit``; elsewhere ``KeyboardInterrupt``),
+    and the process ends within ``grace_s`` seconds of the first signal, or at once on a second,
+    whatever the main thread is blocked in: the C-level handler writes to a wakeup pipe
+    (``signal.set_wakeup_fd``) that a watchdog thread reads, so a call that never returns to
+    Python (a pyarrow request to storage that stopped answering) cannot hold it."""
+
+    def __init__(self, grace_s: float = 30.0):
+        self.grace_s = grace_s
+        self.signum: int | None = None
+        self._r = self._w = -1
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers can only be set in the main thread
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        self._old_fd = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+        self._old_term = signal.signal(signal.SIGTERM, self._on_sigterm)
+        threading.Thread(target=self._watch, name="ray_titan-signals", daemon=True).start()
+        return self
+
+    def rearm(self) -> None:
+        """Take SIGTERM back (``ray.init`` installs a handler that exits at once)."""
+        if self._w >= 0:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+        handler = signal.getsignal(signal.SIGINT)  # Ray Train's during fit: abort the worker group
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+        else:
+            raise KeyboardInterrupt
+
+    def _watch(self) -> None:
+        first: float | None = None
+        while True:
+            timeout = None if first is None else max(0.0, first + self.grace_s - time.monotonic())
+            ready, _, _ = select.select([self._r], [], [], timeout)
+            if not ready:
+                break  # the grace period is over
+            data = os.read(self._r, 64)
+            if 0 in data:  # __exit__: the run ended in time
+                os.close(self._r)
+                return
+            signums = [b for b in data if b in (signal.SIGINT, signal.SIGTERM)]
+            if not signums:
+                continue
+            if first is not None:
+                break  # a second signal: stop waiting
+            first = time.monotonic()
+            self.signum = self.signum or signums[0]
+        signum = self.signum or signal.SIGINT
+        print(f"ray_titan: still stopping {self.grace_s:g} s after {signal.Signals(signum).name} (or signalled "
+              "again): exiting now; the metrics flushed so far are in the run directory", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    def __exit__(self, *exc) -> None:
+        if self._w < 0:
+            return
+        signal.set_wakeup_fd(self._old_fd)
+        signal.signal(signal.SIGTERM, self._old_term)
+        os.write(self._w, b"\0")  # wakes the watchdog, which ends
+        os.close(self._w)
 
 
 @dataclass
@@ -182,14 +264,27 @@ def train(
     :class:`~ray_titan.metrics.leak.MemoryLeakError` when a rank's memory grew and
     ``memory.on_leak = "stop"`` ended the run, and ``ray.train.TrainingFailedError`` if training
     fails otherwise (the metrics recorded until then stay in the run directory), ``NonFiniteError``
-    when a non-finite loss stopped it, and ``KeyboardInterrupt`` after Ctrl-C.
+    when a non-finite loss stopped it, and :class:`Interrupted` (a ``KeyboardInterrupt``) after
+    Ctrl-C or SIGTERM, which stop the workers and end the call within seconds (``_Signals``).
     """
+    with _Signals() as signals:
+        try:
+            return _train(config, overrides, progress, callbacks, signals)
+        except KeyboardInterrupt as e:  # before the workers started, or a plain Ctrl-C
+            if isinstance(e, Interrupted):
+                raise
+            raise Interrupted(str(e), signals.signum or signal.SIGINT) from None
+
+
+def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress: str, callbacks: list | None,
+           signals: _Signals) -> RunResult:
+
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from ray_titan.allocator import worker_env_vars
-    from ray_titan.checkpoint import find_latest
+    from ray_titan.checkpoint import find_latest, remove_staging
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.leak import MemoryLeakError, leak_settings
     from ray_titan.metrics.sinks import read_steps
@@ -216,9 +311,10 @@ def train(
     cfg = resolve_paths(cfg)
     for warning in job_warnings(cfg):
         print(f"ray_titan: warning: {warning}", file=sys.stderr, flush=True)
-    validate_job(cfg)  # also materialises the built-in corpus, once, before workers read it
+    cfg = validate_job(cfg)  # also materialises the built-in corpus, once, before workers read it
 
     _connect(cfg)
+    signals.rearm()  # ray.init sets its own SIGTERM handler
     dims = parallel_dims(cfg)
     cpus = _check_cluster(cfg)
     marks["cluster_ready"] = time.time()
@@ -272,8 +368,7 @@ def train(
     )
     if collector is None:
         return _fit_without_metrics(trainer, cfg, run_dir, marks)
-    console = ConsoleThread(lambda: ray.get(collector.poll.remote(), timeout=30),
-                            make_display(cfg.training.steps, cast("Mode", progress)))  # checked above
+    console = ConsoleThread(lambda: _poll(collector), make_display(cfg.training.steps, cast("Mode", progress)))
     console.start()
     failure: BaseException | None = None
     summary: dict[str, Any]
@@ -283,24 +378,36 @@ def train(
     except BaseException as e:  # keep the metrics recorded so far, then re-raise
         failure = e
     finally:
+        # Each step guarded: a full disk or a dead collector must not skip the rest (an escaping
+        # error here once left the console thread polling, and it started a second Ray session).
         marks["fit_returned"] = time.time()
-        write_timings(run_dir, "driver", {"marks": marks})
         console.stop_event.set()  # no poll may drain lines between here and the summary
+        if failure is not None:
+            _remove_incomplete_checkpoints(run_dir)  # room for the metrics on a full disk
         try:
             summary = ray.get(collector.finish.remote(), timeout=120)
         except Exception as e:  # the flushed parts are on disk; never hide a training error
             summary = {"lines": [], "errors": [f"metrics collector failed to finish: {e}"], "final_loss": None}
         console.finish(summary)
-        ray.kill(collector)
+        try:
+            ray.kill(collector)
+        except Exception:  # already gone
+            pass
+        remove_staging(run_dir)
+        try:
+            write_timings(run_dir, "driver", {"marks": marks})
+        except Exception as e:
+            summary["errors"].append(f"timings: {e}")
     # Checkpoints of a remote run directory stay where Ray Train put them; only local ones are found.
     latest = find_latest(run_dir / "checkpoints") if isinstance(run_dir, Path) else None
     where = (f"last checkpoint {latest} (continue with --checkpoint.load_path={latest})"
              if latest else "no checkpoint was saved")
     if isinstance(failure, (KeyboardInterrupt, SystemExit)):
-        # Ray Train's SIGINT handler aborted the worker group and exits the driver.
-        print(f"ray_titan: interrupted: workers stopped; metrics in {under(run_dir, 'metrics')}; {where}",
+        # Ray Train's SIGINT handler (or ours for SIGTERM) aborted the worker group.
+        name = signal.Signals(signals.signum or signal.SIGINT).name
+        print(f"ray_titan: interrupted ({name}): workers stopped; metrics in {under(run_dir, 'metrics')}; {where}",
               file=sys.stderr, flush=True)
-        raise KeyboardInterrupt(str(where)) from None
+        raise Interrupted(str(where), signals.signum or signal.SIGINT) from None
     if failure is not None:
         print(f"ray_titan: run failed; metrics so far in {under(run_dir, 'metrics')}; {where}", file=sys.stderr)
         if summary.get("stop"):
@@ -331,8 +438,30 @@ def train(
     return result
 
 
+def _poll(collector: Any) -> dict[str, Any]:
+    import ray
+
+    if not ray.is_initialized():  # never let a late poll start a new local cluster
+        raise RuntimeError("Ray is shut down")
+    return ray.get(collector.poll.remote(), timeout=30)
+
+
+def _remove_incomplete_checkpoints(run_dir: Path | str) -> None:
+    """After a failed run: remove checkpoint directories newer than the latest complete one
+    (a save cut short, by a full disk for one), so the space they hold goes to the metrics."""
+    from ray_titan.checkpoint import find_latest
+
+    if not isinstance(run_dir, Path) or not (run_dir / "checkpoints").is_dir():
+        return
+    latest = find_latest(run_dir / "checkpoints")
+    for p in (run_dir / "checkpoints").glob("step-*"):
+        if latest is None or p.name > latest.name:
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def _fit_without_metrics(trainer, cfg: JobConfig, run_dir: Path | str, marks: dict[str, float]) -> RunResult:
     """``metrics.enabled = false``: run the worker group with no collector; only timings are kept."""
+    from ray_titan.checkpoint import remove_staging
     from ray_titan.metrics.timing import read_timings, write_timings
 
     marks["fit_called"] = time.time()
@@ -340,6 +469,7 @@ def _fit_without_metrics(trainer, cfg: JobConfig, run_dir: Path | str, marks: di
         trainer.fit()
     finally:
         marks["fit_returned"] = time.time()
+        remove_staging(run_dir)
         write_timings(run_dir, "driver", {"marks": marks})
     where = f"metrics.enabled = false: timings only in {under(run_dir, 'timings')}"
     stop = under(run_dir, STOP_REASON_FILE)

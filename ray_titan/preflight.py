@@ -13,6 +13,8 @@ what would be valid.
 
 from __future__ import annotations
 
+import sys
+
 from ray_titan import storage
 from ray_titan.allocator import worker_env_vars
 from ray_titan.callbacks import load_callback
@@ -20,9 +22,9 @@ from ray_titan.checkpoint import (
     CheckpointError,
     check_compatible,
     check_metadata,
+    checkpoint_candidates,
     load_metadata,
     read_manifest,
-    resolve_checkpoint,
 )
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.data.corpus import check_source
@@ -62,13 +64,19 @@ def _check_dump_folder(cfg: JobConfig) -> None:
         ) from None
 
 
-def validate_job(cfg: JobConfig) -> None:
+def validate_job(cfg: JobConfig) -> JobConfig:
     """Cross-field checks the driver runs before any worker starts.
 
     Checks the mesh against the worker count, the model against the pipeline, the batch against
-    microbatches and DP degree, the sequence length against the model, and that the data path
-    exists and has the text column. Raises :class:`ConfigError` naming the setting, its value and
-    what would be valid.
+    microbatches and DP degree, the sequence length against the model, that the data path
+    exists and has the text column, that the run directory can be written, and that the
+    checkpoint to load is complete (CRC-32 of every file), holds metadata the restricted
+    unpickler accepts, and fits the job. Raises :class:`ConfigError` naming the setting, its value
+    and what would be valid.
+
+    Returns ``cfg``, with ``checkpoint.load_path`` made the checkpoint it resolved to (a run
+    directory's newest good one: a corrupt newer one is passed over with a warning), so the
+    workers load the checkpoint checked here and verify nothing again.
     """
     _check_settings(cfg)
     par, tr = cfg.parallelism, cfg.training
@@ -179,7 +187,8 @@ def validate_job(cfg: JobConfig) -> None:
             "model's embedding; renumber its vocabulary and added tokens without gaps"
         )
     if cfg.checkpoint.load_path is not None:
-        _check_load_path(cfg, tokenizer.vocab_size)
+        cfg = _check_load_path(cfg, tokenizer.vocab_size)
+    return cfg
 
 
 _NAME_MAX = 200  # the run directory adds "-<UTC stamp>" (23 characters); file names stop at 255 bytes
@@ -256,15 +265,33 @@ def _validate_memory(cfg: JobConfig) -> None:
             raise ConfigError(f"callbacks[{i}].target = {cb.target!r}: {e}") from None
 
 
-def _check_load_path(cfg: JobConfig, vocab_size: int) -> None:
-    """``checkpoint.load_path`` exists, is complete and fits the job."""
+def _check_load_path(cfg: JobConfig, vocab_size: int) -> JobConfig:
+    """``checkpoint.load_path`` exists, is complete and sound (sizes, CRC-32, metadata) and fits
+    the job. For a directory of checkpoints (a run directory or its ``checkpoints/``), the newest
+    sound one is taken, with a warning naming each newer one passed over. Returns ``cfg`` with
+    ``load_path`` set to the checkpoint taken."""
     load_path = cfg.checkpoint.load_path
     assert load_path is not None  # the caller checks
+    passed_over: list[str] = []
     try:
-        path = resolve_checkpoint(load_path)
-        manifest = read_manifest(path)
-        # The same restricted unpickler as the workers': a crafted .metadata stops here.
-        check_metadata(load_metadata(path), path, manifest["files"])
-        check_compatible(manifest, cfg, vocab_size, path, cfg.checkpoint.load_model_only)
+        candidates = checkpoint_candidates(load_path)
+        for path in candidates:
+            try:
+                manifest = read_manifest(path, verify_checksums=True)
+                # The same restricted unpickler as the workers': a crafted .metadata stops here.
+                check_metadata(load_metadata(path), path, manifest["files"])
+            except CheckpointError as e:
+                if len(candidates) == 1:
+                    raise
+                passed_over.append(str(e))
+                continue
+            check_compatible(manifest, cfg, vocab_size, path, cfg.checkpoint.load_model_only)
+            break
+        else:
+            raise CheckpointError(f"no sound checkpoint in {load_path}: " + "; ".join(passed_over))
     except CheckpointError as e:
-        raise ConfigError(f"checkpoint.load_path = {cfg.checkpoint.load_path!r}: {e}") from None
+        raise ConfigError(f"checkpoint.load_path = {load_path!r}: {e}") from None
+    for problem in passed_over:
+        print(f"ray_titan: warning: checkpoint.load_path = {load_path!r}: passing over a damaged checkpoint "
+              f"({problem}); loading {path}", file=sys.stderr, flush=True)
+    return cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"load_path": str(path)})})

@@ -92,10 +92,25 @@ def exists(uri: str | Path) -> bool:
 
 
 def write_text(uri: str | Path, text: str) -> None:
-    """Write a small UTF-8 file (a config, a summary) in one piece."""
-    fs, path = resolve(uri)
-    with fs.open_output_stream(path) as f:
-        f.write(text.encode())
+    """Write a small UTF-8 file (a config, a summary) in one piece: locally through a temporary
+    file renamed into place, so a failed write (a full disk) leaves no empty or torn file (an
+    object store publishes an object whole anyway). Raises :class:`StorageError` naming the file
+    and the cause."""
+    local = local_path(uri)
+    try:
+        if local is None:
+            fs, path = resolve(uri)
+            with fs.open_output_stream(path) as f:
+                f.write(text.encode())
+            return
+        tmp = local.with_name(local.name + ".tmp")
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, local)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:
+        raise StorageError(uri, f"cannot write it: {e.strerror or e}") from None
 
 
 def read_text(uri: str | Path) -> str:

@@ -101,6 +101,27 @@ def test_partial_checkpoint_is_never_the_latest(saved, tmp_path):
         resolve_checkpoint(newest)
 
 
+def test_a_run_directory_whose_latest_checkpoint_is_corrupt_falls_back_to_the_newest_good_one(
+        saved, tmp_path, corpus_cache, capsys):
+    run_dir, _, _ = saved
+    good = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
+    bad = _copy(run_dir / "checkpoints" / "step-00000004", tmp_path)
+    shard = bad / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only its CRC-32 tells
+    shard.write_bytes(bytes(data))
+    cfg = validate_job(_cfg(tmp_path / "run", corpus_cache, f"--checkpoint.load_path={tmp_path}",
+                            "--training.steps=5"))
+    assert cfg.checkpoint.load_path == str(good)  # the workers load what pre-flight checked
+    err = capsys.readouterr().err
+    assert f"passing over a damaged checkpoint (checkpoint {bad} is corrupt: __0_0.distcp fails its CRC-32 " \
+           f"check); loading {good}" in err
+    shard.write_bytes(b"")  # every checkpoint bad: an error naming them
+    (good / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        validate_job(_cfg(tmp_path / "run", corpus_cache, f"--checkpoint.load_path={tmp_path}"))
+
+
 @pytest.mark.parametrize("damage, message", [
     ("truncate", r"is corrupt: __0_0.distcp has \d+ bytes, the manifest says \d+"),
     ("flip", "is corrupt: __0_0.distcp fails its CRC-32 check"),
@@ -124,8 +145,11 @@ def test_damaged_checkpoint_is_a_clear_error(saved, tmp_path, corpus_cache, dama
     with pytest.raises(CheckpointError, match=message):
         read_manifest(ckpt, verify_checksums=True)
     cfg = _cfg(tmp_path / "run", corpus_cache, f"--checkpoint.load_path={ckpt}")
-    with pytest.raises(CheckpointError, match=f"checkpoint {ckpt}"):  # the train loop refuses it too
-        _train(tmp_path / "run", cfg, save=False)
+    with pytest.raises(ConfigError, match=message):  # before workers start: CRC-32s are checked there, once
+        validate_job(cfg)
+    if damage != "flip":
+        with pytest.raises(CheckpointError, match=f"checkpoint {ckpt}"):  # the workers check sizes too
+            _train(tmp_path / "run", cfg, save=False)
 
 
 def _craft_metadata(ckpt, data: bytes) -> None:

@@ -217,3 +217,46 @@ def test_the_collector_lowers_its_own_cpu_priority_by_nice(tmp_path):
         out = subprocess.run([sys.executable, "-c", code, str(tmp_path / str(nice)), str(nice)],
                              check=True, capture_output=True, text=True).stdout
         assert int(out.split()[-1]) == nice
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 512 KiB tmpfs, to fill up (root only)."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_a_full_disk_loses_no_metric_that_fits_later(small_disk):
+    """The disk fills up between flushes: each failed write is reported once with the file and the
+    cause, nothing blocks, the rows wait in memory, and once space is back every row is on disk."""
+    dims = ParallelDims(pp=1, dp_shard=1)
+    c = _collector(small_disk, dims, steps=30, flush_every_steps=5, enable_tensorboard=True)
+    for step in range(1, 6):
+        c.report([_report(step, 0, dims, loss=2.0)])
+    assert read_steps(small_disk)["step"].to_pylist() == [1, 2, 3, 4, 5]
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:  # what a checkpoint that does not fit does to the disk
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    for step in range(6, 16):
+        c.report([_report(step, 0, dims, loss=2.0)])
+    failures = [e for e in c.errors if "No space left on device" in e]
+    assert failures and f"cannot write {small_disk / 'metrics' / 'parts'}" in failures[0]
+    assert len([e for e in failures if "part-" in e]) == 1  # once, not at every flush
+    assert read_steps(small_disk)["step"].to_pylist() == [1, 2, 3, 4, 5]  # what was flushed stays readable
+    filler.unlink()
+    for step in range(16, 31):
+        c.report([_report(step, 0, dims, loss=2.0)])
+    summary = c.finish()
+    assert read_steps(small_disk)["step"].to_pylist() == list(range(1, 31))
+    assert summary["final_loss"] == 2.0

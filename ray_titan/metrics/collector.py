@@ -167,6 +167,7 @@ class MetricsCollector:
         self._flushed: dict[float, set[int]] = {}
         self._durable: dict[float, int] = {}
         self._errors_path = self.run_dir / "metrics" / "errors.jsonl"
+        self._write_errors: set[str] = set()
         self.restarted = _reconstructed()
         self._newest_attempt = float("-inf")
         self._resume()
@@ -231,10 +232,19 @@ class MetricsCollector:
             self._pending.clear()
             for rank, n in sorted(self.dropped.items()):
                 self._error(f"rank {rank} dropped {n} report(s): the collector was too slow")
-            steps_path = self.parquet.close()
-            self._check_complete(steps_path)
+            self._skipped_steps = self._restarts = 0
+            try:
+                steps_path: Path = self.parquet.close()
+                self._check_complete(steps_path)
+            except OSError as e:  # the flushed parts stay readable (read_steps)
+                lost = sorted({r["step"] for r in self.parquet._rows})
+                self._write_failed(e.strerror or str(e))
+                if lost:
+                    self._error(f"metrics of steps {lost[0]}..{lost[-1]} could not be written; the steps "
+                                f"flushed before are in {self.parquet.parts}")
+                steps_path = self.parquet.parts
             if self.tb:
-                self.tb.close()
+                self._tensorboard(self.tb.close)
             self._sync("at the end")
             self._closed = True
             self._steps_path = str(steps_path)
@@ -346,11 +356,12 @@ class MetricsCollector:
         self.parquet.add(flat)
         if self.tb:
             scalars = ("loss", "loss_max", "tokens_per_s", "lr", "grad_norm", "step_time_s", "moe/aux_loss")
-            self.tb.add_step(step, {k: summary[k] for k in scalars}, flat)
-            if load:
-                self.tb.add_expert_load(step, load)
+            self._tensorboard(self.tb.add_step, step, {k: summary[k] for k in scalars}, flat)
+            if load and self.tb:
+                self._tensorboard(self.tb.add_expert_load, step, load)
             for message in filter(None, changes):
-                self.tb.add_text("memory/verdict", message, step)
+                if self.tb:
+                    self._tensorboard(self.tb.add_text, "memory/verdict", message, step)
         if step % self.log_freq == 0 or step == self.total_steps or step == 1:
             self._lines.append(format_step_line(step, self.total_steps, summary, flat))
         self._lines += filter(None, changes)
@@ -391,21 +402,50 @@ class MetricsCollector:
         if len(self.errors) == self.MAX_ERRORS:
             message = "... further errors are counted in errors_total only"
         self.errors.append(message)
-        with open(self._errors_path, "a", encoding="utf-8") as f:  # survives a collector restart
-            f.write(json.dumps(message) + "\n")
+        try:
+            with open(self._errors_path, "a", encoding="utf-8") as f:  # survives a collector restart
+                f.write(json.dumps(message) + "\n")
+        except OSError:  # a full disk: the error still reaches the driver in finish()
+            pass
 
     def flush(self) -> None:
-        """Write a Parquet part of the assembled rows and flush TensorBoard."""
-        self.parquet.flush()
-        if self.tb:
-            self.tb.flush()
+        """Write a Parquet part of the assembled rows and flush TensorBoard. A write error (a
+        full disk) is recorded once, naming the file and the cause; the rows stay in memory and
+        the next flush tries again, so nothing that fits on disk later is lost."""
         self._since_flush = 0
+        try:
+            self.parquet.flush()
+        except OSError as e:
+            self._write_failed(e.strerror or str(e))
+            return  # nothing new is durable: the workers keep (and resend) these reports
+        if self.tb:
+            self._tensorboard(self.tb.flush)
         for attempt, step in self._unflushed:
             self._flushed.setdefault(attempt, set()).add(step)
         for attempt in {a for a, _ in self._unflushed}:
             self._advance_durable(attempt)
         self._unflushed = []
         self._sync("after a flush")
+
+    def _write_failed(self, message: str) -> None:
+        """Record a failed write once per message (a full disk fails every flush alike)."""
+        if message not in self._write_errors:
+            self._write_errors.add(message)
+            self._error(f"metrics: {message}")
+            self._lines.append(f"ray_titan: metrics: {message}")
+
+    def _tensorboard(self, write, *args: Any) -> None:
+        """A TensorBoard write; on an error TensorBoard is given up for this life of the
+        collector (the Parquet rows hold the same figures) and the error recorded."""
+        try:
+            write(*args)
+        except OSError as e:
+            self._write_failed(f"TensorBoard events in {self.run_dir / 'tb'}: {e}; TensorBoard stops here")
+            tb, self.tb = self.tb, None
+            try:
+                tb.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
 
     def _sync(self, when: str) -> None:
         if self.mirror is None:
