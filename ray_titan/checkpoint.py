@@ -476,6 +476,19 @@ class RayTrainCheckpointStorage:
             shutil.rmtree(write_dir, ignore_errors=True)
 
 
+def _write_failure(step: int, write_dir: Path, e: BaseException) -> str:
+    """Why writing checkpoint files failed, in words: torch's zip writer reports a full disk as
+    "unexpected pos", so the free space is measured and said."""
+    cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[-1]
+    try:
+        free = shutil.disk_usage(next(p for p in (write_dir, *write_dir.parents) if p.exists())).free
+    except (OSError, StopIteration):
+        return f"step {step}: writing the checkpoint to {write_dir} failed: {type(e).__name__}: {cause}"
+    full = "; the filesystem is full" if free < (1 << 20) else ""
+    return (f"step {step}: writing the checkpoint to {write_dir} failed: {type(e).__name__}: {cause} "
+            f"({free / 2**20:.1f} MiB free there{full})")
+
+
 STAGING = ".checkpoint_staging"
 
 
@@ -575,7 +588,11 @@ class Checkpointer:
                            and isinstance(v, torch.Tensor)], self.device):
             raise CheckpointError(f"step {step}: parameters or optimizer state are not finite; no checkpoint written")
         write_dir = self.storage.begin(step, self.rank)
-        dcp.save(state, storage_writer=FileSystemWriter(str(write_dir)), no_dist=not dist.is_initialized())
+        try:
+            dcp.save(state, storage_writer=FileSystemWriter(str(write_dir)), no_dist=not dist.is_initialized())
+        except Exception as err:
+            shutil.rmtree(write_dir, ignore_errors=True)  # its space goes back to the metrics
+            raise CheckpointError(_write_failure(step, write_dir, err)) from err
         reports = self.reporter.unacknowledged() if hasattr(self.reporter, "unacknowledged") else []
         rdir = write_dir / "reports"
         rdir.mkdir(parents=True, exist_ok=True)

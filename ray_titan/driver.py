@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import select
 import shutil
 import signal
@@ -39,7 +40,7 @@ from ray_titan.run_dir import STOP_REASON_FILE, make_run_dir, resolve_paths, und
 if TYPE_CHECKING:
     from ray_titan.progress import Mode
 
-__all__ = ["Interrupted", "RunResult", "train"]
+__all__ = ["Interrupted", "RunResult", "init_local_cluster", "train"]
 
 
 class Interrupted(KeyboardInterrupt):
@@ -172,17 +173,58 @@ class RunResult:
         return self.step_column("step_loss")
 
 
+# Ray Train V2 starts a detached PlacementGroupCleaner per run, which removes the run's placement
+# group (and so kills every worker) once the state API says the run's controller is not alive. It
+# asks the state API of RAY_API_SERVER_ADDRESS, else RAY_ADDRESS, else whatever cluster it finds
+# on its machine: <temp dir>/ray/ray_current_cluster (written by `ray start` and by
+# ray.cluster_utils.Cluster, of any user) or the only gcs_server process running. With another
+# cluster found there, that cluster's dashboard answers "no such actor" for our live controller
+# and our run is killed; with none, several or no dashboard, the cleaner's thread dies (no
+# clean-up, no harm). So every cluster ray_titan starts or joins names itself to the cleaner,
+# through the job's runtime env, which the controller and the cleaner inherit.
+_STATE_API_VARS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+
+
+def init_local_cluster(num_cpus: int, **kwargs: Any) -> None:
+    """``ray.init`` a new local cluster with the dashboard (its state API) on a free port of
+    127.0.0.1, named in the job's runtime env as ``RAY_API_SERVER_ADDRESS`` so Ray Train's
+    placement-group cleaner asks this cluster about its runs and no other. ``kwargs`` go to
+    ``ray.init`` (``_temp_dir``, ``log_to_driver``, ...)."""
+    import socket
+
+    import ray
+
+    with socket.socket() as s:  # a free port now; the dashboard binds it a moment later
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+             dashboard_port=port, runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}},
+             **kwargs)
+
+
 def _connect(cfg: JobConfig) -> None:
     import ray
 
     if ray.is_initialized():
+        env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
+        if not any(v in env for v in _STATE_API_VARS):
+            print("ray_titan: warning: this Ray job's runtime env names no RAY_API_SERVER_ADDRESS or RAY_ADDRESS: "
+                  "Ray Train's placement-group cleaner may ask another Ray cluster on the head node whether this "
+                  "run is alive, and stop it (ray_titan.driver.init_local_cluster starts Ray safely)",
+                  file=sys.stderr, flush=True)
         return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")  # a loaded machine starts slowly
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        if re.fullmatch(r"[\w.\-]+:\d+", address):  # a GCS address (not ray://, auto or a dashboard URL)
+            try:
+                ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": {"RAY_ADDRESS": address}})
+                return
+            except ValueError:  # `ray job submit --runtime-env` set RAY_ADDRESS itself: keep that one
+                pass
+        ray.init(address=address, log_to_driver=True)
         return
-    num_cpus = cfg.ray.num_cpus or os.cpu_count() or 1
-    # The dashboard serves the state API that Ray Train V2 polls to clean up after a run.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
+    init_local_cluster(cfg.ray.num_cpus or os.cpu_count() or 1, log_to_driver=True)
 
 
 def _check_cluster(cfg: JobConfig) -> float:
@@ -382,8 +424,9 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
         # error here once left the console thread polling, and it started a second Ray session).
         marks["fit_returned"] = time.time()
         console.stop_event.set()  # no poll may drain lines between here and the summary
+        remove_staging(run_dir)  # what an interrupted save left; room for the metrics on a full disk
         if failure is not None:
-            _remove_incomplete_checkpoints(run_dir)  # room for the metrics on a full disk
+            _remove_incomplete_checkpoints(run_dir)
         try:
             summary = ray.get(collector.finish.remote(), timeout=120)
         except Exception as e:  # the flushed parts are on disk; never hide a training error
@@ -393,7 +436,6 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
             ray.kill(collector)
         except Exception:  # already gone
             pass
-        remove_staging(run_dir)
         try:
             write_timings(run_dir, "driver", {"marks": marks})
         except Exception as e:
@@ -409,6 +451,8 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
               file=sys.stderr, flush=True)
         raise Interrupted(str(where), signals.signum or signal.SIGINT) from None
     if failure is not None:
+        for err in summary["errors"]:
+            print(f"ray_titan: metrics error: {err}", file=sys.stderr)
         print(f"ray_titan: run failed; metrics so far in {under(run_dir, 'metrics')}; {where}", file=sys.stderr)
         if summary.get("stop"):
             raise MemoryLeakError(summary["stop"]) from failure

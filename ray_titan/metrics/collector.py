@@ -168,6 +168,7 @@ class MetricsCollector:
         self._durable: dict[float, int] = {}
         self._errors_path = self.run_dir / "metrics" / "errors.jsonl"
         self._write_errors: set[str] = set()
+        self._errors_unwritten = False
         self.restarted = _reconstructed()
         self._newest_attempt = float("-inf")
         self._resume()
@@ -245,6 +246,11 @@ class MetricsCollector:
                 steps_path = self.parquet.parts
             if self.tb:
                 self._tensorboard(self.tb.close)
+            if self._errors_unwritten:
+                try:
+                    self._errors_path.write_text("".join(json.dumps(e) + "\n" for e in self.errors), encoding="utf-8")
+                except OSError:
+                    pass
             self._sync("at the end")
             self._closed = True
             self._steps_path = str(steps_path)
@@ -405,8 +411,8 @@ class MetricsCollector:
         try:
             with open(self._errors_path, "a", encoding="utf-8") as f:  # survives a collector restart
                 f.write(json.dumps(message) + "\n")
-        except OSError:  # a full disk: the error still reaches the driver in finish()
-            pass
+        except OSError:  # a full disk: written again at the end, and the driver gets it in finish()
+            self._errors_unwritten = True
 
     def flush(self) -> None:
         """Write a Parquet part of the assembled rows and flush TensorBoard. A write error (a
