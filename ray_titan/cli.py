@@ -144,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as e:
             print(f"ray-titan report: {e}", file=sys.stderr)
             return 2
+        except OSError as e:  # a read-only run directory (shared storage, a mounted snapshot)
+            where = e.filename or args.out or Path(args.run_dir) / "report"
+            print(f"ray-titan report: cannot write {where}: {e.strerror or e}; write the plots elsewhere with "
+                  "--out DIR", file=sys.stderr)
+            return 2
         print(format_table(rows))
         for path in paths:
             print(f"wrote {path}")

@@ -410,7 +410,8 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     )
     if collector is None:
         return _fit_without_metrics(trainer, cfg, run_dir, marks)
-    console = ConsoleThread(lambda: _poll(collector), make_display(cfg.training.steps, cast("Mode", progress)))
+    poller = _Poller(collector)
+    console = ConsoleThread(poller, make_display(cfg.training.steps, cast("Mode", progress)))
     console.start()
     failure: BaseException | None = None
     summary: dict[str, Any]
@@ -428,7 +429,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
         if failure is not None:
             _remove_incomplete_checkpoints(run_dir)
         try:
-            summary = ray.get(collector.finish.remote(), timeout=120)
+            summary = ray.get(collector.finish.remote(poller.shown_step), timeout=120)
         except Exception as e:  # the flushed parts are on disk; never hide a training error
             summary = {"lines": [], "errors": [f"metrics collector failed to finish: {e}"], "final_loss": None}
         console.finish(summary)
@@ -482,12 +483,22 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     return result
 
 
-def _poll(collector: Any) -> dict[str, Any]:
-    import ray
+class _Poller:
+    """The console thread's call to the collector; remembers the newest step shown, so that a
+    collector restarted by Ray does not show again the steps it re-assembles."""
 
-    if not ray.is_initialized():  # never let a late poll start a new local cluster
-        raise RuntimeError("Ray is shut down")
-    return ray.get(collector.poll.remote(), timeout=30)
+    def __init__(self, collector: Any):
+        self.collector, self.shown_step = collector, 0
+
+    def __call__(self) -> dict[str, Any]:
+        import ray
+
+        if not ray.is_initialized():  # never let a late poll start a new local cluster
+            raise RuntimeError("Ray is shut down")
+        payload = ray.get(self.collector.poll.remote(self.shown_step), timeout=30)
+        if payload.get("latest"):
+            self.shown_step = max(self.shown_step, payload["latest"]["step"])
+        return payload
 
 
 def _remove_incomplete_checkpoints(run_dir: Path | str) -> None:

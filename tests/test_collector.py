@@ -185,17 +185,27 @@ def test_replayed_steps_replace_the_lost_ones_and_the_restart_is_marked(tmp_path
         (1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0), (6, 2.0)]
 
 
-def test_restarted_collector_resumes_from_its_flushed_parts(tmp_path):
+def test_restarted_collector_resumes_from_its_flushed_parts(tmp_path, monkeypatch):
+    import ray_titan.metrics.collector as collector_module
+
     dims = ParallelDims(pp=1, dp_shard=1)
-    c = _collector(tmp_path, dims, steps=6, flush_every_steps=2)
+    c = _collector(tmp_path, dims, steps=6, flush_every_steps=2, log_freq=1)
     for step in (1, 2, 3):
         first = c.report([_report(step, 0, dims, loss=float(step))])
     assert first["durable"] == {0.0: 2}
+    shown = c.poll()
+    assert [line.split("|")[0].strip() for line in shown["lines"] if line.startswith("step")] == \
+        ["step 1/6", "step 2/6", "step 3/6"] and "warming_up at step 1" in shown["lines"][1]
     del c  # killed: step 3 was assembled but not flushed
-    again = _collector(tmp_path, dims, steps=6, flush_every_steps=2)
+    monkeypatch.setattr(collector_module, "_reconstructed", lambda: True)  # Ray restarted the actor
+    again = _collector(tmp_path, dims, steps=6, flush_every_steps=2, log_freq=1)
     assert again.incarnation != first["incarnation"] and again.last_step == 2 and again.final_loss == 2.0
     answer = again.report([_report(s, 0, dims, loss=float(s)) for s in (1, 2, 3, 4, 5, 6)])  # the worker resends
     assert answer["durable"] == {0.0: 6}  # 6 assembled and flushed; 1 and 2 were ignored
+    # The console goes on where it was: step 3 is not shown again, the verdict does not warm up again.
+    lines = again.poll(shown_step=shown["latest"]["step"])["lines"]
+    assert lines[0].startswith("ray_titan: metrics collector restarted; 2 steps were on disk")
+    assert [line.split("|")[0].strip() for line in lines[1:]] == ["step 4/6", "step 5/6", "step 6/6"]
     summary = again.finish()
     assert summary["errors"] == [] and summary["final_loss"] == 6.0
     assert read_steps(tmp_path)["step"].to_pylist() == [1, 2, 3, 4, 5, 6]

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -241,3 +242,35 @@ def _group_members(pgid: int) -> list[int]:
             except OSError:
                 pass
     return out
+
+
+def test_a_run_completes_on_a_saturated_machine(ray_cluster, tmp_path_factory, corpus_cache):
+    """Eight busy processes on the machine's cores (load ≥ 10 on 2 cores) for the whole run:
+    nothing of Ray's (start-up timeouts, health checks, the placement-group cleaner) may kill it.
+    The same run ends on a non-finite loss (the last step's, its update skipped): it trains to the
+    end but is not a success (RunResult.errors, exit status 1)."""
+    busy = [subprocess.Popen([sys.executable, "-c", "import os\nos.nice(19)\nwhile True: pass"])
+            for _ in range(8)]
+    runnable: list[int] = []
+    done = threading.Event()
+
+    def sample():  # /proc/loadavg's 4th field: processes runnable right now
+        while not done.wait(0.5):
+            with open("/proc/loadavg") as f:
+                runnable.append(int(f.read().split()[3].split("/")[0]))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        run = _run(tmp_path_factory, corpus_cache, "saturated", "--parallelism.pp=1", "--parallelism.dp_shard=2",
+                   "--training.steps=6", "--checkpoint.interval=3", "--training.on_nonfinite=skip",
+                   "--debug.nonfinite_loss_at_steps=[6]")
+    finally:
+        done.set()
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert sorted(set(run.steps["step"].to_pylist())) == list(range(1, 7)) and run.restarts == 0
+    assert run.checkpoint is not None and run.checkpoint.name == "step-00000006"
+    assert run.errors == ["the final loss (step 6) is nan, not finite"]
+    assert len(runnable) >= 4 and sorted(runnable)[len(runnable) // 2] >= 10, runnable

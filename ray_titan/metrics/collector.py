@@ -145,7 +145,7 @@ class MetricsCollector:
         self.parquet = ParquetSink(self.run_dir / "metrics")
         self.tb = TensorBoardSink(self.run_dir / "tb") if enable_tensorboard else None
         self._pending: dict[int, dict[int, dict[str, Any]]] = {}
-        self._lines: list[str] = []
+        self._lines: list[tuple[int | None, str]] = []  # (step it belongs to, text)
         self.errors: list[str] = []
         self.errors_total = 0
         self.assembled = 0
@@ -209,18 +209,23 @@ class MetricsCollector:
         self._error(f"{_STOPPED}{reason}")
 
     # -- driver-facing -------------------------------------------------------------------------
-    def drain_lines(self) -> list[str]:
-        """Console lines produced since the last call."""
+    def drain_lines(self, shown_step: int = 0) -> list[str]:
+        """Console lines produced since the last call. ``shown_step``: the newest step the
+        caller has shown; a collector restarted by Ray re-assembles the steps its previous life
+        had not flushed, and their lines (and verdict messages) were shown then, so they are
+        dropped."""
         lines, self._lines = self._lines, []
-        return lines
+        hide = shown_step if self.restarted else 0
+        return [text for step, text in lines if step is None or step > hide]
 
-    def poll(self) -> dict[str, Any]:
-        """``{"lines": drain_lines(), "latest": the newest assembled step's progress}`` (see
-        :mod:`ray_titan.progress`), one call per driver refresh."""
-        return {"lines": self.drain_lines(), "latest": self.latest}
+    def poll(self, shown_step: int = 0) -> dict[str, Any]:
+        """``{"lines": drain_lines(shown_step), "latest": the newest assembled step's progress}``
+        (see :mod:`ray_titan.progress`), one call per driver refresh."""
+        return {"lines": self.drain_lines(shown_step), "latest": self.latest}
 
-    def finish(self) -> dict[str, Any]:
-        """Record incomplete steps as errors, flush and close the sinks, and summarise.
+    def finish(self, shown_step: int = 0) -> dict[str, Any]:
+        """Record incomplete steps as errors, flush and close the sinks, and summarise
+        (``shown_step``: as for :meth:`drain_lines`).
 
         Returns ``{"steps": n, "last_step", "final_loss", "errors": [...], "lines": [...],
         "steps_path", "skipped_steps", "restarts"}`` (``restarts``: worker-group restarts seen in
@@ -259,7 +264,7 @@ class MetricsCollector:
             "last_step": self.last_step,
             "final_loss": self.final_loss,
             "errors": list(self.errors),
-            "lines": self.drain_lines(),
+            "lines": self.drain_lines(shown_step),
             "latest": self.latest,
             "steps_path": self._steps_path,
             "memory_verdicts": self.leak.summary(),
@@ -289,9 +294,11 @@ class MetricsCollector:
         self.assembled = len(set(rows["step"].to_pylist()))
         self.last_step = max(rows["step"].to_pylist())
         self.final_loss = rows.filter(pa.compute.equal(rows["step"], self.last_step))["step_loss"][0].as_py()
-        self._lines.append(
-            f"ray_titan: metrics collector restarted; {self.assembled} steps were on disk (up to step {self.last_step})"
-        )
+        self._lines.append((None, f"ray_titan: metrics collector restarted; {self.assembled} steps were on disk "
+                                  f"(up to step {self.last_step})"))
+        # The memory verdicts carry on from the flushed rows, instead of warming up again.
+        for r in rows.select(["step", "rank", "pp", "dp_shard", "ep", *MEMORY_FIELDS]).to_pylist():
+            self.leak.update(r["step"], {**r, "coords": {a: r[a] for a in ("pp", "dp_shard", "ep")}})
         if self.tb:  # events after the last flush may be torn or partial: the resent reports redo them
             self.tb.close()
             self.tb = TensorBoardSink(self.run_dir / "tb", purge_step=self.last_step + 1)
@@ -299,7 +306,7 @@ class MetricsCollector:
     def _new_attempt(self, attempt: float, step: int) -> None:
         """A worker group (re)started at ``step``: replayed steps replace the old ones in TensorBoard."""
         if self._newest_attempt > float("-inf"):
-            self._lines.append(f"ray_titan: worker group restarted; resuming at step {step}")
+            self._lines.append((None, f"ray_titan: worker group restarted; resuming at step {step}"))
             if self.tb and step <= self.last_step:
                 self.tb.close()
                 self.tb = TensorBoardSink(self.tb.tb_dir, purge_step=step)
@@ -369,8 +376,8 @@ class MetricsCollector:
                 if self.tb:
                     self._tensorboard(self.tb.add_text, "memory/verdict", message, step)
         if step % self.log_freq == 0 or step == self.total_steps or step == 1:
-            self._lines.append(format_step_line(step, self.total_steps, summary, flat))
-        self._lines += filter(None, changes)
+            self._lines.append((step, format_step_line(step, self.total_steps, summary, flat)))
+        self._lines += [(step, c) for c in changes if c]
         self.assembled += 1
         if step >= self.last_step:  # the newest step's loss, None (and an error) if it had none
             self.last_step, self.final_loss = step, loss
@@ -438,7 +445,7 @@ class MetricsCollector:
         if message not in self._write_errors:
             self._write_errors.add(message)
             self._error(f"metrics: {message}")
-            self._lines.append(f"ray_titan: metrics: {message}")
+            self._lines.append((None, f"ray_titan: metrics: {message}"))
 
     def _tensorboard(self, write, *args: Any) -> None:
         """A TensorBoard write; on an error TensorBoard is given up for this life of the
