@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pyarrow.compute
 import pytest
 
 from ray_titan.metrics.collector import MetricsCollector
@@ -270,3 +272,17 @@ def test_a_full_disk_loses_no_metric_that_fits_later(small_disk):
     summary = c.finish()
     assert read_steps(small_disk)["step"].to_pylist() == list(range(1, 31))
     assert summary["final_loss"] == 2.0
+
+
+def test_per_step_bookkeeping_stays_as_small_as_the_unflushed_steps(tmp_path):
+    dims = ParallelDims(pp=1, dp_shard=2)
+    c = _collector(tmp_path, dims, steps=2000, flush_every_steps=10, enable_tensorboard=False)
+    for step in range(1, 2001):
+        answer = c.report([_report(step, 0, dims, loss=1.0), _report(step, 1, dims, loss=1.0)])
+    assert answer["durable"] == {0.0: 2000}
+    assert len(c._done) == 0 and sum(map(len, c._flushed.values())) == 0 and len(c._pending) == 0
+    # A late resend of a long-flushed step is still recognised and ignored.
+    c.report([_report(7, 0, dims, loss=9.0), _report(7, 1, dims, loss=9.0)])
+    assert c.finish()["errors"] == []
+    t = read_steps(tmp_path)
+    assert t.num_rows == 4000 and set(t.filter(pa.compute.equal(t["step"], 7))["loss"].to_pylist()) == {1.0}

@@ -165,7 +165,8 @@ class MetricsCollector:
         self._done: dict[int, float] = {}  # step -> newest attempt assembled for it
         self._unflushed: list[tuple[float, int]] = []
         self._flushed: dict[float, set[int]] = {}
-        self._durable: dict[float, int] = {}
+        self._durable: dict[float, int] = {}  # attempt -> every step from _first[attempt] to this is on disk
+        self._first: dict[float, int] = {}
         self._errors_path = self.run_dir / "metrics" / "errors.jsonl"
         self._write_errors: set[str] = set()
         self._errors_unwritten = False
@@ -186,7 +187,7 @@ class MetricsCollector:
             step, attempt = rep["step"], rep.get("attempt_start_time", 0.0)
             if attempt > self._newest_attempt:
                 self._new_attempt(attempt, step)
-            if self._done.get(step, float("-inf")) >= attempt:
+            if self._assembled_by(step) >= attempt:
                 continue  # a resent or superseded report of a step already assembled
             if self._pending_attempt.get(step, attempt) < attempt:
                 self._pending.pop(step, None)  # a restarted worker group replays this step
@@ -313,11 +314,28 @@ class MetricsCollector:
         self._newest_attempt = attempt
 
     def _advance_durable(self, attempt: float) -> None:
+        """Move ``attempt``'s watermark over its newly flushed steps, and forget the per-step
+        records it now covers (steps ``_first[attempt] .. _durable[attempt]``), so the
+        bookkeeping stays as small as the unflushed part of the run."""
         done = self._flushed[attempt]
-        wm = self._durable.get(attempt, min(done) - 1)
+        if attempt not in self._durable:
+            self._durable[attempt] = min(done) - 1
+            self._first[attempt] = min(done)
+        wm = self._durable[attempt]
         while wm + 1 in done:
             wm += 1
+            done.discard(wm)
+            if self._done.get(wm) == attempt:
+                del self._done[wm]
         self._durable[attempt] = wm
+
+    def _assembled_by(self, step: int) -> float:
+        """The newest attempt whose report of ``step`` was assembled (-inf: none)."""
+        newest = self._done.get(step, float("-inf"))
+        for attempt, wm in self._durable.items():
+            if attempt > newest and self._first[attempt] <= step <= wm:
+                newest = attempt
+        return newest
 
     def _check_complete(self, steps_path: Path) -> None:
         """Every rank has a row at every step from the first to the last recorded."""
