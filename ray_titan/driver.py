@@ -20,11 +20,9 @@ from __future__ import annotations
 import math
 import os
 import re
-import select
 import shutil
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +32,7 @@ import pyarrow as pa
 
 from ray_titan import storage
 from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides, load_config
+from ray_titan.interrupts import Interrupted, SignalGuard
 from ray_titan.preflight import job_warnings, validate_job
 from ray_titan.run_dir import STOP_REASON_FILE, make_run_dir, resolve_paths, under
 
@@ -42,83 +41,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Interrupted", "RunResult", "init_local_cluster", "train"]
 
-
-class Interrupted(KeyboardInterrupt):
-    """The run was stopped by Ctrl-C (SIGINT) or SIGTERM: the workers are stopped, the metrics
-    flushed, and the message names the last complete checkpoint. ``signum`` is the signal; the
-    CLI exits with ``128 + signum`` (130, 143)."""
-
-    def __init__(self, message: str, signum: int = signal.SIGINT):
-        super().__init__(message)
-        self.signum = signum
-
-
-class _Signals:
-    """While the driver runs: SIGTERM (what schedulers and Kubernetes send) does what Ctrl-C does
-    (Ray Train's handler aborts the worker group during ``fit``; elsewhere ``KeyboardInterrupt``),
-    and the process ends within ``grace_s`` seconds of the first signal, or at once on a second,
-    whatever the main thread is blocked in: the C-level handler writes to a wakeup pipe
-    (``signal.set_wakeup_fd``) that a watchdog thread reads, so a call that never returns to
-    Python (a pyarrow request to storage that stopped answering) cannot hold it."""
-
-    def __init__(self, grace_s: float = 30.0):
-        self.grace_s = grace_s
-        self.signum: int | None = None
-        self._r = self._w = -1
-
-    def __enter__(self) -> _Signals:
-        if threading.current_thread() is not threading.main_thread():
-            return self  # signal handlers can only be set in the main thread
-        self._r, self._w = os.pipe()
-        os.set_blocking(self._w, False)
-        self._old_fd = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
-        self._old_term = signal.signal(signal.SIGTERM, self._on_sigterm)
-        threading.Thread(target=self._watch, name="ray_titan-signals", daemon=True).start()
-        return self
-
-    def rearm(self) -> None:
-        """Take SIGTERM back (``ray.init`` installs a handler that exits at once)."""
-        if self._w >= 0:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self.signum = self.signum or signum
-        handler = signal.getsignal(signal.SIGINT)  # Ray Train's during fit: abort the worker group
-        if callable(handler):
-            handler(signal.SIGINT, frame)
-        else:
-            raise KeyboardInterrupt
-
-    def _watch(self) -> None:
-        first: float | None = None
-        while True:
-            timeout = None if first is None else max(0.0, first + self.grace_s - time.monotonic())
-            ready, _, _ = select.select([self._r], [], [], timeout)
-            if not ready:
-                break  # the grace period is over
-            data = os.read(self._r, 64)
-            if 0 in data:  # __exit__: the run ended in time
-                os.close(self._r)
-                return
-            signums = [b for b in data if b in (signal.SIGINT, signal.SIGTERM)]
-            if not signums:
-                continue
-            if first is not None:
-                break  # a second signal: stop waiting
-            first = time.monotonic()
-            self.signum = self.signum or signums[0]
-        signum = self.signum or signal.SIGINT
-        print(f"ray_titan: still stopping {self.grace_s:g} s after {signal.Signals(signum).name} (or signalled "
-              "again): exiting now; the metrics flushed so far are in the run directory", file=sys.stderr, flush=True)
-        os._exit(128 + signum)
-
-    def __exit__(self, *exc) -> None:
-        if self._w < 0:
-            return
-        signal.set_wakeup_fd(self._old_fd)
-        signal.signal(signal.SIGTERM, self._old_term)
-        os.write(self._w, b"\0")  # wakes the watchdog, which ends
-        os.close(self._w)
 
 
 @dataclass
@@ -307,9 +229,9 @@ def train(
     ``memory.on_leak = "stop"`` ended the run, and ``ray.train.TrainingFailedError`` if training
     fails otherwise (the metrics recorded until then stay in the run directory), ``NonFiniteError``
     when a non-finite loss stopped it, and :class:`Interrupted` (a ``KeyboardInterrupt``) after
-    Ctrl-C or SIGTERM, which stop the workers and end the call within seconds (``_Signals``).
+    Ctrl-C or SIGTERM, which stop the workers and end the call within seconds (``SignalGuard``).
     """
-    with _Signals() as signals:
+    with SignalGuard() as signals:
         try:
             return _train(config, overrides, progress, callbacks, signals)
         except KeyboardInterrupt as e:  # before the workers started, or a plain Ctrl-C
@@ -319,7 +241,7 @@ def train(
 
 
 def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress: str, callbacks: list | None,
-           signals: _Signals) -> RunResult:
+           signals: SignalGuard) -> RunResult:
 
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
