@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             f"the mesh needs {cfg.world_size} processes (pp × dp_shard = {cfg.parallelism.pp} × "
             f"{cfg.parallelism.dp_shard}) but this launch has {world}: use torchrun --nproc-per-node={cfg.world_size}"
         )
-    validate_job(cfg)  # on every rank, so a bad config stops them all before the process group
+    cfg = validate_job(cfg)  # on every rank, so a bad config stops them all before the process group
     device = local_cuda_device()
     if world > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

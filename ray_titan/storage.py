@@ -180,8 +180,9 @@ def check_writable(uri: str | Path, timeout_s: float) -> None:
             os.fsync(f.fileno())
         probe.unlink()
     except OSError as e:
-        raise StorageError(local, f"{doing}: {e.strerror or e}"
-                           + (f" ({e.filename})" if e.filename and str(e.filename) != str(local) else "")) from None
+        where = str(e.filename or local)
+        named = where != str(local) and PROBE_NAME not in where  # a parent directory that failed
+        raise StorageError(local, f"{doing}: {e.strerror or e}" + (f" ({where})" if named else "")) from None
     finally:
         for d in reversed(created):
             try:
