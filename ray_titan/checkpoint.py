@@ -5,7 +5,8 @@ A checkpoint is a directory ``step-NNNNNNNN`` holding:
 - the DCP files: ``.metadata`` and one ``__<rank>_0.distcp`` per rank. Keys are flat, prefixed by
   what they belong to: ``model.<fqn>`` (FSDP2 shards as ``DTensor``), ``optimizer.state.<fqn>.*``
   and ``optimizer.param_groups.<fqn>.*`` (torch's flattened optimizer state dict, keyed by the
-  whole model's parameter names, so it reshards across pp and dp_shard), ``lr_scheduler.*``,
+  whole model's parameter names, so it reshards across pp, dp_replicate, dp_shard, tp and ep: every
+  tensor is saved with its global shape), ``lr_scheduler.*``,
   ``dataloader.*`` (the stream position, the same on every rank), ``train.step`` and
   ``rng.rank<r>.*`` (each rank's torch RNG state);
 - ``reports/rank<r>.json``: the metric reports rank ``r`` had not yet seen on disk at the collector
@@ -26,6 +27,7 @@ builds DCP's own metadata classes, and non-tensor values with ``torch.load(weigh
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -297,14 +299,15 @@ def find_latest(directory: str | Path) -> Path | None:
     return None
 
 
-def checkpoint_candidates(path: str | Path) -> list[Path]:
+def checkpoint_candidates(path: str | Path, setting: str = "checkpoint.load_path") -> list[Path]:
     """The checkpoints ``path`` may mean, the one to try first first: ``[path]`` if it is a
     checkpoint (it has a manifest or DCP metadata, or is named ``step-*``), else the complete
     ones (manifest and file sizes checked) in it or in its ``checkpoints/``, newest first.
-    Raises :class:`CheckpointError` when there is none."""
+    Raises :class:`CheckpointError` naming ``setting`` (where the path came from) and the path
+    when there is none."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise CheckpointError(f"checkpoint.load_path = {str(path)!r} does not exist")
+        raise CheckpointError(f"{setting} = {str(path)!r} does not exist")
     if (path / MANIFEST).exists() or (path / ".metadata").exists() or path.name.startswith("step-"):
         read_manifest(path)
         return [path]
@@ -312,7 +315,7 @@ def checkpoint_candidates(path: str | Path) -> list[Path]:
         complete = [p for p in sorted(d.glob("step-*"), reverse=True) if _is_complete(p)] if d.is_dir() else []
         if complete:
             return complete
-    raise CheckpointError(f"checkpoint.load_path = {str(path)!r} holds no complete checkpoint (step-* with {MANIFEST})")
+    raise CheckpointError(f"{setting} = {str(path)!r} holds no complete checkpoint (step-* with {MANIFEST})")
 
 
 def _is_complete(path: Path) -> bool:
@@ -323,16 +326,19 @@ def _is_complete(path: Path) -> bool:
         return False
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | Path, setting: str = "checkpoint.load_path") -> Path:
     """``path`` itself if it is a checkpoint (it has a manifest or DCP metadata), else the latest
-    complete checkpoint in it or in its ``checkpoints/``. Raises :class:`CheckpointError`."""
-    return checkpoint_candidates(path)[0]
+    complete checkpoint in it or in its ``checkpoints/``. Raises :class:`CheckpointError` naming
+    ``setting`` (where the path came from) and the path."""
+    return checkpoint_candidates(path, setting)[0]
 
 
 def _job_manifest(cfg, vocab_size: int) -> dict[str, Any]:
     p = cfg.parallelism
     return {
-        "mesh": {"pp": p.pp, "dp_shard": p.dp_shard, "stages_per_rank": p.stages_per_rank},
+        # tp and dp_replicate only where they exist: a mesh without them reads as before.
+        "mesh": {"pp": p.pp, "dp_shard": p.dp_shard, "stages_per_rank": p.stages_per_rank,
+                 **{a: getattr(p, a) for a in ("dp_replicate", "tp") if getattr(p, a) > 1}},
         "world_size": cfg.world_size,
         "model": {"name": cfg.model.name, "flavor": cfg.model.flavor, "vocab_size": vocab_size},
         "optimizer": cfg.optimizer.name,
@@ -548,11 +554,19 @@ class Checkpointer:
     def __init__(self, cfg, rank: int, stages: Iterable[nn.Module], optimizer, scheduler, loader,
                  reporter, storage, vocab_size: int, device: torch.device):
         self.cfg, self.rank = cfg, rank
+        stages = list(stages)
         self.parts = ModelParts(stages)
         self.optimizer, self.scheduler, self.loader = optimizer, scheduler, loader
         self.reporter, self.storage, self.device = reporter, storage, device
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.job = _job_manifest(cfg, vocab_size)
+        # What an export to Hugging Face needs (ray_titan.hf): the model's arguments (a Hugging
+        # Face checkpoint's sizes are no flavor), the tokenizer files, the imported config.json.
+        args = getattr(stages[0], "args", None) if stages else None
+        if dataclasses.is_dataclass(args) and not isinstance(args, type):
+            self.job["model_args"] = dataclasses.asdict(args)
+        self.job["tokenizer_path"] = cfg.data.tokenizer_path
+        self.job["initial_load_hf"] = cfg.checkpoint.initial_load_hf
         self.resumed_from: str | None = None
         self.restarted = False
         """True when this worker group resumed its own run's checkpoint (a restart)."""
@@ -654,8 +668,23 @@ class Checkpointer:
         reader = SafeFileSystemReader(str(path))
         metadata = reader.read_metadata()
         sd = self._state(0, model_only, same_mesh)
+        # A tied model's last-stage head copy, saved without pipeline stages as the embedding only.
+        head, emb = "model.output.weight", "model.tok_embeddings.weight"
+        tied_copy = head in sd and head not in metadata.state_dict_metadata and emb not in sd
+        if tied_copy:
+            sd[emb] = sd.pop(head)
         _check_keys(sd, metadata, path)
-        dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
+        try:
+            dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
+        except CheckpointError:
+            raise
+        except Exception as e:  # a layout DCP cannot reshard into this mesh
+            raise CheckpointError(
+                f"checkpoint {path} (saved on mesh {manifest['mesh']}) could not be loaded into this job's mesh "
+                f"{self.job['mesh']}: {e}; load it on the mesh that saved it, or with checkpoint.load_model_only = true"
+            ) from e
+        if tied_copy:
+            sd[head] = sd.pop(emb)
         if not all_finite([v for k, v in sd.items() if k.startswith("model.") and isinstance(v, torch.Tensor)],
                           self.device):
             raise CheckpointError(f"checkpoint {path} holds non-finite model weights; load an earlier checkpoint")

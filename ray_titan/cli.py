@@ -11,6 +11,8 @@ the metrics flushed, and the last checkpoint named).
 ``ray-titan config show [X.toml] [--section.key=value ...]`` prints the resolved config, every
 default included, as TOML; ``ray-titan config docs`` prints (or writes, ``--output``) the
 configuration reference ``docs/configuration.md``.
+``ray-titan export CHECKPOINT_OR_RUN_DIR --to hf OUT_DIR [--dtype bf16|fp32]`` writes a ray_titan
+checkpoint as a Hugging Face model directory (``ray_titan.hf.export_hf``).
 ``ray-titan report RUN_DIR`` writes ``RUN_DIR/report/loss.png`` and ``memory.png`` (every rank's
 memory with its verdicts marked) and prints a summary table per rank (``ray_titan.run_report``).
 """
@@ -77,6 +79,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     docs.add_argument("--output", metavar="PATH", help="write to this file instead of stdout")
 
+    ex = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face model directory (config.json, safetensors, tokenizer)",
+        description="Write the model of a ray_titan checkpoint (a step-NNNNNNNN directory, or a run "
+        "directory or its checkpoints/, whose latest complete checkpoint is taken) as a Hugging Face "
+        "model directory that transformers' from_pretrained and vLLM load: config.json, safetensors "
+        "shards with model.safetensors.index.json, and the run's tokenizer files. Streams one shard "
+        "at a time. Exit status 2 for a missing or incomplete checkpoint.",
+    )
+    ex.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN_DIR",
+                    help="a step-NNNNNNNN checkpoint, or a run directory (its latest complete checkpoint)")
+    ex.add_argument("--to", choices=["hf"], required=True, help="the format: hf (Hugging Face)")
+    ex.add_argument("out_dir", metavar="OUT_DIR", help="the directory to write (a local path or a URI)")
+    ex.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="weights dtype (default bf16)")
+    ex.add_argument("--max-shard-size", type=float, default=5.0, metavar="GiB",
+                    help="largest safetensors shard, GiB (default 5)")
+
     rp = sub.add_parser(
         "report",
         help="plot a run's loss and memory and print a summary per rank",
@@ -107,7 +126,9 @@ def _train(args, overrides: list[str]) -> int:
 def _config(args, overrides: list[str]) -> int:
     from ray_titan.config import ConfigError, load_config
     from ray_titan.config.docs import reference_markdown, to_toml
+    from ray_titan.hf import resolve_hf_job
     from ray_titan.preflight import validate_job
+    from ray_titan.run_dir import resolve_paths
 
     if args.config_command == "docs":
         if overrides:
@@ -122,11 +143,29 @@ def _config(args, overrides: list[str]) -> int:
     try:
         cfg = load_config(args.config, overrides)
         if args.validate:
+            cfg = resolve_hf_job(resolve_paths(cfg))
             validate_job(cfg)
     except ConfigError as e:
         print(f"ray-titan: config error: {e}", file=sys.stderr)
         return 2
     sys.stdout.write(to_toml(cfg))
+    return 0
+
+
+def _export(args, overrides: list[str]) -> int:
+    from ray_titan.checkpoint import CheckpointError
+    from ray_titan.hf import export_hf
+
+    if overrides:
+        print(f"ray-titan export: unexpected arguments {overrides}", file=sys.stderr)
+        return 2
+    try:
+        result = export_hf(args.checkpoint, args.out_dir, args.dtype, int(args.max_shard_size * 2**30))
+    except (CheckpointError, ValueError) as e:
+        print(f"ray-titan export: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {result.out_dir}: {', '.join(result.files)} ({result.tensors} tensors, "
+          f"{result.total_bytes / 2**20:.1f} MiB, {args.dtype})")
     return 0
 
 
@@ -153,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in paths:
             print(f"wrote {path}")
         return 0
+    if args.command == "export":
+        return _export(args, overrides)
     if args.command == "train":
         return _train(args, overrides)
     if args.command == "config":

@@ -3,7 +3,7 @@
 :func:`train` validates the config before anything starts, joins the Ray cluster named by
 ``RAY_ADDRESS`` (or the one this process is already connected to, or starts a local one sized for
 the job), creates the metrics collector actor (``num_cpus=0``, owned by the driver so it outlives
-the worker group), runs the train loop on ``pp × dp_shard`` Ray Train workers, shows the run's
+the worker group), runs the train loop on ``pp × dp_replicate × dp_shard × tp`` Ray Train workers, shows the run's
 progress (a bar on a terminal, the collector's console lines otherwise; :mod:`ray_titan.progress`),
 and returns the run's metrics. The run directory may be a local path or a URI
 (:mod:`ray_titan.storage`).
@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from ray_titan import storage
 from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides, load_config
+from ray_titan.hf import resolve_hf_job, save_last_hf
 from ray_titan.interrupts import Interrupted, SignalGuard
 from ray_titan.preflight import job_warnings, validate_job
 from ray_titan.run_dir import STOP_REASON_FILE, make_run_dir, resolve_paths, under
@@ -75,6 +76,8 @@ class RunResult:
     timings: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The run's ``timings/`` files by name (``driver``, ``rank0``, ...;
     ``ray_titan.metrics.timing``): start-up marks and steady-state step timing."""
+    hf_export: Path | None = None
+    """The Hugging Face model directory ``checkpoint.last_save_hf`` wrote (``<run_dir>/hf``)."""
 
     @property
     def metrics_path(self) -> Path | str:
@@ -272,7 +275,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
             "absolute --job.dump_folder (shared storage on a multi-node cluster) to keep the run",
             file=sys.stderr, flush=True,
         )
-    cfg = resolve_paths(cfg)
+    cfg = resolve_hf_job(resolve_paths(cfg))
     for warning in job_warnings(cfg):
         print(f"ray_titan: warning: {warning}", file=sys.stderr, flush=True)
     cfg = validate_job(cfg)  # also materialises the built-in corpus, once, before workers read it
@@ -302,8 +305,8 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     # The run directory's last part; run_dir is a URI string (no .name) on remote storage.
     run_name = run_dir.name if isinstance(run_dir, Path) else run_dir.rstrip("/").rsplit("/", 1)[-1]
     print(
-        f"ray_titan: run {run_name}: {dims.world_size} workers (pp={dims.pp} × "
-        f"dp_shard={dims.dp_shard}, {cpus} CPU each), {cfg.model.name}/{cfg.model.flavor}, "
+        f"ray_titan: run {run_name}: {dims.world_size} workers ({dims.describe()}, {cpus} CPU each), "
+        f"{cfg.model.name}/{cfg.model.flavor}, "
         f"{cfg.training.steps} steps; last stage on ranks {dims.last_stage_ranks()}; run dir {run_dir}",
         flush=True,
     )
@@ -399,6 +402,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
         memory_snapshots=sorted((run_dir / "memory").glob("*"))
         if isinstance(run_dir, Path) and (run_dir / "memory").is_dir() else [],
         timings=read_timings(run_dir),
+        hf_export=save_last_hf(cfg, latest, run_dir),
     )
     print(f"ray_titan: done: final loss {result.final_loss}, metrics {result.metrics_path}, "
           f"{where}", flush=True)

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ray_titan.checkpoint import LocalCheckpointStorage
+from ray_titan.checkpoint import LocalCheckpointStorage, find_latest
 from ray_titan.config.schema import load_config
+from ray_titan.hf import resolve_hf_job, save_last_hf
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.leak import leak_settings
 from ray_titan.metrics.report import JsonlReporter, LocalReporter, Reporter, rank_reports_path, read_rank_reports
@@ -53,12 +54,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m ray_titan.launch", description=main.__doc__)
     ap.add_argument("--config", default=None, help="TOML job config (default: the built-in defaults)")
     args, overrides = ap.parse_known_args(argv)
-    cfg = resolve_paths(load_config(args.config, overrides))
+    cfg = resolve_hf_job(resolve_paths(load_config(args.config, overrides)))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if cfg.world_size != world:
         raise SystemExit(
-            f"the mesh needs {cfg.world_size} processes (pp × dp_shard = {cfg.parallelism.pp} × "
-            f"{cfg.parallelism.dp_shard}) but this launch has {world}: use torchrun --nproc-per-node={cfg.world_size}"
+            f"the mesh needs {cfg.world_size} processes (pp × dp_replicate × dp_shard × tp = {cfg.parallelism.pp} × "
+            f"{cfg.parallelism.dp_replicate} × {cfg.parallelism.dp_shard} × {cfg.parallelism.tp}) but this launch "
+            f"has {world}: use torchrun --nproc-per-node={cfg.world_size}"
         )
     cfg = validate_job(cfg)  # on every rank, so a bad config stops them all before the process group
     device = local_cuda_device()
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         for err in summary["errors"]:
             print(f"metrics error: {err}", flush=True)
         print(f"run dir: {run_dir}  final loss: {summary['final_loss']}", flush=True)
+        save_last_hf(cfg, find_latest(run_dir / "checkpoints"), run_dir)
         if summary["final_loss"] is not None and not math.isfinite(summary["final_loss"]):
             raise SystemExit(f"the final loss is {summary['final_loss']}, not finite")
 

@@ -14,6 +14,7 @@ what would be valid.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from ray_titan import storage
 from ray_titan.allocator import worker_env_vars
@@ -29,7 +30,9 @@ from ray_titan.checkpoint import (
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.data.corpus import check_source
 from ray_titan.data.tokenizer import build_tokenizer
-from ray_titan.models.registry import get_model_args, is_moe
+from ray_titan.hf import HFCheckpointError, check_hf_checkpoint, job_model_args
+from ray_titan.models.registry import is_moe
+from ray_titan.parallel.pipeline import stage_placement
 
 __all__ = ["job_warnings", "validate_job"]
 
@@ -80,7 +83,9 @@ def validate_job(cfg: JobConfig) -> JobConfig:
     """
     _check_settings(cfg)
     par, tr = cfg.parallelism, cfg.training
-    mesh = f"parallelism.pp × parallelism.dp_shard = {par.pp} × {par.dp_shard} = {cfg.world_size}"
+    axes = [a for a in ("pp", "dp_replicate", "dp_shard", "tp") if a in ("pp", "dp_shard") or getattr(par, a) > 1]
+    mesh = (" × ".join(f"parallelism.{a}" for a in axes) + " = " + " × ".join(str(getattr(par, a)) for a in axes)
+            + f" = {cfg.world_size}")
     if cfg.ray.num_workers is not None and cfg.ray.num_workers != cfg.world_size:
         raise ConfigError(
             f"ray.num_workers = {cfg.ray.num_workers} but the mesh needs {mesh} workers; "
@@ -101,10 +106,7 @@ def validate_job(cfg: JobConfig) -> JobConfig:
             f"data.path = {cfg.data.path!r} is set but data.source = 'python_stdlib' ignores it; "
             "set data.source = 'parquet' or 'jsonl' to train on it"
         )
-    try:
-        margs = get_model_args(cfg.model.name, cfg.model.flavor)
-    except KeyError as e:
-        raise ConfigError(str(e.args[0])) from None
+    margs = _model_args(cfg)
     if par.ep > 1:
         if not is_moe(cfg.model.name):
             raise ConfigError(
@@ -114,7 +116,8 @@ def validate_job(cfg: JobConfig) -> JobConfig:
         if par.dp_shard % par.ep:
             raise ConfigError(
                 f"parallelism.ep = {par.ep} must divide parallelism.dp_shard = {par.dp_shard} "
-                "(expert parallelism borrows its ranks from dp_shard)"
+                "(expert parallelism borrows its ranks from dp_shard only, never from tp, dp_replicate "
+                "or pp: ray_titan.parallel.dims); use an ep that divides dp_shard"
             )
         if margs.n_routed_experts % par.ep:
             raise ConfigError(
@@ -122,48 +125,42 @@ def validate_job(cfg: JobConfig) -> JobConfig:
                 f"of {cfg.model.name}/{cfg.model.flavor}; use a divisor of {margs.n_routed_experts}"
             )
 
-    if par.pipeline_schedule == "Interleaved1F1B":
-        if par.stages_per_rank < 2:
-            raise ConfigError(
-                f"parallelism.stages_per_rank = {par.stages_per_rank} with pipeline_schedule = "
-                "'Interleaved1F1B': the interleaved schedule needs >= 2 stages per rank; "
-                "set parallelism.stages_per_rank = 2 or use '1F1B'"
-            )
-        if par.pp < 2:
-            raise ConfigError(
-                "parallelism.pipeline_schedule = 'Interleaved1F1B' needs parallelism.pp >= 2, "
-                f"got pp = {par.pp}"
-            )
-    elif par.stages_per_rank != 1:
-        raise ConfigError(
-            f"parallelism.stages_per_rank = {par.stages_per_rank} needs pipeline_schedule = "
-            f"'Interleaved1F1B' (got {par.pipeline_schedule!r}); set stages_per_rank = 1"
-        )
+    _check_schedule(cfg)
+    _check_tensor_parallel(cfg, margs)
     if margs.n_layers < cfg.num_stages:
         raise ConfigError(
             f"model {cfg.model.name}/{cfg.model.flavor} has n_layers = {margs.n_layers}, fewer than "
             f"the {cfg.num_stages} pipeline stages (parallelism.pp × parallelism.stages_per_rank = "
             f"{par.pp} × {par.stages_per_rank}); each stage needs at least one layer"
         )
-    if par.pp > 1 and par.pipeline_schedule in ("1F1B", "Interleaved1F1B"):
+    if par.pp > 1 and par.pipeline_schedule in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble"):
         if par.microbatches < par.pp:
             raise ConfigError(
                 f"parallelism.microbatches = {par.microbatches} is fewer than the {par.pp} pipeline "
                 f"ranks (parallelism.pp): {par.pipeline_schedule} needs microbatches >= pp"
             )
-    if par.pipeline_schedule == "Interleaved1F1B":
+    if par.pipeline_schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
         rounds = max(1, par.microbatches // par.pp)
         if par.microbatches % rounds:
             raise ConfigError(
-                f"parallelism.microbatches = {par.microbatches} with Interleaved1F1B on pp = {par.pp}: "
+                f"parallelism.microbatches = {par.microbatches} with {par.pipeline_schedule} on pp = {par.pp}: "
                 f"the schedule runs {rounds} rounds of {par.pp} microbatches and needs microbatches to "
                 f"be a multiple of {rounds}; use {rounds * par.pp} or {par.pp}"
             )
-    per_step = par.microbatches * par.dp_shard
+    # ZBVZeroBubble's warm-up alone runs 2·pp − 1 microbatches; DualPipeV needs one per stage.
+    v_min = {"ZBVZeroBubble": 2 * par.pp - 1, "DualPipeV": 2 * par.pp}.get(par.pipeline_schedule)
+    if v_min is not None and par.microbatches < v_min:
+        raise ConfigError(
+            f"parallelism.microbatches = {par.microbatches} with {par.pipeline_schedule} on pp = {par.pp}: "
+            f"the schedule needs microbatches >= {v_min}; use {v_min} or more"
+        )
+    dp_names = "parallelism.dp_replicate × parallelism.dp_shard" if par.dp_replicate > 1 else "parallelism.dp_shard"
+    dp_sizes = f"{par.dp_replicate} × {par.dp_shard}" if par.dp_replicate > 1 else f"{par.dp_shard}"
+    per_step = par.microbatches * par.dp_replicate * par.dp_shard
     if tr.global_batch_size % per_step:
         raise ConfigError(
             f"training.global_batch_size = {tr.global_batch_size} is not divisible by "
-            f"parallelism.microbatches × parallelism.dp_shard = {par.microbatches} × {par.dp_shard}"
+            f"parallelism.microbatches × {dp_names} = {par.microbatches} × {dp_sizes}"
             f" = {per_step}; use a multiple of {per_step}"
         )
     if tr.seq_len > margs.max_seq_len:
@@ -186,8 +183,10 @@ def validate_job(cfg: JobConfig) -> JobConfig:
             f"reports a vocabulary of {tokenizer.vocab_size} (ids 0 .. {tokenizer.vocab_size - 1}), which sizes the "
             "model's embedding; renumber its vocabulary and added tokens without gaps"
         )
+    _check_vocab(cfg, tokenizer.vocab_size)
     if cfg.checkpoint.load_path is not None:
         cfg = _check_load_path(cfg, tokenizer.vocab_size)
+    _check_hf(cfg, tokenizer.vocab_size)
     return cfg
 
 
@@ -226,6 +225,118 @@ def _check_settings(cfg: JobConfig) -> None:
         )
 
 
+def _model_args(cfg: JobConfig):
+    """The job's model arguments (flavor, or the Hugging Face ``config.json``), as a ConfigError."""
+    try:
+        return job_model_args(cfg)
+    except KeyError as e:
+        raise ConfigError(str(e.args[0])) from None
+    except HFCheckpointError as e:
+        raise ConfigError(f"checkpoint.initial_load_hf = {cfg.checkpoint.initial_load_hf!r}: {e}") from None
+
+
+def _check_hf(cfg: JobConfig, vocab_size: int) -> None:
+    """``checkpoint.initial_load_hf``: config.json, tensor names, shapes and dtypes (from the
+    safetensors headers) and the tokenizer's fit; ``last_save_hf`` needs checkpoints."""
+    ck = cfg.checkpoint
+    if ck.last_save_hf and not ck.enable:
+        raise ConfigError("checkpoint.last_save_hf = true exports the final checkpoint, but checkpoint.enable = "
+                          "false saves none; set checkpoint.enable = true")
+    if not ck.initial_load_hf:
+        return
+    try:
+        spec, args = check_hf_checkpoint(ck.initial_load_hf)
+    except HFCheckpointError as e:
+        raise ConfigError(f"checkpoint.initial_load_hf = {ck.initial_load_hf!r}: {e}") from None
+    if vocab_size > args.vocab_size:
+        path = cfg.data.tokenizer_path
+        setting = f"data.tokenizer_path = {path!r}" if path else f"data.tokenizer = {cfg.data.tokenizer!r}"
+        raise ConfigError(
+            f"{setting}: its vocabulary ({vocab_size} tokens) does not fit the "
+            f"model's embedding ({args.vocab_size} rows, vocab_size in {ck.initial_load_hf}/config.json); "
+            "use the checkpoint's own tokenizer"
+        )
+    if spec.name != cfg.model.name:
+        raise ConfigError(
+            f"checkpoint.initial_load_hf = {ck.initial_load_hf!r} holds a {spec.name} model but model.name = "
+            f"{cfg.model.name!r}: load the job with ray_titan.hf.resolve_hf_job (the launchers do)"
+        )
+
+
+_MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def _check_schedule(cfg: JobConfig) -> None:
+    """The pipeline schedule against pp and stages_per_rank: the V-shaped schedules hold
+    exactly two stages per rank, the interleaved ones two or more, the others one."""
+    par = cfg.parallelism
+    sched, spr = par.pipeline_schedule, par.stages_per_rank
+    if sched not in _MULTI_STAGE:
+        if spr != 1:
+            raise ConfigError(
+                f"parallelism.stages_per_rank = {spr} needs pipeline_schedule = "
+                + ", ".join(repr(s) for s in _MULTI_STAGE)
+                + f" (got {sched!r}); set stages_per_rank = 1"
+            )
+        return
+    if stage_placement(sched) == "v":
+        if spr != 2:
+            raise ConfigError(
+                f"parallelism.stages_per_rank = {spr} with pipeline_schedule = {sched!r}: the V-shaped "
+                "schedule holds exactly 2 stages per rank (pp rank r: stages r and 2·pp − 1 − r); "
+                "set parallelism.stages_per_rank = 2"
+            )
+    elif spr < 2:
+        raise ConfigError(
+            f"parallelism.stages_per_rank = {spr} with pipeline_schedule = {sched!r}: the interleaved "
+            "schedule needs >= 2 stages per rank; set parallelism.stages_per_rank = 2 or use '1F1B'"
+        )
+    if par.pp < 2:
+        raise ConfigError(f"parallelism.pipeline_schedule = {sched!r} needs parallelism.pp >= 2, got pp = {par.pp}")
+
+
+def _check_tensor_parallel(cfg: JobConfig, margs: Any) -> None:
+    """What tensor parallel splits must be divisible by ``parallelism.tp``: attention heads (and
+    Llama's kv heads), feed-forward hidden units (DeepSeek: dense, routed and shared experts'),
+    and, under sequence parallel, the sequence."""
+    par = cfg.parallelism
+    tp = par.tp
+    if tp == 1:
+        return
+    model = f"{cfg.model.name}/{cfg.model.flavor}"
+    sizes = {"n_heads": margs.n_heads}
+    if hasattr(margs, "n_kv_heads"):
+        sizes.update(n_kv_heads=margs.n_kv_heads, ffn_hidden_dim=margs.ffn_hidden_dim)
+    else:
+        sizes.update(inter_dim=margs.inter_dim, moe_inter_dim=margs.moe_inter_dim,
+                     shared_experts_hidden=margs.n_shared_experts * margs.moe_inter_dim)
+    for name, n in sizes.items():
+        if n % tp:
+            divisors = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
+            raise ConfigError(
+                f"parallelism.tp = {tp} does not divide the model's {name} = {n} ({model}): tensor "
+                f"parallel splits them over the tp ranks; use a tp among {divisors}"
+            )
+    if par.sequence_parallel and cfg.training.seq_len % tp:
+        raise ConfigError(
+            f"training.seq_len = {cfg.training.seq_len} is not divisible by parallelism.tp = {tp}: sequence "
+            f"parallel splits the sequence over the tp ranks; use a multiple of {tp} or "
+            "parallelism.sequence_parallel = false"
+        )
+
+
+def _check_vocab(cfg: JobConfig, vocab_size: int) -> None:
+    """With loss parallel the output head's vocabulary is split over the tp ranks."""
+    par = cfg.parallelism
+    if par.tp > 1 and par.loss_parallel and vocab_size % par.tp:
+        raise ConfigError(
+            f"parallelism.tp = {par.tp} with parallelism.loss_parallel = true does not divide the vocabulary "
+            f"of {vocab_size} tokens (data.tokenizer = {cfg.data.tokenizer!r}): loss parallel splits it over "
+            "the tp ranks; use a tp that divides it, a tokenizer whose vocabulary it divides, or "
+            "parallelism.loss_parallel = false"
+        )
+
+
 def _validate_memory(cfg: JobConfig) -> None:
     """Checks of ``[memory]``, ``[activation_checkpoint]`` and ``[[callbacks]]``."""
     mem, steps = cfg.memory, cfg.training.steps
@@ -245,14 +356,14 @@ def _validate_memory(cfg: JobConfig) -> None:
         worker_env_vars(mem.allocator)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if mem.cpu_offload and cfg.parallelism.dp_shard < 2:
+    if mem.cpu_offload and cfg.parallelism.dp_shard * cfg.parallelism.dp_replicate < 2:
         raise ConfigError(
             f"memory.cpu_offload = true offloads FSDP2's shards, but parallelism.dp_shard = "
             f"{cfg.parallelism.dp_shard} applies no FSDP2; use dp_shard >= 2 or cpu_offload = false"
         )
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_option == "layer":
-        n_layers = get_model_args(cfg.model.name, cfg.model.flavor).n_layers
+        n_layers = _model_args(cfg).n_layers
         if ac.layer_freq > n_layers:
             raise ConfigError(
                 f"activation_checkpoint.layer_freq = {ac.layer_freq} exceeds the model's {n_layers} "

@@ -28,7 +28,7 @@ from ray_titan.metrics.sinks import read_steps
 __all__ = ["format_table", "summary_rows", "write_report"]
 
 MiB = 2**20
-_COORDS = ("pp", "dp_shard", "ep")
+_COORDS = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
 
 
 def _rank_tables(t: pa.Table) -> dict[int, dict[str, list]]:
@@ -44,9 +44,12 @@ def _coords(r: dict[str, list], axes: tuple[str, ...] = _COORDS) -> str:
 
 
 def _axes(t: pa.Table) -> tuple[str, ...]:
-    """The mesh axes of the run: ``ep`` only where some rank has ep > 0 (an EP run)."""
-    ep = t["ep"].to_pylist() if "ep" in t.column_names else []
-    return _COORDS if any(v for v in ep) else tuple(a for a in _COORDS if a != "ep")
+    """The mesh axes of the run: ``pp`` and ``dp_shard`` always, ``dp_replicate``, ``tp`` and
+    ``ep`` only where some rank has a coordinate > 0 on them (the run has that axis)."""
+    def has(axis: str) -> bool:
+        return axis in t.column_names and any(v for v in t[axis].to_pylist())
+
+    return tuple(a for a in _COORDS if a in ("pp", "dp_shard") or has(a))
 
 
 def _memory_series(r: dict[str, list]) -> tuple[str, np.ndarray, np.ndarray | None]:

@@ -33,9 +33,11 @@ __all__ = [
     "join",
     "local_path",
     "makedirs",
+    "read_bytes",
     "read_text",
     "resolve",
     "staging_dir",
+    "write_bytes",
     "write_text",
 ]
 
@@ -92,20 +94,30 @@ def exists(uri: str | Path) -> bool:
 
 
 def write_text(uri: str | Path, text: str) -> None:
-    """Write a small UTF-8 file (a config, a summary) in one piece: locally through a temporary
-    file renamed into place, so a failed write (a full disk) leaves no empty or torn file (an
-    object store publishes an object whole anyway). Raises :class:`StorageError` naming the file
-    and the cause."""
+    """Write a small UTF-8 file (a config, a summary) in one piece (:func:`write_bytes`)."""
+    write_bytes(uri, text.encode())
+
+
+def read_text(uri: str | Path) -> str:
+    """Read a small UTF-8 file."""
+    return read_bytes(uri).decode()
+
+
+def write_bytes(uri: str | Path, data: bytes) -> None:
+    """Write a file in one piece (a safetensors shard, a copied tokenizer file): locally through
+    a temporary file renamed into place, so a failed write (a full disk) leaves no empty or torn
+    file (an object store publishes an object whole anyway). Raises :class:`StorageError` naming
+    the file and the cause."""
     local = local_path(uri)
     try:
         if local is None:
             fs, path = resolve(uri)
             with fs.open_output_stream(path) as f:
-                f.write(text.encode())
+                f.write(data)
             return
         tmp = local.with_name(local.name + ".tmp")
         try:
-            tmp.write_text(text, encoding="utf-8")
+            tmp.write_bytes(data)
             os.replace(tmp, local)
         finally:
             tmp.unlink(missing_ok=True)
@@ -113,11 +125,11 @@ def write_text(uri: str | Path, text: str) -> None:
         raise StorageError(uri, f"cannot write it: {e.strerror or e}") from None
 
 
-def read_text(uri: str | Path) -> str:
-    """Read a small UTF-8 file."""
+def read_bytes(uri: str | Path) -> bytes:
+    """Read a whole file. Raises ``FileNotFoundError`` when it does not exist."""
     fs, path = resolve(uri)
     with fs.open_input_stream(path) as f:
-        return f.read().decode()
+        return f.read()
 
 
 class StorageError(OSError):

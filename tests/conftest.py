@@ -38,3 +38,13 @@ def corpus_cache(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("corpus_cache")
     materialize_python_stdlib(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """Tiny random Hugging Face models of every family (``tests/hf_models.py``), saved once per
+    session: ``(root, {family: transformers model})``, each in ``root / family``."""
+    from tests.hf_models import make_hf_model
+
+    root = tmp_path_factory.mktemp("hf_models")
+    return root, {f: make_hf_model(f, root / f) for f in ("llama", "qwen3", "deepseek_v2")}

@@ -286,3 +286,19 @@ def test_per_step_bookkeeping_stays_as_small_as_the_unflushed_steps(tmp_path):
     assert c.finish()["errors"] == []
     t = read_steps(tmp_path)
     assert t.num_rows == 4000 and set(t.filter(pa.compute.equal(t["step"], 7))["loss"].to_pylist()) == {1.0}
+
+
+def test_tensor_parallel_ranks_count_their_loss_and_tokens_once(tmp_path):
+    # pp=2 × dp_shard=2 × tp=2: ranks 4..7 hold the last stage; (4, 5) and (6, 7) are tp pairs
+    # of one DP rank each, holding the same loss and batch.
+    dims = ParallelDims(pp=2, dp_shard=2, tp=2)
+    assert dims.last_stage_ranks() == [4, 5, 6, 7]
+    c = _collector(tmp_path, dims, steps=1, log_freq=1)
+    losses = {4: (2.0, 100), 5: (2.0, 100), 6: (3.0, 300), 7: (3.0, 300)}
+    c.report([_report(1, r, dims, *losses.get(r, (None, 256))) for r in range(8)])
+    summary = c.finish()
+    assert summary["errors"] == []
+    assert summary["final_loss"] == pytest.approx((2.0 * 100 + 3.0 * 300) / 400)
+    t = read_steps(tmp_path)
+    assert t["step_tokens"].to_pylist() == [400] * 8  # not 800: each DP rank's batch once
+    assert t["tp"].to_pylist() == [0, 1] * 4 and t["dp_shard"].to_pylist() == [0, 0, 1, 1] * 2

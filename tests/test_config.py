@@ -88,7 +88,9 @@ def _cfg(*overrides: str) -> JobConfig:
         (["--data.path=/some/file.parquet"],
          r"data.path = '/some/file.parquet' is set but data.source = 'python_stdlib' ignores it"),
         (["--training.seed=-1"], r"training.seed = -1: Input should be greater than or equal to 0"),
-        (["--model.flavor=huge"], r"model.flavor = 'huge' is unknown .* valid: \['8B', 'debug'\]"),
+        (["--model.flavor=huge"],
+         r"model.flavor = 'huge' is unknown .* valid: \['3-8B', '3.1-70B', '3.1-8B', '3.2-1B', '3.2-3B', '8B', "
+         r"'debug'\]"),
         (["--parallelism.ep=2"], r"parallelism.ep = 2 but model.name = 'llama' has no experts"),
         (["--model.name=deepseek_v2", "--parallelism.ep=4"],
          r"parallelism.ep = 4 must divide parallelism.dp_shard = 2 \(expert parallelism borrows its ranks"),

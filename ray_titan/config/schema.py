@@ -56,11 +56,15 @@ class Job(_Section):
 class Model(_Section):
     """Which model: family and flavor from ``ray_titan.models.registry``."""
 
-    name: Literal["llama", "deepseek_v2"] = "llama"
-    """Model family in the registry (``ray_titan.models.registry``): dense ``llama`` or the
-    mixture-of-experts ``deepseek_v2``."""
+    name: Literal["llama", "qwen3", "deepseek_v2"] = "llama"
+    """Model family in the registry (``ray_titan.models.registry``): dense ``llama`` or ``qwen3``,
+    or the mixture-of-experts ``deepseek_v2``. With ``checkpoint.initial_load_hf`` it comes from
+    the checkpoint's ``config.json`` (set here, it must agree)."""
     flavor: str = "debug"
-    """Size within the family, e.g. ``debug`` or ``8B`` (llama), ``debug`` or ``V2-Lite`` (deepseek_v2)."""
+    """Size within the family: ``debug``, ``3-8B`` (= ``8B``), ``3.1-8B``, ``3.1-70B``, ``3.2-1B``,
+    ``3.2-3B`` (llama); ``debug``, ``0.6B``, ``1.7B``, ``4B``, ``8B`` (qwen3); ``debug``, ``V2-Lite``
+    (deepseek_v2). With ``checkpoint.initial_load_hf`` the checkpoint's ``config.json`` gives the
+    sizes (a flavor set here must agree with it) and this reads ``hf``."""
     load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
     """MoE only: expert load balancing. ``aux_loss``: DeepSeek-V2's balance loss (per sequence);
     ``aux_free``: DeepSeek-V3's auxiliary-loss-free router bias; ``none``."""
@@ -116,21 +120,48 @@ class Training(_Section):
 
 
 class Parallelism(_Section):
-    """Mesh sizes and the pipeline schedule. Workers = ``pp × dp_shard``."""
+    """Mesh sizes and the pipeline schedule. Workers = ``pp × dp_replicate × dp_shard × tp``."""
 
     pp: int = Field(2, gt=0)
     """Pipeline-parallel degree (mesh axis ``pp``)."""
     dp_shard: int = Field(2, gt=0)
     """FSDP2 sharding degree (mesh axis ``dp_shard``)."""
+    dp_replicate: int = Field(1, gt=0)
+    """HSDP replica degree (mesh axis ``dp_replicate``): > 1 makes FSDP2 shard over ``dp_shard``
+    and replicate over ``dp_replicate`` (gradients all-reduced across replicas), so the
+    parameter all-gathers stay within a ``dp_shard`` group (one node) and only the gradient
+    reduction crosses nodes. The data-parallel degree is ``dp_replicate × dp_shard``."""
+    tp: int = Field(1, gt=0)
+    """Tensor-parallel degree (mesh axis ``tp``, DTensor ``parallelize_module``): attention heads,
+    feed-forward hidden units, routed experts' hidden units and the vocabulary are split over
+    ``tp`` ranks, which also splits the activations inside them, even at batch size 1. The
+    attention heads, kv heads and feed-forward hidden sizes must be divisible by it, the vocabulary
+    too with ``loss_parallel``, and the sequence length with ``sequence_parallel``."""
+    sequence_parallel: bool = True
+    """With ``tp > 1``: the norms and the residual stream between blocks hold ``1/tp`` of the
+    sequence on each tp rank (DTensor ``SequenceParallel``; all-gather before and
+    reduce-scatter after each attention and feed-forward instead of an all-reduce), splitting
+    those activations too. ``false``: they are replicated on every tp rank."""
+    loss_parallel: bool = True
+    """With ``tp > 1``: the output head keeps its logits vocabulary-sharded and the cross-entropy
+    is computed on the shards (``torch.distributed.tensor.parallel.loss_parallel``), so no rank
+    holds the full ``(batch, seq, vocab)`` logits. ``false``: the logits are all-gathered first."""
     ep: int = Field(1, gt=0)
     """Expert-parallel degree (mesh axis ``ep``, MoE models only): borrows ranks from ``dp_shard``
     (must divide it); routed experts are split over ``ep`` and FSDP-sharded over ``dp_shard / ep``."""
-    pipeline_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B"] = "1F1B"
-    """Pipeline schedule from ``torch.distributed.pipelining``; ``Interleaved1F1B`` needs ``stages_per_rank >= 2``."""
+    pipeline_schedule: Literal[
+        "GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+    ] = "1F1B"
+    """Pipeline schedule from ``torch.distributed.pipelining``. One stage per rank: ``GPipe``,
+    ``1F1B``. Several, loop placement (stage ``s`` on pp rank ``s % pp``): ``Interleaved1F1B``,
+    ``InterleavedZeroBubble`` (``stages_per_rank >= 2``). Two, V placement (pp rank ``r`` holds
+    stages ``r`` and ``2·pp − 1 − r``, the last stage on pp rank 0): ``ZBVZeroBubble``,
+    ``DualPipeV`` (``stages_per_rank = 2``). The zero-bubble schedules split each backward into
+    its input and weight parts to fill the pipeline's idle time."""
     microbatches: int = Field(4, gt=0)
     """Microbatches per step per DP rank (pipeline microbatches; gradient accumulation when pp = 1)."""
     stages_per_rank: int = Field(1, gt=0)
-    """Pipeline stages held by each pp rank (>= 2 for Interleaved1F1B)."""
+    """Pipeline stages held by each pp rank (>= 2 for the interleaved schedules, 2 for the V-shaped ones)."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP2 ``reshard_after_forward``: ``default`` reshards except under PP (where each microbatch
     would re-gather), ``always`` / ``never`` force it."""
@@ -230,6 +261,20 @@ class Checkpoint(_Section):
     load_model_only: bool = False
     """With ``load_path``: take the model weights only and start at step 1 with a fresh optimizer,
     LR schedule and data order (fine-tuning); otherwise continue the saved run's state."""
+    initial_load_hf: str | None = None
+    """Start from a Hugging Face model directory (a local path or a URI pyarrow's filesystems
+    read): ``config.json`` gives the model family and sizes (``model.name`` / ``model.flavor``, if
+    set, must agree), ``tokenizer.json`` the tokenizer (unless ``data.tokenizer`` or
+    ``data.tokenizer_path`` is set), and the safetensors files (``model.safetensors`` or shards
+    with ``model.safetensors.index.json``, any float dtype) the weights, each rank reading only
+    its own stages' shards. Supported ``model_type``: ``llama``, ``qwen3``, ``deepseek_v2``. A
+    restarted worker group, or ``load_path``, loads its DCP checkpoint instead."""
+    last_save_hf: bool = False
+    """After the run, also write the final checkpoint as a Hugging Face model directory
+    ``<run_dir>/hf`` (``config.json``, safetensors shards with ``model.safetensors.index.json``,
+    the tokenizer files), as ``ray-titan export`` does. Needs ``enable``."""
+    last_save_hf_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Weights dtype of the ``last_save_hf`` export."""
 
 
 class Debug(_Section):
@@ -382,8 +427,9 @@ class JobConfig(_Section):
 
     @property
     def world_size(self) -> int:
-        """Number of workers the mesh needs: ``pp × dp_shard``."""
-        return self.parallelism.pp * self.parallelism.dp_shard
+        """Number of workers the mesh needs: ``pp × dp_replicate × dp_shard × tp``."""
+        p = self.parallelism
+        return p.pp * p.dp_replicate * p.dp_shard * p.tp
 
     @property
     def num_stages(self) -> int:

@@ -1,1 +1,2 @@
-"""Data: tokenizers, corpus sources, packing into sequences and per-DP-rank loading."""
+"""Data: tokenizers (tokenizer.py), corpus sources (corpus.py: the built-in corpus, Parquet, JSON
+Lines), and packing into fixed-length sequences with per-data-parallel-rank slicing (loader.py)."""

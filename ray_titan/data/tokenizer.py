@@ -52,36 +52,62 @@ _EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "[SEP]", "<eos>")
 
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` package (offline).
+    """A Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` package (offline), from a
+    local path or a URI pyarrow's filesystems read.
 
-    BOS/EOS are the first of the usual special-token names the file defines. Raises
-    ``FileNotFoundError`` for a missing file and ``ValueError`` when no BOS/EOS token is found.
+    BOS/EOS are the ``bos_token`` / ``eos_token`` of a ``tokenizer_config.json`` beside it (a
+    Hugging Face model directory's), else the first of the usual special-token names the file
+    defines. Raises ``FileNotFoundError`` for a missing file and ``ValueError`` when no BOS/EOS
+    token is found.
     """
 
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as _Tok
 
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"data.tokenizer_path = {str(path)!r} does not exist")
-        self._tok = _Tok.from_file(str(path))
+        from ray_titan import storage
+
+        path = str(path)
+        if not storage.exists(path):
+            raise FileNotFoundError(f"data.tokenizer_path = {path!r} does not exist")
+        self._tok = _Tok.from_str(storage.read_text(path))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.max_id = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
-        self.bos_id = self._find(_BOS_NAMES, "BOS", path)
-        self.eos_id = self._find(_EOS_NAMES, "EOS", path)
+        declared = _declared_special_tokens(path.rsplit("/", 1)[0] + "/tokenizer_config.json")
+        self.bos_id = self._find((*declared[:1], *_BOS_NAMES), "BOS", path)
+        self.eos_id = self._find((*declared[1:], *_EOS_NAMES), "EOS", path)
 
-    def _find(self, names: tuple[str, ...], what: str, path: Path) -> int:
+    def _find(self, names: tuple[str, ...], what: str, path: str) -> int:
         for name in names:
             tid = self._tok.token_to_id(name)
             if tid is not None:
                 return tid
-        raise ValueError(f"tokenizer {str(path)!r} defines no {what} token (looked for {names})")
+        raise ValueError(f"tokenizer {path!r} defines no {what} token (looked for {names})")
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
+
+
+def _declared_special_tokens(config_path: str) -> tuple[str, ...]:
+    """``(bos_token, eos_token)`` a ``tokenizer_config.json`` declares (strings, or dicts with
+    ``content``), or ``()`` when there is no such file or it declares neither."""
+    import json
+
+    from ray_titan import storage
+
+    try:
+        config = json.loads(storage.read_text(config_path))
+    except Exception:  # no file (a bare tokenizer.json) or not one we can read: use the usual names
+        return ()
+    names: list[str] = []
+    for token in (config.get("bos_token"), config.get("eos_token")):
+        name = token.get("content") if isinstance(token, dict) else token
+        if not isinstance(name, str):
+            return ()
+        names.append(name)
+    return tuple(names)
 
 
 def build_tokenizer(kind: str, path: str | None = None) -> Tokenizer:

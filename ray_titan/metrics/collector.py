@@ -5,7 +5,9 @@ or as a plain object in-process. Workers call :meth:`MetricsCollector.report` wi
 step reports; when every rank has reported a step, the collector assembles it:
 
 - loss: the token-weighted mean of the losses of the ranks that hold the last pipeline stage
-  (given by the stage-to-rank mapping, ``last_stage_ranks``), and their max. A last-stage rank
+  (given by the stage-to-rank mapping, ``last_stage_ranks``), and their max, each data-parallel
+  rank counted once: the tp ranks of one tensor-parallel group hold the same loss and the same
+  tokens, so only the one at ``tp = 0`` is counted (:func:`counted_rows`). A last-stage rank
   without a loss, or a non-last-stage rank with one, is recorded as an error, not filled in.
 - tokens/s: tokens of the step (summed over the last stage's DP ranks) over the slowest rank's
   step time.
@@ -39,14 +41,21 @@ import pyarrow as pa
 import pyarrow.compute
 
 from ray_titan import storage
-from ray_titan.metrics.leak import GROWING, LeakMonitor, leak_settings
+from ray_titan.metrics.leak import GROWING, LeakMonitor, describe_coords, leak_settings
 from ray_titan.metrics.memory import MEMORY_FIELDS
 from ray_titan.metrics.sinks import ParquetSink, TensorBoardSink, latest_rows, read_raw_parts
 
-__all__ = ["MetricsCollector", "expert_load", "format_step_line"]
+__all__ = ["MetricsCollector", "counted_rows", "expert_load", "format_step_line"]
 
 MiB = 2**20
 _STOPPED = "run stopped: "
+
+
+def counted_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows that speak for their data-parallel rank: under tensor parallel the ranks of one
+    tp group (same coordinates but ``tp``) compute the same loss, route the same tokens and read
+    the same batch, so only ``tp = 0`` is kept; without TP, every row."""
+    return [r for r in rows if r["coords"].get("tp", 0) == 0]
 
 
 def expert_load(rows: list[dict[str, Any]]) -> dict[int, list[int]]:
@@ -155,6 +164,7 @@ class MetricsCollector:
         self.dropped: dict[int, int] = {}
         self._since_flush = 0
         self._closed = False
+        self._mesh_written = False
         self.leak = LeakMonitor(**(leak or leak_settings()))
         self.on_leak = on_leak
         self.stop_reason: str | None = None
@@ -361,6 +371,7 @@ class MetricsCollector:
                 self._error(f"step {step}: last-stage rank {r['rank']} reported no loss")
             if r["rank"] not in self.last and r["loss"] is not None:
                 self._error(f"step {step}: rank {r['rank']} is not on the last stage but reported a loss")
+        last = counted_rows(last)
         with_loss = [r for r in last if r["loss"] is not None]
         tokens = sum(r["tokens"] for r in with_loss)
         loss = sum(r["loss"] * r["tokens"] for r in with_loss) / tokens if tokens else None
@@ -375,10 +386,10 @@ class MetricsCollector:
             "skipped": rows[0].get("skipped_update", False),
         }
         summary["tokens_per_s"] = summary["tokens"] / step_time if step_time > 0 else 0.0
-        load = expert_load(rows)
-        aux = [r["aux_loss"] for r in rows if r.get("aux_loss") is not None]
+        load = expert_load(counted_rows(rows))
+        aux = [r["aux_loss"] for r in counted_rows(rows) if r.get("aux_loss") is not None]
         # Each DP replica's layers sum to its balance loss; average the replicas.
-        summary["moe/aux_loss"] = sum(aux) / max(1, len(self.last)) if aux else None
+        summary["moe/aux_loss"] = sum(aux) / max(1, len(last)) if aux else None
         summary["moe_imbalance"] = max(
             (max(c) * len(c) / sum(c) for c in load.values() if sum(c)), default=None
         )
@@ -390,6 +401,10 @@ class MetricsCollector:
             self._tensorboard(self.tb.add_step, step, {k: summary[k] for k in scalars}, flat)
             if load and self.tb:
                 self._tensorboard(self.tb.add_expert_load, step, load)
+            if not self._mesh_written and self.tb:  # what ``rank{r}`` in the tags is on the mesh
+                self._tensorboard(self.tb.add_text, "mesh/ranks", "\n".join(
+                    f"- {describe_coords(r['rank'], r['coords'])}" for r in rows), step)
+                self._mesh_written = True
             for message in filter(None, changes):
                 if self.tb:
                     self._tensorboard(self.tb.add_text, "memory/verdict", message, step)
@@ -491,7 +506,7 @@ class MetricsCollector:
         row = {k: r[k] for k in ("step", "rank", "is_last_stage", "loss", "tokens", "step_time_s",
                                   "data_time_s", "fwd_bwd_time_s", "optim_time_s", "grad_norm",
                                   "lr", "gc_pause_s", "time")}
-        row.update({axis: r["coords"].get(axis, 0) for axis in ("pp", "dp_shard", "ep")})
+        row.update({axis: r["coords"].get(axis, 0) for axis in ("pp", "dp_replicate", "dp_shard", "tp", "ep")})
         row.update(aux_loss=r.get("aux_loss"), moe_layers=r.get("moe_layers") or [],
                    expert_load=r.get("expert_load") or [])
         row["gc_generation"] = r.get("gc_generation")

@@ -172,7 +172,8 @@ def leak_settings(memory: Any = None) -> dict[str, Any]:
 
 
 def describe_coords(rank: int, coords: dict[str, int]) -> str:
-    """``"rank 3 (pp=1, dp_shard=1)"``: a rank named with its mesh coordinates."""
+    """``"rank 3 (pp=1, dp_shard=1)"``: a rank named with its mesh coordinates (those of the
+    axes the run has: ``"rank 5 (pp=0, dp_shard=1, tp=1)"`` under tensor parallel)."""
     inner = ", ".join(f"{k}={v}" for k, v in coords.items())
     return f"rank {rank} ({inner})" if inner else f"rank {rank}"
 

@@ -78,6 +78,7 @@ __all__ = [
     "MemorySampler",
     "MemorySnapshots",
     "RankOutOfMemoryError",
+    "allocation_peak",
     "host_available",
     "host_heap",
     "host_memory",
@@ -306,6 +307,24 @@ def live_tensors(limit: int = 50) -> dict[str, Any]:
     return {"count": len(items), "bytes": sum(t["bytes"] for t in items), "tensors": items[:limit]}
 
 
+def allocation_peak(prof: Any) -> int:
+    """The highest net bytes allocated on the CPU while ``prof`` (a stopped
+    ``torch.profiler.profile`` with ``profile_memory=True``) recorded, counted from its start:
+    for a profiled step, the peak of what the step added on top of what existed before it
+    (activations kept for backward, gradients, temporaries). From the profiler's raw allocation
+    events (their running ``total_allocated``), so it needs no categorisation and holds for
+    tensor subclasses (DTensor) too."""
+    from torch._C._profiler import _EventType
+
+    peak, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
+            peak = max(peak, node.extra_fields.total_allocated)
+        stack.extend(node.children)
+    return peak
+
+
 def timeline_peaks(path: str | Path) -> dict[str, int]:
     """Peak bytes per category in a memory timeline written by the torch profiler
     (``export_memory_timeline`` to ``.json`` / ``.json.gz``: ``[times, sizes]``, ``sizes[t][c]``
@@ -388,15 +407,22 @@ class MemorySnapshots:
         if prof is None:
             return []
         prof.stop()
+        data: dict[str, Any] = {"step": step, "rank": self.rank, "coords": self.coords,
+                                "peak_above_step_start_bytes": allocation_peak(prof)}
         timeline = self._path(f"step{step}.json.gz")
-        with warnings.catch_warnings():  # deprecated for CUDA in favour of the history above
-            warnings.simplefilter("ignore", FutureWarning)
-            prof.export_memory_timeline(str(timeline), device="cpu")
+        written = []
+        try:
+            with warnings.catch_warnings():  # deprecated for CUDA in favour of the history above
+                warnings.simplefilter("ignore", FutureWarning)
+                prof.export_memory_timeline(str(timeline), device="cpu")
+            data["peak_bytes_by_category"] = timeline_peaks(timeline)
+            written.append(timeline)
+        except Exception as e:  # its data-flow analysis rejects tensor subclasses' ops (DTensor: TP)
+            data["peak_bytes_by_category"] = None
+            data["categories_unavailable"] = f"{type(e).__name__}: {str(e)[:300]}"
         summary = self._path(f"step{step}-summary.json")
-        peaks = timeline_peaks(timeline)
-        summary.write_text(json.dumps({"step": step, "rank": self.rank, "coords": self.coords,
-                                       "peak_bytes_by_category": peaks}, indent=1))
-        return [timeline, summary]
+        summary.write_text(json.dumps(data, indent=1))
+        return [*written, summary]
 
     def oom(self, step: int, error: BaseException) -> RankOutOfMemoryError:
         """Write the out-of-memory snapshot and return the error to raise (the caller raises it

@@ -37,6 +37,8 @@ class StepReport:
     ``loss`` is the mean cross-entropy (nats per token) over this rank's tokens on ranks holding
     the last pipeline stage, and ``None`` on every other rank: never a placeholder number.
     ``tokens`` is the number of label tokens this rank's data-parallel slice held in the step.
+    ``coords``: the rank's coordinates by mesh axis (``pp``, ``dp_shard``, and ``dp_replicate``,
+    ``tp``, ``ep`` where the mesh has them: ``ray_titan.parallel.dims.ParallelDims.coords``).
     """
 
     step: int

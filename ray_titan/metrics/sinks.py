@@ -22,7 +22,8 @@ __all__ = ["STEP_SCHEMA", "VERDICT_CODES", "ParquetSink", "TensorBoardSink", "re
 _I, _F, _B = pa.int64(), pa.float64(), pa.bool_()
 STEP_SCHEMA = pa.schema(
     [
-        ("step", _I), ("rank", _I), ("pp", _I), ("dp_shard", _I), ("ep", _I), ("is_last_stage", _B),
+        ("step", _I), ("rank", _I), ("pp", _I), ("dp_replicate", _I), ("dp_shard", _I), ("tp", _I), ("ep", _I),
+        ("is_last_stage", _B),
         ("loss", _F), ("tokens", _I), ("step_time_s", _F), ("data_time_s", _F),
         ("fwd_bwd_time_s", _F), ("optim_time_s", _F), ("grad_norm", _F), ("lr", _F),
         ("gc_pause_s", _F), ("time", _F), ("metrics_time_s", _F),
@@ -44,8 +45,10 @@ STEP_SCHEMA = pa.schema(
         ("skipped_update", _B), ("attempt", _I), ("attempt_start_time", _F), ("pid", _I),
     ]
 )
-"""One row per step per rank. ``loss`` is the rank's own (null off the last stage);
-``step_loss`` is the step's loss: token-weighted mean over the last stage's DP ranks.
+"""One row per step per rank. ``pp``, ``dp_shard``, ``ep``, ``dp_replicate``, ``tp``: the rank's
+coordinates on the mesh axes (0 on an axis the run does not have). ``loss`` is the rank's own
+(null off the last stage); ``step_loss`` is the step's loss: token-weighted mean over the last
+stage's DP ranks (the tp ranks of one group hold the same loss, counted once).
 ``gc_generation``: the generation of the synchronized GC run at this step (null: none ran).
 ``metrics_time_s``: seconds the rank spent in the previous step on its memory sample and report
 (the metrics path's own cost; null at an attempt's first step).
@@ -171,7 +174,8 @@ class TensorBoardSink:
     """Scalars to ``<run_dir>/tb`` with tensorboardX: ``loss``, ``loss_max``, ``tokens_per_s``,
     ``lr``, ``grad_norm``, ``step_time_s``, ``memory/rank{r}/<field>`` (MiB),
     ``memory/rank{r}/verdict`` (:data:`VERDICT_CODES`), ``memory/rank{r}/slope_mib_per_step``,
-    ``gc/rank{r}/pause_s`` at steps with a GC, text ``memory/verdict`` when a verdict changes, and,
+    ``gc/rank{r}/pause_s`` at steps with a GC, text ``memory/verdict`` when a verdict changes,
+    text ``mesh/ranks`` (every rank's mesh coordinates, at the first step recorded), and,
     for MoE models, ``moe/aux_loss``, ``moe/layer{L}/load_max_over_mean`` and
     ``moe/layer{L}/expert{e}_share``.
 

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ray_titan.models.rope import RopeScaling, inv_frequencies
+
 __all__ = ["Decoder", "FeedForward", "RMSNorm", "apply_rope", "count_parameters", "param_seed", "rope_tables"]
 
 
@@ -47,18 +49,24 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of rotary embeddings, each ``(max_seq_len, head_dim // 2)`` fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of rotary embeddings, each ``(max_seq_len, head_dim // 2)`` fp32, with
+    the frequencies and cos/sin factor of ``scaling`` (``ray_titan.models.rope``; None: plain)."""
+    inv_freq, attention_factor = inv_frequencies(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    if attention_factor == 1.0:  # bitwise the unscaled tables
+        return angles.cos(), angles.sin()
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``(batch, seq, heads, head_dim)`` pairwise (interleaved pairs, as Meta's
-    reference) by ``cos``/``sin`` ``(seq, head_dim // 2)``."""
+    reference) by ``cos``/``sin`` ``(>= seq, head_dim // 2)``, whose first ``seq`` rows are used
+    (positions ``0 .. seq - 1``)."""
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    seq = x.shape[1]
+    cos, sin = cos[None, :seq, None, :], sin[None, :seq, None, :]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return out.type_as(x)
 
@@ -84,6 +92,13 @@ class Decoder(nn.Module):
     when it holds the output head, otherwise hidden states. ``layers`` is a ``ModuleDict`` keyed
     by the layer's index in the whole model, so a pipeline stage keeps the whole model's names.
     Subclasses provide :meth:`make_layer` and :attr:`rope_dim`.
+
+    ``args.tie_word_embeddings`` (Llama 3.2 1B/3B, small Qwen3): the model has no ``output``
+    module and computes logits with the embedding's weight; a last pipeline stage without the
+    embedding gets an ``output`` copy (``ray_titan.parallel.pipeline.build_stage_module``),
+    initialised as the embedding (:meth:`init_weights`), and the trainer sums the two copies'
+    gradients across the first and last stages (``ray_titan.parallel.tied``). (One
+    ``Parameter`` shared by two modules would come apart at ``to_empty``.)
     """
 
     #: Parameter-name suffixes of residual output projections, scaled by 1/sqrt(2·n_layers).
@@ -101,9 +116,9 @@ class Decoder(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): self.make_layer(i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output: nn.Linear | None = None if self.tied else nn.Linear(args.dim, args.vocab_size, bias=False)
         # Not persistent: recomputed by init_weights (also after materialising from meta).
-        cos, sin = rope_tables(self.rope_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = rope_tables(self.rope_dim, args.max_seq_len, args.rope_theta, self.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -115,16 +130,29 @@ class Decoder(nn.Module):
         """Per-head dimension that rotary embeddings rotate."""
         raise NotImplementedError
 
+    @property
+    def tied(self) -> bool:
+        """Whether the output head shares the embedding's weight (``args.tie_word_embeddings``)."""
+        return bool(self.args.tie_word_embeddings)
+
+    @property
+    def rope_scaling(self) -> RopeScaling | None:
+        """The rope scaling of ``args`` (None: plain RoPE)."""
+        return self.args.rope_scaling
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        seq = h.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        # The whole tables: a block's attention may see more positions than ``h`` holds here
+        # (sequence parallel keeps 1/tp of them between blocks); apply_rope takes what it needs.
+        cos, sin = self.rope_cos, self.rope_sin
         for layer in self.layers.values():
             h = layer(h, cos, sin)
-        if self.norm is not None:
+        if self.norm is not None:  # the last stage
             h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
+            if self.output is not None:
+                h = self.output(h)
+            elif self.tok_embeddings is not None:  # tied, and this module holds the embedding
+                h = F.linear(h, self.tok_embeddings.weight)
         return h
 
     @torch.no_grad()
@@ -136,10 +164,13 @@ class Decoder(nn.Module):
         norms ones. Each full tensor is drawn on the CPU from a generator seeded by
         :func:`param_seed` and copied into the parameter, or into this rank's shard of it when
         the parameter is a ``DTensor`` (FSDP2, expert parallel), so the result is identical
-        whatever the mesh. Buffers are reset by :meth:`init_buffers`.
+        whatever the mesh. A tied output head is drawn as the embedding. Buffers are reset by
+        :meth:`init_buffers`.
         """
         std = self.args.init_std
         for name, param in self.named_parameters():
+            if name == "output.weight" and self.tied:  # a last stage's copy of the embedding
+                name = "tok_embeddings.weight"
             full = torch.empty(param.shape, dtype=torch.float32)
             if name.endswith("norm.weight"):
                 full.fill_(1.0)
@@ -156,7 +187,7 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Recompute the rotary tables (subclasses reset their own buffers too)."""
-        cos, sin = rope_tables(self.rope_dim, self.args.max_seq_len, self.args.rope_theta)
+        cos, sin = rope_tables(self.rope_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_scaling)
         self.rope_cos = cos.to(self.rope_cos.device)
         self.rope_sin = sin.to(self.rope_sin.device)
 

@@ -6,9 +6,12 @@ arguments. The trainer reaches a family only through its spec, so it never branc
 family's name; adding a family is adding a package under ``ray_titan/models/`` and one entry in
 :data:`MODELS`.
 
-Flavors: ``debug`` is tiny and CPU-friendly in each family; ``llama/8B`` has the dimensions of
-Meta Llama 3 8B (8.03 B parameters), ``deepseek_v2/V2-Lite`` those of DeepSeek-V2-Lite (15.7 B
-total, 2.4 B activated). Every flavor is constructible on the meta device.
+Flavors: ``debug`` is tiny and CPU-friendly in each family; ``llama/3-8B`` (also ``8B``),
+``3.1-8B``, ``3.1-70B``, ``3.2-1B`` and ``3.2-3B`` have the dimensions of Meta's Llama 3.x
+models, ``qwen3/0.6B`` ... ``8B`` those of Qwen3 dense, ``deepseek_v2/V2-Lite`` those of
+DeepSeek-V2-Lite (15.7 B total, 2.4 B activated), its YaRN rope included. Every flavor is
+constructible on the meta device. Each family's ``hf`` adapter maps it to and from Hugging
+Face checkpoints (``ray_titan.models.state_dict_adapter``).
 """
 
 from __future__ import annotations
@@ -21,11 +24,15 @@ from typing import Any
 from torch import nn
 
 from ray_titan.config.schema import JobConfig, Model
-from ray_titan.models import deepseek_v2, llama
+from ray_titan.models import deepseek_v2, llama, qwen3
 from ray_titan.models.decoder import Decoder
+from ray_titan.models.deepseek_v2.hf import DeepSeekV2Adapter
+from ray_titan.models.llama.hf import LlamaAdapter
+from ray_titan.models.qwen3.hf import Qwen3Adapter
+from ray_titan.models.state_dict_adapter import StateDictAdapter
 from ray_titan.parallel.dims import Meshes, ParallelDims
 
-__all__ = ["MODELS", "ModelSpec", "build_model", "get_model_args", "get_spec", "is_moe"]
+__all__ = ["MODELS", "ModelSpec", "build_model", "get_model_args", "get_spec", "is_moe", "spec_for_hf"]
 
 Parallelize = Callable[[nn.Module, ParallelDims, "Meshes | None", JobConfig], None]
 
@@ -38,13 +45,15 @@ class ModelSpec:
     name to its arguments; ``parallelize(stage, dims, meshes, cfg)`` applies the family's
     parallelisms to one pipeline stage module in the fixed order (TP → EP → AC → compile →
     FSDP); ``config_args(cfg.model)`` gives the argument fields the job's ``[model]`` settings
-    override (e.g. MoE load balancing); ``moe``: whether it has mixture-of-experts layers.
+    override (e.g. MoE load balancing); ``moe``: whether it has mixture-of-experts layers;
+    ``hf``: its Hugging Face state-dict adapter (``config.json`` ``model_type`` and tensor names).
     """
 
     name: str
     model_cls: type[Decoder]
     flavors: dict[str, Any]
     parallelize: Parallelize
+    hf: StateDictAdapter
     config_args: Callable[[Model], dict[str, Any]] = lambda m: {}
     moe: bool = False
 
@@ -54,10 +63,12 @@ def _moe_args(m: Model) -> dict[str, Any]:
 
 
 MODELS: dict[str, ModelSpec] = {
-    "llama": ModelSpec("llama", llama.Llama, llama.FLAVORS, llama.parallelize_llama),
+    "llama": ModelSpec("llama", llama.Llama, llama.FLAVORS, llama.parallelize_llama, LlamaAdapter()),
+    # Qwen3 dense is a Llama with per-head q/k RMSNorm (its flavors set qk_norm).
+    "qwen3": ModelSpec("qwen3", llama.Llama, qwen3.FLAVORS, llama.parallelize_llama, Qwen3Adapter()),
     "deepseek_v2": ModelSpec(
         "deepseek_v2", deepseek_v2.DeepSeekV2, deepseek_v2.FLAVORS, deepseek_v2.parallelize_deepseek_v2,
-        config_args=_moe_args, moe=True,
+        DeepSeekV2Adapter(), config_args=_moe_args, moe=True,
     ),
 }
 
@@ -67,6 +78,16 @@ def get_spec(name: str) -> ModelSpec:
     if name not in MODELS:
         raise KeyError(f"model.name = {name!r} is unknown; valid: {sorted(MODELS)}")
     return MODELS[name]
+
+
+def spec_for_hf(model_type: str) -> ModelSpec:
+    """The family whose Hugging Face ``config.json`` has ``model_type``. Raises ``KeyError``
+    listing the supported ones."""
+    for spec in MODELS.values():
+        if spec.hf.model_type == model_type:
+            return spec
+    supported = sorted(s.hf.model_type for s in MODELS.values())
+    raise KeyError(f"model_type {model_type!r} is not supported; supported: {supported}")
 
 
 def is_moe(name: str) -> bool:
@@ -82,12 +103,14 @@ def get_model_args(name: str, flavor: str) -> Any:
     return flavors[flavor]
 
 
-def build_model(name: str, flavor: str, vocab_size: int | None = None, **overrides: Any) -> Decoder:
+def build_model(name: str, flavor: str, vocab_size: int | None = None, *, args: Any = None,
+                **overrides: Any) -> Decoder:
     """Construct the whole model (on the current default device; use ``torch.device("meta")``
-    as a context to allocate nothing). ``vocab_size`` overrides the flavor's, to match the
-    tokenizer; ``overrides`` replace other fields of the flavor's arguments (e.g. the MoE
+    as a context to allocate nothing). ``args``: the model arguments, instead of the flavor's
+    (a Hugging Face checkpoint's). ``vocab_size`` overrides the flavor's, to match the
+    tokenizer; ``overrides`` replace other fields of the arguments (e.g. the MoE
     ``load_balance``). Raises ``KeyError`` for an unknown family or flavor."""
-    args = get_model_args(name, flavor)
+    args = args if args is not None else get_model_args(name, flavor)
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     if overrides:

@@ -32,9 +32,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 
-__all__ = ["MoEStepState", "apply_expert_parallel", "run_remote_experts"]
+from ray_titan.parallel.tp import reduce_grad, sum_partial
+
+__all__ = ["MoEStepState", "apply_expert_parallel", "apply_expert_tensor_parallel", "run_remote_experts"]
 
 
 class _MoEModel(Protocol):
@@ -68,10 +70,55 @@ def run_remote_experts(
     return all_to_all_single_autograd(y_recv, in_splits, out_splits, group)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+def _shard(experts: nn.Module, name: str, mesh: DeviceMesh, placements: list[Placement]) -> None:
+    """Replace ``experts.<name>`` (a plain tensor of the full shape, normally on meta) by an empty
+    ``DTensor`` parameter of that global shape sharded by ``placements`` over ``mesh``."""
+    p = getattr(experts, name)
+    shape = list(p.shape)
+    for i, pl in enumerate(placements):
+        if isinstance(pl, Shard):
+            shape[pl.dim] //= mesh.size(i)
+    local = torch.empty(shape, dtype=p.dtype, device=p.device)
+    experts.register_parameter(name, nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False)))
+
+
+# The hidden-unit dimension of each stacked expert weight: w1, w3 (n, hidden, dim), w2 (n, dim, hidden).
+_HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 2}
+
+
+def apply_expert_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split every MoE layer's routed experts of ``model`` (a stage module, normally on meta)
+    over ``tp_mesh`` by their hidden units, as tensor parallel splits a dense SwiGLU: ``w1``,
+    ``w3`` ``(n, hidden, dim)`` become ``Shard(1)``, ``w2`` ``(n, dim, hidden)`` ``Shard(2)``.
+
+    Every tp rank routes the same tokens (the MoE layer's input is replicated over tp,
+    ``ray_titan.parallel.tp.token_replicated_plan``) and runs its ``hidden / tp`` slice of each
+    chosen expert; the experts' input gradient is summed over tp in backward and their partial
+    outputs in forward (``reduce_grad``, ``sum_partial``), so the router, which weights those
+    outputs, sees whole outputs and gets the same gradient on every tp rank.
+
+    Call before :func:`apply_expert_parallel` (which adds the ``ep`` sharding) and FSDP. Raises
+    ``ValueError`` if ``tp`` does not divide the experts' hidden size.
+    """
+    tp = tp_mesh.size()
+    for moe in cast(_MoEModel, model).moe_modules().values():
+        hidden = moe.experts.w1.shape[1]
+        if hidden % tp:
+            raise ValueError(f"the routed experts' hidden size {hidden} cannot be split over tp = {tp}")
+        for name, dim in _HIDDEN_DIM.items():
+            _shard(moe.experts, name, tp_mesh, [Shard(dim)])
+        moe.experts.register_forward_pre_hook(lambda mod, args: (reduce_grad(args[0], tp_mesh), *args[1:]))
+        moe.experts.register_forward_hook(lambda mod, args, out: sum_partial(out, tp_mesh))
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None) -> None:
     """Shard every MoE layer's routed experts of ``model`` (a stage module, normally on meta)
     over ``ep_mesh``: weights become ``DTensor``s ``Shard(0)`` (rank ``j`` holds experts
     ``[j·N/E, (j+1)·N/E)``), and the layer dispatches tokens over the mesh's group.
+
+    After :func:`apply_expert_tensor_parallel` (the weights already ``DTensor``s over ``tp``),
+    ``ep_tp_mesh`` is the 2-D ``(ep, tp)`` mesh and the weights become ``(Shard(0), Shard(h))``
+    over it: each rank holds the ``1/tp`` hidden slice of ``N/E`` experts.
 
     Call before FSDP, before materialising. Raises ``ValueError`` if ``E`` does not divide ``N``.
     """
@@ -81,9 +128,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             raise ValueError(f"{moe.n_experts} routed experts cannot be split over ep = {ep}")
         moe.run_experts = functools.partial(run_remote_experts, group=ep_mesh.get_group())
         for name, p in list(moe.experts.named_parameters(recurse=False)):
-            local = torch.empty((p.shape[0] // ep, *p.shape[1:]), dtype=p.dtype, device=p.device)
-            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
-            moe.experts.register_parameter(name, nn.Parameter(dt))
+            if isinstance(p, DTensor):
+                if ep_tp_mesh is None:
+                    raise ValueError("routed experts already tensor-parallel: pass the (ep, tp) mesh")
+                _shard(moe.experts, name, ep_tp_mesh, [Shard(0), *p.placements])
+            else:
+                _shard(moe.experts, name, ep_mesh, [Shard(0)])
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -98,7 +148,8 @@ class MoEStepState:
     - :meth:`scale_expert_grads` after backward: an expert's gradient sums the contributions of
       every rank of its ``ep`` group (whose losses are each a mean over their own tokens), so it
       is divided by ``ep`` to become the gradient of the mean over the data-parallel batch, as
-      FSDP's averaging does for every other parameter.
+      FSDP's averaging does for every other parameter. (Under tensor parallel the tp ranks hold
+      different hidden units of the same experts for the same tokens: nothing to add over tp.)
     - :meth:`end_step` after the optimizer step: reads and zeroes each layer's token counts and
       balance-loss sum (one host sync), and with auxiliary-loss-free balancing updates each
       router's bias from the loads summed over ``dp_group`` (every rank holding that stage), so

@@ -1,6 +1,8 @@
-"""FSDP2: shard every transformer block and the stage's root module over ``dp_shard``, with
+"""FSDP2: shard every transformer block and the stage's root module over ``dp_shard`` (HSDP:
+over the 2-D ``(dp_replicate, dp_shard)``, sharded within a replica, replicated across), with
 the ``reshard_after_forward`` policy and optional CPU offload; routed experts under expert
-parallelism over ``dp_shard_mod_ep`` (what ``ep`` leaves of ``dp_shard``)."""
+parallelism over ``dp_shard_mod_ep`` (what ``ep`` leaves of ``dp_shard``). Parameters tensor
+parallel already made ``DTensor``s over ``tp`` become 2-D (FSDP × TP) ones."""
 
 from __future__ import annotations
 
@@ -43,12 +45,14 @@ def apply_fsdp(
     final norm and output head, where this stage has them, are in the root's group).
 
     Parameters become ``DTensor``s sharded on dim 0 over ``dp_mesh``; gradients are
-    reduce-scattered (averaged) over it. The root never reshards after forward: its backward
-    starts at once. ``cpu_offload``: see :func:`offload_policy`. Apply activation checkpointing
-    (``ray_titan.parallel.ac``) before this.
+    reduce-scattered (averaged) over it. A 2-D ``dp_mesh`` ``(dp_replicate, dp_shard)`` gives
+    HSDP: sharded over its second dim, replicated over its first (gradients all-reduced there).
+    The root never reshards after forward: its backward starts at once. ``cpu_offload``: see
+    :func:`offload_policy`. Apply activation checkpointing (``ray_titan.parallel.ac``) before this.
 
     ``expert_mesh``: given when expert parallelism has already sharded the routed experts over
-    ``ep`` (``apply_expert_parallel``); it is the ``dp_shard_mod_ep`` mesh. Experts are then
+    ``ep`` (``apply_expert_parallel``); it is the ``dp_shard_mod_ep`` mesh (2-D with
+    ``dp_replicate`` under HSDP). Experts are then
     FSDP-sharded over it when it has more than one rank, and otherwise left out of FSDP (their
     ranks hold disjoint experts, so there is nothing to shard or average).
     """

@@ -1,4 +1,5 @@
-"""Gradient-norm clipping over the whole model when it is split by PP and sharded by FSDP."""
+"""Gradient-norm clipping over the whole model when it is split by PP, sharded by FSDP or HSDP,
+split by tensor or expert parallel."""
 
 from __future__ import annotations
 
@@ -16,16 +17,23 @@ def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
     pp_group: dist.ProcessGroup | None = None,
+    norm_exclude: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clip gradients in place to a total L2 norm of ``max_norm`` (no clipping if 0) and return
     the total norm before clipping, a 0-dim tensor.
 
     The norm is that of the whole model: sharded gradients (``DTensor``) are grouped by their
-    mesh and placements (FSDP over ``dp_shard``; routed experts over ``ep`` or
-    ``(dp_shard_mod_ep, ep)``), each group's norm is reduced over its mesh by ``full_tensor()``,
-    and the squared norms of the groups, then of the stages on different pp ranks (summed over
-    ``pp_group``), are added. Every rank gets the same value.
+    mesh and placements (FSDP over ``dp_shard``, HSDP over ``(dp_replicate, dp_shard)``, each
+    possibly × ``tp``; routed experts over ``ep``, ``(dp_shard_mod_ep, ep)``, × ``tp``), each
+    group's norm is reduced over its mesh by ``full_tensor()`` (DTensor sums the squares of
+    ``Shard`` dimensions and takes ``Replicate`` ones once), and the squared norms of the groups,
+    then of the stages on different pp ranks (summed over ``pp_group``), are added. Plain tensors
+    are the same on every rank that holds them (replicated over tp), so their local norm is
+    theirs. Every rank gets the same value. ``norm_exclude``: parameters
+    clipped but left out of the norm, because another rank counts the same gradient (a tied
+    embedding's copy, ``ray_titan.parallel.tied``).
     """
+    skip = {id(p) for p in norm_exclude}
     groups: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
@@ -34,7 +42,10 @@ def clip_grad_norm_(
             groups.setdefault(key, []).append(p)
     sq = None
     for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type=2.0)
+        counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         sq = norm**2 if sq is None else sq + norm**2

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -18,18 +18,37 @@ from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedules' parameter type
 
-__all__ = ["SCHEDULES", "build_pipeline_schedule", "build_stage_module", "split_layers"]
+__all__ = ["SCHEDULES", "build_pipeline_schedule", "build_stage_module", "split_layers", "stage_placement"]
 
 SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
     "GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV,
 }
+
+_V_SHAPED = (ScheduleZBVZeroBubble, ScheduleDualPipeV)
+
+
+def stage_placement(schedule: str) -> Literal["loop", "v"]:
+    """How ``schedule`` places stages on pp ranks: ``"v"`` for the V-shaped schedules
+    (ZBVZeroBubble, DualPipeV: torch builds their stage-to-rank mapping with ``style="v"``),
+    ``"loop"`` for the others. :class:`~ray_titan.parallel.dims.ParallelDims` derives every
+    stage's rank, and so the last-stage ranks, from it; :func:`build_pipeline_schedule` checks
+    that the schedule it built runs that same mapping. Raises ``ValueError`` for an unknown
+    schedule."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallelism.pipeline_schedule = {schedule!r}; valid: {sorted(SCHEDULES)}")
+    return "v" if issubclass(SCHEDULES[schedule], _V_SHAPED) else "loop"
 
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -39,9 +58,10 @@ class _DecoderParts(Protocol):
     that a pipeline stage removes."""
 
     layers: nn.ModuleDict
-    tok_embeddings: nn.Module | None
+    tok_embeddings: nn.Embedding | None
     norm: nn.Module | None
     output: nn.Module | None
+    tied: bool
 
 
 def split_layers(n_layers: int, num_stages: int) -> list[list[int]]:
@@ -69,9 +89,14 @@ def split_layers(n_layers: int, num_stages: int) -> list[list[int]]:
 
 def build_stage_module(whole: _M, layers: list[int], first: bool, last: bool) -> _M:
     """A copy of ``whole`` (normally on the meta device) keeping only ``layers``, the embedding
-    if ``first`` and the final norm and output head if ``last``. Parameter names are unchanged."""
+    if ``first`` and the final norm and output head if ``last``. Parameter names are unchanged.
+    A model whose head is tied to its embedding computes logits with the embedding; a last
+    stage without it gets its own ``output`` (the copy ``ray_titan.parallel.tied`` keeps equal)."""
     stage = copy.deepcopy(whole)
     parts = cast(_DecoderParts, stage)
+    if parts.tied and last and not first and parts.tok_embeddings is not None:
+        emb = parts.tok_embeddings
+        parts.output = nn.Linear(emb.embedding_dim, emb.num_embeddings, bias=False, device=emb.weight.device)
     keep = {str(i) for i in layers}
     for name in list(parts.layers.keys()):
         if name not in keep:
@@ -92,11 +117,16 @@ def build_pipeline_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     pp_group,
+    stage_to_rank: dict[int, int] | None = None,
 ) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """The ``torch.distributed.pipelining`` schedule for this rank's stages (``stage index ->
     module``). Gradients are scaled by ``1 / n_microbatches``, so with a per-microbatch mean
-    loss they are the gradient of the mean over the rank's batch. Raises ``ValueError`` for an
-    unknown schedule or a single-stage schedule given several stages."""
+    loss they are the gradient of the mean over the rank's batch.
+
+    ``stage_to_rank`` (``{stage: pp rank}``, ``ParallelDims.stage_to_rank_mapping``) is the
+    placement the rest of the job assumes (which ranks feed inputs and labels, which report the
+    loss); a multi-stage schedule that runs another one is refused. Raises ``ValueError`` for
+    an unknown schedule, a single-stage schedule given several stages, or such a mismatch."""
     if schedule not in SCHEDULES:
         raise ValueError(f"parallelism.pipeline_schedule = {schedule!r}; valid: {sorted(SCHEDULES)}")
     cls = SCHEDULES[schedule]
@@ -108,4 +138,9 @@ def build_pipeline_schedule(
         if len(stages) != 1:
             raise ValueError(f"{schedule} runs one stage per rank, this rank has {len(stages)}")
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
-    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    multi = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    runs = getattr(multi, "stage_index_to_group_rank", None)
+    if stage_to_rank is not None and runs is not None and dict(runs) != stage_to_rank:
+        raise ValueError(f"{schedule} places stages on pp ranks as {dict(runs)}, but the job assumed "
+                         f"{stage_to_rank} (ray_titan.parallel.pipeline.stage_placement)")
+    return multi

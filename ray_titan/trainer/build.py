@@ -9,6 +9,7 @@ The optimizer, the LR schedule and, under PP, the pipeline schedule are built ov
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,14 +18,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from ray_titan.config.schema import JobConfig
 from ray_titan.data.loader import PackedLoader
 from ray_titan.fault import FaultHandler
+from ray_titan.hf import hf_model, load_hf_weights
 from ray_titan.models.registry import build_model, get_spec
 from ray_titan.parallel.dims import Meshes, ParallelDims
 from ray_titan.parallel.expert import MoEStepState
-from ray_titan.parallel.pipeline import build_pipeline_schedule, build_stage_module, split_layers
+from ray_titan.parallel.pipeline import build_pipeline_schedule, build_stage_module, split_layers, stage_placement
+from ray_titan.parallel.tied import TiedEmbeddings
 
 __all__ = ["TrainParts", "build", "build_lr_lambda", "build_optimizer", "cross_entropy_loss", "parallel_dims"]
 
@@ -36,9 +41,12 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 def parallel_dims(cfg: JobConfig) -> ParallelDims:
-    """The job's :class:`ParallelDims` (mesh sizes and stages per rank)."""
+    """The job's :class:`ParallelDims`: mesh sizes, stages per rank, and the stage placement of
+    its pipeline schedule (``ray_titan.parallel.pipeline.stage_placement``)."""
     par = cfg.parallelism
-    return ParallelDims(pp=par.pp, dp_shard=par.dp_shard, stages_per_rank=par.stages_per_rank, ep=par.ep)
+    return ParallelDims(pp=par.pp, dp_shard=par.dp_shard, stages_per_rank=par.stages_per_rank, ep=par.ep,
+                        tp=par.tp, dp_replicate=par.dp_replicate,
+                        pp_style=stage_placement(par.pipeline_schedule))
 
 
 def build_lr_lambda(cfg: JobConfig) -> Callable[[int], float]:
@@ -62,8 +70,16 @@ def build_lr_lambda(cfg: JobConfig) -> Callable[[int], float]:
 
 def build_optimizer(cfg: JobConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """The ``[optimizer]`` over ``params``: AdamW, Adam or SGD (``beta1`` is SGD's momentum), with
-    the kernel ``optimizer.implementation`` names."""
+    the kernel ``optimizer.implementation`` names.
+
+    Plain and ``DTensor`` parameters (tensor parallel without FSDP leaves the replicated ones
+    plain) go in separate parameter groups with the same settings: the fused and foreach kernels
+    take one group's tensors in one call, and DTensor refuses a call that mixes the two."""
     o = cfg.optimizer
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    if dtensors and len(dtensors) < len(params):
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        params = [{"params": plain}, {"params": dtensors}]  # type: ignore[list-item]  # param groups
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[o.implementation]
     if o.name == "SGD":
         return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay, **impl)
@@ -80,7 +96,10 @@ class TrainParts:
     ``stages`` holds the whole model and microbatches are accumulated); ``loss_fn``: the
     per-microbatch loss (:func:`cross_entropy_loss`, poisoned by ``debug.nonfinite_loss_at_steps``);
     ``moe``: the MoE layers' per-step bookkeeping (inactive for a dense model); ``faults``: the
-    non-finite policy and fault injection; ``pp_group``: the ``pp`` process group (None without PP).
+    non-finite policy and fault injection; ``pp_group``: the ``pp`` process group (None without PP);
+    ``tied``: a tied embedding's copies across pipeline stages (``ray_titan.parallel.tied``);
+    ``loss_parallel``: the output head's logits are vocabulary-sharded ``DTensor``s, so the loss
+    and its backward run under ``torch.distributed.tensor.parallel.loss_parallel()``.
     """
 
     dims: ParallelDims
@@ -97,6 +116,12 @@ class TrainParts:
     faults: FaultHandler
     pp_group: dist.ProcessGroup | None
     device: torch.device
+    tied: TiedEmbeddings | None = None
+    loss_parallel: bool = False
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Where the loss and its backward run: ``loss_parallel()`` under TP with loss parallel."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     @property
     def has_first_stage(self) -> bool:
@@ -115,17 +140,26 @@ def build_stages(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, pp_r
     ``dims.num_stages`` stages by layers, and the stages of ``pp_rank`` are kept; each goes
     through its family's ``parallelize`` step before its weights exist, then ``to_empty`` and
     ``init_weights(training.seed)`` (each parameter seeded by its name, so the weights do not
-    depend on the mesh)."""
+    depend on the mesh), or, with ``checkpoint.initial_load_hf``, the Hugging Face checkpoint's
+    weights, each rank reading its own shards only (``ray_titan.hf``; the model's sizes and
+    vocabulary are then the checkpoint's)."""
     spec = get_spec(cfg.model.name)
+    hf = cfg.checkpoint.initial_load_hf
+    hf_args = hf_model(hf)[1] if hf else None
     with torch.device("meta"):
-        whole = build_model(cfg.model.name, cfg.model.flavor, vocab_size=vocab_size, **spec.config_args(cfg.model))
+        whole = build_model(cfg.model.name, cfg.model.flavor, vocab_size=None if hf else vocab_size, args=hf_args,
+                            **spec.config_args(cfg.model))
     split = split_layers(whole.args.n_layers, dims.num_stages)
     stages: dict[int, nn.Module] = {}
     for s in dims.stages_on_pp_rank(pp_rank):
         mod = build_stage_module(whole, split[s], first=s == 0, last=s == dims.num_stages - 1)
         spec.parallelize(mod, dims, meshes, cfg)
         mod.to_empty(device=device)
-        mod.init_weights(cfg.training.seed)
+        if hf:
+            mod.init_buffers()
+            load_hf_weights(mod, hf, spec, whole.args)
+        else:
+            mod.init_weights(cfg.training.seed)
         mod.train()
         stages[s] = mod
     return stages
@@ -143,15 +177,18 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, build_lr_lambda(cfg))
     n_mb = cfg.parallelism.microbatches
     pp_group = meshes["pp"].get_group() if meshes is not None and dims.pp > 1 else None
-    dp_group = meshes["dp_shard"].get_group() if meshes is not None and dims.dp_shard > 1 else None
+    dp_group = meshes["dp"].get_group() if meshes is not None and dims.dp > 1 else None
     moe = MoEStepState(stages, dims.ep, dp_group, n_mb)
     faults = FaultHandler(cfg, rank, sorted(stages), dims.num_stages - 1, device)
     loss_fn = faults.wrap_loss(cross_entropy_loss)
+    tied = TiedEmbeddings(stages, dims, rank, bool(getattr(next(iter(stages.values())), "tied", False)))
     parts = TrainParts(dims, rank, coords, meshes, stages, params, optimizer, scheduler, None, loss_fn,
-                       moe, faults, pp_group, device)
+                       moe, faults, pp_group, device, tied,
+                       loss_parallel=dims.tp > 1 and cfg.parallelism.loss_parallel)
     if dims.pp > 1:
         parts.schedule = build_pipeline_schedule(
             cfg.parallelism.pipeline_schedule, stages, dims.num_stages, n_mb, loss_fn, device, pp_group,
+            dims.stage_to_rank_mapping(),
         )
         if moe.active:
             # The schedule infers stage shapes at its first step by running every stage once,
@@ -159,8 +196,9 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
             # in step 1. So infer now, on a dummy batch, and forget what it counted.
             dummy = torch.zeros(loader.local_batch, cfg.training.seq_len, dtype=torch.int64, device=device)
             last = parts.is_last_stage
-            parts.schedule.step(*((dummy,) if parts.has_first_stage else ()), target=dummy if last else None,
-                                losses=[] if last else None)
+            with parts.loss_context():
+                parts.schedule.step(*((dummy,) if parts.has_first_stage else ()), target=dummy if last else None,
+                                    losses=[] if last else None)
             optimizer.zero_grad(set_to_none=True)
             moe.reset()
     return parts

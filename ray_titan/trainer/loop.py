@@ -72,11 +72,12 @@ def train_loop(
         torch.set_num_threads(cfg.training.threads_per_worker)
     torch.manual_seed(cfg.training.seed)
 
-    # Data: every rank builds the same stream and keeps its DP slice.
+    # Data: every rank builds the same stream and keeps its DP slice (the tp ranks of a group,
+    # and the pp ranks of a pipeline, read the same one).
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
     loader = PackedLoader(
         load_texts(cfg.data), tokenizer, cfg.training.seq_len, cfg.training.global_batch_size,
-        dp_rank=coords["dp_shard"], dp_degree=dims.dp_shard, seed=cfg.training.seed,
+        dp_rank=dims.dp_rank(rank), dp_degree=dims.dp, seed=cfg.training.seed,
     )
     clock.mark("data_ready")
     parts = build(cfg, rank, tokenizer.vocab_size, loader, device)

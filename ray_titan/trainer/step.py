@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from ray_titan.parallel import local_tensor
 from ray_titan.parallel.grad_norm import clip_grad_norm_
 from ray_titan.trainer.build import TrainParts
 
@@ -72,21 +73,23 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
         is_last = parts.is_last_stage
         losses: list[torch.Tensor] | None = [] if is_last else None
         args = (inputs,) if parts.has_first_stage else ()
-        with _autocast(autocast, parts.device):
+        with _autocast(autocast, parts.device), parts.loss_context():
             parts.schedule.step(*args, target=labels if is_last else None, losses=losses)
-        # Host float right away; the list (and its graph-free tensors) dies here.
-        loss = torch.stack(losses).mean().item() if losses is not None else None
+        # Host float right away; the list (and its graph-free tensors) dies here. Under loss
+        # parallel each loss is a replicated DTensor: its local value is the loss.
+        loss = torch.stack([local_tensor(x) for x in losses]).mean().item() if losses is not None else None
         del losses
     else:
         model = next(iter(parts.stages.values()))
         total = torch.zeros((), device=parts.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(n_microbatches), labels.chunk(n_microbatches))):
-            if parts.dims.dp_shard > 1:
-                cast("FSDPModule", model).set_requires_gradient_sync(i == n_microbatches - 1)  # dp_shard > 1: FSDP
-            with _autocast(autocast, parts.device):
-                mb_loss = parts.loss_fn(model(x), y)
-            mb_loss.backward()
-            total += mb_loss.detach()
+            if parts.dims.fsdp:
+                cast("FSDPModule", model).set_requires_gradient_sync(i == n_microbatches - 1)
+            with parts.loss_context():
+                with _autocast(autocast, parts.device):
+                    mb_loss = parts.loss_fn(model(x), y)
+                mb_loss.backward()
+            total += local_tensor(mb_loss.detach())
         # Accumulated, then scaled once, as the pipeline schedules do (scale_grads): the MoE
         # balance loss injects its gradient unscaled in every microbatch.
         if n_microbatches > 1:
@@ -97,8 +100,12 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
         loss = (total / n_microbatches).item()
         del total, mb_loss
     parts.moe.scale_expert_grads()
+    exclude: list[torch.Tensor] = []
+    if parts.tied is not None:
+        parts.tied.sync_grads()
+        exclude = parts.tied.norm_exclude
     t2 = time.perf_counter()
-    grad_norm = clip_grad_norm_(parts.params, max_norm, parts.pp_group).item()
+    grad_norm = clip_grad_norm_(parts.params, max_norm, parts.pp_group, exclude).item()
     lr = float(parts.scheduler.get_last_lr()[0])  # typed float | Tensor; a float here
     skipped = parts.faults.check(step, loss, grad_norm, parts.params)  # training.on_nonfinite
     if not skipped:

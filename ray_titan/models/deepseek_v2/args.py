@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ray_titan.models.rope import RopeScaling
+
 __all__ = ["FLAVORS", "DeepSeekV2Args"]
 
 
@@ -16,6 +18,11 @@ class DeepSeekV2Args:
     values ``v_head_dim``. ``inter_dim`` is the dense layers' SwiGLU hidden size,
     ``moe_inter_dim`` each expert's; the shared experts form one SwiGLU of
     ``n_shared_experts × moe_inter_dim``.
+
+    Routing as DeepSeek's reference ``MoEGate``: the selected experts' softmax scores are
+    renormalised to sum to 1 when ``norm_topk_prob`` (and ``n_activated_experts > 1``), and
+    otherwise multiplied by ``route_scale`` (``routed_scaling_factor``). ``rope_scaling``: the
+    YaRN scaling of the released checkpoints (V2-Lite: factor 40 over 4096 positions), or None.
     """
 
     dim: int = 2048
@@ -39,6 +46,8 @@ class DeepSeekV2Args:
     rope_theta: float = 10_000.0
     max_seq_len: int = 4096
     init_std: float = 0.02
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
     load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
     aux_loss_coeff: float = 0.001
     """α of the balance loss (DeepSeek-V2-Lite: 0.001)."""
@@ -64,7 +73,11 @@ FLAVORS: dict[str, DeepSeekV2Args] = {
         max_seq_len=1024,
     ),
     # DeepSeek-V2-Lite (huggingface.co/deepseek-ai/DeepSeek-V2-Lite, config.json): 15.7 B total,
-    # 2.4 B activated parameters.
-    "V2-Lite": DeepSeekV2Args(),
+    # 2.4 B activated parameters; YaRN rope at every sequence length.
+    "V2-Lite": DeepSeekV2Args(
+        max_seq_len=163_840,
+        rope_scaling=RopeScaling("yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                                 beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707),
+    ),
 }
 """Flavors by name. ``debug`` is tiny and CPU-friendly."""

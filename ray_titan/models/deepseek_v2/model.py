@@ -22,9 +22,9 @@ Architecture after DeepSeek-V2 (DeepSeek-AI 2024, arXiv:2405.04434) and its V2-L
 Routing is dropless (no capacity factor): every token reaches its top-k experts
 (:func:`route_tokens`). The model knows nothing of parallelism: expert parallelism
 (``ray_titan.parallel.expert``) shards the experts' weights and sets :attr:`MoE.run_experts` to
-move the grouped tokens to the ranks that hold their experts and back. YaRN rope scaling of
-the released checkpoints (for 32k+ contexts) is not implemented; it does not change parameter
-shapes.
+move the grouped tokens to the ranks that hold their experts and back. Rotary embeddings take
+the released checkpoints' YaRN scaling (``args.rope_scaling``, ``ray_titan.models.rope``), with
+DeepSeek's correction of the softmax scale.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from ray_titan.models.decoder import Decoder, FeedForward, RMSNorm, apply_rope
 from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
+from ray_titan.models.rope import softmax_scale_factor
 
 __all__ = [
     "MLA", "DeepSeekV2", "GroupedExperts", "MoE", "Router", "activated_parameters", "route_tokens",
@@ -53,8 +54,12 @@ class MLA(nn.Module):
     """Multi-head latent attention (DeepSeek-V2 §2.1), causal, via ``scaled_dot_product_attention``.
 
     Input and output ``(batch, seq, dim)``. The latent ``c_KV`` is what an inference KV cache
-    would hold; training reconstructs full keys and values from it.
+    would hold; training reconstructs full keys and values from it. The latents' RMSNorms use
+    eps 1e-6 whatever ``norm_eps`` is, as DeepSeek's reference code; under YaRN the softmax
+    scale ``1/sqrt(qk_head_dim)`` is multiplied by ``mscale(factor, mscale_all_dim)²``.
     """
+
+    LATENT_NORM_EPS = 1e-6
 
     def __init__(self, args: DeepSeekV2Args):
         super().__init__()
@@ -64,28 +69,32 @@ class MLA(nn.Module):
         q_out = args.n_heads * args.qk_head_dim
         if args.q_lora_rank > 0:
             self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+            self.q_norm = RMSNorm(args.q_lora_rank, self.LATENT_NORM_EPS)
             self.wq_b = nn.Linear(args.q_lora_rank, q_out, bias=False)
         else:
             self.wq = nn.Linear(args.dim, q_out, bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, self.LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+        factor = softmax_scale_factor(args.rope_scaling)
+        # None: SDPA's own 1/sqrt(qk_head_dim), bitwise as without scaling.
+        self.softmax_scale = None if factor == 1.0 else args.qk_head_dim**-0.5 * factor
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
-        q_nope, q_pe = q.view(bsz, seq, self.n_heads, -1).split([self.nope, self.rope], dim=-1)
+        # -1 heads: the projections may hold a subset of the heads (tensor parallel).
+        q_nope, q_pe = q.view(bsz, seq, -1, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
         k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin)  # one rotary key shared by all heads
         q_pe = apply_rope(q_pe, cos, sin)
-        kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seq, self.n_heads, self.nope + self.v_dim)
+        kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seq, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -94,7 +103,9 @@ class Router(nn.Module):
 
     ``forward(x (tokens, dim))`` returns ``(weights (tokens, k) fp32, indices (tokens, k) int64,
     scores (tokens, n_experts) fp32)``. Scores are the softmax over all experts; the weights are
-    the selected experts' scores (renormalised if ``norm_topk_prob``) times ``route_scale``.
+    the selected experts' scores, renormalised to sum to 1 if ``norm_topk_prob`` (and top-k > 1),
+    otherwise times ``route_scale`` (DeepSeek-V2's ``MoEGate``: the scaling factor applies only
+    when not normalising).
 
     Buffers: ``expert_bias (n_experts,)`` fp32, persistent (checkpointed), added to the scores
     for selection only; ``tokens_per_expert (n_experts,)`` int64, the tokens routed to each
@@ -122,12 +133,14 @@ class Router(nn.Module):
         select = scores + self.expert_bias if self.use_bias else scores
         indices = select.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, indices)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.norm_topk_prob and self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        elif self.route_scale != 1.0:
+            weights = weights * self.route_scale
         if not _recomputing():
             with torch.no_grad():
                 self.tokens_per_expert += torch.bincount(indices.flatten(), minlength=scores.shape[-1])
-        return weights * self.route_scale, indices, scores
+        return weights, indices, scores
 
 
 class GroupedExperts(nn.Module):

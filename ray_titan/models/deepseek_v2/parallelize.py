@@ -1,40 +1,94 @@
 """Parallelisms of the DeepSeek-V2 family, applied in the fixed order TP → EP → AC → compile → FSDP.
 
-Tensor parallel and ``torch.compile`` have their places reserved in that order. Expert
-parallelism (``ray_titan.parallel.expert``) shards the routed experts over ``ep`` (borrowed from
-``dp_shard``) before FSDP2, which then shards the experts over what ``ep`` leaves of
-``dp_shard`` (``dp_shard_mod_ep``) and everything else over ``dp_shard``. Called on each pipeline
-stage module while it is on the meta device, before its weights are materialised.
+Tensor parallel (``ray_titan.parallel.tp``), as torchtitan applies it to DeepSeek:
+
+- **MLA**: the per-head projections are split column-wise over the heads (``wq``, or ``wq_b``
+  with a query latent; ``wkv_b``, which expands the latent into each head's key and value) and
+  ``wo`` row-wise; the latent projections are replicated (``wkv_a``, ``kv_norm``, and ``wq_a``,
+  ``q_norm``): their outputs are shared by all heads and small (``kv_lora_rank`` + the rotary
+  key per token). The rotary key's gradient, which each tp rank computes for its own heads, is
+  summed over tp (``ReduceGradSlice``).
+- **Dense feed-forward** and the MoE's **shared experts**: hidden units split (``w1``, ``w3``
+  column-wise, ``w2`` row-wise).
+- **MoE layer**: the router is replicated and sees every token (the layer's input is
+  all-gathered under sequence parallel), so the routing and the balance loss are those of one
+  worker; the **routed experts are tensor-parallel** too, split by their hidden units
+  (``apply_expert_tensor_parallel``), and with ``ep > 1`` also expert-parallel over ``ep``
+  (borrowed from ``dp_shard``): each rank holds ``1/tp`` of ``N/ep`` experts. Why TP and not
+  EP over tp: the tp ranks already hold the same tokens, so splitting the experts' hidden units
+  costs one all-reduce of the experts' outputs and no token exchange, and EP stays within
+  ``dp_shard``, where the tokens differ.
+- Embedding row-wise, output head column-wise with loss parallel, norms sequence-parallel.
+
+Then expert parallelism (``ray_titan.parallel.expert``) shards the routed experts over ``ep``
+before FSDP2, which shards the experts over what ``ep`` leaves of ``dp_shard``
+(``dp_shard_mod_ep``) and everything else over ``dp_shard`` (HSDP: replicated over
+``dp_replicate`` as well). Called on each pipeline stage module while it is on the meta device,
+before its weights are materialised.
 """
 
 from __future__ import annotations
+
+from typing import Any, cast
 
 from torch import nn
 
 from ray_titan.config.schema import JobConfig
 from ray_titan.parallel.ac import apply_ac
 from ray_titan.parallel.dims import Meshes, ParallelDims
-from ray_titan.parallel.expert import apply_expert_parallel
+from ray_titan.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
 from ray_titan.parallel.fsdp import apply_fsdp, resolve_reshard_after_forward
+from ray_titan.parallel.tp import (
+    ReduceGradSlice,
+    apply_tp,
+    attention_plan,
+    decoder_ends_plan,
+    feed_forward_plan,
+    norm_plan,
+    token_replicated_plan,
+)
 
 __all__ = ["parallelize_deepseek_v2"]
+
+
+def _block_tp_plan(block: Any, sp: bool) -> dict:
+    attn = block.attention
+    colwise = ["wq" if hasattr(attn, "wq") else "wq_b", "wkv_b"]
+    plan = {**attention_plan("attention", colwise, "wo", sp),
+            "attention.wkv_a": ReduceGradSlice(attn.kv_lora_rank)}
+    if hasattr(block, "moe"):
+        plan.update({**norm_plan("ffn_norm", sp), **token_replicated_plan("moe", sp)})
+        if block.moe.shared_experts is not None:
+            plan.update(feed_forward_plan("moe.shared_experts", sequence_parallel=False, norm=None))
+    else:
+        plan.update(feed_forward_plan("feed_forward", sp))
+    return plan
 
 
 def parallelize_deepseek_v2(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg: JobConfig) -> None:
     """Parallelize one DeepSeek-V2 stage module in place.
 
-    ``meshes``: the 1-D meshes by axis name (:meth:`ParallelDims.build_mesh`), None on a single
-    rank. Order: (tensor parallel: not yet) → expert parallel over ``ep`` when it is > 1 →
-    activation checkpointing per ``[activation_checkpoint]`` → (compile: not yet) → FSDP2 over
-    ``dp_shard`` when it is > 1 (routed experts over ``dp_shard_mod_ep`` under EP).
+    ``meshes``: the job's meshes by name (:meth:`ParallelDims.build_mesh`), None on a single
+    rank. Order: tensor parallel over ``tp`` when it is > 1 (module docstring) → expert parallel
+    over ``ep`` when it is > 1 → activation checkpointing per ``[activation_checkpoint]`` →
+    (compile: not yet) → FSDP2 over the ``fsdp`` mesh when there is more than one data-parallel
+    rank (routed experts over ``efsdp`` under EP).
     """
+    par = cfg.parallelism
+    if dims.tp > 1:
+        assert meshes is not None
+        sp = par.sequence_parallel
+        apply_tp(model, meshes["tp"], decoder_ends_plan(model, sp, par.loss_parallel))
+        for block in cast(nn.ModuleDict, model.layers).values():
+            apply_tp(block, meshes["tp"], _block_tp_plan(block, sp))
+        apply_expert_tensor_parallel(model, meshes["tp"])
     if dims.ep > 1:
         assert meshes is not None
-        apply_expert_parallel(model, meshes["ep"])
+        apply_expert_parallel(model, meshes["ep"], meshes.get("ep_tp"))
     ac = cfg.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_option, ac.layer_freq)
-    if dims.dp_shard > 1:
+    if dims.fsdp:
         assert meshes is not None
-        reshard = resolve_reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, dims.pp > 1)
-        apply_fsdp(model, meshes["dp_shard"], reshard, meshes["dp_shard_mod_ep"] if dims.ep > 1 else None,
+        reshard = resolve_reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp > 1)
+        apply_fsdp(model, meshes["fsdp"], reshard, meshes["efsdp"] if dims.ep > 1 else None,
                    cpu_offload=cfg.memory.cpu_offload)

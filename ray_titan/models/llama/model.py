@@ -6,6 +6,9 @@ arXiv:2407.21783): pre-norm RMSNorm, rotary position embeddings, grouped-query a
 feed-forward whose hidden size follows Meta's reference code (2/3 · 4·dim, times
 ``ffn_dim_multiplier``, rounded up to ``multiple_of``). The shared skeleton is
 :class:`~ray_titan.models.decoder.Decoder`; the model knows nothing of parallelism.
+
+With ``qk_norm`` it is Qwen3's decoder (Qwen Team 2025, arXiv:2505.09388): an RMSNorm over each
+query and key head, before the rotary embedding.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ __all__ = ["Attention", "Llama", "TransformerBlock"]
 class Attention(nn.Module):
     """Causal grouped-query self-attention via ``F.scaled_dot_product_attention``.
 
-    Input and output ``(batch, seq, dim)``.
+    Input and output ``(batch, seq, dim)``. ``q_norm`` / ``k_norm`` (``args.qk_norm``): RMSNorm
+    over ``head_dim`` of each query / key head before the rotary embedding (Qwen3).
     """
 
     def __init__(self, args: LlamaArgs):
@@ -33,12 +37,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        # -1 heads: the projections may hold a subset of the heads (tensor parallel).
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(

@@ -1,0 +1,565 @@
+"""Hugging Face checkpoints in and out: ``config.json`` + safetensors + ``tokenizer.json``.
+
+**Import** (``checkpoint.initial_load_hf = "<dir or URI>"``): :func:`resolve_hf_job` takes the
+model family and arguments from the directory's ``config.json`` (``model_type`` picks the family
+in ``ray_titan.models.registry``, whose state-dict adapter reads the rest) and its
+``tokenizer.json``; :func:`check_hf_checkpoint` compares every tensor name, shape and dtype in
+the safetensors headers with what the model needs, before any worker starts; on the workers
+:func:`load_hf_weights` fills each rank's parameters of its pipeline stages after they are
+sharded (FSDP2, expert parallel), reading only this rank's rows.
+
+How a rank reads only its slice: a parameter's local chunk is the one DCP's planner would read
+(``DTensor.__create_chunk_list__``: offsets and sizes in the whole tensor); FSDP2 and expert
+parallelism shard dim 0, so a chunk is a run of rows, and in a safetensors file a run of rows is
+one contiguous byte range (row-major data after a JSON header; the format's specification,
+github.com/huggingface/safetensors). :class:`SafetensorsFiles` parses the headers and reads those
+ranges through pyarrow's filesystems, so the same code serves a local directory and object
+storage (``s3://``, ``gs://``, ...). The adapter's row permutation (q/k rotary layout) maps
+ray_titan's rows to Hugging Face rows of the same head, read as the covering range; routed
+experts stacked on dim 0 read one Hugging Face tensor per local expert. DCP's
+``HuggingFaceStorageReader`` was not used: it opens files with ``safe_open`` (local paths only)
+and loads tensors under their checkpoint names and shapes, whereas a rank here needs Hugging
+Face rows that land in other rows (the q/k permutation can cross a shard boundary) or in a
+slice of a stacked tensor.
+
+**Export** (``ray-titan export``, ``checkpoint.last_save_hf``): :func:`export_hf` streams a
+ray_titan DCP checkpoint into ``config.json``, ``model-0000i-of-0000N.safetensors`` shards with
+``model.safetensors.index.json``, and the tokenizer files: one shard's tensors at a time are
+loaded from the sharded checkpoint with DCP (only their keys), mapped by the adapter and
+written with ``safetensors``, so no process holds the whole model. (DCP's
+``HuggingFaceStorageWriter`` writes the state dict it is given in one call, which would hold
+the whole model.) The MoE router's ``expert_bias`` goes to a side file (``ROUTER_BIAS_FILE`` of
+``ray_titan.models.deepseek_v2.hf``) when it is not all zeros; tied models write the embedding
+once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ray_titan import storage
+from ray_titan.checkpoint import SafeFileSystemReader, SafeLoadPlanner, read_manifest, resolve_checkpoint
+from ray_titan.config.schema import ConfigError, JobConfig
+from ray_titan.models.registry import ModelSpec, build_model, get_model_args, get_spec, spec_for_hf
+from ray_titan.models.rope import RopeScaling
+from ray_titan.models.state_dict_adapter import HFConfigError, Source
+from ray_titan.parallel import local_tensor
+
+__all__ = [
+    "CONFIG",
+    "INDEX",
+    "TOKENIZER_FILES",
+    "ExportResult",
+    "HFCheckpointError",
+    "SafetensorsFiles",
+    "check_hf_checkpoint",
+    "export_hf",
+    "hf_model",
+    "job_model_args",
+    "load_hf_weights",
+    "read_hf_config",
+    "resolve_hf_job",
+    "save_last_hf",
+]
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+"""Files copied beside an export when the run's tokenizer directory has them."""
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+_EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint directory cannot be used; the message names the file and the
+    problem."""
+
+
+# -- config.json ------------------------------------------------------------------------------
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """``<path>/config.json`` as a dict (``path``: a local directory or a URI pyarrow reads).
+    Raises :class:`HFCheckpointError` when it is missing, unreadable or not a JSON object."""
+    file = storage.join(path, CONFIG)
+    try:
+        text = storage.read_text(file)
+    except FileNotFoundError:
+        raise HFCheckpointError(f"{file} does not exist (a Hugging Face model directory has a config.json)") from None
+    except Exception as e:
+        raise HFCheckpointError(f"{file} is unreadable: {type(e).__name__}: {e}") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise HFCheckpointError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise HFCheckpointError(f"{file} holds a {type(config).__name__}, not a JSON object")
+    return config
+
+
+def hf_model(path: str) -> tuple[ModelSpec, Any]:
+    """The family (its :class:`ModelSpec`) and model arguments ``path``'s ``config.json``
+    describes. Raises :class:`HFCheckpointError` naming the file: no or an unsupported
+    ``model_type`` (listing the supported ones), or a field the family cannot build."""
+    config = read_hf_config(path)
+    file = storage.join(path, CONFIG)
+    try:
+        spec = spec_for_hf(config.get("model_type", ""))
+    except KeyError as e:
+        raise HFCheckpointError(f"{file}: {e.args[0]}") from None
+    try:
+        return spec, spec.hf.args_from_hf(config)
+    except HFConfigError as e:
+        raise HFCheckpointError(f"{file}: {e}") from None
+
+
+def _absolute(path: str) -> str:
+    local = storage.local_path(path)
+    return str(local) if local is not None else path
+
+
+def resolve_hf_job(cfg: JobConfig) -> JobConfig:
+    """With ``checkpoint.initial_load_hf``: a copy of ``cfg`` whose ``model.name`` is the family of
+    the checkpoint's ``config.json``, whose ``model.flavor`` is ``hf`` (or the flavor set in the
+    config, once checked to agree), and whose tokenizer is the checkpoint's ``tokenizer.json``
+    unless ``data.tokenizer`` or ``data.tokenizer_path`` is set. Without it, ``cfg`` unchanged.
+
+    Call it where the job is loaded (the driver, the launcher): it tells settings given by the
+    user from defaults. Raises :class:`ConfigError` naming ``checkpoint.initial_load_hf`` and the
+    file, or the disagreeing setting, the field and both values.
+    """
+    src = cfg.checkpoint.initial_load_hf
+    if not src:
+        return cfg
+    src = _absolute(src)
+    try:
+        spec, args = hf_model(src)
+    except HFCheckpointError as e:
+        raise ConfigError(f"checkpoint.initial_load_hf = {src!r}: {e}") from None
+    given = cfg.model.model_fields_set
+    config_file = storage.join(src, CONFIG)
+    if "name" in given and cfg.model.name != spec.name:
+        raise ConfigError(
+            f"model.name = {cfg.model.name!r} but {config_file} has model_type "
+            f"{spec.hf.model_type!r} (family {spec.name!r}); set model.name = {spec.name!r} or leave it unset"
+        )
+    flavor = "hf"
+    if "flavor" in given:
+        try:
+            flavor_args = get_model_args(spec.name, cfg.model.flavor)
+        except KeyError as e:
+            raise ConfigError(str(e.args[0])) from None
+        diffs = spec.hf.differences(flavor_args, args)
+        if diffs:
+            field, mine, theirs = diffs[0]
+            raise ConfigError(
+                f"model.flavor = {cfg.model.flavor!r} disagrees with {config_file}: {field} is {mine!r} in the "
+                f"flavor, {theirs!r} in config.json; leave model.flavor unset to take the checkpoint's sizes"
+            )
+        flavor = cfg.model.flavor
+    model = cfg.model.model_copy(update={"name": spec.name, "flavor": flavor})
+    data = cfg.data
+    if not {"tokenizer", "tokenizer_path"} & cfg.data.model_fields_set:
+        tokenizer = storage.join(src, "tokenizer.json")
+        data = data.model_copy(update={"tokenizer": "huggingface", "tokenizer_path": tokenizer})
+    ckpt = cfg.checkpoint.model_copy(update={"initial_load_hf": src})
+    return cfg.model_copy(update={"model": model, "data": data, "checkpoint": ckpt})
+
+
+def job_model_args(cfg: JobConfig) -> Any:
+    """The model arguments of the job: the checkpoint's ``config.json`` with
+    ``checkpoint.initial_load_hf`` (after :func:`resolve_hf_job`), else ``model.flavor``'s.
+    Raises ``KeyError`` for an unknown family or flavor, :class:`HFCheckpointError` for a bad
+    ``config.json``."""
+    if cfg.checkpoint.initial_load_hf:
+        return hf_model(cfg.checkpoint.initial_load_hf)[1]
+    return get_model_args(cfg.model.name, cfg.model.flavor)
+
+
+# -- safetensors files -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Entry:
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+class SafetensorsFiles:
+    """The tensors of a Hugging Face checkpoint, by name, read from their safetensors headers.
+
+    Files: those ``model.safetensors.index.json`` names, else ``model.safetensors``; ``extra``:
+    side files read too when present (the router bias). Only headers are read at construction
+    (8-byte length + JSON per file); :meth:`read_rows` reads one contiguous byte range. Works on
+    a local directory or any URI pyarrow's filesystems read. Raises :class:`HFCheckpointError`
+    naming the file: no weights file, an unreadable or malformed header or index, a tensor the
+    index places in a file that lacks it.
+    """
+
+    def __init__(self, path: str, extra: tuple[str, ...] = ()):
+        self.path = path
+        self.entries: dict[str, _Entry] = {}
+        self._files: dict[str, Any] = {}
+        index_file = storage.join(path, INDEX)
+        if storage.exists(index_file):
+            try:
+                weight_map = json.loads(storage.read_text(index_file))["weight_map"]
+            except Exception as e:
+                raise HFCheckpointError(f"{index_file} is unreadable: {type(e).__name__}: {e}") from None
+            for name in sorted(set(weight_map.values())):
+                self._read_header(name)
+            for key, name in weight_map.items():
+                if key not in self.entries or self.entries[key].file != name:
+                    raise HFCheckpointError(f"{index_file} places {key} in {name}, which does not hold it")
+        elif storage.exists(storage.join(path, SINGLE)):
+            self._read_header(SINGLE)
+        else:
+            raise HFCheckpointError(f"{path} has neither {INDEX} nor {SINGLE}")
+        self.model_keys = set(self.entries)
+        for name in extra:
+            if storage.exists(storage.join(path, name)):
+                self._read_header(name)
+
+    def _open(self, name: str):
+        if name not in self._files:
+            fs, p = storage.resolve(storage.join(self.path, name))
+            self._files[name] = fs.open_input_file(p)
+        return self._files[name]
+
+    def _read_header(self, name: str) -> None:
+        file = storage.join(self.path, name)
+        try:
+            f = self._open(name)
+            size = f.size()
+            (n,) = struct.unpack("<Q", f.read_at(8, 0))
+            if n > size - 8:
+                raise ValueError(f"header length {n} exceeds the file's {size} bytes")
+            header = json.loads(f.read_at(n, 8))
+        except FileNotFoundError:
+            raise HFCheckpointError(f"{file} does not exist") from None
+        except Exception as e:
+            raise HFCheckpointError(f"{file} is not a readable safetensors file: {type(e).__name__}: {e}") from None
+        header.pop("__metadata__", None)
+        for key, h in header.items():
+            begin, end = h["data_offsets"]
+            entry = _Entry(name, h["dtype"], tuple(h["shape"]), 8 + n + begin, end - begin)
+            if entry.dtype not in _DTYPES:
+                raise HFCheckpointError(
+                    f"{file}: tensor {key} has dtype {entry.dtype}; supported: {sorted(_DTYPES)}"
+                )
+            if entry.nbytes != math.prod(entry.shape) * _DTYPES[entry.dtype].itemsize or 8 + n + end > size:
+                raise HFCheckpointError(f"{file}: tensor {key}'s bytes do not match its shape {list(entry.shape)}")
+            self.entries[key] = entry
+
+    def read_rows(self, key: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of dim 0 of tensor ``key`` (all of it by default), in the
+        file's dtype, as a new CPU tensor."""
+        e = self.entries[key]
+        if not e.shape:
+            start, stop, row_bytes = 0, 1, e.nbytes
+        else:
+            stop = e.shape[0] if stop is None else stop
+            row_bytes = e.nbytes // e.shape[0] if e.shape[0] else 0
+        data = self._open(e.file).read_at((stop - start) * row_bytes, e.start + start * row_bytes)
+        dtype = _DTYPES[e.dtype]
+        t = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        return t.reshape(e.shape) if not e.shape else t.reshape(stop - start, *e.shape[1:])
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def _read_source(files: SafetensorsFiles, src: Source, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of dim 0 of the ray_titan tensor ``src`` describes."""
+    if src.stacked:
+        return torch.stack([files.read_rows(k) for k in src.keys[start:stop]])
+    (key,) = src.keys
+    if src.rows is None:
+        return files.read_rows(key, start, stop)
+    rows = torch.tensor(src.rows[start:stop])
+    lo, hi = int(rows.min()), int(rows.max()) + 1  # a head's rows: a short covering range
+    return files.read_rows(key, lo, hi)[rows - lo]
+
+
+def _expected_shapes(spec: ModelSpec, args: Any) -> tuple[dict[str, tuple[int, ...]], dict[str, Source]]:
+    """Hugging Face tensor name -> shape the model needs, and the sources by ray_titan name."""
+    with torch.device("meta"):
+        model = build_model(spec.name, "", args=args)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    sources = spec.hf.sources(args)
+    want: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        src = sources[name]
+        for key in src.keys:
+            want[key] = shape[1:] if src.stacked else shape
+    return want, sources
+
+
+def check_hf_checkpoint(path: str) -> tuple[ModelSpec, Any]:
+    """Check a Hugging Face model directory against the model its ``config.json`` describes,
+    from the safetensors headers only: every tensor present, none unexpected, each of the right
+    shape and a floating dtype. Returns ``(spec, args)``. Raises :class:`HFCheckpointError`
+    naming the file and the problem (the tensor, both shapes)."""
+    spec, args = hf_model(path)
+    want, sources = _expected_shapes(spec, args)
+    extra = tuple(sorted({s.file for s in sources.values() if s.file}))
+    files = SafetensorsFiles(path, extra)
+    try:
+        optional = {k for s in sources.values() if s.optional for k in s.keys}
+        where = storage.join(path, INDEX if storage.exists(storage.join(path, INDEX)) else SINGLE)
+        missing = sorted(k for k in want if k not in files.entries and k not in optional)
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise HFCheckpointError(f"{where}: missing tensor(s) {', '.join(missing[:3])}{more}")
+        unexpected = sorted(k for k in files.entries if k not in want and k not in spec.hf.ignored_keys(args))
+        if unexpected:
+            more = f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
+            file = storage.join(path, files.entries[unexpected[0]].file)
+            raise HFCheckpointError(f"{file}: unexpected tensor(s) {', '.join(unexpected[:3])}{more} "
+                                    f"for a {spec.hf.model_type} model of this config.json")
+        for key, shape in want.items():
+            e = files.entries.get(key)
+            if e is not None and e.shape != shape:
+                raise HFCheckpointError(
+                    f"{storage.join(path, e.file)}: tensor {key} has shape {list(e.shape)}, config.json "
+                    f"implies {list(shape)}"
+                )
+    finally:
+        files.close()
+    return spec, args
+
+
+# -- loading on the workers --------------------------------------------------------------------
+
+def _offsets(t: torch.Tensor) -> tuple[int, ...]:
+    """Where this rank's local tensor of ``t`` starts in the whole tensor (zeros unless a
+    ``DTensor``): the chunk DCP's planner would read for this rank."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        (chunk,) = t.__create_chunk_list__()
+        return tuple(chunk.offsets)
+    return (0,) * t.dim()
+
+
+@torch.no_grad()
+def load_hf_weights(module: nn.Module, path: str, spec: ModelSpec, args: Any,
+                    sources: dict[str, Source] | None = None) -> None:
+    """Fill ``module`` (the whole model or a pipeline stage, plain or sharded by FSDP2 / expert
+    parallelism) with the Hugging Face checkpoint at ``path``, reading only the rows of this
+    rank's shards; values are converted to each parameter's dtype. ``sources`` replaces the
+    adapter's (tests use it to show that a wrong layout fails). Every parameter must have a
+    source; optional buffers absent from the files keep their values. Call
+    :func:`check_hf_checkpoint` first (the pre-flight does): a missing tensor raises ``KeyError``.
+    """
+    sources = spec.hf.sources(args) if sources is None else sources
+    extra = tuple(sorted({s.file for s in sources.values() if s.file}))
+    files = SafetensorsFiles(path, extra)
+    try:
+        wanted: dict[str, torch.Tensor] = dict(module.named_parameters())
+        wanted |= {n: b for n, b in module.named_buffers() if n in sources}
+        for name, t in wanted.items():
+            src = sources[name]
+            if src.optional and not all(k in files.entries for k in src.keys):
+                continue
+            local = local_tensor(t)
+            if local.numel() == 0:  # an empty shard (FSDP2 pads uneven dim-0 splits)
+                continue
+            offsets = _offsets(t)
+            lo = offsets[0] if offsets else 0
+            value = _read_source(files, src, lo, lo + (local.shape[0] if local.dim() else 1))
+            if local.dim() > 1 and tuple(local.shape[1:]) != tuple(t.shape[1:]):  # sharded beyond dim 0
+                value = value[(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], local.shape[1:])))]
+            local.copy_(value.reshape(local.shape))
+    finally:
+        files.close()
+
+
+# -- export --------------------------------------------------------------------------------------
+
+@dataclass
+class ExportResult:
+    """What :func:`export_hf` wrote: the directory, its weights files (side files included),
+    the number of tensors and their bytes."""
+
+    out_dir: str
+    files: list[str]
+    tensors: int
+    total_bytes: int
+
+
+def _args_of(manifest: dict[str, Any], spec: ModelSpec) -> Any:
+    """The model arguments a checkpoint manifest records (``model_args``, written since Hugging
+    Face export exists), else its flavor's with its vocabulary."""
+    recorded = manifest.get("model_args")
+    args_cls = type(next(iter(spec.flavors.values())))
+    if recorded is None:
+        args = get_model_args(spec.name, manifest["model"]["flavor"])
+        return dataclasses.replace(args, vocab_size=manifest["model"]["vocab_size"])
+    fields = {f.name for f in dataclasses.fields(args_cls)}
+    values = {k: v for k, v in recorded.items() if k in fields}
+    if values.get("rope_scaling") is not None:
+        values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+    return args_cls(**values)
+
+
+def _plan_shards(items: list[tuple[str, Source, tuple[int, ...]]], itemsize: int,
+                 max_shard_bytes: int) -> list[list[tuple[str, Source, tuple[int, ...]]]]:
+    shards: list[list[tuple[str, Source, tuple[int, ...]]]] = [[]]
+    size = 0
+    for item in items:
+        nbytes = math.prod(item[2]) * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    return shards
+
+
+def _to_hf(src: Source, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    if src.stacked:
+        for i, key in enumerate(src.keys):
+            yield key, full[i]
+    elif src.rows is not None:
+        out = torch.empty_like(full)
+        out[torch.tensor(src.rows)] = full
+        yield src.keys[0], out
+    else:
+        yield src.keys[0], full
+
+
+def export_hf(checkpoint: str | Path, out_dir: str, dtype: str = "bf16",
+              max_shard_bytes: int = 5 * 2**30, source_config: dict[str, Any] | None = None) -> ExportResult:
+    """Write the model of a ray_titan checkpoint (a ``step-NNNNNNNN`` directory, a run directory
+    or its ``checkpoints/``: the latest complete one) as a Hugging Face model directory
+    ``out_dir`` (local path or URI): ``config.json``, safetensors shards of at most
+    ``max_shard_bytes`` (bytes) with ``model.safetensors.index.json``, and the run's tokenizer
+    files. ``dtype``: ``bf16`` or ``fp32`` (weights; the router bias stays fp32).
+    ``source_config``: a ``config.json`` whose other fields (token ids, ...) are kept; by default
+    that of the checkpoint the run imported, if any. Streams: one shard in memory at a time.
+    Raises ``CheckpointError`` for a missing or incomplete checkpoint, ``ValueError`` for an
+    unknown ``dtype``."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save
+
+    if dtype not in _EXPORT_DTYPES:
+        raise ValueError(f"dtype = {dtype!r}; valid: {sorted(_EXPORT_DTYPES)}")
+    torch_dtype = _EXPORT_DTYPES[dtype]
+    path = resolve_checkpoint(checkpoint, "CHECKPOINT_OR_RUN_DIR")
+    manifest = read_manifest(path)
+    spec = get_spec(manifest["model"]["name"])
+    args = _args_of(manifest, spec)
+    want, sources = _expected_shapes(spec, args)
+    reader = SafeFileSystemReader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
+    # Each Hugging Face tensor once (a tied head reads the embedding); from a saved entry.
+    items: list[tuple[str, Source, tuple[int, ...]]] = []
+    seen: set[str] = set()
+    for name, src in sources.items():
+        if src.keys[0] in seen or f"model.{name}" not in saved:
+            continue
+        seen.update(src.keys)
+        items.append((name, src, tuple(saved[f"model.{name}"].size)))  # type: ignore[union-attr]
+    missing = sorted(k for k in want if k not in seen and not any(k in s.keys and s.optional for s in sources.values()))
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks the model tensors for {', '.join(missing[:3])}")
+    main = [it for it in items if it[1].file is None]
+    side = [it for it in items if it[1].file is not None]
+    shards = _plan_shards(main, torch_dtype.itemsize, max_shard_bytes)
+    storage.makedirs(out_dir)
+    weight_map: dict[str, str] = {}
+    written, total, count = [], 0, 0
+
+    def load(group: list[tuple[str, Source, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+        sd = {f"model.{name}": torch.empty(shape, dtype=saved[f"model.{name}"].properties.dtype)  # type: ignore[union-attr]
+              for name, _, shape in group}
+        dcp.load(sd, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
+        return sd
+
+    for i, group in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        sd = load(group)
+        tensors = {key: t.to(torch_dtype).contiguous().clone() for n, src, _ in group
+                   for key, t in _to_hf(src, sd.pop(f"model.{n}"))}
+        data = save(tensors, metadata={"format": "pt"})
+        storage.write_bytes(storage.join(out_dir, name), data)
+        weight_map |= dict.fromkeys(tensors, name)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        count += len(tensors)
+        written.append(name)
+        del tensors, data, sd
+    for file in sorted({it[1].file for it in side if it[1].file}):
+        group = [it for it in side if it[1].file == file]
+        sd = load(group)
+        tensors = {key: t.float().contiguous().clone()
+                   for n, src, _ in group for key, t in _to_hf(src, sd[f"model.{n}"])}
+        if any(bool(t.any()) for t in tensors.values()):  # all zeros: nothing learned, nothing to keep
+            storage.write_bytes(storage.join(out_dir, file), save(tensors, metadata={"format": "pt"}))
+            written.append(file)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    storage.write_text(storage.join(out_dir, INDEX), json.dumps(index, indent=2) + "\n")
+    hf_src = manifest.get("initial_load_hf")
+    if source_config is None and hf_src:
+        try:
+            source_config = read_hf_config(hf_src)
+        except HFCheckpointError:
+            source_config = None
+    config = {**(source_config or {}), **spec.hf.hf_config(args), "model_type": spec.hf.model_type,
+              "architectures": list(spec.hf.architectures), "torch_dtype": str(torch_dtype).removeprefix("torch."),
+              "dtype": str(torch_dtype).removeprefix("torch.")}
+    config.pop("rope_parameters", None)  # rope_to_hf's rope_theta / rope_scaling say it
+    config |= _copy_tokenizer(manifest.get("tokenizer_path"), out_dir, config)
+    storage.write_text(storage.join(out_dir, CONFIG), json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return ExportResult(out_dir, written, count, total)
+
+
+def _copy_tokenizer(tokenizer_path: str | None, out_dir: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Copy the run's tokenizer files beside the export; the token ids config.json needs."""
+    if not tokenizer_path:
+        return {}
+    src_dir = tokenizer_path.rsplit("/", 1)[0]
+    for name in TOKENIZER_FILES:
+        f = storage.join(src_dir, name)
+        if storage.exists(f):
+            storage.write_bytes(storage.join(out_dir, name), storage.read_bytes(f))
+    if "bos_token_id" in config and "eos_token_id" in config:
+        return {}
+    from ray_titan.data.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(tokenizer_path)
+    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+
+
+def save_last_hf(cfg: JobConfig, checkpoint: Path | None, run_dir: Path | str) -> Path | None:
+    """``checkpoint.last_save_hf``: export the run's final ``checkpoint`` to ``<run_dir>/hf``
+    (:func:`export_hf`, ``checkpoint.last_save_hf_dtype``) and say so; returns that directory,
+    or None when the setting is off. A remote run directory's checkpoints are Ray Train's (not
+    found here): then it prints how to export them."""
+    if not cfg.checkpoint.last_save_hf:
+        return None
+    if checkpoint is None or not isinstance(run_dir, Path):
+        print(f"ray_titan: checkpoint.last_save_hf: no local checkpoint in {run_dir}; export one with "
+              "'ray-titan export CHECKPOINT --to hf OUT_DIR'", flush=True)
+        return None
+    out = run_dir / "hf"
+    result = export_hf(checkpoint, str(out), cfg.checkpoint.last_save_hf_dtype)
+    print(f"ray_titan: Hugging Face model of {checkpoint.name} in {out} ({result.tensors} tensors, "
+          f"{result.total_bytes / 2**20:.1f} MiB)", flush=True)
+    return out

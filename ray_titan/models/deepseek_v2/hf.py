@@ -1,0 +1,112 @@
+"""The DeepSeek-V2 family's Hugging Face mapping (``model_type = "deepseek_v2"``,
+``DeepseekV2ForCausalLM``; the released checkpoints' names).
+
+Names: ``self_attn.q_proj`` (or ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``) ↔
+``attention.wq`` (``wq_a``, ``q_norm``, ``wq_b``), ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` /
+``kv_b_proj`` / ``o_proj`` ↔ ``wkv_a`` / ``kv_norm`` / ``wkv_b`` / ``wo``; dense layers'
+``mlp.{gate,up,down}_proj`` ↔ ``feed_forward.w{1,3,2}``; MoE layers' ``mlp.gate`` ↔
+``moe.router``, ``mlp.experts.E.{gate,up,down}_proj`` (one tensor per expert) ↔ row ``E`` of the
+stacked ``moe.experts.w{1,3,2}``, ``mlp.shared_experts.*`` ↔ ``moe.shared_experts.*``. The
+rotary parts stay in place: DeepSeek's checkpoints, like ray_titan, use interleaved pairs.
+
+The router's ``expert_bias`` (auxiliary-loss-free balancing, DeepSeek-V3 §2.1.2) has no
+DeepSeek-V2 tensor in transformers; it is kept beside the weights in
+:data:`ROUTER_BIAS_FILE` (``model.layers.N.mlp.gate.expert_bias``), which transformers and vLLM
+do not read, so it survives an export and re-import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
+from ray_titan.models.state_dict_adapter import (
+    HFConfigError,
+    Source,
+    StateDictAdapter,
+    required,
+    rope_from_hf,
+    rope_to_hf,
+)
+
+__all__ = ["ROUTER_BIAS_FILE", "DeepSeekV2Adapter"]
+
+ROUTER_BIAS_FILE = "router_bias.safetensors"
+
+
+class DeepSeekV2Adapter(StateDictAdapter):
+    """DeepSeek-V2 and V2-Lite: greedy top-k softmax routing, YaRN rope."""
+
+    model_type = "deepseek_v2"
+    architectures = ("DeepseekV2ForCausalLM",)
+    training_fields = frozenset({"init_std", "load_balance", "aux_loss_coeff", "bias_update_rate"})
+
+    def args_from_hf(self, config: dict[str, Any]) -> DeepSeekV2Args:
+        def need(name: str) -> Any:
+            return required(config, name)
+
+        for name, valid in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                            ("topk_method", "greedy"), ("moe_layer_freq", 1), ("scoring_func", "softmax")):
+            if config.get(name, valid) != valid:
+                raise HFConfigError(f"config.json {name} = {config[name]!r} is not supported; valid: {valid!r}")
+        theta, scaling = rope_from_hf(config, ("yarn",), 10_000.0)
+        return DeepSeekV2Args(
+            dim=int(need("hidden_size")), n_layers=int(need("num_hidden_layers")),
+            n_dense_layers=int(config.get("first_k_dense_replace", 0)), n_heads=int(need("num_attention_heads")),
+            vocab_size=int(need("vocab_size")), inter_dim=int(need("intermediate_size")),
+            moe_inter_dim=int(need("moe_intermediate_size")), n_routed_experts=int(need("n_routed_experts")),
+            n_shared_experts=int(config.get("n_shared_experts") or 0),
+            n_activated_experts=int(need("num_experts_per_tok")),
+            route_scale=float(config.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+            q_lora_rank=int(config.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
+            qk_nope_head_dim=int(need("qk_nope_head_dim")), qk_rope_head_dim=int(need("qk_rope_head_dim")),
+            v_head_dim=int(need("v_head_dim")), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta, max_seq_len=int(need("max_position_embeddings")), rope_scaling=scaling,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    def hf_config(self, args: DeepSeekV2Args) -> dict[str, Any]:
+        return {
+            "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "first_k_dense_replace": args.n_dense_layers,
+            "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_heads, "vocab_size": args.vocab_size,
+            "intermediate_size": args.inter_dim, "moe_intermediate_size": args.moe_inter_dim,
+            "n_routed_experts": args.n_routed_experts, "n_shared_experts": args.n_shared_experts,
+            "num_experts_per_tok": args.n_activated_experts, "routed_scaling_factor": args.route_scale,
+            "norm_topk_prob": args.norm_topk_prob, "topk_method": "greedy", "moe_layer_freq": 1,
+            "q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
+            "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
+            "v_head_dim": args.v_head_dim, "rms_norm_eps": args.norm_eps,
+            "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_word_embeddings,
+            "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+            **rope_to_hf(args.rope_theta, args.rope_scaling),
+        }
+
+    def sources(self, args: DeepSeekV2Args) -> dict[str, Source]:
+        out = {"tok_embeddings.weight": Source(("model.embed_tokens.weight",)),
+               "norm.weight": Source(("model.norm.weight",)),
+               "output.weight": Source((self.output_key(args),))}
+        for i in range(args.n_layers):
+            hf, rt = f"model.layers.{i}.", f"layers.{i}."
+            attn = {"wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
+            attn |= {"wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj"} if args.q_lora_rank else {
+                "wq": "q_proj"}
+            out |= {f"{rt}attention.{a}.weight": Source((f"{hf}self_attn.{b}.weight",)) for a, b in attn.items()}
+            out |= {rt + "attention_norm.weight": Source((hf + "input_layernorm.weight",)),
+                    rt + "ffn_norm.weight": Source((hf + "post_attention_layernorm.weight",))}
+            ffn = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+            if i < args.n_dense_layers:
+                out |= {f"{rt}feed_forward.{a}.weight": Source((f"{hf}mlp.{b}.weight",)) for a, b in ffn.items()}
+                continue
+            out |= {
+                rt + "moe.router.weight": Source((hf + "mlp.gate.weight",)),
+                rt + "moe.router.expert_bias": Source((hf + "mlp.gate.expert_bias",), file=ROUTER_BIAS_FILE,
+                                                      optional=True),
+            }
+            out |= {f"{rt}moe.experts.{a}": Source(tuple(f"{hf}mlp.experts.{e}.{b}.weight"
+                                                         for e in range(args.n_routed_experts)), stacked=True)
+                    for a, b in ffn.items()}
+            if args.n_shared_experts:
+                out |= {f"{rt}moe.shared_experts.{a}.weight": Source((f"{hf}mlp.shared_experts.{b}.weight",))
+                        for a, b in ffn.items()}
+        return out

@@ -1,0 +1,168 @@
+"""State-dict adapters: how a model family's Hugging Face checkpoint maps onto ray_titan's model.
+
+Each family has one small adapter in ``ray_titan/models/<family>/hf.py`` (the role of
+torchtitan's per-model ``state_dict_adapter.py``). It knows the family's ``config.json`` fields
+(:meth:`StateDictAdapter.args_from_hf`, :meth:`StateDictAdapter.hf_config`) and, for every
+entry of ray_titan's state dict, where its values live in the Hugging Face files
+(:meth:`StateDictAdapter.sources`, a :class:`Source` each): the tensor names, the row
+permutation between Meta's interleaved rotary layout and Hugging Face's ``rotate_half`` layout
+(:func:`rotary_rows`), experts stacked along dim 0 from one tensor per expert, and tied weights
+(the output head reading the embedding). Reading and writing files is
+``ray_titan.hf``'s, generic over the families.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ray_titan.models.rope import RopeScaling
+
+__all__ = ["HFConfigError", "Source", "StateDictAdapter", "required", "rope_from_hf", "rope_to_hf", "rotary_rows"]
+
+
+class HFConfigError(ValueError):
+    """A ``config.json`` value ray_titan cannot build; the message names the field, its value
+    and what is valid."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one ray_titan state-dict entry lives in a Hugging Face checkpoint.
+
+    ``keys``: the tensor names; with ``stacked`` there is one per index of ray_titan's dim 0
+    (routed experts, one Hugging Face tensor each), otherwise exactly one. ``rows``: ray_titan's
+    row ``i`` (dim 0) is the Hugging Face tensor's row ``rows[i]`` (the q/k rotary layout), None
+    for the identity. ``file``: None for the model's weights files; else the name of a side file
+    that ``config.json``-driven loaders (transformers, vLLM) do not read (the MoE router's
+    ``expert_bias``). ``optional``: may be absent, and then the entry keeps its initial value.
+    """
+
+    keys: tuple[str, ...]
+    rows: tuple[int, ...] | None = None
+    stacked: bool = False
+    file: str | None = None
+    optional: bool = False
+
+
+def rotary_rows(n_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The q/k row permutation from Hugging Face's ``rotate_half`` layout to Meta's interleaved
+    pairs: within each head, Meta's rows ``2j, 2j+1`` are Hugging Face's rows ``j, j + head_dim/2``
+    (the inverse of the ``permute`` in transformers' ``convert_llama_weights_to_hf.py``).
+    Length ``n_heads · head_dim``."""
+    half = head_dim // 2
+    return tuple(h * head_dim + (j // 2 if j % 2 == 0 else half + j // 2)
+                 for h in range(n_heads) for j in range(head_dim))
+
+
+def required(config: dict[str, Any], name: str) -> Any:
+    """``config[name]``; raises :class:`HFConfigError` naming the field when it is absent."""
+    if name not in config:
+        raise HFConfigError(f"config.json has no {name!r}")
+    return config[name]
+
+
+def rope_from_hf(config: dict[str, Any], kinds: tuple[str, ...],
+                 default_theta: float) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, rope_scaling)`` from a ``config.json``: ``rope_scaling`` (the hub files'
+    key, ``type`` or ``rope_type``) or transformers 5's ``rope_parameters``. ``kinds``: the
+    scaling kinds the family supports. Raises :class:`HFConfigError` naming the field."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    field = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    theta = float(params.get("rope_theta", config.get("rope_theta", default_theta)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in kinds:
+        raise HFConfigError(
+            f"config.json {field}.rope_type = {kind!r} is not supported for this model; valid: "
+            f"{['default', *kinds]}"
+        )
+    if params.get("attention_factor") is not None:
+        raise HFConfigError(f"config.json {field}.attention_factor is not supported (it is inferred from mscale)")
+    original = params.get("original_max_position_embeddings", config.get("max_position_embeddings"))
+    if params.get("factor") is None or original is None:
+        raise HFConfigError(f"config.json {field} ({kind}) needs factor and original_max_position_embeddings")
+    if kind == "yarn" and params.get("truncate", True) is not True:
+        raise HFConfigError(f"config.json {field}.truncate = {params['truncate']!r} is not supported; valid: true")
+    defaults = RopeScaling(kind, 1.0, 1)
+    return theta, RopeScaling(
+        kind, factor=float(params["factor"]), original_max_position_embeddings=int(original),
+        low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
+        high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
+        beta_fast=float(params.get("beta_fast") or defaults.beta_fast),
+        beta_slow=float(params.get("beta_slow") or defaults.beta_slow),
+        mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+    )
+
+
+def rope_to_hf(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
+    """The ``config.json`` fields of a rope: ``rope_theta`` and ``rope_scaling`` (None when plain),
+    in the form the released checkpoints use and transformers 4 and 5 and vLLM read."""
+    if scaling is None:
+        return {"rope_theta": theta, "rope_scaling": None}
+    out: dict[str, Any] = {"rope_type": scaling.kind, "factor": scaling.factor,
+                           "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    if scaling.kind == "llama3":
+        out.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor)
+    else:
+        out.update(beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow)
+        if scaling.mscale:
+            out["mscale"] = scaling.mscale
+        if scaling.mscale_all_dim:
+            out["mscale_all_dim"] = scaling.mscale_all_dim
+    return {"rope_theta": theta, "rope_scaling": out}
+
+
+class StateDictAdapter:
+    """A family's mapping to and from Hugging Face checkpoints (module docstring).
+
+    ``model_type`` and ``architectures`` are the ``config.json`` values transformers dispatches
+    on; ``training_fields``: argument fields that are training choices, not architecture (they
+    are neither read from nor compared with ``config.json``).
+    """
+
+    model_type: str
+    architectures: tuple[str, ...]
+    training_fields: frozenset[str] = frozenset({"init_std"})
+
+    def args_from_hf(self, config: dict[str, Any]) -> Any:
+        """The model arguments a ``config.json`` describes. Raises :class:`HFConfigError` for a
+        missing field or a value ray_titan cannot build (naming it)."""
+        raise NotImplementedError
+
+    def hf_config(self, args: Any) -> dict[str, Any]:
+        """The architecture fields of ``config.json`` for ``args`` (the exporter adds
+        ``model_type``, ``architectures``, token ids and the dtype)."""
+        raise NotImplementedError
+
+    def sources(self, args: Any) -> dict[str, Source]:
+        """Every entry of the whole model's state dict (parameters and persistent buffers, by
+        ray_titan name) and its :class:`Source`."""
+        raise NotImplementedError
+
+    @staticmethod
+    def output_key(args: Any) -> str:
+        """The tensor the output head reads: the embedding when tied, else ``lm_head.weight``."""
+        return "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
+
+    def ignored_keys(self, args: Any) -> set[str]:
+        """Tensor names a checkpoint may hold that the model does not use (a tied model's
+        ``lm_head.weight``, which transformers ignores too)."""
+        return {"lm_head.weight"} if args.tie_word_embeddings else set()
+
+    def canonical(self, args: Any) -> Any:
+        """``args`` as :meth:`args_from_hf` would give them back from :meth:`hf_config` (e.g. the
+        feed-forward size resolved), with the training fields kept: two arguments describe the
+        same architecture when their canonical forms agree outside :attr:`training_fields`."""
+        back = self.args_from_hf({**self.hf_config(args), "model_type": self.model_type})
+        keep = {f: getattr(args, f) for f in self.training_fields if hasattr(args, f)}
+        return dataclasses.replace(back, **keep)
+
+    def differences(self, a: Any, b: Any) -> list[tuple[str, Any, Any]]:
+        """``(field, value in a, value in b)`` for each architecture field where ``a`` and ``b``
+        (canonical forms) differ."""
+        ca, cb = self.canonical(a), self.canonical(b)
+        return [(f.name, getattr(ca, f.name), getattr(cb, f.name)) for f in dataclasses.fields(ca)
+                if f.name not in self.training_fields and getattr(ca, f.name) != getattr(cb, f.name)]

@@ -1,0 +1,174 @@
+"""Tensor parallel (TP) and sequence parallel (SP) through DTensor's ``parallelize_module``.
+
+Megatron-LM's scheme (Shoeybi et al. 2019, arXiv:1909.08053; sequence parallel: Korthikanti et
+al. 2022, arXiv:2205.05198), as torchtitan applies it to Llama:
+
+- a feed-forward (SwiGLU) splits its hidden units: ``w1``, ``w3`` column-wise (``Shard(0)`` of
+  the weight, outputs sharded on the last dim), ``w2`` row-wise (outputs partial sums, reduced);
+- attention splits its heads the same way: ``wq``, ``wk``, ``wv`` column-wise, ``wo`` row-wise;
+- the token embedding is split **row-wise** (over the vocabulary: each rank looks up the ids it
+  owns, the partial rows are summed), as torchtitan does;
+- the output head is split column-wise (over the vocabulary); with **loss parallel** its logits
+  stay vocabulary-sharded and the cross-entropy runs on the shards
+  (``torch.distributed.tensor.parallel.loss_parallel``), else they are all-gathered;
+- with **sequence parallel** the norms run on ``1/tp`` of the sequence (``SequenceParallel``) and
+  the residual stream between blocks stays sequence-sharded: each attention or feed-forward
+  all-gathers its input and reduce-scatters its output, instead of all-reducing it.
+
+The helpers here build those plans for the parts of a stage that exist; each model family's
+``parallelize`` chooses which modules get which plan. Parameters not in a plan stay plain,
+replicated tensors that every tp rank computes identically (e.g. MLA's latent projections, the
+MoE router).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+__all__ = [
+    "ReduceGradSlice",
+    "apply_tp",
+    "attention_plan",
+    "decoder_ends_plan",
+    "feed_forward_plan",
+    "norm_plan",
+    "reduce_grad",
+    "sum_partial",
+    "token_replicated_plan",
+]
+
+Plan = dict[str, ParallelStyle]
+
+
+def _seq(sequence_parallel: bool) -> Placement:
+    """The residual stream's layout between blocks: sequence-sharded under SP, else replicated."""
+    return Shard(1) if sequence_parallel else Replicate()
+
+
+def decoder_ends_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> Plan:
+    """Plan of a stage's token embedding (row-wise), final norm (SP) and output head
+    (column-wise; vocabulary-sharded ``DTensor`` logits ``(batch, seq, vocab)`` ``Shard(2)`` with
+    ``loss_parallel``, plain replicated logits without), for those of them this stage holds."""
+    plan: Plan = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=_seq(sequence_parallel))
+    if getattr(model, "norm", None) is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:
+        plan["output"] = ColwiseParallel(
+            input_layouts=_seq(sequence_parallel),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    return plan
+
+
+def norm_plan(name: str, sequence_parallel: bool) -> Plan:
+    """Plan of the norm ``name`` of the residual stream: ``SequenceParallel`` under SP (its
+    weight a replicated ``DTensor``, whose gradient DTensor sums over the sequence shards), else
+    nothing (a plain module computed the same on every tp rank)."""
+    return {name: SequenceParallel()} if sequence_parallel else {}
+
+
+def feed_forward_plan(prefix: str, sequence_parallel: bool, norm: str | None = "ffn_norm") -> Plan:
+    """Plan of a SwiGLU feed-forward at ``prefix`` (``w1``, ``w3`` column-wise, ``w2`` row-wise)
+    fed by the norm ``norm`` of the residual stream: under SP the norm is ``SequenceParallel`` and
+    the feed-forward's input is all-gathered, its output reduce-scattered back to ``Shard(1)``."""
+    plan: Plan = {
+        f"{prefix}.w1": ColwiseParallel(),
+        f"{prefix}.w3": ColwiseParallel(),
+        f"{prefix}.w2": RowwiseParallel(output_layouts=_seq(sequence_parallel)),
+    }
+    if sequence_parallel:
+        plan.update(norm_plan(norm, True) if norm is not None else {})
+        plan[prefix] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                          use_local_output=True)
+    return plan
+
+
+def attention_plan(prefix: str, colwise: list[str], rowwise: str, sequence_parallel: bool,
+                   norm: str = "attention_norm") -> Plan:
+    """Plan of an attention at ``prefix`` that splits its heads: the projections ``colwise``
+    (names inside it) column-wise, the output projection ``rowwise`` row-wise. Its ``forward``
+    takes ``(x, cos, sin)``; under SP the norm ``norm`` is ``SequenceParallel`` and ``x`` is
+    all-gathered (``cos``/``sin`` are the whole rotary tables, replicated plain tensors)."""
+    plan: Plan = {f"{prefix}.{name}": ColwiseParallel() for name in colwise}
+    plan[f"{prefix}.{rowwise}"] = RowwiseParallel(output_layouts=_seq(sequence_parallel))
+    if sequence_parallel:
+        plan.update(norm_plan(norm, True))
+        plan[prefix] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                          desired_input_layouts=(Replicate(), None, None), use_local_output=True)
+    return plan
+
+
+def token_replicated_plan(prefix: str, sequence_parallel: bool) -> Plan:
+    """Plan of a module at ``prefix`` that needs every token of the sequence on each tp rank and
+    whose output is the same on each of them (the MoE layer: its router sees all tokens): under
+    SP its input is all-gathered and its output sliced back to ``Shard(1)`` (backward: the
+    reverse). Without SP the residual stream is already replicated: nothing to do."""
+    if not sequence_parallel:
+        return {}
+    return {prefix: PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
+    )}
+
+
+def reduce_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Identity in forward; in backward the gradient of ``x`` is summed over ``mesh`` (Megatron's
+    *f*). For a replicated tensor consumed by a tp-split computation, each rank of which gives
+    only part of its gradient. Through DTensor: ``x`` is declared ``Replicate`` and its local
+    gradient ``Partial``."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def sum_partial(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """All-reduce (sum) ``x`` over ``mesh`` in forward; identity in backward (Megatron's *g*): the
+    output of a tp-split computation that each rank computed part of."""
+    return DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()]).to_local()
+
+
+class ReduceGradSlice(ParallelStyle):
+    """Leaves a module replicated (plain parameters, computed the same on every tp rank) but sums
+    over the tp ranks the gradient of its output's last-dim slice ``[start:]`` (:func:`reduce_grad`).
+
+    For MLA's ``wkv_a``: its output is the latent ``c_KV`` (``[:kv_lora_rank]``), whose gradient
+    comes back whole through ``wkv_b`` (column-wise, which all-reduces its input gradient), and
+    the rotary key (``[kv_lora_rank:]``), shared by all heads, whose gradient each tp rank
+    computes for its own heads only."""
+
+    def __init__(self, start: int):
+        super().__init__()
+        self.start = start
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        start = self.start
+
+        def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+            return torch.cat([out[..., :start], reduce_grad(out[..., start:], device_mesh)], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan) -> None:
+    """``parallelize_module(model, tp_mesh, plan)``: the planned modules' parameters become
+    ``DTensor``s over ``tp_mesh`` (column-wise: ``Shard(0)`` of a ``Linear`` weight, row-wise:
+    ``Shard(1)``, norms under SP: ``Replicate``) and their inputs and outputs are converted as
+    planned. Apply first (before EP, activation checkpointing, FSDP), on the meta device."""
+    if plan:
+        parallelize_module(model, tp_mesh, plan)

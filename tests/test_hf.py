@@ -1,0 +1,312 @@
+"""Model fidelity against transformers, Hugging Face import checks and the flavors (no Ray).
+
+Every family: a tiny random model made with transformers and the same weights loaded into
+ray_titan give the same logits (fp32, CPU, 128 tokens, 1e-4) and, for DeepSeek, the same
+experts for every token; a wrong q/k layout fails. Bad Hugging Face directories are refused
+before any worker starts, naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from ray_titan.config import ConfigError, load_config
+from ray_titan.hf import check_hf_checkpoint, load_hf_weights, resolve_hf_job
+from ray_titan.models.decoder import count_parameters
+from ray_titan.models.registry import build_model, get_model_args
+from ray_titan.models.rope import inv_frequencies, softmax_scale_factor
+from ray_titan.preflight import validate_job
+from tests.hf_models import SEQ, VOCAB, corpus_lines, make_hf_model, write_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ("llama", "qwen3", "deepseek_v2")
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(hf_models):
+    """family -> (directory, transformers model): the session's tiny models."""
+    root, models = hf_models
+    return {f: (root / f, models[f]) for f in FAMILIES}
+
+
+def _load(path, sources=None):
+    spec, args = check_hf_checkpoint(str(path))
+    model = build_model(spec.name, "", args=args)
+    model.init_buffers()
+    load_hf_weights(model, str(path), spec, args, sources)
+    return model.eval(), spec, args
+
+
+def _routes(module_cls, model):
+    """Forward hooks that record each router call's top-k expert ids, sorted per token."""
+    seen: list[torch.Tensor] = []
+
+    def hook(mod, inputs, out):
+        indices = out[2] if module_cls.__name__.endswith("TopkRouter") else out[1]
+        seen.append(indices.sort(dim=-1).values)
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, module_cls)]
+    return seen, handles
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(hf_dirs, family):
+    path, ref = hf_dirs[family]
+    model, spec, args = _load(path)
+    assert spec.name == family
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    routes = {}
+    if family == "deepseek_v2":
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+        from ray_titan.models.deepseek_v2.model import Router
+
+        routes["hf"], h1 = _routes(DeepseekV2TopkRouter, ref)
+        routes["rt"], h2 = _routes(Router, model)
+    with torch.no_grad():
+        want, got = ref(tokens).logits, model(tokens)
+    assert want.abs().max() > 3  # large enough weights that a layout or scaling error shows
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    if routes:
+        for h in h1 + h2:
+            h.remove()
+        assert len(routes["hf"]) == len(routes["rt"]) == 2  # the two MoE layers
+        for a, b in zip(routes["hf"], routes["rt"]):
+            assert torch.equal(a, b)  # the same experts for every token
+    if args.rope_scaling is not None:  # the scaling is exercised: without it the logits differ
+        plain = build_model(spec.name, "", args=dataclasses.replace(args, rope_scaling=None))
+        plain.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert (plain(tokens) - want).abs().max() > 1e-2
+
+
+def test_wrong_rotary_layout_fails(hf_dirs):
+    """Negative control: the q/k rows loaded without the rotate_half -> interleaved permutation."""
+    path, ref = hf_dirs["llama"]
+    spec, args = check_hf_checkpoint(str(path))
+    identity = {k: dataclasses.replace(s, rows=None) for k, s in spec.hf.sources(args).items()}
+    model, _, _ = _load(path, identity)
+    tokens = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (model(tokens) - ref(tokens).logits).abs().max() > 0.1
+
+
+def test_bf16_files_load_into_fp32(tmp_path):
+    ref = make_hf_model("llama", tmp_path / "bf16", dtype=torch.bfloat16)
+    model, _, _ = _load(tmp_path / "bf16")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    want = ref.model.layers[1].mlp.down_proj.weight.to(torch.bfloat16).float()
+    assert torch.equal(model.layers["1"].feed_forward.w2.weight, want)
+
+
+def test_router_scales_only_when_not_normalising():
+    """DeepSeek's MoEGate: top-k weights renormalised (norm_topk_prob) or times the routed
+    scaling factor, never both."""
+    from ray_titan.models.deepseek_v2.model import Router
+
+    base = get_model_args("deepseek_v2", "debug")
+    x = torch.randn(16, base.dim)
+    out = {}
+    for norm in (False, True):
+        router = Router(dataclasses.replace(base, norm_topk_prob=norm, route_scale=2.5))
+        torch.nn.init.normal_(router.weight, generator=torch.Generator().manual_seed(0))
+        out[norm] = router(x)
+    weights, indices, scores = out[False]
+    torch.testing.assert_close(weights, 2.5 * scores.gather(-1, indices))
+    torch.testing.assert_close(out[True][0].sum(-1), torch.ones(16))
+
+
+# -- flavors against the model cards (meta device) -------------------------------------------------
+
+@pytest.mark.parametrize("family, flavor, billions, dims", [
+    # (dim, n_layers, n_heads, n_kv_heads, ffn hidden, head_dim, tied, rope scaling factor)
+    ("llama", "3-8B", 8.03, (4096, 32, 32, 8, 14336, 128, False, None)),
+    ("llama", "3.1-8B", 8.03, (4096, 32, 32, 8, 14336, 128, False, 8.0)),
+    ("llama", "3.1-70B", 70.55, (8192, 80, 64, 8, 28672, 128, False, 8.0)),
+    ("llama", "3.2-1B", 1.24, (2048, 16, 32, 8, 8192, 64, True, 32.0)),
+    ("llama", "3.2-3B", 3.21, (3072, 28, 24, 8, 8192, 128, True, 32.0)),
+    ("qwen3", "0.6B", 0.60, (1024, 28, 16, 8, 3072, 128, True, None)),
+    ("qwen3", "1.7B", 1.72, (2048, 28, 16, 8, 6144, 128, True, None)),
+    ("qwen3", "4B", 4.02, (2560, 36, 32, 8, 9728, 128, True, None)),
+    ("qwen3", "8B", 8.19, (4096, 36, 32, 8, 12288, 128, False, None)),
+])
+def test_flavors_match_the_model_cards(family, flavor, billions, dims):
+    a = get_model_args(family, flavor)
+    with torch.device("meta"):
+        model = build_model(family, flavor)
+    assert round(count_parameters(model) / 1e9, 2) == billions
+    factor = a.rope_scaling.factor if a.rope_scaling else None
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_hidden_dim, a.head_dim, a.tie_word_embeddings,
+            factor) == dims
+    if family == "qwen3":
+        assert (a.qk_norm, a.rope_theta, a.vocab_size) == (True, 1e6, 151_936)
+
+
+def test_qwen3_non_embedding_counts_match_the_model_cards():
+    cards = {"0.6B": 0.44, "1.7B": 1.4, "4B": 3.6, "8B": 6.95}  # "Number of Parameters (Non-Embedding)"
+    for flavor, want in cards.items():
+        a = get_model_args("qwen3", flavor)
+        with torch.device("meta"):
+            n = count_parameters(build_model("qwen3", flavor))
+        emb = a.vocab_size * a.dim * (1 if a.tie_word_embeddings else 2)
+        assert round((n - emb) / 1e9, len(str(want).split(".")[1])) == want, flavor
+
+
+# The architecture fields of the released config.json files (huggingface.co/<repo>/blob/main/config.json).
+HUB_CONFIGS = {
+    ("llama", "3.2-1B"): {
+        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
+    ("qwen3", "0.6B"): {
+        "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000, "rope_scaling": None,
+        "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False, "tie_word_embeddings": True},
+    ("deepseek_v2", "V2-Lite"): {
+        "model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27, "first_k_dense_replace": 1, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False, "topk_method": "greedy", "scoring_func": "softmax", "moe_layer_freq": 1,
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "vocab_size": 102400, "max_position_embeddings": 163840, "rms_norm_eps": 1e-06,
+        "rope_theta": 10000, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                         "original_max_position_embeddings": 4096, "type": "yarn"}},
+}
+
+
+@pytest.mark.parametrize("family, flavor", list(HUB_CONFIGS))
+def test_flavor_is_what_the_released_config_json_describes(family, flavor):
+    from ray_titan.models.registry import get_spec
+
+    adapter = get_spec(family).hf
+    assert adapter.differences(get_model_args(family, flavor), adapter.args_from_hf(HUB_CONFIGS[family, flavor])) == []
+
+
+def test_v2_lite_is_the_released_v2_lite():
+    """YaRN at every length: 21 of 32 rotary frequencies differ, the softmax scale is x1.59."""
+    a = get_model_args("deepseek_v2", "V2-Lite")
+    plain, _ = inv_frequencies(a.qk_rope_head_dim, a.rope_theta, None)
+    yarn, cos_factor = inv_frequencies(a.qk_rope_head_dim, a.rope_theta, a.rope_scaling)
+    assert int((~torch.isclose(plain, yarn)).sum()) == 21 and cos_factor == 1.0
+    assert softmax_scale_factor(a.rope_scaling) == pytest.approx(1.5896, abs=1e-4)
+    # The same tables as transformers' own YaRN for V2-Lite's config.json.
+    from transformers import DeepseekV2Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = DeepseekV2Config(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+        max_position_embeddings=163840, qk_rope_head_dim=64)
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)
+    torch.testing.assert_close(yarn, want, rtol=0, atol=0)
+    assert factor == cos_factor
+
+
+# -- bad input, refused before any worker starts ---------------------------------------------------
+
+@pytest.fixture
+def llama_copy(hf_dirs, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(hf_dirs["llama"][0], dst)
+    return dst
+
+
+def _job(tmp_path, src, *overrides):
+    data = tmp_path / "data.jsonl"
+    if not data.exists():
+        data.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_lines(20)))
+    cfg = load_config(None, [f"--checkpoint.initial_load_hf={src}", "--parallelism.pp=1", "--parallelism.dp_shard=1",
+                             "--data.source=jsonl", f"--data.path={data}", "--training.seq_len=64", *overrides])
+    return resolve_hf_job(cfg)
+
+
+def _rewrite(path, change):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("no_config", r"config\.json does not exist"),
+    ("bad_json", r"config\.json is not valid JSON"),
+    ("model_type", r"model_type 'gpt2' is not supported; supported: \['deepseek_v2', 'llama', 'qwen3'\]"),
+    ("rope_type", r"rope_scaling\.rope_type = 'longrope' is not supported"),
+    ("missing", r"model\.safetensors: missing tensor\(s\) model\.layers\.1\.mlp\.up_proj\.weight"),
+    ("shape", r"model\.safetensors: tensor model\.norm\.weight has shape \[63\], config\.json implies \[64\]"),
+    ("unexpected", r"model\.safetensors: unexpected tensor\(s\) model\.layers\.9\.mlp\.up_proj\.weight"),
+    ("no_weights", r"has neither model\.safetensors\.index\.json nor model\.safetensors"),
+])
+def test_bad_hf_directory_is_refused(llama_copy, tmp_path, damage, message):
+    config = llama_copy / "config.json"
+    if damage == "no_config":
+        config.unlink()
+    elif damage == "bad_json":
+        config.write_text("{not json")
+    elif damage in ("model_type", "rope_type"):
+        c = json.loads(config.read_text())
+        if damage == "model_type":
+            c["model_type"] = "gpt2"
+        else:
+            c.pop("rope_parameters", None)
+            c["rope_scaling"] = {"rope_type": "longrope", "factor": 2.0}
+        config.write_text(json.dumps(c))
+    elif damage == "missing":
+        _rewrite(llama_copy, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    elif damage == "shape":
+        _rewrite(llama_copy, lambda t: t.update({"model.norm.weight": torch.ones(63)}))
+    elif damage == "unexpected":
+        _rewrite(llama_copy, lambda t: t.update({"model.layers.9.mlp.up_proj.weight": torch.ones(2)}))
+    else:
+        (llama_copy / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=rf"checkpoint\.initial_load_hf = '{llama_copy}': .*{message}"):
+        validate_job(_job(tmp_path, llama_copy))
+
+
+def test_tokenizer_that_does_not_fit_is_refused(llama_copy, tmp_path):
+    big = write_tokenizer(tmp_path / "big_tokenizer", vocab_size=VOCAB + 40)
+    with pytest.raises(ConfigError, match=rf"data.tokenizer_path = '{big}': its vocabulary \(360 tokens\) does not "
+                                          r"fit the model's embedding \(320 rows"):
+        validate_job(_job(tmp_path, llama_copy, "--data.tokenizer=huggingface", f"--data.tokenizer_path={big}"))
+
+
+def test_family_and_flavor_come_from_config_json(llama_copy, tmp_path):
+    cfg = _job(tmp_path, llama_copy)
+    assert (cfg.model.name, cfg.model.flavor, cfg.data.tokenizer) == ("llama", "hf", "huggingface")
+    assert cfg.data.tokenizer_path == f"{llama_copy}/tokenizer.json"
+    validate_job(cfg)  # the good directory passes
+    with pytest.raises(ConfigError, match=r"model\.flavor = 'debug' disagrees with .*config\.json: dim is 128 in "
+                                          r"the flavor, 64 in config\.json"):
+        _job(tmp_path, llama_copy, "--model.flavor=debug")
+    with pytest.raises(ConfigError, match=r"model\.name = 'qwen3' but .*config\.json has model_type 'llama'"):
+        _job(tmp_path, llama_copy, "--model.name=qwen3")
+
+
+def test_sharded_index_is_read(hf_dirs, tmp_path):
+    """A checkpoint in several files with model.safetensors.index.json (as the hub's large models)."""
+    path, ref = hf_dirs["deepseek_v2"]
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="60KB")
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 2
+    model, _, _ = _load(f"file://{tmp_path / 'sharded'}")  # a URI goes through pyarrow's filesystems
+    want, _, _ = _load(path)
+    for (n, a), (_, b) in zip(model.state_dict().items(), want.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_export_of_a_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
+    from ray_titan.cli import main
+
+    assert main(["export", str(tmp_path / "nope"), "--to", "hf", str(tmp_path / "out")]) == 2
+    assert f"ray-titan export: CHECKPOINT_OR_RUN_DIR = '{tmp_path / 'nope'}' does not exist" in capsys.readouterr().err
