@@ -77,15 +77,13 @@ class Bench:
     def job(self, name: str, *overrides: str):
         """The README's main job with ``overrides``; one intra-op thread per worker everywhere,
         so every side uses the same CPU threads."""
-        from ray_titan.config import load_config
+        from ray_titan.config import load_config, merge_overrides
         from ray_titan.run_dir import resolve_paths
 
-        return resolve_paths(load_config(REPO / "configs" / "debug_llama.toml", [
+        return resolve_paths(load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
             f"--job.name={name}", f"--job.dump_folder={self.work / 'runs'}",
             f"--training.steps={self.steps(name)}", "--training.threads_per_worker=1",
-            f"--lr_scheduler.warmup_steps={min(20, self.steps(name) // 2)}",
-            *overrides,
-        ]))
+            f"--lr_scheduler.warmup_steps={min(20, self.steps(name) // 2)}"], overrides)))
 
     def ray(self) -> None:
         """One local Ray cluster for the whole invocation (started on first use)."""

@@ -56,24 +56,34 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ray_titan.fault import all_finite
+
 __all__ = [
+    "ALLOWED_GLOBALS",
     "MANIFEST",
     "CheckpointError",
     "Checkpointer",
     "LocalCheckpointStorage",
+    "MetadataUnpickler",
     "ModelParts",
     "RayTrainCheckpointStorage",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "check_compatible",
+    "check_metadata",
+    "checkpoint_candidates",
     "find_latest",
+    "load_metadata",
     "read_manifest",
+    "remove_staging",
     "resolve_checkpoint",
+    "staging_root",
     "step_dir_name",
 ]
 
 MANIFEST = "ray_titan_checkpoint.json"
-FORMAT = 1
+FORMAT = 2
+"""2: the data position is (epoch, document, offset); 1 saved the loader's unread tokens."""
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -89,43 +99,118 @@ def step_dir_name(step: int) -> str:
 
 # -- reading without unrestricted pickle ------------------------------------------------------
 
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
-}
-_ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata"}
+# The classes and objects DCP's ``.metadata`` pickles, by (module, name), and nothing else: no
+# module is trusted as a whole (a module's namespace holds what it imports, ``os`` included), and a
+# dotted name (protocol 4 resolves ``STACK_GLOBAL "m" "os.system"`` attribute by attribute) is
+# never looked up. Resolved here once, so unpickling imports nothing and calls no ``getattr``.
+_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
+    "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata classes, torch dtypes and sizes, and nothing else (Python docs,
-    "Restricting Globals")."""
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    import collections
+    import pathlib
 
-    def find_class(self, module: str, name: str):
-        if (module, name) in _ALLOWED_GLOBALS or module in _ALLOWED_MODULES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+    import torch.distributed.checkpoint.metadata as dcp_md
+    import torch.serialization
+
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_md, name)
+        for name in ("Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
+                     "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                     "_MEM_FORMAT_ENCODING")
+    }
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = dcp_fs._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # layout by name
+    allowed.update({("pathlib", n): getattr(pathlib, n) for n in ("PosixPath", "PurePosixPath")})
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
+    allowed.update({("torch", n): getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)})
+    return allowed
+
+
+ALLOWED_GLOBALS: dict[tuple[str, str], Any] = _allowed_globals()
+"""Every global a checkpoint's ``.metadata`` may name: ``(module, name) -> object``."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata``: builds only the objects of :data:`ALLOWED_GLOBALS` (DCP's
+    metadata dataclasses, ``torch.Size``, dtypes, layouts, paths) from plain data, and refuses any
+    other global, a dotted name, an extension code or a persistent id with
+    ``pickle.UnpicklingError`` (Python docs, pickle, "Restricting Globals"). Nothing else a pickle
+    can call exists on its stack, so a crafted file cannot run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = ALLOWED_GLOBALS.get((module, name)) if "." not in name else None
+        if obj is None:
+            raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("refusing a persistent id")
+
+
+def load_metadata(path: str | Path) -> Metadata:
+    """DCP's ``.metadata`` of the checkpoint directory ``path``, read with
+    :class:`MetadataUnpickler`. Raises :class:`CheckpointError` for a missing or unreadable file,
+    a refused global, or anything that is not DCP ``Metadata``."""
+    path = Path(path)
+    try:
+        with open(path / ".metadata", "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: DCP metadata file .metadata is missing") from None
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: .metadata is unreadable: {type(e).__name__}: {e}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint {path}: .metadata holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+def check_metadata(metadata: Metadata, path: str | Path, files: dict[str, Any]) -> None:
+    """Refuse DCP metadata that does not describe this checkpoint's files: every entry is DCP's
+    tensor or bytes metadata under a string key; every storage entry points into a file the
+    manifest lists (``files``: name -> ``{"bytes", ...}``), within its size, with no transform
+    (ray_titan writes none). Raises :class:`CheckpointError` naming the path and the entry."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path}: .metadata {what}; not a checkpoint this ray_titan wrote")
+
+    sdm = metadata.state_dict_metadata
+    if not isinstance(sdm, dict):
+        raise bad(f"has state_dict_metadata of type {type(sdm).__name__}")
+    for key, md in sdm.items():
+        if not isinstance(key, str) or not isinstance(md, (TensorStorageMetadata, BytesStorageMetadata)):
+            raise bad(f"has entry {key!r} of type {type(md).__name__}")
+        if isinstance(md, TensorStorageMetadata) and not isinstance(md.size, torch.Size):
+            raise bad(f"gives {key!r} a size of type {type(md.size).__name__}")
+    if not isinstance(metadata.storage_data, dict):
+        raise bad(f"has storage_data of type {type(metadata.storage_data).__name__}")
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise bad(f"has a storage entry {type(index).__name__} -> {type(info).__name__}")
+        name, offset, length = info.relative_path, info.offset, info.length
+        entry = files.get(name) if isinstance(name, str) else None
+        if entry is None:
+            raise bad(f"points {index.fqn!r} to {name!r}, which the manifest does not list")
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
+                and offset + length <= entry["bytes"]):
+            raise bad(f"points {index.fqn!r} to bytes {offset!r}+{length!r} of {name} ({entry['bytes']} bytes)")
+        if getattr(info, "transform_descriptors", None):
+            raise bad(f"asks for transforms {info.transform_descriptors!r} on {index.fqn!r}")
 
 
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``.metadata`` is read by a restricted unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {self.path}: DCP metadata file .metadata is missing") from None
-        except Exception as e:
-            raise CheckpointError(f"checkpoint {self.path}: .metadata is unreadable: {type(e).__name__}: {e}") from None
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(
-                f"checkpoint {self.path}: .metadata holds a {type(metadata).__name__}, not DCP Metadata"
-            )
+        metadata = load_metadata(str(self.path))
         storage_meta = getattr(metadata, "storage_meta", None)
         if storage_meta is None:
             storage_meta = metadata.storage_meta = StorageMeta()
@@ -182,8 +267,8 @@ def read_manifest(path: str | Path, verify_checksums: bool = False) -> dict[str,
         files, step = manifest["files"], int(manifest["step"])
     except Exception as e:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt: {type(e).__name__}: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}, this ray_titan reads {FORMAT}")
+    if manifest.get("format") not in (1, FORMAT):
+        raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}; this ray_titan reads 1, {FORMAT}")
     if ".metadata" not in files:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} lists no DCP .metadata")
     for name, entry in files.items():
@@ -214,20 +299,38 @@ def find_latest(directory: str | Path) -> Path | None:
     return None
 
 
-def resolve_checkpoint(path: str | Path, setting: str = "checkpoint.load_path") -> Path:
-    """``path`` itself if it is a checkpoint (it has a manifest or DCP metadata), else the latest
-    complete checkpoint in it or in its ``checkpoints/``. Raises :class:`CheckpointError` naming
-    ``setting`` (where the path came from) and the path."""
+def checkpoint_candidates(path: str | Path, setting: str = "checkpoint.load_path") -> list[Path]:
+    """The checkpoints ``path`` may mean, the one to try first first: ``[path]`` if it is a
+    checkpoint (it has a manifest or DCP metadata, or is named ``step-*``), else the complete
+    ones (manifest and file sizes checked) in it or in its ``checkpoints/``, newest first.
+    Raises :class:`CheckpointError` naming ``setting`` (where the path came from) and the path
+    when there is none."""
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"{setting} = {str(path)!r} does not exist")
     if (path / MANIFEST).exists() or (path / ".metadata").exists() or path.name.startswith("step-"):
         read_manifest(path)
-        return path
+        return [path]
     for d in (path, path / "checkpoints"):
-        if (latest := find_latest(d)) is not None:
-            return latest
+        complete = [p for p in sorted(d.glob("step-*"), reverse=True) if _is_complete(p)] if d.is_dir() else []
+        if complete:
+            return complete
     raise CheckpointError(f"{setting} = {str(path)!r} holds no complete checkpoint (step-* with {MANIFEST})")
+
+
+def _is_complete(path: Path) -> bool:
+    try:
+        read_manifest(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def resolve_checkpoint(path: str | Path, setting: str = "checkpoint.load_path") -> Path:
+    """``path`` itself if it is a checkpoint (it has a manifest or DCP metadata), else the latest
+    complete checkpoint in it or in its ``checkpoints/``. Raises :class:`CheckpointError` naming
+    ``setting`` (where the path came from) and the path."""
+    return checkpoint_candidates(path, setting)[0]
 
 
 def _job_manifest(cfg, vocab_size: int) -> dict[str, Any]:
@@ -258,6 +361,11 @@ def check_compatible(manifest: dict[str, Any], cfg, vocab_size: int, path: str |
         )
     if model_only:
         return
+    if manifest["format"] == 1:
+        raise CheckpointError(
+            f"checkpoint {path} was saved by an earlier ray_titan (format 1), which stored the data position "
+            "as unread tokens; take its weights with checkpoint.load_model_only = true"
+        )
     if manifest["optimizer"] != here["optimizer"]:
         raise CheckpointError(
             f"checkpoint {path} holds {manifest['optimizer']} optimizer state, this job uses "
@@ -350,15 +458,19 @@ class RayTrainCheckpointStorage:
         for p in sorted((local / "checkpoints").glob("step-*"), reverse=True):
             if _step_of(p.name) <= known:
                 break
-            try:
-                read_manifest(p, verify_checksums=True)
-            except CheckpointError:
-                continue
-            return ray.train.Checkpoint.from_directory(str(p))
+            if _is_complete(p):  # sizes here; rank 0 checks the CRC-32s when it loads
+                return ray.train.Checkpoint.from_directory(str(p))
         return ckpt
 
     def begin(self, step: int, rank: int) -> Path:
-        return Path(tempfile.mkdtemp(prefix=f"ray_titan_ckpt_r{rank}_"))
+        """A fresh staging directory for this rank's share of ``step``, under the run directory
+        (:func:`staging_root`), after removing what a worker killed while saving left there."""
+        root = staging_root(self.run_dir)
+        for old in root.glob(f"*-rank{rank}"):
+            shutil.rmtree(old, ignore_errors=True)
+        write_dir = root / f"{step_dir_name(step)}-rank{rank}"
+        write_dir.mkdir(parents=True, exist_ok=True)
+        return write_dir
 
     def commit(self, step: int, write_dir: Path, rank: int, metrics: dict[str, Any]) -> None:
         import ray.train
@@ -368,6 +480,41 @@ class RayTrainCheckpointStorage:
                              checkpoint_dir_name=step_dir_name(step))
         finally:
             shutil.rmtree(write_dir, ignore_errors=True)
+
+
+def _write_failure(step: int, write_dir: Path, e: BaseException) -> str:
+    """Why writing checkpoint files failed, in words: torch's zip writer reports a full disk as
+    "unexpected pos", so the free space is measured and said."""
+    cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[-1]
+    try:
+        free = shutil.disk_usage(next(p for p in (write_dir, *write_dir.parents) if p.exists())).free
+    except (OSError, StopIteration):
+        return f"step {step}: writing the checkpoint to {write_dir} failed: {type(e).__name__}: {cause}"
+    full = "; the filesystem is full" if free < (1 << 20) else ""
+    return (f"step {step}: writing the checkpoint to {write_dir} failed: {type(e).__name__}: {cause} "
+            f"({free / 2**20:.1f} MiB free there{full})")
+
+
+STAGING = ".checkpoint_staging"
+
+
+def staging_root(run_dir: str | Path | None) -> Path:
+    """Where ranks stage a checkpoint before Ray Train copies it into ``checkpoints/``:
+    ``<run_dir>/.checkpoint_staging`` (a remote run directory: the same under this node's local
+    staging directory, :func:`ray_titan.storage.staging_dir`; no run directory: the system's temp
+    directory). Removed by the driver however the run ends (:func:`remove_staging`)."""
+    from ray_titan import storage
+
+    if run_dir is None:
+        return Path(tempfile.gettempdir()) / "ray_titan" / STAGING
+    local = storage.local_path(run_dir)
+    return (local if local is not None else storage.staging_dir(str(run_dir))) / STAGING
+
+
+def remove_staging(run_dir: str | Path) -> None:
+    """Remove every rank's checkpoint staging of the run (what a save interrupted by Ctrl-C, a
+    SIGTERM or a crash left behind; model-sized on a real run)."""
+    shutil.rmtree(staging_root(run_dir), ignore_errors=True)
 
 
 def _step_of(name: str) -> int:
@@ -425,21 +572,15 @@ class Checkpointer:
         """True when this worker group resumed its own run's checkpoint (a restart)."""
 
     # -- state dicts -------------------------------------------------------------------------
-    def _state(self, step: int, model_only: bool, same_mesh: bool, metadata: Metadata | None = None) -> dict[str, Any]:
+    def _state(self, step: int, model_only: bool, same_mesh: bool) -> dict[str, Any]:
         sd: dict[str, Any] = {f"model.{k}": v for k, v in get_model_state_dict(self.parts).items()}
         if model_only:
             return sd
         osd = get_optimizer_state_dict(self.parts, self.optimizer, options=_OPTIM_OPTIONS)
         sd.update({f"optimizer.{k}": v for k, v in osd.items()})
         sd.update({f"lr_scheduler.{k}": v for k, v in self.scheduler.state_dict().items()})
-        loader = self.loader.state_dict()
-        buf = torch.from_numpy(loader["buffer"])
-        if metadata is not None:  # its length differs between saves: size the slot from the checkpoint
-            md = metadata.state_dict_metadata.get("dataloader.buffer")
-            if isinstance(md, TensorStorageMetadata):
-                buf = torch.empty(md.size, dtype=torch.int64)
-        sd.update({"dataloader.epoch": loader["epoch"], "dataloader.doc_pos": loader["doc_pos"],
-                   "dataloader.buffer": buf, "train.step": step})
+        sd.update({f"dataloader.{k}": v for k, v in self.loader.state_dict().items()})
+        sd["train.step"] = step
         if same_mesh:
             sd[f"rng.rank{self.rank}.cpu"] = torch.get_rng_state()
             if self.device.type == "cuda":
@@ -453,10 +594,19 @@ class Checkpointer:
         return self.storage is not None and c.enable and (step % c.interval == 0 or step == self.cfg.training.steps)
 
     def save(self, step: int) -> None:
-        """Write the state after ``step`` (every rank calls this at the same step)."""
+        """Write the state after ``step`` (every rank calls this at the same step). Raises
+        :class:`CheckpointError`, writing nothing, if a parameter or optimizer state is not finite
+        on some rank: such a checkpoint could only resume a broken run."""
+        state = self._state(step, False, True)
+        if not all_finite([v for k, v in state.items() if k.startswith(("model.", "optimizer.state."))
+                           and isinstance(v, torch.Tensor)], self.device):
+            raise CheckpointError(f"step {step}: parameters or optimizer state are not finite; no checkpoint written")
         write_dir = self.storage.begin(step, self.rank)
-        dcp.save(self._state(step, False, True), storage_writer=FileSystemWriter(str(write_dir)),
-                 no_dist=not dist.is_initialized())
+        try:
+            dcp.save(state, storage_writer=FileSystemWriter(str(write_dir)), no_dist=not dist.is_initialized())
+        except Exception as err:
+            shutil.rmtree(write_dir, ignore_errors=True)  # its space goes back to the metrics
+            raise CheckpointError(_write_failure(step, write_dir, err)) from err
         reports = self.reporter.unacknowledged() if hasattr(self.reporter, "unacknowledged") else []
         rdir = write_dir / "reports"
         rdir.mkdir(parents=True, exist_ok=True)
@@ -501,9 +651,12 @@ class Checkpointer:
 
     def _load(self, path: Path, model_only: bool, own: bool) -> int:
         problem = None
-        if self.rank == 0:  # one full check (sizes and CRC-32), shared with every rank
+        if self.rank == 0:  # one check, shared with every rank
             try:
-                manifest = read_manifest(path, verify_checksums=True)
+                # CRC-32 of every file: pre-flight did it for checkpoint.load_path; a restarted
+                # worker group's own checkpoint is checked here, once, on rank 0.
+                manifest = read_manifest(path, verify_checksums=own)
+                check_metadata(load_metadata(path), path, manifest["files"])
                 check_compatible(manifest, self.cfg, self.job["model"]["vocab_size"], path, model_only or own)
             except CheckpointError as e:
                 problem = str(e)
@@ -514,7 +667,7 @@ class Checkpointer:
         same_mesh = manifest["mesh"] == self.job["mesh"]
         reader = SafeFileSystemReader(str(path))
         metadata = reader.read_metadata()
-        sd = self._state(0, model_only, same_mesh, metadata)
+        sd = self._state(0, model_only, same_mesh)
         # A tied model's last-stage head copy, saved without pipeline stages as the embedding only.
         head, emb = "model.output.weight", "model.tok_embeddings.weight"
         tied_copy = head in sd and head not in metadata.state_dict_metadata and emb not in sd
@@ -532,6 +685,9 @@ class Checkpointer:
             ) from e
         if tied_copy:
             sd[head] = sd.pop(emb)
+        if not all_finite([v for k, v in sd.items() if k.startswith("model.") and isinstance(v, torch.Tensor)],
+                          self.device):
+            raise CheckpointError(f"checkpoint {path} holds non-finite model weights; load an earlier checkpoint")
         set_model_state_dict(self.parts, {k[6:]: v for k, v in sd.items() if k.startswith("model.")})
         self.resumed_from, self.restarted = str(path), own
         if model_only:
@@ -540,8 +696,7 @@ class Checkpointer:
                                  {k[10:]: v for k, v in sd.items() if k.startswith("optimizer.")},
                                  options=_OPTIM_OPTIONS)
         self.scheduler.load_state_dict({k[13:]: v for k, v in sd.items() if k.startswith("lr_scheduler.")})
-        self.loader.load_state_dict({"epoch": sd["dataloader.epoch"], "doc_pos": sd["dataloader.doc_pos"],
-                                     "buffer": sd["dataloader.buffer"].numpy()})
+        self.loader.load_state_dict({k[11:]: v for k, v in sd.items() if k.startswith("dataloader.")})
         if same_mesh:
             torch.set_rng_state(sd[f"rng.rank{self.rank}.cpu"])
             if f"rng.rank{self.rank}.cuda" in sd:

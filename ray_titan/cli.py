@@ -4,8 +4,9 @@
 (:func:`ray_titan.driver.train`): on the cluster named by ``RAY_ADDRESS``, or on a local Ray
 cluster it starts. Without ``--config`` the built-in defaults are used, which are
 ``configs/debug_llama.toml``. Exit status: 0 for a complete run, 2 for a config error (before
-any worker starts), 1 for a failed run or one whose metrics have errors, 130 when interrupted
-(Ctrl-C: the workers are stopped, the metrics flushed, and the last checkpoint named).
+any worker starts), 1 for a failed run or one whose metrics have errors (a non-finite final loss
+included), 130 when interrupted by Ctrl-C and 143 by SIGTERM (either way the workers are stopped,
+the metrics flushed, and the last checkpoint named).
 
 ``ray-titan config show [X.toml] [--section.key=value ...]`` prints the resolved config, every
 default included, as TOML; ``ray-titan config docs`` prints (or writes, ``--output``) the
@@ -19,6 +20,7 @@ memory with its verdicts marked) and prints a summary table per rank (``ray_tita
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -45,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
         help="run a training job (on RAY_ADDRESS's cluster, or a local one it starts)",
         description="Run a training job on the Ray cluster named by RAY_ADDRESS, the one this "
         "process runs in (ray job submit), or a local cluster it starts. " + _OVERRIDES + ". "
-        "Exit status: 0 complete run, 2 config error (before any worker starts), 1 failed run.",
+        "Exit status: 0 complete run, 2 config error (before any worker starts), 1 failed run, "
+        "130 Ctrl-C, 143 SIGTERM.",
         epilog="settings (--section.key=VALUE):\n" + settings_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -112,8 +115,8 @@ def _train(args, overrides: list[str]) -> int:
     except ConfigError as e:
         print(f"ray-titan: config error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C 130, SIGTERM 143: ray_titan.driver.Interrupted
+        return 128 + int(getattr(e, "signum", signal.SIGINT))
     except Exception as e:  # Ray's error carries the failing worker's traceback
         print(f"ray-titan: training failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -179,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
             paths, rows = write_report(args.run_dir, args.out)
         except FileNotFoundError as e:
             print(f"ray-titan report: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:  # a read-only run directory (shared storage, a mounted snapshot)
+            where = e.filename or args.out or Path(args.run_dir) / "report"
+            print(f"ray-titan report: cannot write {where}: {e.strerror or e}; write the plots elsewhere with "
+                  "--out DIR", file=sys.stderr)
             return 2
         print(format_table(rows))
         for path in paths:

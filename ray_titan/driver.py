@@ -17,7 +17,11 @@ metrics and says where the last checkpoint is.
 
 from __future__ import annotations
 
+import math
 import os
+import re
+import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,13 +33,15 @@ import pyarrow as pa
 from ray_titan import storage
 from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides, load_config
 from ray_titan.hf import resolve_hf_job, save_last_hf
+from ray_titan.interrupts import Interrupted, SignalGuard
 from ray_titan.preflight import job_warnings, validate_job
 from ray_titan.run_dir import STOP_REASON_FILE, make_run_dir, resolve_paths, under
 
 if TYPE_CHECKING:
     from ray_titan.progress import Mode
 
-__all__ = ["RunResult", "train"]
+__all__ = ["Interrupted", "RunResult", "init_local_cluster", "train"]
+
 
 
 @dataclass
@@ -92,17 +98,58 @@ class RunResult:
         return self.step_column("step_loss")
 
 
+# Ray Train V2 starts a detached PlacementGroupCleaner per run, which removes the run's placement
+# group (and so kills every worker) once the state API says the run's controller is not alive. It
+# asks the state API of RAY_API_SERVER_ADDRESS, else RAY_ADDRESS, else whatever cluster it finds
+# on its machine: <temp dir>/ray/ray_current_cluster (written by `ray start` and by
+# ray.cluster_utils.Cluster, of any user) or the only gcs_server process running. With another
+# cluster found there, that cluster's dashboard answers "no such actor" for our live controller
+# and our run is killed; with none, several or no dashboard, the cleaner's thread dies (no
+# clean-up, no harm). So every cluster ray_titan starts or joins names itself to the cleaner,
+# through the job's runtime env, which the controller and the cleaner inherit.
+_STATE_API_VARS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+
+
+def init_local_cluster(num_cpus: int, **kwargs: Any) -> None:
+    """``ray.init`` a new local cluster with the dashboard (its state API) on a free port of
+    127.0.0.1, named in the job's runtime env as ``RAY_API_SERVER_ADDRESS`` so Ray Train's
+    placement-group cleaner asks this cluster about its runs and no other. ``kwargs`` go to
+    ``ray.init`` (``_temp_dir``, ``log_to_driver``, ...)."""
+    import socket
+
+    import ray
+
+    with socket.socket() as s:  # a free port now; the dashboard binds it a moment later
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+             dashboard_port=port, runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}},
+             **kwargs)
+
+
 def _connect(cfg: JobConfig) -> None:
     import ray
 
     if ray.is_initialized():
+        env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
+        if not any(v in env for v in _STATE_API_VARS):
+            print("ray_titan: warning: this Ray job's runtime env names no RAY_API_SERVER_ADDRESS or RAY_ADDRESS: "
+                  "Ray Train's placement-group cleaner may ask another Ray cluster on the head node whether this "
+                  "run is alive, and stop it (ray_titan.driver.init_local_cluster starts Ray safely)",
+                  file=sys.stderr, flush=True)
         return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")  # a loaded machine starts slowly
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        if re.fullmatch(r"[\w.\-]+:\d+", address):  # a GCS address (not ray://, auto or a dashboard URL)
+            try:
+                ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": {"RAY_ADDRESS": address}})
+                return
+            except ValueError:  # `ray job submit --runtime-env` set RAY_ADDRESS itself: keep that one
+                pass
+        ray.init(address=address, log_to_driver=True)
         return
-    num_cpus = cfg.ray.num_cpus or os.cpu_count() or 1
-    # The dashboard serves the state API that Ray Train V2 polls to clean up after a run.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
+    init_local_cluster(cfg.ray.num_cpus or os.cpu_count() or 1, log_to_driver=True)
 
 
 def _check_cluster(cfg: JobConfig) -> float:
@@ -184,14 +231,27 @@ def train(
     :class:`~ray_titan.metrics.leak.MemoryLeakError` when a rank's memory grew and
     ``memory.on_leak = "stop"`` ended the run, and ``ray.train.TrainingFailedError`` if training
     fails otherwise (the metrics recorded until then stay in the run directory), ``NonFiniteError``
-    when a non-finite loss stopped it, and ``KeyboardInterrupt`` after Ctrl-C.
+    when a non-finite loss stopped it, and :class:`Interrupted` (a ``KeyboardInterrupt``) after
+    Ctrl-C or SIGTERM, which stop the workers and end the call within seconds (``SignalGuard``).
     """
+    with SignalGuard() as signals:
+        try:
+            return _train(config, overrides, progress, callbacks, signals)
+        except KeyboardInterrupt as e:  # before the workers started, or a plain Ctrl-C
+            if isinstance(e, Interrupted):
+                raise
+            raise Interrupted(str(e), signals.signum or signal.SIGINT) from None
+
+
+def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress: str, callbacks: list | None,
+           signals: SignalGuard) -> RunResult:
+
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from ray_titan.allocator import worker_env_vars
-    from ray_titan.checkpoint import find_latest
+    from ray_titan.checkpoint import find_latest, remove_staging
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.leak import MemoryLeakError, leak_settings
     from ray_titan.metrics.sinks import read_steps
@@ -218,9 +278,10 @@ def train(
     cfg = resolve_hf_job(resolve_paths(cfg))
     for warning in job_warnings(cfg):
         print(f"ray_titan: warning: {warning}", file=sys.stderr, flush=True)
-    validate_job(cfg)  # also materialises the built-in corpus, once, before workers read it
+    cfg = validate_job(cfg)  # also materialises the built-in corpus, once, before workers read it
 
     _connect(cfg)
+    signals.rearm()  # ray.init sets its own SIGTERM handler
     dims = parallel_dims(cfg)
     cpus = _check_cluster(cfg)
     marks["cluster_ready"] = time.time()
@@ -274,8 +335,8 @@ def train(
     )
     if collector is None:
         return _fit_without_metrics(trainer, cfg, run_dir, marks)
-    console = ConsoleThread(lambda: ray.get(collector.poll.remote(), timeout=30),
-                            make_display(cfg.training.steps, cast("Mode", progress)))  # checked above
+    poller = _Poller(collector)
+    console = ConsoleThread(poller, make_display(cfg.training.steps, cast("Mode", progress)))
     console.start()
     failure: BaseException | None = None
     summary: dict[str, Any]
@@ -285,25 +346,39 @@ def train(
     except BaseException as e:  # keep the metrics recorded so far, then re-raise
         failure = e
     finally:
+        # Each step guarded: a full disk or a dead collector must not skip the rest (an escaping
+        # error here once left the console thread polling, and it started a second Ray session).
         marks["fit_returned"] = time.time()
-        write_timings(run_dir, "driver", {"marks": marks})
         console.stop_event.set()  # no poll may drain lines between here and the summary
+        remove_staging(run_dir)  # what an interrupted save left; room for the metrics on a full disk
+        if failure is not None:
+            _remove_incomplete_checkpoints(run_dir)
         try:
-            summary = ray.get(collector.finish.remote(), timeout=120)
+            summary = ray.get(collector.finish.remote(poller.shown_step), timeout=120)
         except Exception as e:  # the flushed parts are on disk; never hide a training error
             summary = {"lines": [], "errors": [f"metrics collector failed to finish: {e}"], "final_loss": None}
         console.finish(summary)
-        ray.kill(collector)
+        try:
+            ray.kill(collector)
+        except Exception:  # already gone
+            pass
+        try:
+            write_timings(run_dir, "driver", {"marks": marks})
+        except Exception as e:
+            summary["errors"].append(f"timings: {e}")
     # Checkpoints of a remote run directory stay where Ray Train put them; only local ones are found.
     latest = find_latest(run_dir / "checkpoints") if isinstance(run_dir, Path) else None
     where = (f"last checkpoint {latest} (continue with --checkpoint.load_path={latest})"
              if latest else "no checkpoint was saved")
     if isinstance(failure, (KeyboardInterrupt, SystemExit)):
-        # Ray Train's SIGINT handler aborted the worker group and exits the driver.
-        print(f"ray_titan: interrupted: workers stopped; metrics in {under(run_dir, 'metrics')}; {where}",
+        # Ray Train's SIGINT handler (or ours for SIGTERM) aborted the worker group.
+        name = signal.Signals(signals.signum or signal.SIGINT).name
+        print(f"ray_titan: interrupted ({name}): workers stopped; metrics in {under(run_dir, 'metrics')}; {where}",
               file=sys.stderr, flush=True)
-        raise KeyboardInterrupt(str(where)) from None
+        raise Interrupted(str(where), signals.signum or signal.SIGINT) from None
     if failure is not None:
+        for err in summary["errors"]:
+            print(f"ray_titan: metrics error: {err}", file=sys.stderr)
         print(f"ray_titan: run failed; metrics so far in {under(run_dir, 'metrics')}; {where}", file=sys.stderr)
         if summary.get("stop"):
             raise MemoryLeakError(summary["stop"]) from failure
@@ -313,6 +388,9 @@ def train(
 
         print(f"ray_titan: run stopped; metrics in {under(run_dir, 'metrics')}; {where}", file=sys.stderr)
         raise NonFiniteError(summary["stop_reason"])
+    final = summary["final_loss"]
+    if final is not None and not math.isfinite(final):  # never a success (training.on_nonfinite = "skip")
+        summary["errors"].append(f"the final loss (step {summary.get('last_step')}) is {final}, not finite")
     for err in summary["errors"]:
         print(f"ray_titan: metrics error: {err}", file=sys.stderr)
     result = RunResult(
@@ -331,8 +409,40 @@ def train(
     return result
 
 
+class _Poller:
+    """The console thread's call to the collector; remembers the newest step shown, so that a
+    collector restarted by Ray does not show again the steps it re-assembles."""
+
+    def __init__(self, collector: Any):
+        self.collector, self.shown_step = collector, 0
+
+    def __call__(self) -> dict[str, Any]:
+        import ray
+
+        if not ray.is_initialized():  # never let a late poll start a new local cluster
+            raise RuntimeError("Ray is shut down")
+        payload = ray.get(self.collector.poll.remote(self.shown_step), timeout=30)
+        if payload.get("latest"):
+            self.shown_step = max(self.shown_step, payload["latest"]["step"])
+        return payload
+
+
+def _remove_incomplete_checkpoints(run_dir: Path | str) -> None:
+    """After a failed run: remove checkpoint directories newer than the latest complete one
+    (a save cut short, by a full disk for one), so the space they hold goes to the metrics."""
+    from ray_titan.checkpoint import find_latest
+
+    if not isinstance(run_dir, Path) or not (run_dir / "checkpoints").is_dir():
+        return
+    latest = find_latest(run_dir / "checkpoints")
+    for p in (run_dir / "checkpoints").glob("step-*"):
+        if latest is None or p.name > latest.name:
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def _fit_without_metrics(trainer, cfg: JobConfig, run_dir: Path | str, marks: dict[str, float]) -> RunResult:
     """``metrics.enabled = false``: run the worker group with no collector; only timings are kept."""
+    from ray_titan.checkpoint import remove_staging
     from ray_titan.metrics.timing import read_timings, write_timings
 
     marks["fit_called"] = time.time()
@@ -340,6 +450,7 @@ def _fit_without_metrics(trainer, cfg: JobConfig, run_dir: Path | str, marks: di
         trainer.fit()
     finally:
         marks["fit_returned"] = time.time()
+        remove_staging(run_dir)
         write_timings(run_dir, "driver", {"marks": marks})
     where = f"metrics.enabled = false: timings only in {under(run_dir, 'timings')}"
     stop = under(run_dir, STOP_REASON_FILE)

@@ -4,6 +4,11 @@
   a non-finite loss (known on the last stage) or gradient norm (known everywhere) either stops the
   run (``training.on_nonfinite = "stop"``, :class:`NonFiniteError` naming the step and the stage)
   or drops the update (``"skip"``).
+- :meth:`FaultHandler.check_update` does the same after the optimizer step, for an update that
+  made a parameter non-finite from finite gradients (a learning rate that overflows the
+  parameters' dtype): ``stop`` ends the run, ``skip`` restores the parameters and optimizer state
+  saved by :meth:`FaultHandler.before_update`. So non-finite weights never train on, and never
+  reach a checkpoint (:func:`all_finite` guards the save as well).
 - ``attempt_start_time``: when this worker group started (rank 0's clock, Unix seconds), stamped
   on every report, so the collector can tell a restarted group's replayed steps from the lost
   ones and keep the newest.
@@ -24,11 +29,30 @@ import torch.distributed as dist
 
 from ray_titan.parallel import local_tensor
 
-__all__ = ["FaultHandler", "NonFiniteError"]
+__all__ = ["FaultHandler", "NonFiniteError", "all_finite"]
 
 
 class NonFiniteError(RuntimeError):
     """The loss or the gradient norm is NaN or infinite and ``training.on_nonfinite = "stop"``."""
+
+
+@torch.no_grad()
+def all_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
+    """Whether every element of ``tensors`` (this rank's shards of DTensors) is finite on every
+    rank: a max-abs per tensor (which cannot overflow, unlike a sum) and one all-reduce."""
+    local = [local_tensor(t).detach() for t in tensors]
+    local = [t for t in local if t.numel() and (t.is_floating_point() or t.is_complex())]
+    bad = torch.zeros(1, device=device)
+    if local:
+        norms = torch.stack([n.to(device) for n in torch._foreach_norm(local, float("inf"))])
+        bad = (~torch.isfinite(norms)).any().to(bad.dtype).reshape(1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
 
 
 class FaultHandler:
@@ -46,6 +70,8 @@ class FaultHandler:
         self._poison = False
         self._stop: NonFiniteError | None = None
         self.skipped = 0
+        self._saved: list[torch.Tensor] = []  # under skip: the state before the update
+        self._had_state: set[int] = set()
 
     def wrap_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """``loss_fn``, made NaN at the steps in ``debug.nonfinite_loss_at_steps``."""
@@ -98,6 +124,45 @@ class FaultHandler:
         self.skipped += 1
         if self.rank == 0:
             print(f"ray_titan: {message}: update skipped (training.on_nonfinite = 'skip')", flush=True)
+        return True
+
+    @torch.no_grad()
+    def before_update(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        """Under ``on_nonfinite = "skip"``: copy this rank's parameter and optimizer-state shards
+        (into buffers kept from step to step: the same memory again as parameters plus optimizer
+        state), so :meth:`check_update` can undo an update. Nothing under ``stop``."""
+        if self.cfg.training.on_nonfinite != "skip":
+            return
+        tensors = [local_tensor(t) for t in list(params) + _optimizer_tensors(optimizer, params)]
+        if len(self._saved) != len(tensors):  # the first step, before the optimizer made its state
+            self._saved = [t.detach().clone() for t in tensors]
+        else:
+            torch._foreach_copy_(self._saved, tensors)
+        self._had_state = {id(p) for p in params if optimizer.state.get(p)}
+
+    @torch.no_grad()
+    def check_update(self, step: int, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> bool:
+        """After the optimizer step: True when it made a parameter non-finite on some rank. Under
+        ``stop`` :meth:`end_step` then raises :class:`NonFiniteError`; under ``skip`` the
+        parameters and optimizer state are restored from :meth:`before_update` and the step counts
+        as skipped. Every rank reaches the same verdict (one all-reduce)."""
+        if all_finite(params, self.device):
+            return False
+        message = (f"step {step}: the optimizer update made parameters non-finite from finite gradients "
+                   f"(optimizer.lr = {self.cfg.optimizer.lr:g} overflows the parameters' dtype?)")
+        if self.cfg.training.on_nonfinite == "stop":
+            self._stop = NonFiniteError(
+                f"{message}. training.on_nonfinite = 'stop' ends the run; 'skip' would undo such updates"
+            )
+            return True
+        for p in params:  # state the optimizer created in this update: gone again
+            if id(p) not in self._had_state:
+                optimizer.state.pop(p, None)
+        tensors = [local_tensor(t) for t in list(params) + _optimizer_tensors(optimizer, params)]
+        torch._foreach_copy_(tensors, self._saved[: len(tensors)])
+        self.skipped += 1
+        if self.rank == 0:
+            print(f"ray_titan: {message}: update undone (training.on_nonfinite = 'skip')", flush=True)
         return True
 
     def end_step(self, step: int, restarted: bool) -> None:

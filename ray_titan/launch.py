@@ -12,6 +12,7 @@ each rank writes its reports to ``metrics/ranks/rank{r}.jsonl`` and rank 0 assem
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{cfg.parallelism.dp_replicate} × {cfg.parallelism.dp_shard} × {cfg.parallelism.tp}) but this launch "
             f"has {world}: use torchrun --nproc-per-node={cfg.world_size}"
         )
-    validate_job(cfg)  # on every rank, so a bad config stops them all before the process group
+    cfg = validate_job(cfg)  # on every rank, so a bad config stops them all before the process group
     device = local_cuda_device()
     if world > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"metrics error: {err}", flush=True)
         print(f"run dir: {run_dir}  final loss: {summary['final_loss']}", flush=True)
         save_last_hf(cfg, find_latest(run_dir / "checkpoints"), run_dir)
+        if summary["final_loss"] is not None and not math.isfinite(summary["final_loss"]):
+            raise SystemExit(f"the final loss is {summary['final_loss']}, not finite")
 
 
 if __name__ == "__main__":

@@ -13,12 +13,20 @@ what would be valid.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from ray_titan import storage
 from ray_titan.allocator import worker_env_vars
 from ray_titan.callbacks import load_callback
-from ray_titan.checkpoint import CheckpointError, check_compatible, read_manifest, resolve_checkpoint
+from ray_titan.checkpoint import (
+    CheckpointError,
+    check_compatible,
+    check_metadata,
+    checkpoint_candidates,
+    load_metadata,
+    read_manifest,
+)
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.data.corpus import check_source
 from ray_titan.data.tokenizer import build_tokenizer
@@ -41,29 +49,39 @@ def job_warnings(cfg: JobConfig) -> list[str]:
 
 
 def _check_dump_folder(cfg: JobConfig) -> None:
+    """``job.dump_folder`` takes a probe file (written and removed) within ``job.storage_timeout_s``."""
     dump = cfg.job.dump_folder
-    try:
-        storage.resolve(dump)
-    except Exception as e:  # unknown scheme, pyarrow built without that filesystem, bad URI
-        raise ConfigError(
-            f"job.dump_folder = {dump!r}: pyarrow cannot open it ({e}); use a local path or a URI "
-            "of a filesystem pyarrow supports (file://, s3://, gs://, hdfs://, abfs://)"
-        ) from None
     if storage.is_remote(dump) and cfg.metrics.save_rank_reports:
         raise ConfigError(
             f"metrics.save_rank_reports = true writes local files on every worker, but job.dump_folder "
             f"= {dump!r} is remote; use a local or shared-filesystem dump_folder, or set it to false"
         )
+    try:
+        storage.check_writable(dump, cfg.job.storage_timeout_s)
+    except storage.StorageError as e:
+        where = "" if e.where == dump else f" ({e.where})"
+        raise ConfigError(
+            f"job.dump_folder = {dump!r}{where}: {e.cause}; use a writable local path, or a URI of a filesystem "
+            "pyarrow supports (file://, s3://, gs://, hdfs://, abfs://) that answers within "
+            f"job.storage_timeout_s = {cfg.job.storage_timeout_s:g} s, with credentials in the environment"
+        ) from None
 
 
-def validate_job(cfg: JobConfig) -> None:
+def validate_job(cfg: JobConfig) -> JobConfig:
     """Cross-field checks the driver runs before any worker starts.
 
     Checks the mesh against the worker count, the model against the pipeline, the batch against
-    microbatches and DP degree, the sequence length against the model, and that the data path
-    exists and has the text column. Raises :class:`ConfigError` naming the setting, its value and
-    what would be valid.
+    microbatches and DP degree, the sequence length against the model, that the data path
+    exists and has the text column, that the run directory can be written, and that the
+    checkpoint to load is complete (CRC-32 of every file), holds metadata the restricted
+    unpickler accepts, and fits the job. Raises :class:`ConfigError` naming the setting, its value
+    and what would be valid.
+
+    Returns ``cfg``, with ``checkpoint.load_path`` made the checkpoint it resolved to (a run
+    directory's newest good one: a corrupt newer one is passed over with a warning), so the
+    workers load the checkpoint checked here and verify nothing again.
     """
+    _check_settings(cfg)
     par, tr = cfg.parallelism, cfg.training
     axes = [a for a in ("pp", "dp_replicate", "dp_shard", "tp") if a in ("pp", "dp_shard") or getattr(par, a) > 1]
     mesh = (" × ".join(f"parallelism.{a}" for a in axes) + " = " + " × ".join(str(getattr(par, a)) for a in axes)
@@ -159,10 +177,52 @@ def validate_job(cfg: JobConfig) -> None:
             f"data.tokenizer = {cfg.data.tokenizer!r}, data.tokenizer_path = "
             f"{cfg.data.tokenizer_path!r}: {e}"
         ) from None
+    if tokenizer.max_id >= tokenizer.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer_path = {cfg.data.tokenizer_path!r}: the tokenizer has token id {tokenizer.max_id} but "
+            f"reports a vocabulary of {tokenizer.vocab_size} (ids 0 .. {tokenizer.vocab_size - 1}), which sizes the "
+            "model's embedding; renumber its vocabulary and added tokens without gaps"
+        )
     _check_vocab(cfg, tokenizer.vocab_size)
     if cfg.checkpoint.load_path is not None:
-        _check_load_path(cfg, tokenizer.vocab_size)
+        cfg = _check_load_path(cfg, tokenizer.vocab_size)
     _check_hf(cfg, tokenizer.vocab_size)
+    return cfg
+
+
+_NAME_MAX = 200  # the run directory adds "-<UTC stamp>" (23 characters); file names stop at 255 bytes
+
+
+def _check_settings(cfg: JobConfig) -> None:
+    """Settings that are well typed but cannot work, or would be silently ignored."""
+    name = cfg.job.name
+    bad = [c for c in name if c in "/\\" or ord(c) < 32 or ord(c) == 127]
+    if not name or bad or len(name.encode()) > _NAME_MAX:
+        why = (f"contains {bad[0]!r}" if bad else "is empty" if not name
+               else f"is {len(name.encode())} bytes long")
+        raise ConfigError(
+            f"job.name = {name!r} {why}: the run directory is <dump_folder>/<job.name>-<timestamp>, so the name "
+            f"must be one file name of at most {_NAME_MAX} bytes, without path separators or control characters; "
+            "use letters, digits, '-', '_' or '.'"
+        )
+    if cfg.data.tokenizer == "byte" and cfg.data.tokenizer_path:
+        raise ConfigError(
+            f"data.tokenizer_path = {cfg.data.tokenizer_path!r} is set but data.tokenizer = 'byte' ignores it; "
+            "set data.tokenizer = 'huggingface' to use that tokenizer.json, or remove tokenizer_path"
+        )
+    steps, d = cfg.training.steps, cfg.debug
+    for setting, value in (("kill_at_step", d.kill_at_step), ("kill_collector_at_step", d.kill_collector_at_step)):
+        if value is not None and value > steps:
+            raise ConfigError(
+                f"debug.{setting} = {value} is beyond the run's last step (training.steps = {steps}): the fault "
+                f"would never be injected; use 1 .. {steps}"
+            )
+    outside = sorted(s for s in d.nonfinite_loss_at_steps if not 1 <= s <= steps)
+    if outside:
+        raise ConfigError(
+            f"debug.nonfinite_loss_at_steps = {d.nonfinite_loss_at_steps}: step(s) {outside} are outside the run "
+            f"(1 .. training.steps = {steps})"
+        )
 
 
 def _model_args(cfg: JobConfig):
@@ -316,12 +376,33 @@ def _validate_memory(cfg: JobConfig) -> None:
             raise ConfigError(f"callbacks[{i}].target = {cb.target!r}: {e}") from None
 
 
-def _check_load_path(cfg: JobConfig, vocab_size: int) -> None:
-    """``checkpoint.load_path`` exists, is complete and fits the job."""
+def _check_load_path(cfg: JobConfig, vocab_size: int) -> JobConfig:
+    """``checkpoint.load_path`` exists, is complete and sound (sizes, CRC-32, metadata) and fits
+    the job. For a directory of checkpoints (a run directory or its ``checkpoints/``), the newest
+    sound one is taken, with a warning naming each newer one passed over. Returns ``cfg`` with
+    ``load_path`` set to the checkpoint taken."""
     load_path = cfg.checkpoint.load_path
     assert load_path is not None  # the caller checks
+    passed_over: list[str] = []
     try:
-        path = resolve_checkpoint(load_path)
-        check_compatible(read_manifest(path), cfg, vocab_size, path, cfg.checkpoint.load_model_only)
+        candidates = checkpoint_candidates(load_path)
+        for path in candidates:
+            try:
+                manifest = read_manifest(path, verify_checksums=True)
+                # The same restricted unpickler as the workers': a crafted .metadata stops here.
+                check_metadata(load_metadata(path), path, manifest["files"])
+            except CheckpointError as e:
+                if len(candidates) == 1:
+                    raise
+                passed_over.append(str(e))
+                continue
+            check_compatible(manifest, cfg, vocab_size, path, cfg.checkpoint.load_model_only)
+            break
+        else:
+            raise CheckpointError(f"no sound checkpoint in {load_path}: " + "; ".join(passed_over))
     except CheckpointError as e:
-        raise ConfigError(f"checkpoint.load_path = {cfg.checkpoint.load_path!r}: {e}") from None
+        raise ConfigError(f"checkpoint.load_path = {load_path!r}: {e}") from None
+    for problem in passed_over:
+        print(f"ray_titan: warning: checkpoint.load_path = {load_path!r}: passing over a damaged checkpoint "
+              f"({problem}); loading {path}", file=sys.stderr, flush=True)
+    return cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"load_path": str(path)})})

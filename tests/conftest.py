@@ -20,11 +20,12 @@ def ray_cluster():
     """A local Ray cluster shared by every integration test; its GCS address is returned."""
     import ray
 
+    from ray_titan.driver import init_local_cluster
+
     temp_dir = tempfile.mkdtemp(prefix="rt_ray_", dir="/tmp")
-    ray.init(
-        address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir,
-        log_to_driver=True,
-    )
+    # As the product starts Ray: with the dashboard, named to Ray Train's placement-group cleaner
+    # (without it, another developer's cluster on this machine could stop our runs).
+    init_local_cluster(num_cpus=2, _temp_dir=temp_dir, log_to_driver=True)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import pickle
 import shutil
+import zlib
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ from ray_titan.checkpoint import (
     read_manifest,
     resolve_checkpoint,
 )
-from ray_titan.config import ConfigError, load_config
+from ray_titan.config import ConfigError, load_config, merge_overrides
 from ray_titan.fault import NonFiniteError
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.report import LocalReporter
@@ -29,11 +31,10 @@ from tests.conftest import REPO
 
 
 def _cfg(tmp_path, corpus_cache, *overrides):
-    return load_config(REPO / "configs" / "debug_llama.toml", [
+    return load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
         "--parallelism.pp=1", "--parallelism.dp_shard=1", "--training.steps=4", "--checkpoint.interval=2",
         f"--data.cache_dir={corpus_cache}", f"--job.dump_folder={tmp_path}", "--training.threads_per_worker=1",
-        "--metrics.enable_tensorboard=false", *overrides,
-    ])
+        "--metrics.enable_tensorboard=false"], overrides))
 
 
 def _train(run_dir, cfg, save=True):
@@ -100,6 +101,27 @@ def test_partial_checkpoint_is_never_the_latest(saved, tmp_path):
         resolve_checkpoint(newest)
 
 
+def test_a_run_directory_whose_latest_checkpoint_is_corrupt_falls_back_to_the_newest_good_one(
+        saved, tmp_path, corpus_cache, capsys):
+    run_dir, _, _ = saved
+    good = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
+    bad = _copy(run_dir / "checkpoints" / "step-00000004", tmp_path)
+    shard = bad / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only its CRC-32 tells
+    shard.write_bytes(bytes(data))
+    cfg = validate_job(_cfg(tmp_path / "run", corpus_cache, f"--checkpoint.load_path={tmp_path}",
+                            "--training.steps=5"))
+    assert cfg.checkpoint.load_path == str(good)  # the workers load what pre-flight checked
+    err = capsys.readouterr().err
+    assert f"passing over a damaged checkpoint (checkpoint {bad} is corrupt: __0_0.distcp fails its CRC-32 " \
+           f"check); loading {good}" in err
+    shard.write_bytes(b"")  # every checkpoint bad: an error naming them
+    (good / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        validate_job(_cfg(tmp_path / "run", corpus_cache, f"--checkpoint.load_path={tmp_path}"))
+
+
 @pytest.mark.parametrize("damage, message", [
     ("truncate", r"is corrupt: __0_0.distcp has \d+ bytes, the manifest says \d+"),
     ("flip", "is corrupt: __0_0.distcp fails its CRC-32 check"),
@@ -123,27 +145,52 @@ def test_damaged_checkpoint_is_a_clear_error(saved, tmp_path, corpus_cache, dama
     with pytest.raises(CheckpointError, match=message):
         read_manifest(ckpt, verify_checksums=True)
     cfg = _cfg(tmp_path / "run", corpus_cache, f"--checkpoint.load_path={ckpt}")
-    with pytest.raises(CheckpointError, match=f"checkpoint {ckpt}"):  # the train loop refuses it too
-        _train(tmp_path / "run", cfg, save=False)
+    with pytest.raises(ConfigError, match=message):  # before workers start: CRC-32s are checked there, once
+        validate_job(cfg)
+    if damage != "flip":
+        with pytest.raises(CheckpointError, match=f"checkpoint {ckpt}"):  # the workers check sizes too
+            _train(tmp_path / "run", cfg, save=False)
 
 
-class _Evil:
-    def __reduce__(self):
-        return (os.system, ("echo pwned",))
+def _craft_metadata(ckpt, data: bytes) -> None:
+    """Replace a checkpoint's .metadata and make its manifest match, as a hostile user with write
+    access to shared storage would: only the unpickler stands in the way."""
+    (ckpt / ".metadata").write_bytes(data)
+    m = json.loads((ckpt / MANIFEST).read_text())
+    m["files"][".metadata"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    (ckpt / MANIFEST).write_text(json.dumps(m))
 
 
-def test_metadata_is_not_unpickled_unrestricted(saved, tmp_path, corpus_cache):
+def test_crafted_metadata_is_refused_before_workers_start_and_by_the_workers(saved, tmp_path, corpus_cache):
     run_dir, _, _ = saved
     ckpt = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
-    evil = pickle.dumps(_Evil())
-    (ckpt / ".metadata").write_bytes(evil)
-    m = json.loads((ckpt / MANIFEST).read_text())  # make it look complete: only the unpickler stands
-    m["files"][".metadata"] = {"bytes": len(evil), "crc32": __import__("zlib").crc32(evil)}
-    (ckpt / MANIFEST).write_text(json.dumps(m))
+    marker = tmp_path / "pwned"
+    # Protocol 4: STACK_GLOBAL "torch.distributed.checkpoint.metadata" "os.system" ("touch ...").
+    mod, name, cmd = (s.encode() for s in ("torch.distributed.checkpoint.metadata", "os.system", f"touch {marker}"))
+    _craft_metadata(ckpt, b"\x80\x04\x8c" + bytes([len(mod)]) + mod + b"\x8c" + bytes([len(name)]) + name
+                    + b"\x93\x8c" + bytes([len(cmd)]) + cmd + b"\x85R.")
     cfg = _cfg(tmp_path / "run", corpus_cache, f"--checkpoint.load_path={ckpt}")
-    with pytest.raises(CheckpointError,
-                       match=r"\.metadata is unreadable: UnpicklingError: refusing to unpickle posix.system"):
-        _train(tmp_path / "run", cfg, save=False)
+    refused = "refusing to unpickle torch.distributed.checkpoint.metadata.os.system"
+    with pytest.raises(ConfigError, match=rf"load_path = .*\.metadata is unreadable: UnpicklingError: {refused}"):
+        validate_job(cfg)
+    with pytest.raises(CheckpointError, match=rf"\.metadata is unreadable: UnpicklingError: {refused}"):
+        _train(tmp_path / "run", cfg, save=False)  # a restarted worker group checks it too
+    assert not marker.exists()
+
+
+def test_metadata_that_points_outside_the_checkpoint_is_refused(saved, tmp_path, corpus_cache):
+    from ray_titan.checkpoint import load_metadata
+
+    run_dir, _, _ = saved
+    ckpt = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
+    metadata = load_metadata(ckpt)
+    index = next(iter(metadata.storage_data))
+    metadata.storage_data[index].relative_path = "../../../etc/passwd"
+    _craft_metadata(ckpt, pickle.dumps(metadata, protocol=4))
+    cfg = _cfg(tmp_path / "run", corpus_cache, f"--checkpoint.load_path={ckpt}")
+    with pytest.raises(ConfigError, match=r"\.metadata points .* to '\.\./\.\./\.\./etc/passwd', which the manifest "
+                                          r"does not list; not a checkpoint this ray_titan wrote"):
+        validate_job(cfg)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -193,3 +240,69 @@ def test_nonfinite_skip_drops_the_update_and_counts_it(tmp_path, corpus_cache):
     assert math.isnan(losses[1]) and math.isnan(grad_norms[1])
     # Had the NaN update been applied, every later loss would be NaN.
     assert all(math.isfinite(x) for x in losses[2:])
+
+
+def test_an_update_that_makes_weights_nonfinite_stops_or_is_undone(tmp_path, corpus_cache):
+    """optimizer.lr = 1e300 is finite, but in fp32 it is inf: the first update makes every weight
+    NaN from finite gradients (the reported run printed 'final loss nan' and exited 0)."""
+    cfg = _cfg(tmp_path / "stop", corpus_cache, "--optimizer.lr=1e300", "--lr_scheduler.warmup_steps=0",
+               "--checkpoint.enable=false")
+    collector = MetricsCollector(str(tmp_path / "stop"), 1, [0], cfg.training.steps, enable_tensorboard=False)
+    with pytest.raises(NonFiniteError, match=r"step 1: the optimizer update made parameters non-finite from finite "
+                                             r"gradients \(optimizer.lr = 1e\+300 overflows"):
+        train_loop(cfg, LocalReporter(collector), None)
+    collector.finish()
+    good = _cfg(tmp_path / "good", corpus_cache, "--checkpoint.enable=false", "--lr_scheduler.warmup_steps=0")
+    good_losses, *_ = _train(tmp_path / "good", good, save=False)
+    cfg = _cfg(tmp_path / "skip", corpus_cache, "--optimizer.lr=1e300", "--lr_scheduler.warmup_steps=0",
+               "--training.on_nonfinite=skip")
+    losses, skipped, _, summary = _train(tmp_path / "skip", cfg)
+    assert skipped == [True] * 4 and summary["skipped_steps"] == 4
+    assert losses[0] == good_losses[0] and all(math.isfinite(x) for x in losses)
+    # Every update was undone: the weights stay the initial ones, and the checkpoints hold them.
+    ckpt = find_latest(tmp_path / "skip" / "checkpoints")
+    assert ckpt.name == "step-00000004"
+    resumed = _cfg(tmp_path / "resumed", corpus_cache, "--checkpoint.load_model_only=true",
+                   f"--checkpoint.load_path={ckpt}", "--checkpoint.enable=false", "--lr_scheduler.warmup_steps=0",
+                   "--training.steps=1")
+    first, *_ = _train(tmp_path / "resumed", resumed, save=False)
+    assert first == good_losses[:1]
+
+
+def test_nonfinite_weights_are_never_saved_or_loaded(saved, tmp_path):
+    """The save refuses non-finite state (nothing written); a checkpoint whose weights were made
+    NaN on disk (its manifest matching) is refused at load."""
+    import torch
+    from torch import nn
+
+    from ray_titan.checkpoint import Checkpointer, load_metadata
+    from ray_titan.metrics.report import Reporter
+
+    run_dir, cfg, _ = saved
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = type("Position", (), {"state_dict": lambda self: {"epoch": 0, "doc_pos": 0, "offset": 0}})()
+    storage = LocalCheckpointStorage(tmp_path / "checkpoints", 0)
+    ckpt = Checkpointer(cfg, 0, [model], opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0), loader,
+                        Reporter(), storage, 258, torch.device("cpu"))
+    with torch.no_grad():
+        model[0].weight[1, 2] = float("nan")
+    with pytest.raises(CheckpointError, match="step 3: parameters or optimizer state are not finite; no checkpoint"):
+        ckpt.save(3)
+    assert not (tmp_path / "checkpoints").exists()
+
+    damaged = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
+    info = next(v for k, v in load_metadata(damaged).storage_data.items() if k.fqn.startswith("model."))
+    shard = damaged / info.relative_path
+    data = bytearray(shard.read_bytes())
+    blob = bytes(data[info.offset:info.offset + info.length])  # one torch.save'd tensor
+    raw = torch.load(io.BytesIO(blob), weights_only=True).numpy().tobytes()
+    at = info.offset + blob.index(raw)
+    data[at:at + 4] = np.float32(np.nan).tobytes()
+    shard.write_bytes(bytes(data))
+    m = json.loads((damaged / MANIFEST).read_text())
+    m["files"][info.relative_path]["crc32"] = zlib.crc32(bytes(data))
+    (damaged / MANIFEST).write_text(json.dumps(m))
+    cfg = _cfg(tmp_path / "run", str(cfg.data.cache_dir), f"--checkpoint.load_path={damaged}")
+    with pytest.raises(CheckpointError, match=f"checkpoint {damaged} holds non-finite model weights"):
+        _train(tmp_path / "run", cfg, save=False)

@@ -107,3 +107,34 @@ def test_committed_config_reference_matches_the_config_classes():
         assert f"## `[{name}]`" in committed
         for key in cls.model_fields:
             assert f"| `{key}` |" in committed
+
+
+def test_a_signal_ends_the_driver_within_its_grace_period_whatever_it_waits_on(tmp_path):
+    """The driver's main thread stuck (here: a SIGINT handler that does nothing, as a call into
+    C++ that never returns to Python would): SIGTERM still ends the process, with status 143,
+    after the grace period, and a second signal ends it at once."""
+    import signal
+    import time
+
+    code = (
+        "import signal, time\n"
+        "from ray_titan.interrupts import SignalGuard\n"
+        "with SignalGuard(grace_s=1.5):\n"
+        "    signal.signal(signal.SIGINT, lambda signum, frame: None)  # the main thread never acts on it\n"
+        "    print('ready', flush=True)\n"
+        "    while True:\n"
+        "        time.sleep(60)\n"
+    )
+    for signals, within in (((signal.SIGTERM,), (1.2, 6.0)), ((signal.SIGINT, signal.SIGINT), (0.0, 1.2))):
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert proc.stdout.readline() == "ready\n"
+        started = time.monotonic()
+        for s in signals:
+            proc.send_signal(s)
+            time.sleep(0.2)
+        _, err = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - started
+        assert proc.returncode == 128 + signals[0], err
+        assert within[0] <= elapsed <= within[1], elapsed
+        assert f"still stopping 1.5 s after {signals[0].name} (or signalled again): exiting now" in err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pyarrow.compute
 import pytest
 
 from ray_titan.metrics.collector import MetricsCollector
@@ -185,17 +187,27 @@ def test_replayed_steps_replace_the_lost_ones_and_the_restart_is_marked(tmp_path
         (1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0), (6, 2.0)]
 
 
-def test_restarted_collector_resumes_from_its_flushed_parts(tmp_path):
+def test_restarted_collector_resumes_from_its_flushed_parts(tmp_path, monkeypatch):
+    import ray_titan.metrics.collector as collector_module
+
     dims = ParallelDims(pp=1, dp_shard=1)
-    c = _collector(tmp_path, dims, steps=6, flush_every_steps=2)
+    c = _collector(tmp_path, dims, steps=6, flush_every_steps=2, log_freq=1)
     for step in (1, 2, 3):
         first = c.report([_report(step, 0, dims, loss=float(step))])
     assert first["durable"] == {0.0: 2}
+    shown = c.poll()
+    assert [line.split("|")[0].strip() for line in shown["lines"] if line.startswith("step")] == \
+        ["step 1/6", "step 2/6", "step 3/6"] and "warming_up at step 1" in shown["lines"][1]
     del c  # killed: step 3 was assembled but not flushed
-    again = _collector(tmp_path, dims, steps=6, flush_every_steps=2)
+    monkeypatch.setattr(collector_module, "_reconstructed", lambda: True)  # Ray restarted the actor
+    again = _collector(tmp_path, dims, steps=6, flush_every_steps=2, log_freq=1)
     assert again.incarnation != first["incarnation"] and again.last_step == 2 and again.final_loss == 2.0
     answer = again.report([_report(s, 0, dims, loss=float(s)) for s in (1, 2, 3, 4, 5, 6)])  # the worker resends
     assert answer["durable"] == {0.0: 6}  # 6 assembled and flushed; 1 and 2 were ignored
+    # The console goes on where it was: step 3 is not shown again, the verdict does not warm up again.
+    lines = again.poll(shown_step=shown["latest"]["step"])["lines"]
+    assert lines[0].startswith("ray_titan: metrics collector restarted; 2 steps were on disk")
+    assert [line.split("|")[0].strip() for line in lines[1:]] == ["step 4/6", "step 5/6", "step 6/6"]
     summary = again.finish()
     assert summary["errors"] == [] and summary["final_loss"] == 6.0
     assert read_steps(tmp_path)["step"].to_pylist() == [1, 2, 3, 4, 5, 6]
@@ -217,6 +229,63 @@ def test_the_collector_lowers_its_own_cpu_priority_by_nice(tmp_path):
         out = subprocess.run([sys.executable, "-c", code, str(tmp_path / str(nice)), str(nice)],
                              check=True, capture_output=True, text=True).stdout
         assert int(out.split()[-1]) == nice
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 512 KiB tmpfs, to fill up (root only)."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_a_full_disk_loses_no_metric_that_fits_later(small_disk):
+    """The disk fills up between flushes: each failed write is reported once with the file and the
+    cause, nothing blocks, the rows wait in memory, and once space is back every row is on disk."""
+    dims = ParallelDims(pp=1, dp_shard=1)
+    c = _collector(small_disk, dims, steps=30, flush_every_steps=5, enable_tensorboard=True)
+    for step in range(1, 6):
+        c.report([_report(step, 0, dims, loss=2.0)])
+    assert read_steps(small_disk)["step"].to_pylist() == [1, 2, 3, 4, 5]
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:  # what a checkpoint that does not fit does to the disk
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    for step in range(6, 16):
+        c.report([_report(step, 0, dims, loss=2.0)])
+    failures = [e for e in c.errors if "No space left on device" in e]
+    assert failures and f"cannot write {small_disk / 'metrics' / 'parts'}" in failures[0]
+    assert len([e for e in failures if "part-" in e]) == 1  # once, not at every flush
+    assert read_steps(small_disk)["step"].to_pylist() == [1, 2, 3, 4, 5]  # what was flushed stays readable
+    filler.unlink()
+    for step in range(16, 31):
+        c.report([_report(step, 0, dims, loss=2.0)])
+    summary = c.finish()
+    assert read_steps(small_disk)["step"].to_pylist() == list(range(1, 31))
+    assert summary["final_loss"] == 2.0
+
+
+def test_per_step_bookkeeping_stays_as_small_as_the_unflushed_steps(tmp_path):
+    dims = ParallelDims(pp=1, dp_shard=2)
+    c = _collector(tmp_path, dims, steps=2000, flush_every_steps=10, enable_tensorboard=False)
+    for step in range(1, 2001):
+        answer = c.report([_report(step, 0, dims, loss=1.0), _report(step, 1, dims, loss=1.0)])
+    assert answer["durable"] == {0.0: 2000}
+    assert len(c._done) == 0 and sum(map(len, c._flushed.values())) == 0 and len(c._pending) == 0
+    # A late resend of a long-flushed step is still recognised and ignored.
+    c.report([_report(7, 0, dims, loss=9.0), _report(7, 1, dims, loss=9.0)])
+    assert c.finish()["errors"] == []
+    t = read_steps(tmp_path)
+    assert t.num_rows == 4000 and set(t.filter(pa.compute.equal(t["step"], 7))["loss"].to_pylist()) == {1.0}
 
 
 def test_tensor_parallel_ranks_count_their_loss_and_tokens_once(tmp_path):

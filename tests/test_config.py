@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -108,6 +110,26 @@ def _cfg(*overrides: str) -> JobConfig:
          r"activation_checkpoint.layer_freq = 9 exceeds the model's 4 layers"),
         (["--memory.on_leak=halt"], r"memory.on_leak = 'halt': Input should be 'warn' or 'stop'"),
         (["--activation_checkpoint.mode=partial"], r"activation_checkpoint.mode = 'partial'"),
+        # Well-typed values that cannot mean anything, or would be ignored (docs/reliability.md).
+        (["--optimizer.lr=inf"], r"optimizer.lr = inf: Input should be a finite number"),
+        (["--optimizer.eps=nan"], r"optimizer.eps = nan: Input should be a finite number"),
+        (["--training.max_norm=inf"], r"training.max_norm = inf: Input should be a finite number"),
+        (["--optimizer.beta1=1.0"], r"optimizer.beta1 = 1.0: Input should be less than 1"),
+        (["--training.seed=100000000000000000000000"],
+         r"training.seed = 100000000000000000000000: Input should be less than or equal to 9223372036854775807"),
+        (["--training.steps=100000000000000000000"],
+         r"training.steps = 100000000000000000000: Input should be less than or equal to 1000000000"),
+        (["--job.name=../x"], r"job.name = '../x' contains '/': the run directory is <dump_folder>/<job.name>-"),
+        (["--job.name=a\x00b"], r"job.name = 'a\\x00b' contains '\\x00': .* without path separators or control"),
+        (['--job.name=""'], r"job.name = '' is empty"),
+        (["--data.tokenizer_path=/x/tokenizer.json"],
+         r"data.tokenizer_path = '/x/tokenizer.json' is set but data.tokenizer = 'byte' ignores it"),
+        (["--debug.kill_at_step=400"], r"debug.kill_at_step = 400 is beyond the run's last step \(training.steps"),
+        (["--debug.kill_collector_at_step=301"], r"debug.kill_collector_at_step = 301 is beyond the run's last step"),
+        (["--debug.nonfinite_loss_at_steps=[-1, 2, 500]"],
+         r"debug.nonfinite_loss_at_steps = \[-1, 2, 500\]: step\(s\) \[-1, 500\] are outside the run"),
+        (["--training.steps=5", "--training.steps=6"],
+         r"override training.steps is given twice \('--training.steps=5' and '--training.steps=6'\); give each"),
     ],
 )
 def test_validation_errors_name_setting_value_and_fix(overrides, message, monkeypatch):
@@ -199,3 +221,24 @@ def test_callbacks_and_memory_sections_load_from_toml(tmp_path):
     assert cfg.activation_checkpoint.mode == "full"
     assert cfg.callbacks[0].kwargs == {"ranks": [1], "mib_per_step": 2.0}
     validate_job(cfg)
+
+
+@pytest.mark.parametrize("content, message", [
+    (bytes(range(256)), r"is not UTF-8 text \(byte 128 is b'\\x80'\): a binary file\? give a TOML job config"),
+    (b"\x00\x01[training]", r"holds a NUL character \(byte 0\): a binary file\?"),
+    (b"\xef\xbb\xbf[training]\nsteps = 3\n", r"starts with a UTF-8 byte-order mark, which TOML does not allow"),
+    (None, r"is a directory, not a TOML file"),
+    (b"[training\nsteps = 3", r"is not valid TOML"),
+])
+def test_unreadable_config_files_are_config_errors_exit_2(tmp_path, capsys, content, message):
+    from ray_titan.cli import main
+
+    path = tmp_path / "job.toml"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ray-titan: config error: config file {str(path)!r} ") and re.search(message, err), err
+    assert main(["config", "show", str(path)]) == 2

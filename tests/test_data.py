@@ -113,3 +113,57 @@ def test_order_is_deterministic_from_the_seed_and_resumable():
     resumed.load_state_dict(state)
     for _ in range(60):
         assert torch.equal(next(a)[0], next(resumed)[0])
+
+
+def test_a_long_document_reads_from_jsonl_and_parquet_and_the_position_stays_three_integers(tmp_path):
+    """A 3 MiB one-line document (pyarrow's JSON blocks are 1 MiB): read whole from JSON Lines and
+    Parquet; the loader's position inside it is (epoch, document, offset), and a loader resumed
+    there continues the same stream token for token."""
+    long = "".join(chr(97 + i % 26) for i in range(3 << 20))
+    texts = ["short one", long, "short two"]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    pq.write_table(pa.table({"text": texts}), tmp_path / "d.parquet")
+    for source in ("jsonl", "parquet"):
+        data = Data(source=source, path=str(tmp_path / f"d.{source}"))
+        check_source(data)
+        assert load_texts(data).to_pylist() == texts
+    tok = ByteTokenizer()
+    loader = PackedLoader(load_texts(data), tok, seq_len=255, global_batch_size=8, seed=0)
+    for _ in range(300):  # 300 × 8 × 256 tokens: well inside the long document
+        next(loader)
+    state = loader.state_dict()
+    assert set(state) == {"epoch", "doc_pos", "offset"} and all(type(v) is int for v in state.values())
+    assert loader.texts[int(loader._order[state["doc_pos"]])].as_py() == long and state["offset"] > 0
+    resumed = PackedLoader(load_texts(data), tok, seq_len=255, global_batch_size=8, seed=0)
+    resumed.load_state_dict(state)
+    for _ in range(1600):  # to the end of the long document, the next epoch included
+        assert torch.equal(next(loader)[0], next(resumed)[0])
+    assert loader.epoch >= 1
+
+
+def test_data_that_cannot_train_is_refused(tmp_path):
+    from ray_titan.config import load_config
+    from ray_titan.preflight import validate_job
+
+    pq.write_table(pa.table({"text": ["", "", ""]}), tmp_path / "empty.parquet")
+    pq.write_table(pa.table({"text": pa.array([None, None], pa.string())}), tmp_path / "null.parquet")
+    (tmp_path / "null.jsonl").write_text('{"text": null}\n{"text": null}\n')
+    for name, message in [
+        ("empty.parquet", r"data.text_column = 'text' is empty or null in all 3 rows of data.path = .*empty.parquet"),
+        ("null.parquet", r"data.text_column = 'text' is empty or null in all 2 rows"),
+        ("null.jsonl", r"data.text_column = 'text' in .*null.jsonl' has type null, not string"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            check_source(Data(source=name.split(".")[1], path=str(tmp_path / name)))
+    # A tokenizer whose ids leave gaps: id 50 in a vocabulary it reports as 7 ids (the embedding's rows).
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<s>": 2, "</s>": 3, "[UNK]": 4, "zz": 50}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    cfg = load_config(None, ["--data.source=parquet", f"--data.path={tmp_path / 'ok.parquet'}",
+                             "--data.tokenizer=huggingface", f"--data.tokenizer_path={tmp_path / 'tokenizer.json'}"])
+    pq.write_table(pa.table({"text": ["a b zz"]}), tmp_path / "ok.parquet")
+    with pytest.raises(ConfigError, match=r"data.tokenizer_path = .*tokenizer.json': the tokenizer has token id 50 "
+                                          r"but reports a vocabulary of 6 \(ids 0 .. 5\)"):
+        validate_job(cfg)

@@ -8,9 +8,11 @@ cost time, never data or correctness; a checkpoint loads onto another mesh; Ctrl
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -18,7 +20,8 @@ import pyarrow as pa
 import pytest
 
 import ray_titan
-from ray_titan.config import load_config
+from ray_titan.checkpoint import find_latest
+from ray_titan.config import load_config, merge_overrides
 from ray_titan.metrics.sinks import read_steps
 from tests.conftest import REPO
 
@@ -34,11 +37,10 @@ RESUME_CASES = {
 
 
 def _run(tmp_path_factory, corpus_cache, name, *overrides):
-    cfg = load_config(REPO / "configs" / "debug_llama.toml", [
+    cfg = load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
         f"--job.name={name}", f"--job.dump_folder={tmp_path_factory.mktemp(name, numbered=False)}",
         f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}", "--metrics.log_freq=1000",
-        f"--checkpoint.interval={INTERVAL}", "--metrics.flush_every_steps=2", *overrides,
-    ])
+        f"--checkpoint.interval={INTERVAL}", "--metrics.flush_every_steps=2"], overrides))
     return ray_titan.train(cfg)
 
 
@@ -135,7 +137,11 @@ def test_nonfinite_stop_without_metrics_raises_too(ray_cluster, tmp_path_factory
     assert (run_dir / STOP_REASON_FILE).read_text().startswith("step 2: the loss is not finite")
 
 
-def test_ctrl_c_stops_workers_flushes_metrics_and_names_the_last_checkpoint(ray_cluster, tmp_path, corpus_cache):
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_stops_workers_flushes_metrics_and_names_the_last_checkpoint(ray_cluster, tmp_path, corpus_cache,
+                                                                           signum, status):
+    """Ctrl-C, and SIGTERM (what schedulers and Kubernetes send) alike: the workers stop, the
+    metrics are consolidated, the true last checkpoint is named, no staging is left behind."""
     env = {**os.environ, "RAY_ADDRESS": ray_cluster, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     dump = tmp_path / "runs"
     with open(tmp_path / "stderr.txt", "w") as errfile:  # a file: Ray's log lines would fill a pipe
@@ -149,16 +155,19 @@ def test_ctrl_c_stops_workers_flushes_metrics_and_names_the_last_checkpoint(ray_
             for line in proc.stdout:
                 if line.startswith("step    7/1000"):
                     break
-            proc.send_signal(signal.SIGINT)
-            proc.communicate(timeout=300)
+            proc.send_signal(signum)
+            proc.communicate(timeout=120)
         finally:
             if proc.poll() is None:
                 proc.kill()
     err = (tmp_path / "stderr.txt").read_text()
-    assert proc.returncode == 130, err[-3000:]
+    assert proc.returncode == status, err[-3000:]
     (run_dir,) = dump.glob("debug_llama-*")
-    assert f"ray_titan: interrupted: workers stopped; metrics in {run_dir / 'metrics'}; last checkpoint " \
+    name = signal.Signals(signum).name
+    assert f"ray_titan: interrupted ({name}): workers stopped; metrics in {run_dir / 'metrics'}; last checkpoint " \
            f"{run_dir / 'checkpoints'}/step-0000000" in err
+    named = re.search(r"last checkpoint (\S+) ", err).group(1)
+    assert named == str(find_latest(run_dir / "checkpoints"))  # nothing was saved after it was named
     steps = read_steps(run_dir)
     assert (run_dir / "metrics" / "steps.parquet").exists()  # consolidated: flushed and closed
     assert 7 <= max(steps["step"].to_pylist()) < 1000
@@ -168,7 +177,10 @@ def test_ctrl_c_stops_workers_flushes_metrics_and_names_the_last_checkpoint(ray_
     for pid in set(steps["pid"].to_pylist()):
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not _alive(pid), f"worker process {pid} still runs after Ctrl-C"
+        assert not _alive(pid), f"worker process {pid} still runs after {name}"
+    assert str(find_latest(run_dir / "checkpoints")) == named and not (run_dir / ".checkpoint_staging").exists()
+    # The metrics reach at least the last checkpoint's step: they agree on where the run stopped.
+    assert max(steps["step"].to_pylist()) >= int(named.rsplit("-", 1)[1])
 
 
 def _alive(pid: int) -> bool:
@@ -181,3 +193,84 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_full_disk_fails_the_run_cleanly_and_keeps_the_metrics(ray_cluster, tmp_path, corpus_cache):
+    """dump_folder on a 2 MiB tmpfs: the first checkpoint (~12 MB) does not fit. The run fails
+    (exit 1) naming the file and the cause; every step before the failure is readable; the driver
+    starts no second Ray session and leaves no process behind."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    try:
+        with open(tmp_path / "out.txt", "w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ray_titan", "train", "--training.steps=20", "--checkpoint.interval=6",
+                 "--metrics.flush_every_steps=4", "--parallelism.pp=1", "--parallelism.dp_shard=1",
+                 "--parallelism.microbatches=1", "--training.global_batch_size=4", f"--job.dump_folder={disk}",
+                 f"--data.cache_dir={corpus_cache}"],
+                env=env, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True,
+            )
+            try:
+                proc.wait(timeout=300)
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        log = (tmp_path / "out.txt").read_text()
+        assert proc.returncode == 1, log[-3000:]
+        (run_dir,) = disk.glob("debug_llama-*")
+        assert "No space left on device" in log and str(run_dir) in log
+        assert "Started a local Ray instance" not in log  # no second Ray session
+        time.sleep(2)
+        assert _group_members(proc.pid) == [], "processes of the driver outlived it"
+        steps = read_steps(run_dir)
+        assert steps["step"].to_pylist() == list(range(1, 7))  # every step up to the failed save
+        assert not (run_dir / ".checkpoint_staging").exists() and find_latest(run_dir / "checkpoints") is None
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def _group_members(pgid: int) -> list[int]:
+    out = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid and _alive(int(entry.name)):
+                    out.append(int(entry.name))
+            except OSError:
+                pass
+    return out
+
+
+def test_a_run_completes_on_a_saturated_machine(ray_cluster, tmp_path_factory, corpus_cache):
+    """Eight busy processes on the machine's cores (load ≥ 10 on 2 cores) for the whole run:
+    nothing of Ray's (start-up timeouts, health checks, the placement-group cleaner) may kill it.
+    The same run ends on a non-finite loss (the last step's, its update skipped): it trains to the
+    end but is not a success (RunResult.errors, exit status 1)."""
+    busy = [subprocess.Popen([sys.executable, "-c", "import os\nos.nice(19)\nwhile True: pass"])
+            for _ in range(8)]
+    runnable: list[int] = []
+    done = threading.Event()
+
+    def sample():  # /proc/loadavg's 4th field: processes runnable right now
+        while not done.wait(0.5):
+            with open("/proc/loadavg") as f:
+                runnable.append(int(f.read().split()[3].split("/")[0]))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        run = _run(tmp_path_factory, corpus_cache, "saturated", "--parallelism.pp=1", "--parallelism.dp_shard=2",
+                   "--training.steps=6", "--checkpoint.interval=3", "--training.on_nonfinite=skip",
+                   "--debug.nonfinite_loss_at_steps=[6]")
+    finally:
+        done.set()
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert sorted(set(run.steps["step"].to_pylist())) == list(range(1, 7)) and run.restarts == 0
+    assert run.checkpoint is not None and run.checkpoint.name == "step-00000006"
+    assert run.errors == ["the final loss (step 6) is nan, not finite"]
+    assert len(runnable) >= 4 and sorted(runnable)[len(runnable) // 2] >= 10, runnable

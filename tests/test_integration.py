@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import ray_titan
-from ray_titan.config import load_config
+from ray_titan.config import load_config, merge_overrides
 from ray_titan.metrics.report import read_rank_reports
 from tests.conftest import REPO
 
@@ -28,11 +28,10 @@ SCHEDULES = {
 
 
 def _run(tmp_path_factory, corpus_cache, name, *overrides):
-    cfg = load_config(REPO / "configs" / "debug_llama.toml", [
+    cfg = load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
         f"--job.name={name}", f"--job.dump_folder={tmp_path_factory.mktemp(name)}",
         f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}",
-        "--metrics.log_freq=1000", "--metrics.save_rank_reports=true", *overrides,
-    ])
+        "--metrics.log_freq=1000", "--metrics.save_rank_reports=true"], overrides))
     return ray_titan.train(cfg)
 
 

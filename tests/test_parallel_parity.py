@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ray_titan.config import load_config
+from ray_titan.config import load_config, merge_overrides
 from ray_titan.config.schema import ConfigError
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.report import JsonlReporter, rank_reports_path, read_rank_reports
@@ -96,10 +96,9 @@ def _run(tmp: Path, model: str, nproc: int, overrides: list[str], steps: int = S
     returns ``(collector summary, steps table, ParallelDims)``."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["ray_titan.trainer", "tests.test_parallel_parity"])
-    flags = [*COMMON, f"--training.steps={steps}", f"--data.cache_dir={tmp.parent / 'corpus'}",
-             f"--checkpoint.enable={str(save).lower()}", *overrides]
-    if model == "deepseek_v2":
-        flags.insert(0, "--parallelism.ep=1")
+    flags = merge_overrides(["--parallelism.ep=1"] if model == "deepseek_v2" else [], COMMON, [
+        f"--training.steps={steps}", f"--data.cache_dir={tmp.parent / 'corpus'}",
+        f"--checkpoint.enable={str(save).lower()}"], overrides)
     run_dir = tmp / "run"
     run_dir.mkdir(parents=True)
     port = _free_port()

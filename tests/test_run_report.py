@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ray_titan.cli import main
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.parallel.dims import ParallelDims
@@ -40,3 +42,20 @@ def test_report_writes_plots_and_prints_each_ranks_verdict(tmp_path, capsys):
 def test_report_of_a_directory_without_metrics_is_an_error(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "no metrics" in capsys.readouterr().err
+
+
+def test_report_of_a_read_only_run_directory_says_so_and_writes_with_out(tmp_path, capsys):
+    import subprocess
+
+    run_dir = _run_dir(tmp_path / "run", steps=10)
+    if subprocess.run(["mount", "--bind", "-o", "ro", str(run_dir), str(run_dir)], capture_output=True).returncode:
+        pytest.skip("a read-only bind mount needs root")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(run_dir)], check=True)
+        assert main(["report", str(run_dir)]) == 2
+        assert f"ray-titan report: cannot write {run_dir / 'report'}: Read-only file system; write the plots " \
+               "elsewhere with --out DIR" in capsys.readouterr().err
+        assert main(["report", str(run_dir), "--out", str(tmp_path / "plots")]) == 0
+        assert (tmp_path / "plots" / "loss.png").is_file()
+    finally:
+        subprocess.run(["umount", str(run_dir)], check=True)

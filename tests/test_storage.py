@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
+
 import pytest
 
 import ray_titan.driver as driver
@@ -61,11 +64,19 @@ def test_collector_on_a_remote_uri_stages_locally_and_uploads(tmp_path, monkeypa
     assert summary["errors"] == []
     assert read_steps(remote)["step"].to_pylist() == [1, 1, 2, 2, 3, 3, 4, 4]
     assert any((remote / "tb").iterdir())
+    # Each sync uploads what is new or changed: a part once, not again at every later flush.
+    uploads = [rel for batch in c.mirror.batches for rel in batch]
+    assert uploads.count("metrics/parts/part-00000.parquet") == 1 and "metrics/steps.parquet" in uploads
 
 
 class _FileMirror(storage.Mirror):
     def __init__(self, local, dest):
         super().__init__(local, f"file://{dest}")
+        self.batches: list[list[str]] = []
+
+    def sync(self):
+        self.batches.append(super().sync())
+        return self.batches[-1]
 
 
 def test_read_steps_from_a_uri(tmp_path, monkeypatch):
@@ -75,9 +86,13 @@ def test_read_steps_from_a_uri(tmp_path, monkeypatch):
         c.report([_report(step, 0, dims, loss=1.5)])
     uri = f"file://{tmp_path}"
     assert read_steps(uri)["step"].to_pylist() == [1, 2, 3]  # the parts, before the run ends
-    # The same through pyarrow's filesystem layer, as for s3:// or gs://:
-    monkeypatch.setattr(storage, "is_remote", lambda u: str(u).startswith("file://"))
-    assert read_steps(uri)["step"].to_pylist() == [1, 2, 3]
+    # A restarted worker group replays step 3; its collector keeps both rows in the parts until
+    # they are consolidated, and a reader sees one row per step, the newer one.
+    replay = _report(3, 0, dims, loss=0.5)
+    replay["attempt_start_time"] = 2000.0
+    c.report([replay])
+    t = read_steps(uri)
+    assert t["step"].to_pylist() == [1, 2, 3] and t["loss"].to_pylist() == [1.5, 1.5, 0.5]
     c.finish()
     assert not (tmp_path / "metrics" / "parts").exists()
     assert read_steps(uri)["step"].to_pylist() == [1, 2, 3]
@@ -85,12 +100,40 @@ def test_read_steps_from_a_uri(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("overrides, message", [
     (['--job.dump_folder="nosuchfs://bucket/runs"'],
-     r"job.dump_folder = 'nosuchfs://bucket/runs': pyarrow cannot open it .*Unrecognized filesystem"),
+     r"job.dump_folder = 'nosuchfs://bucket/runs': pyarrow cannot open it: .*Unrecognized filesystem"),
+    # No network here: a bucket whose storage never answers, and an endpoint that refuses (the S3
+    # client retries for ~15 s). Either must end at job.storage_timeout_s, not block for minutes.
+    (['--job.dump_folder="gs://ray-titan-unreachable/runs"', "--job.storage_timeout_s=2"],
+     r"job.dump_folder = 'gs://ray-titan-unreachable/runs': no answer from its storage within 2 s"),
+    (['--job.dump_folder="s3://bucket/runs?endpoint_override=127.0.0.1:1&scheme=http"', "--job.storage_timeout_s=2"],
+     r"no answer from its storage within 2 s \(unreachable endpoint or bucket"),
+    (["--job.dump_folder=/proc/ray_titan_runs"], r"dump_folder = '/proc/ray_titan_runs': cannot create it: No such"),
+    (["--job.dump_folder=/dev/null"], r"job.dump_folder = '/dev/null': cannot write there: Not a directory"),
 ])
 def test_unusable_dump_folder_is_refused_before_workers(overrides, message, monkeypatch):
     monkeypatch.setattr(driver, "_connect", lambda cfg: pytest.fail("the driver started Ray for an invalid config"))
+    started = time.monotonic()
     with pytest.raises(ConfigError, match=message):
         driver.train(load_config(None, overrides))
+    assert time.monotonic() - started < 20
+
+
+def test_dump_folder_probe_leaves_nothing_and_refuses_a_read_only_mount(tmp_path):
+    deep = tmp_path / "a" / "b" / "runs"
+    storage.check_writable(deep, 5)
+    assert list(tmp_path.iterdir()) == []  # the probe file and the directories made for it are gone
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(storage.StorageError, match=r"file/runs: cannot create it: Not a directory"):
+        storage.check_writable(tmp_path / "file" / "runs", 5)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    try:
+        with pytest.raises(storage.StorageError, match=r"ro: cannot write there: Read-only file system"):
+            storage.check_writable(ro, 5)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
 
 
 def test_rank_reports_need_a_local_dump_folder(monkeypatch):

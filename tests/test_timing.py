@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ray_titan.config import load_config
+from ray_titan.config import load_config, merge_overrides
 from ray_titan.metrics.report import Reporter
 from ray_titan.metrics.timing import read_timings, write_timings
 from ray_titan.trainer import train_loop
@@ -20,10 +20,9 @@ class _Recording(Reporter):
 
 
 def _cfg(corpus_cache, *overrides):
-    return load_config(None, [
+    return load_config(None, merge_overrides([
         "--parallelism.pp=1", "--parallelism.dp_shard=1", "--training.steps=4",
-        "--training.threads_per_worker=1", f"--data.cache_dir={corpus_cache}", *overrides,
-    ])
+        "--training.threads_per_worker=1", f"--data.cache_dir={corpus_cache}"], overrides))
 
 
 def test_metrics_switch_and_timings(corpus_cache, tmp_path):

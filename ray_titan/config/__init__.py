@@ -10,6 +10,6 @@ so they live outside this package, in :mod:`ray_titan.preflight`: this package i
 of the project and the package graph has no cycle.
 """
 
-from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides, load_config
+from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides, load_config, merge_overrides
 
-__all__ = ["ConfigError", "JobConfig", "apply_overrides", "load_config"]
+__all__ = ["ConfigError", "JobConfig", "apply_overrides", "load_config", "merge_overrides"]

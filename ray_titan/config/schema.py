@@ -18,7 +18,11 @@ from typing import Any, Literal
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["ConfigError", "JobConfig", "apply_overrides", "load_config"]
+__all__ = ["ConfigError", "JobConfig", "apply_overrides", "load_config", "merge_overrides"]
+
+
+MAX_STEPS = 10**9
+"""More optimizer steps than any run makes; a larger ``training.steps`` is a typo."""
 
 
 class ConfigError(ValueError):
@@ -27,7 +31,10 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     # Attribute docstrings become field descriptions (ray-titan config docs, docs/configuration.md).
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, use_attribute_docstrings=True)
+    # allow_inf_nan=False: no setting means anything when infinite or NaN (optimizer.lr = inf made
+    # every weight NaN at step 1).
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
 
 
 class Job(_Section):
@@ -41,6 +48,9 @@ class Job(_Section):
     ``gs://...``; see ``ray_titan.storage``). Shared or object storage on a multi-node cluster."""
     description: str = ""
     """Free text kept with the run (``config.json``); not used by training."""
+    storage_timeout_s: float = Field(30.0, gt=0)
+    """Seconds pre-flight waits for ``dump_folder``'s storage to take a probe file (written and
+    removed before any worker starts); an unreachable bucket or endpoint is refused after this."""
 
 
 class Model(_Section):
@@ -85,14 +95,15 @@ class Data(_Section):
 class Training(_Section):
     """Steps, batch (sequences), sequence length (tokens), seed, clipping and GC."""
 
-    steps: int = Field(300, gt=0)
-    """Optimizer steps to train."""
+    steps: int = Field(300, gt=0, le=MAX_STEPS)
+    """Optimizer steps to train (at most 10⁹)."""
     global_batch_size: int = Field(16, gt=0)
     """Sequences per optimizer step, summed over all data-parallel ranks."""
     seq_len: int = Field(128, gt=0)
     """Tokens per sequence fed to the model (labels are the same sequence shifted by one)."""
-    seed: int = Field(0, ge=0)
-    """Seed of model initialisation and data order (the same seed gives the same losses)."""
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    """Seed of model initialisation and data order (the same seed gives the same losses); below
+    2⁶³, the range of ``torch.manual_seed``'s int64."""
     max_norm: float = Field(1.0, ge=0)
     """Gradient-norm clipping threshold over the whole model; 0 disables clipping."""
     gc_freq: int = Field(50, gt=0)
@@ -454,12 +465,28 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _flag_key(flag: str) -> str:
+    return (flag[2:] if flag.startswith("--") else flag).split("=", 1)[0]
+
+
+def merge_overrides(*groups: list[str] | tuple[str, ...]) -> list[str]:
+    """The override flags of ``groups`` in order, a later flag replacing an earlier one of the same
+    setting: for layering a program's defaults under its caller's flags
+    (:func:`apply_overrides` refuses a setting given twice in one list, a user's typo)."""
+    merged: dict[str, str] = {}
+    for flag in (f for group in groups for f in group):
+        merged.pop(_flag_key(flag), None)
+        merged[_flag_key(flag)] = flag
+    return list(merged.values())
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``--section.key=value`` (or ``section.key=value``) overrides to nested dicts.
 
-    Raises :class:`ConfigError` for a flag that is not of that form.
+    Raises :class:`ConfigError` for a flag that is not of that form, or a setting given twice.
     """
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    given: dict[str, str] = {}
     for flag in overrides:
         body = flag[2:] if flag.startswith("--") else flag
         if "=" not in body or "." not in body.split("=", 1)[0]:
@@ -468,6 +495,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 "(for example --training.steps=50)"
             )
         key, value = body.split("=", 1)
+        if key in given:
+            raise ConfigError(
+                f"override {key} is given twice ({given[key]!r} and {flag!r}); give each setting once"
+            )
+        given[key] = flag
         section, _, name = key.partition(".")
         if "." in name:
             raise ConfigError(f"override {flag!r}: settings are two levels deep (section.key)")
@@ -481,15 +513,38 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Load a TOML job config (or the defaults when ``path`` is None) and apply overrides.
 
-    Raises :class:`ConfigError` for a missing file, invalid TOML, unknown keys or wrong types.
+    Raises :class:`ConfigError` for a missing file, a directory, a file that is not UTF-8 text
+    (binary, or with a byte-order mark), invalid TOML, unknown keys or wrong types.
     """
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        data = _read_toml(Path(path))
     return JobConfig.from_dict(apply_overrides(data, overrides or []))
+
+
+def _read_toml(p: Path) -> dict[str, Any]:
+    """The parsed TOML file ``p``; every way it can fail is a :class:`ConfigError` saying what it is."""
+    where = f"config file {str(p)!r}"
+    if p.is_dir():
+        raise ConfigError(f"{where} is a directory, not a TOML file")
+    if not p.exists():
+        raise ConfigError(f"{where} does not exist")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read: {e.strerror or e}") from None
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raise ConfigError(f"{where} starts with a UTF-8 byte-order mark, which TOML does not allow; save it "
+                          "as UTF-8 without BOM")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {e.start} is {raw[e.start:e.start + 1]!r}): "
+                          "a binary file? give a TOML job config") from None
+    if "\x00" in text:
+        raise ConfigError(f"{where} holds a NUL character (byte {text.index(chr(0))}): a binary file? "
+                          "give a TOML job config")
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where} is not valid TOML: {e}") from None

@@ -15,7 +15,9 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
@@ -91,15 +93,61 @@ def source_files(data: Data) -> tuple[list[Path], str]:
 def _read(path: Path, fmt: str, columns: list[str] | None = None) -> pa.Table:
     if fmt == "parquet":
         return pq.read_table(path, columns=columns)
-    table = pajson.read_json(path)
+    table = _read_jsonl(path)
     return table.select(columns) if columns else table
+
+
+def _read_jsonl(path: Path) -> pa.Table:
+    """A JSON Lines file with lines of any length. pyarrow parses blocks of 1 MiB by default and
+    cannot parse a line longer than its block ("straddling object"): such a file is read again
+    with one block as long as its longest line."""
+    try:
+        return pajson.read_json(path)
+    except pa.ArrowInvalid as e:
+        if "straddling" not in str(e):
+            raise
+    return pajson.read_json(path, read_options=pajson.ReadOptions(block_size=_longest_line(path) + 2))
+
+
+def _longest_line(path: Path) -> int:
+    """Bytes in the longest line of a file (newline excluded), read 16 MiB at a time."""
+    longest = current = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            newlines = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == ord("\n"))
+            if len(newlines) == 0:
+                current += len(chunk)
+                continue
+            longest = max(longest, current + int(newlines[0]), int(np.diff(newlines).max(initial=0)))
+            current = len(chunk) - int(newlines[-1]) - 1
+    return max(longest, current)
+
+
+def _has_text(column: pa.ChunkedArray | pa.Array) -> bool:
+    """Whether any value of a string column is non-null and non-empty."""
+    return bool(pc.any(pc.greater(pc.binary_length(column), 0)).as_py())
+
+
+def _first_text(files: list[Path], fmt: str, column: str) -> bool:
+    """Whether any document of the source has text, reading as little as it can: Parquet one row
+    group at a time (a corpus with text answers after its first), JSON Lines file by file."""
+    for f in files:
+        if fmt == "parquet":
+            pf = pq.ParquetFile(f)
+            if any(_has_text(pf.read_row_group(i, columns=[column]).column(0)) for i in range(pf.num_row_groups)):
+                return True
+        elif _has_text(_read(f, fmt, [column]).column(0)):
+            return True
+    return False
 
 
 def check_source(data: Data) -> None:
     """Check that every file of the source exists and has ``data.text_column`` as a string
-    column, and that the source has rows.
+    column, and that the source has rows with text.
 
-    Reads only Parquet footers (cheap); JSON Lines files are parsed. Raises :class:`ConfigError`.
+    Also checks that some document has text (not all empty or null). Reads Parquet footers and
+    then row groups until one has text (one, for a real corpus); JSON Lines files are parsed.
+    Raises :class:`ConfigError`.
     """
     files, fmt = source_files(data)
     rows = 0
@@ -128,6 +176,12 @@ def check_source(data: Data) -> None:
             )
     if rows == 0:
         raise ConfigError(f"data.path = {data.path!r} has no documents (0 rows in {len(files)} file(s))")
+    if not _first_text(files, fmt, data.text_column):
+        raise ConfigError(
+            f"data.text_column = {data.text_column!r} is empty or null in all {rows} rows of data.path = "
+            f"{data.path!r} ({len(files)} file(s)): nothing to train on but BOS/EOS; name the column that holds "
+            "the text"
+        )
 
 
 def load_texts(data: Data) -> pa.ChunkedArray:

@@ -9,6 +9,7 @@ ranks read disjoint parts, and the union over ranks is exactly what a one-worker
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,14 @@ class PackedLoader:
     """Iterator over ``(inputs, labels)`` for one DP rank.
 
     Each is an int64 tensor ``(global_batch_size // dp_degree, seq_len)``; ``labels`` is
-    ``inputs`` shifted left by one token. The position is a small host-side state
-    (:meth:`state_dict`), so a resumed run continues the same stream.
+    ``inputs`` shifted left by one token. The position (:meth:`state_dict`) is three integers:
+    the epoch, the index in that epoch's order of the document holding the next unread token,
+    and that token's offset in the document's ``[BOS] + tokens + [EOS]``; a resumed loader
+    re-tokenizes that document and continues the same stream, token for token. So a checkpoint's
+    data position is the same size whatever the documents' length.
+
+    Tokens read but not yet used stay as the documents' own arrays (int32), never concatenated
+    into one buffer, so a long document costs its tokens once and no step copies it.
 
     Raises ``ValueError`` if ``global_batch_size`` is not divisible by ``dp_degree`` or the
     corpus is empty.
@@ -50,45 +57,73 @@ class PackedLoader:
         self.local_batch = global_batch_size // dp_degree
         self.first = dp_rank * self.local_batch
         self.global_batch = global_batch_size
-        self.epoch, self.doc_pos = 0, 0
+        self.epoch, self.doc_pos = 0, 0  # the next document to tokenize
         self._order = self._permutation(0)
-        self._buffer = np.empty(0, dtype=np.int64)
+        # Documents tokenized and not used up, oldest first: (epoch, index in order, tokens).
+        self._docs: deque[tuple[int, int, np.ndarray]] = deque()
+        self._offset = 0  # tokens of the oldest of them already used
+        self._have = 0  # unused tokens in self._docs
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.texts))
 
-    def _fill(self, n_tokens: int) -> None:
-        parts = [self._buffer]
-        have = len(self._buffer)
-        while have < n_tokens:
-            if self.doc_pos == len(self._order):
-                self.epoch, self.doc_pos = self.epoch + 1, 0
-                self._order = self._permutation(self.epoch)
-            text = self.texts[int(self._order[self.doc_pos])].as_py()
-            self.doc_pos += 1
-            ids = self.tok.encode(text)
-            parts.append(np.concatenate(([self.tok.bos_id], ids, [self.tok.eos_id])).astype(np.int64))
-            have += len(parts[-1])
-        self._buffer = np.concatenate(parts)
+    def _tokenize_next(self) -> None:
+        if self.doc_pos == len(self._order):
+            self.epoch, self.doc_pos = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        text = self.texts[int(self._order[self.doc_pos])].as_py()
+        ids = np.concatenate(([self.tok.bos_id], self.tok.encode(text), [self.tok.eos_id])).astype(np.int32)
+        self._docs.append((self.epoch, self.doc_pos, ids))
+        self._have += len(ids)
+        self.doc_pos += 1
+
+    def _take(self, n: int) -> np.ndarray:
+        """The next ``n`` tokens of the stream (int64)."""
+        while self._have - self._offset < n:
+            self._tokenize_next()
+        parts = []
+        while n:
+            ids = self._docs[0][2]
+            part = ids[self._offset : self._offset + n]
+            parts.append(part)
+            n -= len(part)
+            self._offset += len(part)
+            if self._offset == len(ids):
+                self._docs.popleft()
+                self._have -= len(ids)
+                self._offset = 0
+        return np.concatenate(parts).astype(np.int64)
 
     def __iter__(self) -> PackedLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self.seq_len + 1
-        need = self.global_batch * chunk
-        self._fill(need)
-        batch, self._buffer = self._buffer[:need], self._buffer[need:]
+        batch = self._take(self.global_batch * chunk)
         mine = batch.reshape(self.global_batch, chunk)[self.first : self.first + self.local_batch]
         t = torch.from_numpy(np.ascontiguousarray(mine))
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
-    def state_dict(self) -> dict[str, Any]:
-        """Position in the stream: epoch, next document, and the tokens already read but unused."""
-        return {"epoch": self.epoch, "doc_pos": self.doc_pos, "buffer": self._buffer.copy()}
+    def state_dict(self) -> dict[str, int]:
+        """Position of the next unread token: ``epoch``, ``doc_pos`` (the index in that epoch's
+        order of its document) and ``offset`` (tokens of that document already used)."""
+        if self._docs:
+            epoch, pos, _ = self._docs[0]
+            return {"epoch": epoch, "doc_pos": pos, "offset": self._offset}
+        return {"epoch": self.epoch, "doc_pos": self.doc_pos, "offset": 0}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a :meth:`state_dict` of a loader with the same corpus, seed and shapes."""
-        self.epoch, self.doc_pos = int(state["epoch"]), int(state["doc_pos"])
-        self._order = self._permutation(self.epoch)
-        self._buffer = np.asarray(state["buffer"], dtype=np.int64)
+        """Continue from a :meth:`state_dict` of a loader with the same corpus, tokenizer, seed
+        and shapes. Raises ``ValueError`` for a position outside the corpus."""
+        epoch, pos, offset = int(state["epoch"]), int(state["doc_pos"]), int(state["offset"])
+        if not (epoch >= 0 and 0 <= pos <= len(self.texts) and offset >= 0):
+            raise ValueError(f"data position {state} is outside this corpus of {len(self.texts)} documents")
+        self.epoch, self.doc_pos = epoch, pos
+        self._order = self._permutation(epoch)
+        self._docs.clear()
+        self._have = self._offset = 0
+        if offset:
+            self._tokenize_next()
+            if offset >= self._have:
+                raise ValueError(f"data position {state}: that document has only {self._have} tokens")
+            self._offset = offset

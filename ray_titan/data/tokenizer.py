@@ -14,11 +14,14 @@ __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "build_tokenizer"]
 
 
 class Tokenizer:
-    """Interface: ``vocab_size`` ids in ``[0, vocab_size)``, including ``bos_id`` and ``eos_id``."""
+    """Interface: ``vocab_size`` ids in ``[0, vocab_size)``, including ``bos_id`` and ``eos_id``;
+    ``max_id`` is the largest id it can produce (the model's embedding has ``vocab_size`` rows,
+    so a tokenizer with ``max_id >= vocab_size`` cannot be trained on: pre-flight refuses it)."""
 
     vocab_size: int
     bos_id: int
     eos_id: int
+    max_id: int
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of ``text`` as a 1-D int64 array, without BOS/EOS."""
@@ -34,6 +37,7 @@ class ByteTokenizer(Tokenizer):
     vocab_size = 258
     bos_id = 256
     eos_id = 257
+    max_id = 257
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8).astype(np.int64)
@@ -67,6 +71,7 @@ class HFTokenizer(Tokenizer):
             raise FileNotFoundError(f"data.tokenizer_path = {path!r} does not exist")
         self._tok = _Tok.from_str(storage.read_text(path))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.max_id = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
         declared = _declared_special_tokens(path.rsplit("/", 1)[0] + "/tokenizer_config.json")
         self.bos_id = self._find((*declared[:1], *_BOS_NAMES), "BOS", path)
         self.eos_id = self._find((*declared[1:], *_EOS_NAMES), "EOS", path)

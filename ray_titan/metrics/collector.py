@@ -154,7 +154,7 @@ class MetricsCollector:
         self.parquet = ParquetSink(self.run_dir / "metrics")
         self.tb = TensorBoardSink(self.run_dir / "tb") if enable_tensorboard else None
         self._pending: dict[int, dict[int, dict[str, Any]]] = {}
-        self._lines: list[str] = []
+        self._lines: list[tuple[int | None, str]] = []  # (step it belongs to, text)
         self.errors: list[str] = []
         self.errors_total = 0
         self.assembled = 0
@@ -175,8 +175,11 @@ class MetricsCollector:
         self._done: dict[int, float] = {}  # step -> newest attempt assembled for it
         self._unflushed: list[tuple[float, int]] = []
         self._flushed: dict[float, set[int]] = {}
-        self._durable: dict[float, int] = {}
+        self._durable: dict[float, int] = {}  # attempt -> every step from _first[attempt] to this is on disk
+        self._first: dict[float, int] = {}
         self._errors_path = self.run_dir / "metrics" / "errors.jsonl"
+        self._write_errors: set[str] = set()
+        self._errors_unwritten = False
         self.restarted = _reconstructed()
         self._newest_attempt = float("-inf")
         self._resume()
@@ -194,7 +197,7 @@ class MetricsCollector:
             step, attempt = rep["step"], rep.get("attempt_start_time", 0.0)
             if attempt > self._newest_attempt:
                 self._new_attempt(attempt, step)
-            if self._done.get(step, float("-inf")) >= attempt:
+            if self._assembled_by(step) >= attempt:
                 continue  # a resent or superseded report of a step already assembled
             if self._pending_attempt.get(step, attempt) < attempt:
                 self._pending.pop(step, None)  # a restarted worker group replays this step
@@ -217,18 +220,23 @@ class MetricsCollector:
         self._error(f"{_STOPPED}{reason}")
 
     # -- driver-facing -------------------------------------------------------------------------
-    def drain_lines(self) -> list[str]:
-        """Console lines produced since the last call."""
+    def drain_lines(self, shown_step: int = 0) -> list[str]:
+        """Console lines produced since the last call. ``shown_step``: the newest step the
+        caller has shown; a collector restarted by Ray re-assembles the steps its previous life
+        had not flushed, and their lines (and verdict messages) were shown then, so they are
+        dropped."""
         lines, self._lines = self._lines, []
-        return lines
+        hide = shown_step if self.restarted else 0
+        return [text for step, text in lines if step is None or step > hide]
 
-    def poll(self) -> dict[str, Any]:
-        """``{"lines": drain_lines(), "latest": the newest assembled step's progress}`` (see
-        :mod:`ray_titan.progress`), one call per driver refresh."""
-        return {"lines": self.drain_lines(), "latest": self.latest}
+    def poll(self, shown_step: int = 0) -> dict[str, Any]:
+        """``{"lines": drain_lines(shown_step), "latest": the newest assembled step's progress}``
+        (see :mod:`ray_titan.progress`), one call per driver refresh."""
+        return {"lines": self.drain_lines(shown_step), "latest": self.latest}
 
-    def finish(self) -> dict[str, Any]:
-        """Record incomplete steps as errors, flush and close the sinks, and summarise.
+    def finish(self, shown_step: int = 0) -> dict[str, Any]:
+        """Record incomplete steps as errors, flush and close the sinks, and summarise
+        (``shown_step``: as for :meth:`drain_lines`).
 
         Returns ``{"steps": n, "last_step", "final_loss", "errors": [...], "lines": [...],
         "steps_path", "skipped_steps", "restarts"}`` (``restarts``: worker-group restarts seen in
@@ -241,10 +249,24 @@ class MetricsCollector:
             self._pending.clear()
             for rank, n in sorted(self.dropped.items()):
                 self._error(f"rank {rank} dropped {n} report(s): the collector was too slow")
-            steps_path = self.parquet.close()
-            self._check_complete(steps_path)
+            self._skipped_steps = self._restarts = 0
+            try:
+                steps_path: Path = self.parquet.close()
+                self._check_complete(steps_path)
+            except OSError as e:  # the flushed parts stay readable (read_steps)
+                lost = sorted({r["step"] for r in self.parquet._rows})
+                self._write_failed(e.strerror or str(e))
+                if lost:
+                    self._error(f"metrics of steps {lost[0]}..{lost[-1]} could not be written; the steps "
+                                f"flushed before are in {self.parquet.parts}")
+                steps_path = self.parquet.parts
             if self.tb:
-                self.tb.close()
+                self._tensorboard(self.tb.close)
+            if self._errors_unwritten:
+                try:
+                    self._errors_path.write_text("".join(json.dumps(e) + "\n" for e in self.errors), encoding="utf-8")
+                except OSError:
+                    pass
             self._sync("at the end")
             self._closed = True
             self._steps_path = str(steps_path)
@@ -253,7 +275,7 @@ class MetricsCollector:
             "last_step": self.last_step,
             "final_loss": self.final_loss,
             "errors": list(self.errors),
-            "lines": self.drain_lines(),
+            "lines": self.drain_lines(shown_step),
             "latest": self.latest,
             "steps_path": self._steps_path,
             "memory_verdicts": self.leak.summary(),
@@ -283,9 +305,11 @@ class MetricsCollector:
         self.assembled = len(set(rows["step"].to_pylist()))
         self.last_step = max(rows["step"].to_pylist())
         self.final_loss = rows.filter(pa.compute.equal(rows["step"], self.last_step))["step_loss"][0].as_py()
-        self._lines.append(
-            f"ray_titan: metrics collector restarted; {self.assembled} steps were on disk (up to step {self.last_step})"
-        )
+        self._lines.append((None, f"ray_titan: metrics collector restarted; {self.assembled} steps were on disk "
+                                  f"(up to step {self.last_step})"))
+        # The memory verdicts carry on from the flushed rows, instead of warming up again.
+        for r in rows.select(["step", "rank", "pp", "dp_shard", "ep", *MEMORY_FIELDS]).to_pylist():
+            self.leak.update(r["step"], {**r, "coords": {a: r[a] for a in ("pp", "dp_shard", "ep")}})
         if self.tb:  # events after the last flush may be torn or partial: the resent reports redo them
             self.tb.close()
             self.tb = TensorBoardSink(self.run_dir / "tb", purge_step=self.last_step + 1)
@@ -293,18 +317,35 @@ class MetricsCollector:
     def _new_attempt(self, attempt: float, step: int) -> None:
         """A worker group (re)started at ``step``: replayed steps replace the old ones in TensorBoard."""
         if self._newest_attempt > float("-inf"):
-            self._lines.append(f"ray_titan: worker group restarted; resuming at step {step}")
+            self._lines.append((None, f"ray_titan: worker group restarted; resuming at step {step}"))
             if self.tb and step <= self.last_step:
                 self.tb.close()
                 self.tb = TensorBoardSink(self.tb.tb_dir, purge_step=step)
         self._newest_attempt = attempt
 
     def _advance_durable(self, attempt: float) -> None:
+        """Move ``attempt``'s watermark over its newly flushed steps, and forget the per-step
+        records it now covers (steps ``_first[attempt] .. _durable[attempt]``), so the
+        bookkeeping stays as small as the unflushed part of the run."""
         done = self._flushed[attempt]
-        wm = self._durable.get(attempt, min(done) - 1)
+        if attempt not in self._durable:
+            self._durable[attempt] = min(done) - 1
+            self._first[attempt] = min(done)
+        wm = self._durable[attempt]
         while wm + 1 in done:
             wm += 1
+            done.discard(wm)
+            if self._done.get(wm) == attempt:
+                del self._done[wm]
         self._durable[attempt] = wm
+
+    def _assembled_by(self, step: int) -> float:
+        """The newest attempt whose report of ``step`` was assembled (-inf: none)."""
+        newest = self._done.get(step, float("-inf"))
+        for attempt, wm in self._durable.items():
+            if attempt > newest and self._first[attempt] <= step <= wm:
+                newest = attempt
+        return newest
 
     def _check_complete(self, steps_path: Path) -> None:
         """Every rank has a row at every step from the first to the last recorded."""
@@ -357,18 +398,19 @@ class MetricsCollector:
         self.parquet.add(flat)
         if self.tb:
             scalars = ("loss", "loss_max", "tokens_per_s", "lr", "grad_norm", "step_time_s", "moe/aux_loss")
-            self.tb.add_step(step, {k: summary[k] for k in scalars}, flat)
-            if load:
-                self.tb.add_expert_load(step, load)
-            if not self._mesh_written:  # what ``rank{r}`` in the tags is on the mesh
-                self.tb.add_text("mesh/ranks", "\n".join(
+            self._tensorboard(self.tb.add_step, step, {k: summary[k] for k in scalars}, flat)
+            if load and self.tb:
+                self._tensorboard(self.tb.add_expert_load, step, load)
+            if not self._mesh_written and self.tb:  # what ``rank{r}`` in the tags is on the mesh
+                self._tensorboard(self.tb.add_text, "mesh/ranks", "\n".join(
                     f"- {describe_coords(r['rank'], r['coords'])}" for r in rows), step)
                 self._mesh_written = True
             for message in filter(None, changes):
-                self.tb.add_text("memory/verdict", message, step)
+                if self.tb:
+                    self._tensorboard(self.tb.add_text, "memory/verdict", message, step)
         if step % self.log_freq == 0 or step == self.total_steps or step == 1:
-            self._lines.append(format_step_line(step, self.total_steps, summary, flat))
-        self._lines += filter(None, changes)
+            self._lines.append((step, format_step_line(step, self.total_steps, summary, flat)))
+        self._lines += [(step, c) for c in changes if c]
         self.assembled += 1
         if step >= self.last_step:  # the newest step's loss, None (and an error) if it had none
             self.last_step, self.final_loss = step, loss
@@ -406,21 +448,50 @@ class MetricsCollector:
         if len(self.errors) == self.MAX_ERRORS:
             message = "... further errors are counted in errors_total only"
         self.errors.append(message)
-        with open(self._errors_path, "a", encoding="utf-8") as f:  # survives a collector restart
-            f.write(json.dumps(message) + "\n")
+        try:
+            with open(self._errors_path, "a", encoding="utf-8") as f:  # survives a collector restart
+                f.write(json.dumps(message) + "\n")
+        except OSError:  # a full disk: written again at the end, and the driver gets it in finish()
+            self._errors_unwritten = True
 
     def flush(self) -> None:
-        """Write a Parquet part of the assembled rows and flush TensorBoard."""
-        self.parquet.flush()
-        if self.tb:
-            self.tb.flush()
+        """Write a Parquet part of the assembled rows and flush TensorBoard. A write error (a
+        full disk) is recorded once, naming the file and the cause; the rows stay in memory and
+        the next flush tries again, so nothing that fits on disk later is lost."""
         self._since_flush = 0
+        try:
+            self.parquet.flush()
+        except OSError as e:
+            self._write_failed(e.strerror or str(e))
+            return  # nothing new is durable: the workers keep (and resend) these reports
+        if self.tb:
+            self._tensorboard(self.tb.flush)
         for attempt, step in self._unflushed:
             self._flushed.setdefault(attempt, set()).add(step)
         for attempt in {a for a, _ in self._unflushed}:
             self._advance_durable(attempt)
         self._unflushed = []
         self._sync("after a flush")
+
+    def _write_failed(self, message: str) -> None:
+        """Record a failed write once per message (a full disk fails every flush alike)."""
+        if message not in self._write_errors:
+            self._write_errors.add(message)
+            self._error(f"metrics: {message}")
+            self._lines.append((None, f"ray_titan: metrics: {message}"))
+
+    def _tensorboard(self, write, *args: Any) -> None:
+        """A TensorBoard write; on an error TensorBoard is given up for this life of the
+        collector (the Parquet rows hold the same figures) and the error recorded."""
+        try:
+            write(*args)
+        except OSError as e:
+            self._write_failed(f"TensorBoard events in {self.run_dir / 'tb'}: {e}; TensorBoard stops here")
+            tb, self.tb = self.tb, None
+            try:
+                tb.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
 
     def _sync(self, when: str) -> None:
         if self.mirror is None:

@@ -79,14 +79,14 @@ class ParquetSink:
         self._rows.extend(rows)
 
     def flush(self) -> None:
-        """Write the queued rows as the next part file (atomically) and forget them."""
+        """Write the queued rows as the next part file (atomically) and forget them. On a write
+        error (a full disk) the partial file is removed, the rows are kept for the next flush, and
+        ``OSError`` is raised naming the file and the cause."""
         if not self._rows:
             return
         table = pa.Table.from_pylist(self._rows, schema=STEP_SCHEMA)
         path = self.parts / f"part-{self._n:05d}.parquet"
-        tmp = path.with_suffix(".tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
+        _write_atomically(table, path)
         self._n += 1
         self._rows = []
 
@@ -98,9 +98,7 @@ class ParquetSink:
         self.flush()
         table = _read_parts(self.parts)
         out = self.dir / "steps.parquet"
-        tmp = out.with_suffix(".tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, out)
+        _write_atomically(table, out)  # the parts stay if this fails
         for p in list(self.parts.glob("part-*.parquet")) + list(self.parts.glob("*.tmp")):
             p.unlink()
         try:
@@ -109,6 +107,17 @@ class ParquetSink:
             pass
         self.closed_path = out
         return out
+
+
+def _write_atomically(table: pa.Table, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)  # a partial file only takes the space the next try needs
+        cause = os.strerror(e.errno) if e.errno else str(e)
+        raise OSError(e.errno, f"cannot write {path}: {cause}") from None
 
 
 def read_raw_parts(parts: Path) -> pa.Table:
@@ -142,28 +151,19 @@ def _read_parts(parts: Path) -> pa.Table:
 
 def read_steps(run_dir: str | Path) -> pa.Table:
     """The per-step, per-rank metrics of a run: ``steps.parquet``, or the flushed parts if the
-    run ended before consolidating them. An empty table (with the schema) if neither exists.
-    ``run_dir`` may be a URI (:mod:`ray_titan.storage`)."""
+    run ended before consolidating them (one row per step and rank: :func:`latest_rows`). An
+    empty table (with the schema) if neither exists. ``run_dir`` may be a URI
+    (:mod:`ray_titan.storage`); local and remote run directories are read the same way."""
     from ray_titan import storage
 
-    if storage.is_remote(run_dir):
-        fs, path = storage.resolve(storage.join(run_dir, "metrics"))
-        if storage.exists(storage.join(run_dir, "metrics", "steps.parquet")):
-            return pq.read_table(f"{path}/steps.parquet", filesystem=fs)
-        files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(f"{path}/parts", allow_not_found=True))
-                       if i.base_name.startswith("part-") and i.base_name.endswith(".parquet"))
-        if not files:
-            return STEP_SCHEMA.empty_table()
-        table = pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA, filesystem=fs) for f in files])
-        return table.sort_by([("step", "ascending"), ("rank", "ascending")])
-    local = storage.local_path(run_dir)
-    assert local is not None  # not remote (above)
-    metrics = local / "metrics"
-    if (metrics / "steps.parquet").exists():
-        return pq.read_table(metrics / "steps.parquet")
-    if (metrics / "parts").is_dir():
-        return _read_parts(metrics / "parts")
-    return STEP_SCHEMA.empty_table()
+    fs, path = storage.resolve(storage.join(run_dir, "metrics"))
+    if fs.get_file_info(f"{path}/steps.parquet").type == pafs.FileType.File:
+        return pq.read_table(f"{path}/steps.parquet", filesystem=fs)
+    files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(f"{path}/parts", allow_not_found=True))
+                   if i.base_name.startswith("part-") and i.base_name.endswith(".parquet"))
+    if not files:
+        return STEP_SCHEMA.empty_table()
+    return latest_rows(pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA, filesystem=fs) for f in files]))
 
 
 VERDICT_CODES = {"warming_up": 0, "stable": 1, "growing": 2}
@@ -177,16 +177,30 @@ class TensorBoardSink:
     ``gc/rank{r}/pause_s`` at steps with a GC, text ``memory/verdict`` when a verdict changes,
     text ``mesh/ranks`` (every rank's mesh coordinates, at the first step recorded), and,
     for MoE models, ``moe/aux_loss``, ``moe/layer{L}/load_max_over_mean`` and
-    ``moe/layer{L}/expert{e}_share``."""
+    ``moe/layer{L}/expert{e}_share``.
+
+    Events are written by the calling thread with tensorboardX's ``EventsWriter`` (TensorBoard's
+    event-file format), not by ``SummaryWriter``'s background thread: a failed write (a full disk)
+    raises here, with the path, instead of killing that thread and leaving its bounded queue to
+    block every later call."""
 
     def __init__(self, tb_dir: str | Path, purge_step: int | None = None):
-        from tensorboardX import SummaryWriter
+        from tensorboardX.event_file_writer import EventsWriter
 
         self.tb_dir = tb_dir
-        # purge_step: TensorBoard drops the events of earlier writers from this step on (replays).
+        Path(tb_dir).mkdir(parents=True, exist_ok=True)
         # A new file name even within the same second (tensorboardX names files by the second).
         suffix = "" if purge_step is None else f".{time.time_ns()}"
-        self.writer = SummaryWriter(str(tb_dir), purge_step=purge_step, filename_suffix=suffix, max_queue=1000)
+        self._events = EventsWriter(os.path.join(str(tb_dir), "events"), suffix)
+        if purge_step is not None:  # TensorBoard drops earlier writers' events from this step on (replays)
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+            self._events.write_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def _write(self, step: int, summary: Any) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+
+        self._events.write_event(Event(wall_time=time.time(), step=step, summary=summary))
 
     def add_step(self, step: int, scalars: dict[str, float], rows: list[dict[str, Any]]) -> None:
         values = [(k, v) for k, v in scalars.items() if v is not None]
@@ -207,17 +221,18 @@ class TensorBoardSink:
     def _scalars(self, step: int, values: list[tuple[str, float]]) -> None:
         """All of a step's scalars as one event: one Summary with a value per tag, which
         TensorBoard reads as separate series (as TF1's merged summaries). ``add_scalar`` would
-        make an event per tag, each pickled through tensorboardX's multiprocessing queue: about
-        25 of them per step took most of the collector's CPU time outside Ray."""
+        make an event per tag: about 25 of them per step, each pickled through tensorboardX's
+        multiprocessing queue, took most of the collector's CPU time outside Ray."""
         from tensorboardX.proto.summary_pb2 import Summary
 
         if values:
-            summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in values])
-            self.writer.file_writer.add_summary(summary, step)
+            self._write(step, Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in values]))
 
     def add_text(self, tag: str, text: str, step: int) -> None:
         """A text entry (Markdown) at ``step``, shown in TensorBoard's Text tab."""
-        self.writer.add_text(tag, text, step)
+        from tensorboardX.summary import text as text_summary
+
+        self._write(step, text_summary(tag, text))
 
     def add_expert_load(self, step: int, load: dict[int, list[int]]) -> None:
         """Per MoE layer: max over mean of the experts' token counts (1 = perfectly balanced) and
@@ -231,7 +246,8 @@ class TensorBoardSink:
         self._scalars(step, values)
 
     def flush(self) -> None:
-        self.writer.flush()
+        """Write what is buffered and fsync it. Raises ``OSError`` (a full disk)."""
+        self._events.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        self._events.close()

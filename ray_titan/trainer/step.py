@@ -60,7 +60,9 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
     Splits the batch into ``n_microbatches``, runs forward and backward (pipeline schedule or
     gradient accumulation, scaled once by ``1 / n_microbatches``), scales the routed experts'
     gradients under EP, clips to ``max_norm`` over the whole model (0: no clipping), applies the
-    non-finite policy, steps the optimizer (unless the update is dropped) and the LR schedule.
+    non-finite policy, steps the optimizer (unless the update is dropped; an update that makes a
+    parameter non-finite is undone or stops the run, ``FaultHandler.check_update``) and the LR
+    schedule.
     Raises what the collectives raise; the non-finite stop is raised later, by the loop
     (``FaultHandler.end_step``), after the step is reported.
     """
@@ -107,7 +109,9 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
     lr = float(parts.scheduler.get_last_lr()[0])  # typed float | Tensor; a float here
     skipped = parts.faults.check(step, loss, grad_norm, parts.params)  # training.on_nonfinite
     if not skipped:
+        parts.faults.before_update(parts.params, parts.optimizer)
         parts.optimizer.step()
+        skipped = parts.faults.check_update(step, parts.params, parts.optimizer)
     parts.scheduler.step()
     aux_loss, moe_layers, expert_load = parts.moe.end_step()
     t3 = time.perf_counter()
