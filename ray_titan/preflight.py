@@ -52,13 +52,14 @@ def _check_dump_folder(cfg: JobConfig) -> None:
         )
 
 
-def validate_job(cfg: JobConfig) -> None:
+def validate_job(cfg: JobConfig, check_data: bool = True) -> None:
     """Cross-field checks the driver runs before any worker starts.
 
     Checks the mesh against the worker count, the model against the pipeline, the batch against
     microbatches and DP degree, the sequence length against the model, and that the data path
-    exists and has the text column. Raises :class:`ConfigError` naming the setting, its value and
-    what would be valid.
+    exists and has the text column. ``check_data = False`` leaves out what reads files (data,
+    tokenizer, checkpoint to load): the memory plan checks a job that may run elsewhere. Raises
+    :class:`ConfigError` naming the setting, its value and what would be valid.
     """
     par, tr = cfg.parallelism, cfg.training
     mesh = f"parallelism.pp × parallelism.dp_shard = {par.pp} × {par.dp_shard} = {cfg.world_size}"
@@ -153,6 +154,8 @@ def validate_job(cfg: JobConfig) -> None:
             f"{margs.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}); use <= {margs.max_seq_len}"
         )
     _validate_memory(cfg)
+    if not check_data:
+        return
     check_source(cfg.data)
     try:
         tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
@@ -172,6 +175,12 @@ def _validate_memory(cfg: JobConfig) -> None:
     if bad:
         raise ConfigError(
             f"memory.snapshot_steps = {mem.snapshot_steps}: step(s) {bad} are outside the run "
+            f"(1 .. training.steps = {steps})"
+        )
+    bad = sorted(s for s in cfg.profiling.trace_steps if not 1 <= s <= steps)
+    if bad:
+        raise ConfigError(
+            f"profiling.trace_steps = {cfg.profiling.trace_steps}: step(s) {bad} are outside the run "
             f"(1 .. training.steps = {steps})"
         )
     if mem.warmup_max_steps < mem.leak_window_steps:

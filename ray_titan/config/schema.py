@@ -273,6 +273,13 @@ class Memory(_Section):
     """Steps after which every rank writes a memory snapshot to ``<run_dir>/memory/``: on CUDA a
     pickled ``torch.cuda.memory`` snapshot (view at pytorch.org/memory_viz), on CPU the torch
     profiler's memory timeline of that step. Recording on CUDA starts at step 1."""
+    breakdown_step: int = Field(2, ge=0)
+    """The step whose memory every rank measures by category (parameters, gradients, optimizer
+    state, activations, temporaries) at its peak, with the torch profiler's memory timeline
+    (``ray_titan.metrics.profiling``): into ``metrics/memory_breakdown.jsonl``,
+    ``RunResult.memory_breakdown`` and ``ray-titan report``, beside the memory plan's prediction.
+    2: the first step with optimizer state. That step runs slower (profiled) and its analysis
+    takes ~0.5-3 s on the debug model, left out of ``step_time_s``; 0: none."""
     snapshot_on_oom: bool = True
     """On CUDA, record the allocation history from step 1 so that an out-of-memory error leaves a
     snapshot (costs a few percent of step time); on CPU an OOM writes the live tensors instead."""
@@ -306,6 +313,16 @@ class Memory(_Section):
     cpu_offload: bool = False
     """FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state live in host
     memory (pinned on CUDA) and the optimizer steps on the CPU. Needs ``parallelism.dp_shard`` > 1."""
+
+
+class Profiling(_Section):
+    """Profiler traces of chosen steps (section ``[profiling]``)."""
+
+    trace_steps: list[int] = Field(default_factory=list)
+    """Steps of which every rank writes a torch profiler trace (Chrome trace format, open it in
+    Perfetto: https://ui.perfetto.dev) to ``<run_dir>/profile/rank{r}-step{s}.json``: operators
+    of forward and backward, the pipeline schedule's microbatches, collectives and, on GPUs,
+    kernels. Listed in ``RunResult.profiler_traces``."""
 
 
 class ActivationCheckpoint(_Section):
@@ -365,6 +382,7 @@ class JobConfig(_Section):
     ray: RayConfig = Field(default_factory=RayConfig)
     memory: Memory = Field(default_factory=Memory)
     activation_checkpoint: ActivationCheckpoint = Field(default_factory=ActivationCheckpoint)
+    profiling: Profiling = Field(default_factory=Profiling)
     callbacks: list[Callback] = Field(default_factory=list)
     """Worker-side callbacks, run on every worker (``[[callbacks]]`` tables)."""
     debug: Debug = Field(default_factory=Debug)

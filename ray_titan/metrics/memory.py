@@ -49,8 +49,9 @@ reporting is in its ``metrics_time_s`` column.
 
 :class:`MemorySnapshots` writes snapshots to ``<run_dir>/memory/``: on CUDA the allocator's
 history (``torch.cuda.memory._record_memory_history``, pickled with ``_dump_snapshot``, viewable
-at https://pytorch.org/memory_viz); on CPU the torch profiler's memory timeline of the step. An
-out-of-memory error on a rank leaves a snapshot and becomes :class:`RankOutOfMemoryError`.
+at https://pytorch.org/memory_viz); on CPU the torch profiler's memory timeline of the step
+(written by :class:`ray_titan.metrics.profiling.StepProfiler`). An out-of-memory error on a
+rank leaves a snapshot and becomes :class:`RankOutOfMemoryError`.
 """
 
 from __future__ import annotations
@@ -64,14 +65,11 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ray_titan.allocator import host_heap
-
-if TYPE_CHECKING:
-    from torch.profiler import profile
 
 __all__ = [
     "MEMORY_FIELDS",
@@ -308,24 +306,24 @@ def live_tensors(limit: int = 50) -> dict[str, Any]:
 
 def timeline_peaks(path: str | Path) -> dict[str, int]:
     """Peak bytes per category in a memory timeline written by the torch profiler
-    (``export_memory_timeline`` to ``.json`` / ``.json.gz``: ``[times, sizes]``, ``sizes[t][c]``
-    in the category order of ``torch.profiler._memory_profiler``). Returns each category's own
-    peak and ``total`` (the peak of the sum)."""
+    (``export_memory_timeline`` to ``.json`` / ``.json.gz``: ``[times, sizes]``), categories as
+    :data:`ray_titan.metrics.profiling.BREAKDOWN_CATEGORIES`: each category's own peak, and
+    ``total`` (the peak of the sum)."""
     import gzip
 
-    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
+    from ray_titan.metrics.profiling import timeline_breakdown
 
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
         _, sizes = json.load(f)
-    names = {i: (c.name.lower() if c is not None else "unknown") for c, i in _CATEGORY_TO_INDEX.items()}
-    out = {names[i]: max((s[i] for s in sizes), default=0) for i in names}
-    out["total"] = max((sum(s) for s in sizes), default=0)
-    return out
+    b = timeline_breakdown(sizes)
+    return {**b["category_peaks"], "total": b["peak_bytes"]}
 
 
 class MemorySnapshots:
-    """Memory snapshots of one rank, on request (``steps``) and on out-of-memory.
+    """Memory snapshots of one rank, on request (``steps``, on CUDA; on CPU the profiler's
+    memory timeline is the snapshot: :class:`ray_titan.metrics.profiling.StepProfiler`) and on
+    out-of-memory.
 
     Args:
         run_dir: the run directory; files go to ``<run_dir>/memory/`` (no snapshots if None).
@@ -350,7 +348,6 @@ class MemorySnapshots:
         self.record = self.cuda and self.dir is not None and (bool(self.steps) or on_oom)
         self.max_entries = max_entries
         self.paths: list[Path] = []
-        self._prof: profile | None = None
 
     def _path(self, what: str) -> Path:
         assert self.dir is not None
@@ -362,48 +359,22 @@ class MemorySnapshots:
             torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
 
     def before_step(self, step: int) -> None:
-        if step in self.steps and not self.cuda:
-            from torch.profiler import ProfilerActivity, profile
-
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
-                                 record_shapes=True, with_stack=True)
-            self._prof.start()
+        """Nothing yet: CUDA records from :meth:`start`; CPU steps are the profiler's."""
 
     def after_step(self, step: int) -> list[Path]:
-        """Write the snapshot of ``step`` if one was requested; returns the files written."""
-        if step not in self.steps:
+        """Write the CUDA snapshot of ``step`` if one was requested; returns the files written."""
+        if step not in self.steps or not self.cuda:
             return []
-        if self.cuda:
-            written = [self._path(f"step{step}.pickle")]
-            torch.cuda.memory._dump_snapshot(str(written[0]))
-        else:
-            written = self._export_profile(step)
+        written = [self._path(f"step{step}.pickle")]
+        torch.cuda.memory._dump_snapshot(str(written[0]))
         self.paths += written
         return written
-
-    def _export_profile(self, step: int) -> list[Path]:
-        import warnings
-
-        prof, self._prof = self._prof, None
-        if prof is None:
-            return []
-        prof.stop()
-        timeline = self._path(f"step{step}.json.gz")
-        with warnings.catch_warnings():  # deprecated for CUDA in favour of the history above
-            warnings.simplefilter("ignore", FutureWarning)
-            prof.export_memory_timeline(str(timeline), device="cpu")
-        summary = self._path(f"step{step}-summary.json")
-        peaks = timeline_peaks(timeline)
-        summary.write_text(json.dumps({"step": step, "rank": self.rank, "coords": self.coords,
-                                       "peak_bytes_by_category": peaks}, indent=1))
-        return [timeline, summary]
 
     def oom(self, step: int, error: BaseException) -> RankOutOfMemoryError:
         """Write the out-of-memory snapshot and return the error to raise (the caller raises it
         ``from error``)."""
         from ray_titan.metrics.leak import describe_coords
 
-        self._prof = None
         _, peak_rss = host_memory()
         parts = [f"peak host RSS {peak_rss / MiB:.0f} MiB"]
         path = None
@@ -434,8 +405,5 @@ class MemorySnapshots:
         )
 
     def close(self) -> None:
-        if self._prof is not None:
-            self._prof.stop()
-            self._prof = None
         if self.record:
             torch.cuda.memory._record_memory_history(enabled=None)

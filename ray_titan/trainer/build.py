@@ -160,7 +160,7 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
             dummy = torch.zeros(loader.local_batch, cfg.training.seq_len, dtype=torch.int64, device=device)
             last = parts.is_last_stage
             parts.schedule.step(*((dummy,) if parts.has_first_stage else ()), target=dummy if last else None,
-                                losses=[] if last else None)
+                                losses=[] if last else None, return_outputs=False)
             optimizer.zero_grad(set_to_none=True)
             moe.reset()
     return parts

@@ -71,7 +71,9 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
         losses: list[torch.Tensor] | None = [] if is_last else None
         args = (inputs,) if parts.has_first_stage else ()
         with _autocast(autocast, parts.device):
-            parts.schedule.step(*args, target=labels if is_last else None, losses=losses)
+            # return_outputs=False: otherwise the last stage keeps every microbatch's logits
+            # (output_chunks) until the next step and concatenates them, for nothing.
+            parts.schedule.step(*args, target=labels if is_last else None, losses=losses, return_outputs=False)
         # Host float right away; the list (and its graph-free tensors) dies here.
         loss = torch.stack(losses).mean().item() if losses is not None else None
         del losses
