@@ -44,6 +44,7 @@ ALLOCATORS = ("auto", "jemalloc", "system")
 
 # jemalloc's MALLCTL_ARENAS_ALL: "arena.<i>.purge" with this index purges every arena.
 _ARENAS_ALL = 4096
+_TCACHE_BYTES = f"stats.arenas.{_ARENAS_ALL}.tcache_bytes".encode()
 
 
 @functools.cache
@@ -134,9 +135,12 @@ def _jemalloc_stat(mallctl: Any, name: bytes) -> int:
 def host_heap() -> tuple[int | None, int | None]:
     """``(in_use, free)`` bytes of this process's malloc.
 
-    - jemalloc: ``in_use = stats.allocated`` (bytes handed out), ``free = stats.resident -
-      stats.allocated`` (resident pages the allocator holds without handing them out: dirty
-      pages not yet returned, partly used pages, its metadata). Refreshed with ``epoch``.
+    - jemalloc: ``in_use = stats.allocated - stats.arenas.<all>.tcache_bytes`` (bytes handed out
+      and not freed: jemalloc counts freed blocks waiting in a thread's cache as allocated, and a
+      Ray worker's dozens of threads fill their caches over hundreds of steps), ``free =
+      stats.resident - in_use`` (resident pages the allocator holds without handing them out:
+      cached blocks, dirty pages not yet returned, partly used pages, its metadata). Refreshed
+      with ``epoch``.
     - glibc (``mallinfo2(3)``, every arena): ``in_use = uordblks + hblkhd`` (handed out from the
       heaps, and chunks mmapped on their own), ``free = fordblks`` (free chunks kept in the heaps).
     - ``(None, None)`` otherwise (glibc < 2.33, musl, macOS).
@@ -150,8 +154,8 @@ def host_heap() -> tuple[int | None, int | None]:
     if mallctl is not None:
         epoch = ctypes.c_uint64(1)
         mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch))
-        allocated = _jemalloc_stat(mallctl, b"stats.allocated")
-        return allocated, max(0, _jemalloc_stat(mallctl, b"stats.resident") - allocated)
+        in_use = _jemalloc_stat(mallctl, b"stats.allocated") - _jemalloc_stat(mallctl, _TCACHE_BYTES)
+        return in_use, max(0, _jemalloc_stat(mallctl, b"stats.resident") - in_use)
     fn = libc_function("mallinfo2", _MallInfo2)
     if fn is None:
         return None, None

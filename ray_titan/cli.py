@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ray-titan``; returns the exit status."""
     args, overrides = _parser().parse_known_args(argv)
     if args.command == "report":
-        from ray_titan.run_report import format_table, write_report
+        from ray_titan.run_report import format_memory_table, format_table, memory_rows, write_report
 
         if overrides:
             print(f"ray-titan report: unexpected arguments {overrides}", file=sys.stderr)
@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ray-titan report: {e}", file=sys.stderr)
             return 2
         print(format_table(rows))
+        memory = format_memory_table(memory_rows(args.run_dir))
+        if memory:
+            print(memory)
         for path in paths:
             print(f"wrote {path}")
         return 0

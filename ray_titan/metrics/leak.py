@@ -14,7 +14,11 @@ of samples (bytes per step):
   the whole window and between the medians of each pair of successive quarters of it (a one-time
   level shift, such as a new allocator pool, tilts the whole window but lifts at most two of the
   three steps between quarters; a leak lifts all three; the median of each quarter ignores
-  spikes), and ``stable`` again when that falls below half of the threshold (hysteresis).
+  spikes), and ``stable`` again when that falls below half of the threshold (hysteresis). A step
+  between quarters that falls four times faster than the threshold rate is a release (a GC round freeing
+  garbage, a checkpoint's buffers, pages handed back): it and the window's slope across it are
+  left out (the verdict reads the slowest of the other steps, the rate their median), so a
+  release during a leak neither hides the leak nor reads as shrinkage.
 - where a capacity is known (device memory, or the host memory still available), the step at
   which the rank would run out is projected from the rate.
 
@@ -111,6 +115,9 @@ class LeakDetector:
     """
 
     MIN_SAMPLES = 5
+    RELEASE = 4
+    """A step between quarter medians falling faster than this many times the threshold rate is a
+    release, not a trend (module docstring)."""
 
     def __init__(self, window: int, threshold_mib_per_step: float, warmup_max_steps: int, source: str):
         self.window, self.threshold = window, threshold_mib_per_step
@@ -142,7 +149,17 @@ class LeakDetector:
             mx = [statistics.median(x[a:b]) for a, b in zip(bounds, bounds[1:])]
             my = [statistics.median(y[a:b]) for a, b in zip(bounds, bounds[1:])]
             steps = [(my[i + 1] - my[i]) / (mx[i + 1] - mx[i]) / MiB for i in range(3)]
-            recent, sustained = steps[-1], min(slope, *steps)
+            # A release (a GC round freeing a profiler's or a checkpoint's garbage, the allocator
+            # returning pages) drops one step far below zero (four times the threshold rate:
+            # far beyond a quarter median's noise) and tilts the window's slope, but says nothing
+            # of the growth around it: leave it out, and the slope across it.
+            rising = [v for v in steps if v >= -self.RELEASE * self.threshold]
+            if len(rising) == len(steps):
+                sustained = min(slope, *steps)
+            else:
+                sustained = min(rising, default=min(steps))
+                slope = statistics.median(rising) if rising else sustained
+            recent = steps[-1]
         if self.state == WARMING_UP:
             flat = recent is not None and recent < self.threshold  # the newest quarter has flattened
             if step >= self.warmup_max or (len(self._steps) == self.window and flat):

@@ -9,14 +9,14 @@ host_peak_rss_bytes        bytes  ``ru_maxrss`` of ``getrusage(RUSAGE_SELF)``: p
                                   set of the process so far (``VmHWM``)
 host_heap_in_use_bytes     bytes  what malloc has handed out and not taken back
                                   (:func:`ray_titan.allocator.host_heap`: jemalloc
-                                  ``stats.allocated``, glibc ``mallinfo2`` ``uordblks +
-                                  hblkhd``); None without either. Tensor data on CPU is
+                                  ``stats.allocated`` less its thread caches, glibc
+                                  ``mallinfo2`` ``uordblks + hblkhd``); None without either. Tensor data on CPU is
                                   malloc'd, so this is the process's own allocations: RSS
                                   minus it is mostly free space the allocator keeps, plus
                                   code pages and Python's small-object arenas (mmapped
                                   directly, so not counted here)
 host_heap_free_bytes       bytes  resident bytes malloc keeps without handing them out
-                                  (jemalloc ``stats.resident − stats.allocated``, glibc
+                                  (jemalloc ``stats.resident`` − in use, glibc
                                   ``fordblks``): the leak verdict watches
                                   ``host_rss_bytes − host_heap_free_bytes``, RSS without the
                                   allocator's free space; None without either
@@ -188,10 +188,11 @@ class MemorySampler:
     """Samples every field of :data:`MEMORY_FIELDS`, once per step, at a bounded cost.
 
     Every :meth:`sample`: host RSS (``/proc/self/statm``, kept open and re-read with ``pread``,
-    ~2 µs), peak RSS (``getrusage``) and the device counters (resetting the device peaks). At most
-    every ``slow_interval_s`` seconds (the first sample always): malloc's statistics
-    (``host_heap_in_use_bytes``, ``host_heap_free_bytes``) and ``host_available_bytes``; samples in
-    between carry the last values. glibc's ``mallinfo2`` walks every arena's free lists under
+    ~2 µs), peak RSS (``getrusage``), the device counters (resetting the device peaks) and, under
+    jemalloc, malloc's statistics (``mallctl``, ~20 µs). At most every ``slow_interval_s``
+    seconds (the first sample always): glibc's malloc statistics (``host_heap_in_use_bytes``,
+    ``host_heap_free_bytes``) and ``host_available_bytes``; samples in between carry the last
+    values. glibc's ``mallinfo2`` walks every arena's free lists under
     the arena's lock: 0.55 ms per call in a main-job Ray worker (its threads each get an arena),
     ``/proc/meminfo`` 0.1 ms; every step they made sampling 0.8 ms of a worker's CPU per step,
     1 % of it. Both drift slowly, and the memory verdict fits a slope over many steps.
@@ -199,10 +200,15 @@ class MemorySampler:
     """
 
     def __init__(self, device: torch.device, slow_interval_s: float = 1.0):
+        from ray_titan.allocator import active_allocator
+
         self.device, self.slow_interval_s = device, slow_interval_s
         self._slow: dict[str, int | None] = {}
         self._slow_at = -math.inf
         self._fd, self._pid = -1, -1
+        # jemalloc's statistics cost ~20 µs: read with RSS every step, so the host series
+        # (RSS less malloc's free bytes) never pairs RSS after a purge with free bytes before it.
+        self._heap_every_step = active_allocator() == "jemalloc"
 
     def _rss(self) -> int:
         if self._pid != os.getpid():  # opened by a parent before a fork: /proc/self was its
@@ -222,6 +228,8 @@ class MemorySampler:
                           "host_available_bytes": host_available()}
             self._slow_at = now
         out.update(self._slow)
+        if self._heap_every_step and now != self._slow_at:
+            out["host_heap_in_use_bytes"], out["host_heap_free_bytes"] = host_heap()
         if self.device.type != "cpu":
             out.update(_device_memory(self.device))
         return out
