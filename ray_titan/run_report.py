@@ -129,11 +129,13 @@ def memory_rows(run_dir: str | Path) -> list[dict[str, Any]]:
         p, m = plan.get(rank), measured.get(rank)
         coords = (p or m or {}).get("coords", {})
         at = m["at_peak"] if m else {}
-        row = {"rank": rank, "coords": ", ".join(f"{k}={v}" for k, v in coords.items()),
-               "predicted_bytes": p["peak"] if p else None, "measured_bytes": m["peak_bytes"] if m else None,
-               "step": m["step"] if m else None}
-        row["error"] = (row["measured_bytes"] / row["predicted_bytes"] - 1
-                        if row["measured_bytes"] and row["predicted_bytes"] else None)
+        predicted: int | None = p["peak"] if p else None
+        peak: int | None = m["peak_bytes"] if m else None
+        row: dict[str, Any] = {
+            "rank": rank, "coords": ", ".join(f"{k}={v}" for k, v in coords.items()),
+            "predicted_bytes": predicted, "measured_bytes": peak, "step": m["step"] if m else None,
+            "error": peak / predicted - 1 if peak and predicted else None,
+        }
         for k in ("parameters", "gradients", "optimizer_state", "activations", "temporaries"):
             row[k] = at.get(k)
         row["other"] = (at.get("inputs", 0) + at.get("unknown", 0)) if m else None
