@@ -256,7 +256,7 @@ class Memory(_Section):
     allocator's count is exact and flat after warm-up in a healthy run, so 0.1 MiB/step (1 GiB per
     10,000 steps, a day's run on a large job) is well above its noise. A rank falls back to
     ``stable`` below half of the threshold (hysteresis, so a rate near it does not flap)."""
-    host_leak_threshold_mib_per_step: float = Field(0.5, gt=0)
+    host_leak_threshold_mib_per_step: float = Field(0.2, gt=0)
     """Rate of host memory at which a rank counts as ``growing``: RSS less the free bytes glibc
     malloc holds (RSS alone without glibc). RSS alone rises while malloc's heap fragments:
     0–2 MiB per 100 steps on healthy CPU runs, and a healthy rank of a loaded CI machine measured
