@@ -551,8 +551,8 @@ class MemoryPlan:
         if self.levers and not self.fits:
             lines.append("levers, cheapest first (each alone):")
             for lv in self.levers:
-                mark = "fits" if lv.fits else ("no" if lv.fits is False else "")
-                lines.append(f"  {lv.name:<38} peak {format_bytes(lv.peak):>10}  {mark:<4}  {lv.cost}")
+                mark = "fits" if lv.fits else ("does not fit" if lv.fits is False else "")
+                lines.append(f"  {lv.name}: peak {format_bytes(lv.peak)}, {mark or '?'}; {lv.cost}")
             if self.recommendation:
                 lines.append("recommended: " + " ".join(self.recommendation))
             else:
@@ -825,17 +825,32 @@ def _lever_candidates(cfg: JobConfig, device: str) -> list[tuple[str, str, list[
                     ["--parallelism.fsdp_reshard_after_forward=always"]))
     if par.dp_shard > 1 and not cfg.memory.cpu_offload and device != "cpu":
         out.append(("cpu_offload", "CPU offload", ["--memory.cpu_offload=true"]))
-    out.append(("dp_shard", f"dp_shard {par.dp_shard} → {2 * par.dp_shard}",
-                [f"--parallelism.dp_shard={2 * par.dp_shard}"]))
+    gbs = cfg.training.global_batch_size
+    # More devices keep each rank's batch where the global batch cannot be split further.
+    dp_more = [f"--parallelism.dp_shard={2 * par.dp_shard}"]
+    dp_name = f"dp_shard {par.dp_shard} → {2 * par.dp_shard}"
+    if gbs % (2 * par.dp_shard * par.microbatches):
+        dp_more.append(f"--training.global_batch_size={2 * gbs}")
+        dp_name += f" (global batch {gbs} → {2 * gbs})"
+    out.append(("dp_shard", dp_name, dp_more))
     if hasattr(par, "tp"):  # tensor parallel, where the mesh has it
         tp = par.tp
         out.append(("tp", f"tp {tp} → {2 * tp}", [f"--parallelism.tp={2 * tp}"]))
     pp_more = [f"--parallelism.pp={2 * par.pp}"]
+    pp_name = f"pp {par.pp} → {2 * par.pp}"
     if par.pp == 1:
         pp_more.append("--parallelism.pipeline_schedule=1F1B")
-    if par.microbatches < 2 * par.pp:
-        pp_more.append(f"--parallelism.microbatches={2 * par.pp}")
-    out.append(("pp", f"pp {par.pp} → {2 * par.pp}", pp_more))
+    n = max(par.microbatches, 2 * par.pp)  # 1F1B and the interleaved schedules need n >= pp
+    if n != par.microbatches:
+        pp_more.append(f"--parallelism.microbatches={n}")
+        pp_name += f", microbatches {par.microbatches} → {n}"
+    g = gbs
+    while g % (par.dp_shard * n):
+        g *= 2
+    if g != gbs:
+        pp_more.append(f"--training.global_batch_size={g}")
+        pp_name += f" (global batch {gbs} → {g})"
+    out.append(("pp", pp_name, pp_more))
     return out
 
 

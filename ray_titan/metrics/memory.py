@@ -200,7 +200,7 @@ class MemorySampler:
     """
 
     def __init__(self, device: torch.device, slow_interval_s: float = 1.0):
-        from ray_titan.allocator import active_allocator
+        from ray_titan.allocator import active_allocator, jemalloc_muzzy_decay_ms
 
         self.device, self.slow_interval_s = device, slow_interval_s
         self._slow: dict[str, int | None] = {}
@@ -208,7 +208,8 @@ class MemorySampler:
         self._fd, self._pid = -1, -1
         # jemalloc's statistics cost ~20 µs: read with RSS every step, so the host series
         # (RSS less malloc's free bytes) never pairs RSS after a purge with free bytes before it.
-        self._heap_every_step = active_allocator() == "jemalloc"
+        # (Not where pages go back lazily: then the free bytes need /proc/self/smaps_rollup.)
+        self._heap_every_step = active_allocator() == "jemalloc" and not jemalloc_muzzy_decay_ms()
 
     def _rss(self) -> int:
         if self._pid != os.getpid():  # opened by a parent before a fork: /proc/self was its
