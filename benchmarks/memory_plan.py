@@ -75,7 +75,7 @@ def measure(config: str, overrides: list[str], work: Path) -> dict[str, Any]:
            "--checkpoint.enable=false", "--metrics.enable_tensorboard=false", "--training.threads_per_worker=1",
            f"--job.dump_folder={dump}", *overrides]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    for attempt in range(2):  # a rendezvous port taken by a neighbour: once more
+    for _attempt in range(2):  # a rendezvous port taken by a neighbour: once more
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode == 0:
             break
