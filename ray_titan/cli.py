@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="MoE under expert parallel: max over mean tokens per rank's experts (default 1, balanced)")
     plan.add_argument("--vocab-size", type=int, metavar="N",
                       help="vocabulary of the model (default: the job's tokenizer's, else the flavor's)")
+    plan.add_argument("--margin", type=float, metavar="SHARE",
+                      help="share of the device memory kept free for the CUDA context, communication buffers "
+                      "and fragmentation (default 0.08 on cuda, 0 on cpu)")
     plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
 
     rp = sub.add_parser(
@@ -160,7 +163,7 @@ def _memory(args, overrides: list[str]) -> int:
 
     try:
         plan = memory_plan(load_config(args.config, overrides), args.device_memory, args.device,
-                           args.routing_imbalance, args.vocab_size)
+                           args.routing_imbalance, args.vocab_size, margin=args.margin)
     except ConfigError as e:
         print(f"ray-titan: config error: {e}", file=sys.stderr)
         return 2

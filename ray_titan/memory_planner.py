@@ -474,6 +474,9 @@ class MemoryPlan:
     ranks: list[RankPlan]
     device_memory: int | None = None
     device_memory_source: str = ""
+    margin: float = 0.0
+    """Share of ``device_memory`` kept free: the CUDA context, communication buffers and the
+    caching allocator's fragmentation, which the plan does not count."""
     levers: list[Lever] = field(default_factory=list)
     recommendation: list[str] | None = None
     notes: list[str] = field(default_factory=list)
@@ -484,8 +487,13 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool | None:
-        """Whether every rank's peak fits ``device_memory`` (None when it is unknown)."""
-        return None if self.device_memory is None else self.max_peak <= self.device_memory
+        """Whether every rank's peak fits :attr:`usable` (None when the capacity is unknown)."""
+        return None if self.usable is None else self.max_peak <= self.usable
+
+    @property
+    def usable(self) -> int | None:
+        """Bytes a rank may plan to use: ``device_memory`` less the margin (None if unknown)."""
+        return None if self.device_memory is None else int(self.device_memory * (1 - self.margin))
 
     def peak_by_rank(self) -> dict[int, int]:
         return {r.rank: r.peak for r in self.ranks}
@@ -505,6 +513,7 @@ class MemoryPlan:
 
         return cls(job=data["job"], ranks=[rank(r) for r in data["ranks"]],
                    device_memory=data.get("device_memory"), device_memory_source=data.get("device_memory_source", ""),
+                   margin=data.get("margin", 0.0),
                    levers=[Lever(**lv) for lv in data.get("levers", [])],
                    recommendation=data.get("recommendation"), notes=data.get("notes", []))
 
@@ -546,8 +555,10 @@ class MemoryPlan:
                          f"({self.device_memory_source or 'pass --device-memory, e.g. 80GiB'})")
         else:
             verdict = "fits" if self.fits else "does NOT fit"
-            lines.append(f"largest peak {format_bytes(self.max_peak)} of {format_bytes(self.device_memory)} "
-                         f"({self.device_memory_source}): {verdict}")
+            of = format_bytes(self.device_memory) + f" ({self.device_memory_source})"
+            if self.margin:
+                of += f", {format_bytes(self.usable or 0)} usable with {self.margin:.0%} kept free"
+            lines.append(f"largest peak {format_bytes(self.max_peak)} of {of}: {verdict}")
         if self.levers and not self.fits:
             lines.append("levers, cheapest first (each alone):")
             for lv in self.levers:
@@ -873,7 +884,8 @@ def _add_levers(plan: MemoryPlan, cfg: JobConfig, device: str, rho: float, vocab
     """Each lever alone (those that lower the peak) into ``plan.levers``, and the cheapest set of
     levers that fits into ``plan.recommendation``: the one whose dearest lever is cheapest, then
     with the fewest and cheapest levers (one activation checkpointing mode at a time)."""
-    assert plan.device_memory is not None
+    usable = plan.usable
+    assert usable is not None
     order = {key: (i, group, cost) for i, (key, group, cost) in enumerate(_LEVERS)}
     for key, name, overrides in _lever_candidates(cfg, device):
         variant = _variant(cfg, overrides)
@@ -883,7 +895,7 @@ def _add_levers(plan: MemoryPlan, cfg: JobConfig, device: str, rho: float, vocab
         if peak >= plan.max_peak:
             continue  # does not lower the peak (e.g. more microbatches under GPipe)
         rank, _, cost = order[key]
-        plan.levers.append(Lever(name, overrides, peak, peak <= plan.device_memory, cost, rank))
+        plan.levers.append(Lever(name, overrides, peak, peak <= usable, cost, rank))
     best: tuple | None = None
     for n in range(1, len(plan.levers) + 1):
         for combo in itertools.combinations(plan.levers, n):
@@ -897,7 +909,7 @@ def _add_levers(plan: MemoryPlan, cfg: JobConfig, device: str, rho: float, vocab
             variant = _variant(cfg, overrides)
             if variant is None:
                 continue
-            if max(r.peak for r in _plan_ranks(variant, device, rho, vocab)[1]) <= plan.device_memory:
+            if max(r.peak for r in _plan_ranks(variant, device, rho, vocab)[1]) <= usable:
                 best = (cost_key, overrides)
     if best is not None:
         plan.recommendation = best[1]
@@ -906,6 +918,7 @@ def _add_levers(plan: MemoryPlan, cfg: JobConfig, device: str, rho: float, vocab
 def memory_plan(
     cfg: JobConfig, device_memory: int | str | None = None, device: str | None = None,
     routing_imbalance: float = 1.0, vocab_size: int | None = None, levers: bool = True,
+    margin: float | None = None,
 ) -> MemoryPlan:
     """Plan every rank's memory for ``cfg`` without starting anything (module docstring).
 
@@ -917,6 +930,10 @@ def memory_plan(
     MoE only, max over mean of the tokens an expert-parallel rank's experts receive (>= 1).
     ``vocab_size``: default the tokenizer's, as the trainer builds the model (the flavor's where the
     tokenizer file is not here). ``levers``: also rank the levers when the job does not fit.
+    ``margin``: share of the capacity kept free for what the plan does not count (the CUDA
+    context, NCCL buffers, the caching allocator's fragmentation); default 0.08 on ``cuda``
+    (PyTorch's own context and NCCL take ~1-3 GiB of an 80 GiB device, fragmentation a few %
+    more), 0 on ``cpu``.
 
     Raises :class:`ConfigError` for a job that is not valid (mesh, batch, schedule) or a bad
     argument.
@@ -937,10 +954,11 @@ def memory_plan(
     if device not in ("cuda", "cpu"):
         raise ConfigError(f"device = {device!r}: 'cuda' (any accelerator) or 'cpu'")
     job, ranks = _plan_ranks(cfg, device, routing_imbalance, vocab_size)
-    plan = MemoryPlan(job=job, ranks=ranks, device_memory=capacity, device_memory_source=source)
-    if device == "cuda":
-        plan.notes.append("the caching allocator reserves more than it allocates (fragmentation): keep a margin "
-                          "of ~5-10 % below the capacity")
+    if margin is None:
+        margin = 0.08 if device == "cuda" else 0.0
+    if not 0 <= margin < 1:
+        raise ConfigError(f"margin = {margin}: a share of the device memory in [0, 1)")
+    plan = MemoryPlan(job=job, ranks=ranks, device_memory=capacity, device_memory_source=source, margin=margin)
     if job["dtype"] != "fp32":
         plan.notes.append("bf16 activations are estimated (the formulas are checked against fp32 runs)")
     if levers and plan.fits is False:
