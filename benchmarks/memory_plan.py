@@ -80,7 +80,9 @@ def measure(config: str, overrides: list[str], work: Path) -> dict[str, Any]:
         if proc.returncode == 0:
             break
     if proc.returncode:
-        return {"error": proc.stderr[-2000:]}
+        # The ranks' own error lines, not torchrun's summary of who exited.
+        lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln and "error_file" not in ln]
+        return {"error": "\n".join(lines[-5:]) or proc.stderr[-2000:]}
     (run_dir,) = dump.glob("*")
     plan = MemoryPlan.load(run_dir / "memory_plan.json")
     measured = read_breakdowns(run_dir)

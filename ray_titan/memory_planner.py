@@ -983,6 +983,6 @@ def record_memory_plan(cfg: JobConfig, run_dir: Path | str) -> dict[str, Any] | 
         return None
     data = plan.to_dict()
     storage.write_text(under(run_dir, PLAN_FILE), json.dumps(data, indent=1))
-    peaks = " ".join(f"r{r.rank}:{format_bytes(r.peak)}" for r in plan.ranks)
-    print(f"ray_titan: memory plan: predicted peak per rank {peaks} ({under(run_dir, PLAN_FILE)})", flush=True)
+    peaks = ", ".join(f"ranks {_rank_list(ranks)} {format_bytes(r.peak)}" for ranks, r in _groups(plan.ranks))
+    print(f"ray_titan: memory plan: predicted peak {peaks} ({under(run_dir, PLAN_FILE)})", flush=True)
     return data

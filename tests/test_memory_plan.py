@@ -27,6 +27,7 @@ from ray_titan.memory_planner import (
     parse_bytes,
 )
 from ray_titan.metrics.report import LocalReporter
+from ray_titan.metrics.sinks import read_steps
 from ray_titan.models.registry import build_model
 from tests.conftest import REPO
 
@@ -153,7 +154,6 @@ def _measured(tmp_path, config, *overrides):
 @pytest.mark.parametrize("config,overrides", [
     ("debug_llama.toml", []),
     ("debug_llama.toml", ["--activation_checkpoint.mode=full"]),
-    ("debug_deepseek.toml", ["--activation_checkpoint.mode=selective"]),
 ])
 def test_plan_is_within_15_percent_of_the_measured_peak_in_one_process(tmp_path, corpus_cache, config, overrides):
     planned, measured = _measured(tmp_path, config, f"--data.cache_dir={corpus_cache}", *overrides)
@@ -166,8 +166,9 @@ def test_plan_is_within_15_percent_of_the_measured_peak_in_one_process(tmp_path,
 
 
 def test_plan_is_within_15_percent_on_every_rank_of_pp_dp_ep(tmp_path, corpus_cache):
-    """torchrun, 4 ranks: the MoE job's mesh (pp=2 × dp_shard=2, ep=2, 1F1B) with a profiler trace
-    of step 2 as well: the plan per rank against the breakdown, and the trace's events."""
+    """torchrun, 4 ranks: the MoE job's mesh (pp=2 × dp_shard=2, ep=2, 1F1B) with selective
+    activation checkpointing and a profiler trace of step 2: the plan per rank against the
+    breakdown, and the trace's events."""
     overrides = ["--training.steps=2", "--checkpoint.enable=false", "--metrics.enable_tensorboard=false",
                  f"--data.cache_dir={corpus_cache}", f"--job.dump_folder={tmp_path}", "--training.threads_per_worker=1",
                  "--profiling.trace_steps=[2]"]
@@ -177,12 +178,19 @@ def test_plan_is_within_15_percent_on_every_rank_of_pp_dp_ep(tmp_path, corpus_ca
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = tmp_path.glob("debug_deepseek-*")
-    plan = MemoryPlan.load(run_dir / "memory_plan.json")
+    recorded = MemoryPlan.load(run_dir / "memory_plan.json")
     measured = {json.loads(line)["rank"]: json.loads(line) for line in
                 (run_dir / "metrics" / "memory_breakdown.jsonl").read_text().splitlines()}
-    assert sorted(measured) == [0, 1, 2, 3] and len(plan.ranks) == 4
+    assert sorted(measured) == [0, 1, 2, 3] and len(recorded.ranks) == 4
+    # The plan for the routing balance the step had: the busiest ep rank's tokens over the mean,
+    # in the most unbalanced layer (the routers are young at step 2).
+    rho = _routing_imbalance(read_steps(run_dir), step=2, ep=2)
+    assert rho > 1
+    plan = memory_plan(load_config(REPO / "configs" / "debug_deepseek.toml", overrides),
+                       routing_imbalance=rho, levers=False)
+    assert plan.ranks[0].peak > recorded.ranks[0].peak  # the recorded plan assumed balance
     for r in plan.ranks:
-        assert r.peak == pytest.approx(measured[r.rank]["peak_bytes"], rel=0.15), r.rank
+        assert r.peak == pytest.approx(measured[r.rank]["peak_bytes"], rel=0.15), (r.rank, rho)
     # The trace of step 2 on rank 0 (first stage, FSDP and EP collectives): Chrome trace format.
     trace = json.loads((run_dir / "profile" / "rank0-step2.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}
@@ -190,6 +198,20 @@ def test_plan_is_within_15_percent_on_every_rank_of_pp_dp_ep(tmp_path, corpus_ca
     assert any(n.startswith("aten::mm") for n in names)  # forward
     assert any(n.startswith("autograd::engine::evaluate_function") for n in names)  # backward
     assert any("gloo" in n or n.startswith("c10d::") for n in names)  # communication
+
+
+def _routing_imbalance(steps, step: int, ep: int) -> float:
+    """Max over mean of the tokens each ep rank's experts received at ``step``, in the most
+    unbalanced MoE layer (``expert_load`` summed over the ranks that route into the layer)."""
+    from ray_titan.metrics.collector import expert_load
+
+    loads = expert_load([r for r in steps.to_pylist() if r["step"] == step])
+    worst = 1.0
+    for counts in loads.values():
+        n = len(counts) // ep  # ep rank j holds experts [j·n, (j+1)·n)
+        per_rank = [sum(counts[j * n:(j + 1) * n]) for j in range(ep)]
+        worst = max(worst, max(per_rank) * ep / sum(per_rank))
+    return worst
 
 
 # -- levers, the CLI, sizes ---------------------------------------------------------------------
@@ -235,3 +257,39 @@ def test_sizes_parse_and_print():
     assert format_bytes(1.5 * 2**30) == "1.5 GiB" and format_bytes(512 * 1024) == "512 KiB"
     with pytest.raises(ConfigError, match="routing_imbalance"):
         memory_plan(load_config(None, []), routing_imbalance=0.5)
+
+
+def test_when_the_timeline_analysis_fails_the_peak_comes_from_the_allocations(monkeypatch):
+    """torch's data-flow analysis of the memory timeline asserts on some graphs (the MoE experts'
+    backward under pipeline parallel): the breakdown then keeps the step's peak, from the
+    allocation events and what was alive before the step, equal to the timeline's."""
+    from ray_titan.metrics.profiling import StepProfiler
+
+    torch.manual_seed(0)
+    model = build_model("llama", "debug", vocab_size=258)
+    model.init_weights(0)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    x = torch.randint(0, 258, (2, 64))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        for _ in range(1):
+            torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+
+    step()  # optimizer state exists, as at step 2
+    profiler = StepProfiler(None, 0, {}, torch.device("cpu"), breakdown_step=2)
+    profiler.start(2)
+    step()
+    good = profiler.stop(2)
+
+    def broken(self, *args, **kwargs):
+        raise AssertionError("version mismatch")
+
+    monkeypatch.setattr(torch.profiler.profile, "export_memory_timeline", broken)
+    profiler.start(2)
+    step()
+    fallback = profiler.stop(2)
+    assert "error" not in good and fallback["error"] == "AssertionError: version mismatch"
+    assert fallback["peak_bytes"] == pytest.approx(good["peak_bytes"], rel=0.02)
+    assert fallback["at_peak"] == {"unknown": fallback["peak_bytes"]}

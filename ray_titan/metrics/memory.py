@@ -72,6 +72,7 @@ import torch
 from ray_titan.allocator import host_heap
 
 __all__ = [
+    "BREAKDOWN_CATEGORIES",
     "MEMORY_FIELDS",
     "MemorySampler",
     "MemorySnapshots",
@@ -79,8 +80,10 @@ __all__ = [
     "host_available",
     "host_heap",
     "host_memory",
+    "live_storages",
     "live_tensors",
     "sample_memory",
+    "timeline_breakdown",
     "timeline_peaks",
 ]
 
@@ -286,13 +289,15 @@ class RankOutOfMemoryError(RuntimeError):
     its peak memory and where the snapshot was written."""
 
 
-def live_tensors(limit: int = 50) -> dict[str, Any]:
-    """The tensors alive in this process (found through the garbage collector), largest storage
-    first: ``{"count", "bytes", "tensors": [{"shape", "dtype", "device", "bytes"}, ...]}``.
-    Storages shared by several tensors are counted once."""
+def live_storages() -> dict[int, dict[str, Any]]:
+    """Every tensor storage alive in this process (found through the garbage collector), by its
+    data pointer: ``{"shape", "dtype", "device", "bytes", "grad"}`` of a tensor viewing it
+    (``grad``: it is a parameter's ``.grad``). Storages shared by several tensors appear once;
+    meta tensors and tensor subclasses without a storage are left out."""
     import warnings
 
     seen: dict[int, dict[str, Any]] = {}
+    grads: set[int] = set()
     with warnings.catch_warnings():  # isinstance() on deprecated module proxies warns
         warnings.simplefilter("ignore")
         objects = gc.get_objects()
@@ -302,6 +307,8 @@ def live_tensors(limit: int = 50) -> dict[str, Any]:
         try:
             if obj.device.type == "meta":
                 continue
+            if isinstance(obj, torch.nn.Parameter) and obj.grad is not None:
+                grads.add(obj.grad.untyped_storage().data_ptr())
             storage = obj.untyped_storage()
             key = storage.data_ptr() or id(storage)
             if key not in seen:
@@ -309,18 +316,65 @@ def live_tensors(limit: int = 50) -> dict[str, Any]:
                              "device": str(obj.device), "bytes": storage.nbytes()}
         except Exception:  # tensor subclasses without storage (DTensor wrappers, fakes)
             continue
-    items = sorted(seen.values(), key=lambda t: -t["bytes"])
+    return {k: {**v, "grad": k in grads} for k, v in seen.items()}
+
+
+def live_tensors(limit: int = 50) -> dict[str, Any]:
+    """The tensors alive in this process (:func:`live_storages`), largest storage first:
+    ``{"count", "bytes", "tensors": [{"shape", "dtype", "device", "bytes"}, ...]}``."""
+    items = sorted(live_storages().values(), key=lambda t: -t["bytes"])
     return {"count": len(items), "bytes": sum(t["bytes"] for t in items), "tensors": items[:limit]}
+
+
+BREAKDOWN_CATEGORIES = (
+    "parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "unknown",
+)
+"""The categories of a measured breakdown. ``activations``: tensors saved for backward;
+``temporaries``: tensors that live within an operator, and the gradients of activations in
+backward (the profiler's ``TEMPORARY`` and ``AUTOGRAD_DETAIL``); ``inputs``: the step's data;
+``unknown``: what the profiler could not attribute (communication buffers, tensors created
+before the profiled step and never used in it)."""
+
+# torch.profiler._memory_profiler.Category name -> breakdown category.
+_CATEGORY = {
+    "PARAMETER": "parameters", "GRADIENT": "gradients", "OPTIMIZER_STATE": "optimizer_state",
+    "ACTIVATION": "activations", "TEMPORARY": "temporaries", "AUTOGRAD_DETAIL": "temporaries",
+    "INPUT": "inputs", None: "unknown",
+}
+
+
+def timeline_breakdown(sizes: list[list[int]]) -> dict[str, Any]:
+    """The breakdown of a memory timeline's ``sizes`` (``export_memory_timeline``'s second list:
+    one row per time point; row ``[0]`` unused, then bytes per ``torch.profiler`` memory category
+    in the order of ``_memory_profiler._CATEGORY_TO_INDEX``, offset by one).
+
+    Returns ``{"peak_bytes": the largest total, "at_peak": {category: bytes at that moment}
+    (summing to it), "category_peaks": {category: its own largest}}``, categories as
+    :data:`BREAKDOWN_CATEGORIES`.
+    """
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
+
+    columns = {i + 1: _CATEGORY[c.name if c is not None else None] for c, i in _CATEGORY_TO_INDEX.items()}
+    if not sizes:
+        zero = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
+        return {"peak_bytes": 0, "at_peak": zero, "category_peaks": dict(zero)}
+    totals = [sum(row) for row in sizes]
+    at = max(range(len(sizes)), key=totals.__getitem__)
+    at_peak = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
+    peaks = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
+    for col, name in columns.items():
+        at_peak[name] += sizes[at][col]
+    for name in BREAKDOWN_CATEGORIES:
+        cols = [c for c, n in columns.items() if n == name]
+        peaks[name] = max(sum(row[c] for c in cols) for row in sizes)
+    return {"peak_bytes": totals[at], "at_peak": at_peak, "category_peaks": peaks}
 
 
 def timeline_peaks(path: str | Path) -> dict[str, int]:
     """Peak bytes per category in a memory timeline written by the torch profiler
     (``export_memory_timeline`` to ``.json`` / ``.json.gz``: ``[times, sizes]``), categories as
-    :data:`ray_titan.metrics.profiling.BREAKDOWN_CATEGORIES`: each category's own peak, and
-    ``total`` (the peak of the sum)."""
+    :data:`BREAKDOWN_CATEGORIES`: each category's own peak, and ``total`` (the peak of the sum)."""
     import gzip
-
-    from ray_titan.metrics.profiling import timeline_breakdown
 
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:

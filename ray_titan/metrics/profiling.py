@@ -40,54 +40,45 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ray_titan import storage
+from ray_titan.metrics.memory import BREAKDOWN_CATEGORIES, live_storages, timeline_breakdown
 
 if TYPE_CHECKING:
     from torch.profiler import profile
 
-__all__ = ["BREAKDOWN_CATEGORIES", "StepProfiler", "timeline_breakdown"]
+__all__ = ["BREAKDOWN_CATEGORIES", "StepProfiler", "allocation_peak", "timeline_breakdown"]
 
-BREAKDOWN_CATEGORIES = (
-    "parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "unknown",
-)
-"""The categories of a measured breakdown. ``activations``: tensors saved for backward;
-``temporaries``: tensors that live within an operator, and the gradients of activations in
-backward (the profiler's ``TEMPORARY`` and ``AUTOGRAD_DETAIL``); ``inputs``: the step's data;
-``unknown``: what the profiler could not attribute (communication buffers, tensors created
-before the profiled step and never used in it)."""
+def allocation_peak(prof: profile, census: dict[int, dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """The peak bytes of ``device`` during a profile, from its allocation events alone (no
+    categories): what was alive before it (``census``, :func:`~ray_titan.metrics.memory.live_storages`
+    at its start) plus the running sum of the allocations and frees within it. The profiler does
+    not report the free of a block allocated while no profiler ran (it never learnt its size):
+    of those, the parameters' gradients (which the step's ``zero_grad`` frees first) are taken out
+    at the start; any other such block freed during the step still counts, so the result is an
+    upper bound, close where the step frees little of what it found.
 
-# torch.profiler._memory_profiler.Category name -> breakdown category.
-_CATEGORY = {
-    "PARAMETER": "parameters", "GRADIENT": "gradients", "OPTIMIZER_STATE": "optimizer_state",
-    "ACTIVATION": "activations", "TEMPORARY": "temporaries", "AUTOGRAD_DETAIL": "temporaries",
-    "INPUT": "inputs", None: "unknown",
-}
+    Returns ``{"peak_bytes", "at_peak": {"unknown": peak}, "category_peaks": {}}``."""
+    from torch._C._profiler import _EventType, _ExtraFields_Allocation
 
-
-def timeline_breakdown(sizes: list[list[int]]) -> dict[str, Any]:
-    """The breakdown of a memory timeline's ``sizes`` (``export_memory_timeline``'s second list:
-    one row per time point; row ``[0]`` unused, then bytes per ``torch.profiler`` memory category
-    in the order of ``_memory_profiler._CATEGORY_TO_INDEX``, offset by one).
-
-    Returns ``{"peak_bytes": the largest total, "at_peak": {category: bytes at that moment}
-    (summing to it), "category_peaks": {category: its own largest}}``, categories as
-    :data:`BREAKDOWN_CATEGORIES`.
-    """
-    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
-
-    columns = {i + 1: _CATEGORY[c.name if c is not None else None] for c, i in _CATEGORY_TO_INDEX.items()}
-    if not sizes:
-        zero = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
-        return {"peak_bytes": 0, "at_peak": zero, "category_peaks": dict(zero)}
-    totals = [sum(row) for row in sizes]
-    at = max(range(len(sizes)), key=totals.__getitem__)
-    at_peak = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
-    peaks = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
-    for col, name in columns.items():
-        at_peak[name] += sizes[at][col]
-    for name in BREAKDOWN_CATEGORIES:
-        cols = [c for c, n in columns.items() if n == name]
-        peaks[name] = max(sum(row[c] for c in cols) for row in sizes)
-    return {"peak_bytes": totals[at], "at_peak": at_peak, "category_peaks": peaks}
+    events = []
+    results = prof.profiler.kineto_results if prof.profiler is not None else None
+    stack = list(results.experimental_event_tree()) if results is not None else []
+    while stack:
+        e = stack.pop()
+        fields = e.extra_fields
+        if e.tag == _EventType.Allocation and isinstance(fields, _ExtraFields_Allocation) \
+                and fields.device.type == device.type:
+            events.append((e.start_time_ns, fields.alloc_size, fields.ptr))
+        stack.extend(e.children)
+    events.sort()
+    freed = {ptr for _, size, ptr in events if size < 0}
+    mine = {k: v for k, v in census.items() if v["device"].split(":")[0] == device.type}
+    current = most = sum(v["bytes"] for v in mine.values())
+    current -= sum(v["bytes"] for k, v in mine.items() if v["grad"] and k not in freed)
+    for _, size, _ in events:
+        current += size
+        most = max(most, current)
+    peak = most
+    return {"peak_bytes": peak, "at_peak": {"unknown": peak}, "category_peaks": {}}
 
 
 class StepProfiler:
@@ -116,6 +107,7 @@ class StepProfiler:
         self.breakdown_step = breakdown_step or None
         self.paths: list[Path | str] = []
         self._prof: profile | None = None
+        self._census: dict[int, dict[str, Any]] = {}
 
     def _wanted(self, step: int) -> tuple[bool, bool]:
         """(trace, memory) for ``step``."""
@@ -133,6 +125,12 @@ class StepProfiler:
             activities.append(ProfilerActivity.CUDA)
         # The memory timeline needs shapes and Python stacks (it finds parameters and optimizer
         # state through the modules and optimizers on the stack).
+        # What is alive before the step, by storage, for the peak when the timeline's analysis
+        # fails (allocation_peak); collected first so that no dead cycle's tensor counts (every
+        # rank profiles the same step: a synchronized collection).
+        if memory:
+            gc.collect()
+        self._census = live_storages() if memory else {}
         self._prof = profile(activities=activities, profile_memory=memory, record_shapes=memory,
                              with_stack=memory)
         self._prof.start()
@@ -162,14 +160,21 @@ class StepProfiler:
         if not memory:
             return None
         device = str(self.device) if self.device.type != "cuda" else f"cuda:{self.device.index or 0}"
+        head = {"step": step, "rank": self.rank, "coords": self.coords, "device": device}
         with tempfile.TemporaryDirectory() as tmp:
             timeline = Path(tmp) / "timeline.json"
-            with warnings.catch_warnings():  # deprecated for CUDA in favour of the allocator history
-                warnings.simplefilter("ignore", FutureWarning)
-                prof.export_memory_timeline(str(timeline), device=device)
+            try:
+                with warnings.catch_warnings():  # deprecated for CUDA in favour of the allocator history
+                    warnings.simplefilter("ignore", FutureWarning)
+                    prof.export_memory_timeline(str(timeline), device=device)
+            except Exception as e:
+                # torch's data-flow analysis of the timeline asserts on some graphs (the MoE
+                # experts' SplitWithSizes/Select backward under pipeline parallel, torch 2.13):
+                # keep the peak, from the allocations themselves, without the categories.
+                return {**head, **allocation_peak(prof, self._census, self.device),
+                        "error": f"{type(e).__name__}: {str(e)[:200]}"} if step == self.breakdown_step else None
             _, sizes = json.loads(timeline.read_text())
-            breakdown = {"step": step, "rank": self.rank, "coords": self.coords, "device": device,
-                         **timeline_breakdown(sizes)}
+            breakdown = {**head, **timeline_breakdown(sizes)}
             if step in self.snapshot_steps:
                 self.paths += self._write_snapshot(timeline, breakdown, step)
         return breakdown if step == self.breakdown_step else None
