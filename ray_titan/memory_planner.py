@@ -223,19 +223,19 @@ def local_stages(placement: str, pp: int, v: int, pp_rank: int) -> list[int]:
 # -- parameters ------------------------------------------------------------------------------------
 @dataclass
 class _Group:
-    """One FSDP group's parameters on one rank: elements held (sharded) and gathered (unsharded,
-    padded), and whether FSDP shards it at all."""
+    """One FSDP group's parameters on one rank, in elements: ``local``, what the rank holds
+    (FSDP2 shards dim 0, padded to a multiple of the group), and ``full``, what an all-gather
+    puts together (padded)."""
 
     local: int = 0
     full: int = 0
-    tensors: int = 0
 
     def add(self, shape: tuple[int, ...], shard: int) -> None:
+        """Add a parameter of ``shape`` sharded over ``shard`` ranks (1: not sharded)."""
         rows, rest = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
         per = math.ceil(rows / shard)
         self.local += per * rest
-        self.full += per * shard * rest if shard > 1 else rows * rest
-        self.tensors += 1
+        self.full += per * shard * rest
 
 
 @dataclass
@@ -372,10 +372,26 @@ def _deepseek_block(a: Any, layer: int, e: int, seq: int, device: str, rho: floa
     return _BlockActivations(attention + ffn, attention_op + ffn_op, _F32 * d, backward)
 
 
+def _block_activations() -> dict[type, Callable[..., _BlockActivations]]:
+    """Each model family's per-block formula, by its arguments class: adding a family is adding
+    its formula here (and checking it against autograd: tests/test_memory_plan.py)."""
+    from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
+    from ray_titan.models.llama.args import LlamaArgs
+
+    return {
+        LlamaArgs: lambda a, layer, *rest: _llama_block(a, *rest),
+        DeepSeekV2Args: _deepseek_block,
+    }
+
+
 def _block(args: Any, layer: int, e: int, seq: int, device: str, rho: float, ep: int) -> _BlockActivations:
-    if hasattr(args, "n_routed_experts"):
-        return _deepseek_block(args, layer, e, seq, device, rho, ep)
-    return _llama_block(args, e, seq, device, rho, ep)
+    """Bytes per token block ``layer`` of a model with ``args`` saves, by AC treatment. Raises
+    ``ConfigError`` for a family without a formula."""
+    formula = _block_activations().get(type(args))
+    if formula is None:
+        raise ConfigError(f"the memory plan has no activation formula for {type(args).__name__} models; "
+                          "add one to ray_titan.memory_planner._block_activations")
+    return formula(args, layer, e, seq, device, rho, ep)
 
 
 def _checkpointed(cfg: JobConfig, layer: int) -> str:

@@ -152,11 +152,12 @@ def test_main_job_learns(ray_cluster, tmp_path, corpus_cache):
     for rank, (predicted, measured) in peaks.items():
         assert measured == pytest.approx(predicted, rel=0.15), rank
     assert (run.run_dir / "memory_plan.json").is_file()
-    # Flat host memory by default: every rank's RSS and malloc in-use after warm-up (steps
-    # 101-300; the memory benchmark measures 600 steps), Theil–Sen, per 100 steps.
+    # Flat host memory by default: every rank's RSS and malloc in-use over the last 100 steps,
+    # past warm-up and the first checkpoints (Theil–Sen, per 100 steps; the memory benchmark
+    # measures steps 101-600 of a 600-step run: docs/benchmarks.md).
     for rank in range(4):
         rows = run.steps.filter(pa.compute.equal(run.steps["rank"], rank)).sort_by("step").to_pylist()
-        rows = [r for r in rows if r["step"] > 100][::2]
+        rows = [r for r in rows if r["step"] > 200]
         steps = [r["step"] for r in rows]
         rss = theil_sen_slope(steps, [r["host_rss_bytes"] for r in rows]) * 100 / 2**20
         in_use = theil_sen_slope(steps, [r["host_heap_in_use_bytes"] for r in rows]) * 100 / 2**20

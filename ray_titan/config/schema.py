@@ -294,14 +294,16 @@ class Memory(_Section):
     so a full collection runs now and then, at the same steps: 4-8 ms in a main-job Ray worker,
     since what exists before the first step is frozen (``gc.freeze``; 0.6-0.7 s without)."""
     allocator: Literal["auto", "jemalloc", "system"] = "system"
-    """The C allocator of the Ray Train workers, which holds every CPU tensor. ``jemalloc``: the
-    one Ray ships (``ray/core/libjemalloc.so``, Linux wheels), preloaded into the workers; host
-    RSS stays flat where glibc's malloc fragments (1-6 MiB per 100 steps on the debug MoE, which
-    sets it: ``configs/debug_deepseek.toml``). ``system``: the process's default malloc (glibc
-    on Linux), the default until the leak verdict's host series is validated under jemalloc
-    (one flaky run of the injected-leak test). ``auto``: jemalloc where Ray ships it, else the
-    system's. Applies to workers the driver starts; under ``torchrun`` the launching shell's
-    ``LD_PRELOAD`` decides (``ray_titan.allocator``)."""
+    """The C allocator of the Ray Train workers, which holds every CPU tensor. ``system``: the
+    process's default malloc (glibc on Linux), the default: on the dense main job (600 steps,
+    steps 101-600) every rank's RSS rose +0.03 to +0.21 MiB per 100 steps on it against +0.48 to
+    +0.87 on jemalloc, malloc in-use +0.11 to +0.12 on both (``python -m benchmarks.run memory``).
+    ``jemalloc``: the one Ray ships (``ray/core/libjemalloc.so``, Linux wheels), preloaded into
+    the workers; host RSS stays flat where glibc's malloc fragments (1-6 MiB per 100 steps on the
+    debug MoE, which sets it: ``configs/debug_deepseek.toml``). The leak verdict is right under
+    both (tests/test_leak.py, on recorded series of each). ``auto``: jemalloc where Ray ships
+    it, else the system's. Applies to workers the driver starts; under ``torchrun`` the launching
+    shell's ``LD_PRELOAD`` decides (``ray_titan.allocator``)."""
     malloc_trim: bool = False
     """After every synchronized GC, malloc returns its free pages to the kernel (glibc
     ``malloc_trim(0)``, jemalloc ``arena.<all>.purge``; part of the GC pause). Under glibc on the
