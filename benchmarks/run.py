@@ -8,7 +8,8 @@ Names (default: every CPU benchmark, in this order):
 - ``torchrun``: the same train loop under Ray vs under ``torchrun`` (dp_shard=2, 2 workers).
 - ``ray_train``: ray_titan vs the loop of Ray Train's FSDP2 guide with ``ray.train.report``
   every step (dp_shard=4, 4 workers), and what each gets out.
-- ``memory``: every rank's host-RSS slope over a long main-job run with rare console logging.
+- ``memory``: every rank's host RSS, malloc in-use and leak-series slopes after warm-up over a
+  600-step main job, on each C allocator (glibc's and jemalloc), and each rank's memory verdict.
 - ``startup``: seconds from ``ray-titan train`` to the first step's console line, and the split
   (imports, cluster start, worker group, data + model build, first step, console).
 - ``gpu``: the train loop without Ray on one CUDA GPU, debug model (fp32) and a ~1 B Llama
@@ -48,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cpu import CPUSampler
-from benchmarks.stats import Row, alternate, fmt_si, format_table, ratio_stats, slope
+from benchmarks.stats import Row, alternate, fmt_si, format_table, ratio_stats
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_NAMES = ["collector", "bare", "torchrun", "ray_train", "memory", "startup"]
@@ -58,7 +59,7 @@ MiB = 2**20
 # Steps per run, (full, --quick). Long enough that the steady part dwarfs timer noise.
 STEPS = {
     "collector": (120, 12), "ray_train": (10, 8), "bare": (50, 12), "torchrun": (40, 12),
-    "memory": (240, 40), "startup": (2, 2), "gpu": (50, 10),
+    "memory": (600, 40), "startup": (2, 2), "gpu": (50, 10),
 }
 
 
@@ -83,7 +84,10 @@ class Bench:
         return resolve_paths(load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
             f"--job.name={name}", f"--job.dump_folder={self.work / 'runs'}",
             f"--training.steps={self.steps(name)}", "--training.threads_per_worker=1",
-            f"--lr_scheduler.warmup_steps={min(20, self.steps(name) // 2)}"], overrides)))
+            f"--lr_scheduler.warmup_steps={min(20, self.steps(name) // 2)}",
+            # The breakdown profiles step 2 once per run (seconds of analysis): not a per-step
+            # cost, and a comparison's steady window would catch ranks waiting for it.
+            "--memory.breakdown_step=0"], overrides)))
 
     def ray(self) -> None:
         """One local Ray cluster for the whole invocation (started on first use)."""
@@ -388,39 +392,56 @@ def bench_torchrun(bench: Bench) -> list[Row]:
     return [row]
 
 
-def bench_memory(bench: Bench) -> list[Row]:
-    steps = bench.steps("memory")
-    cfg = bench.job("memory", f"--metrics.log_freq={steps}")
-    run = run_ray_titan(bench, cfg)
+MEMORY_WARMUP = 100
+"""Steps the ``memory`` benchmark leaves out before fitting slopes (allocator pools, thread caches
+and the first checkpoint settle)."""
+
+
+def memory_slopes(table, first: int) -> dict[str, dict[int, float]]:
+    """Per series (host RSS, malloc in-use, the leak verdict's host series) and rank, the
+    Theil–Sen slope in bytes per step over the steps after ``first``. ``table``: a run's steps."""
     import pyarrow.compute as pc
 
-    from ray_titan.metrics.leak import SERIES_NAMES, host_series
+    from ray_titan.metrics.leak import SERIES_NAMES, host_series, theil_sen_slope
 
-    table = run["result"].steps
-    first = steps // 2  # the second half: past warm-up (DESIGN.md lesson 4)
-    rows = []
     series = {  # the verdict's host series leaves out the free bytes malloc keeps (metrics/leak.py)
         SERIES_NAMES["host_rss"]: lambda r: r["host_rss_bytes"],
         "malloc in-use": lambda r: r["host_heap_in_use_bytes"],
         SERIES_NAMES["host"]: lambda r: host_series(r["host_rss_bytes"], r["host_heap_free_bytes"])[0],
     }
-    per_rank = {
-        rank: [r for r in table.filter(pc.equal(table["rank"], rank)).sort_by("step").to_pylist() if r["step"] > first]
-        for rank in sorted(set(table["rank"].to_pylist()))
-    }
-    for name, value in series.items():
-        slopes = {}
-        for rank, sel in per_rank.items():
-            pts = [(r["step"], value(r)) for r in sel if value(r) is not None]
+    out: dict[str, dict[int, float]] = {name: {} for name in series}
+    for rank in sorted(set(table["rank"].to_pylist())):
+        rows = [r for r in table.filter(pc.equal(table["rank"], rank)).sort_by("step").to_pylist() if r["step"] > first]
+        for name, value in series.items():
+            pts = [(r["step"], value(r)) for r in rows if value(r) is not None]
             if len(pts) > 1:
-                slopes[rank] = slope([p[0] for p in pts], [p[1] for p in pts])
-        text = " ".join(f"r{r}:{v * 1000 / MiB:+.2f}" for r, v in slopes.items()) or "unmeasured (no mallinfo2)"
-        rows.append(Row(
-            f"{name} slope, steps {first + 1}-{steps}, console every {steps} steps (pp=2 × dp_shard=2)",
-            "MiB per 1000 steps", text, target="≈ 0 (no growth)",
-            note=f"least-squares slope of every rank's {name} recorded at every step",
-            data={"slope_bytes_per_step": slopes, "steps": steps},
-        ))
+                pts = pts[::max(1, len(pts) // 250)]  # every pair of ~250 samples: fast enough
+                out[name][rank] = theil_sen_slope([p[0] for p in pts], [p[1] for p in pts])
+    return out
+
+
+def bench_memory(bench: Bench) -> list[Row]:
+    """The main job on each C allocator: every rank's slopes after warm-up, per 100 steps."""
+    steps = bench.steps("memory")
+    first = min(MEMORY_WARMUP, steps // 2)
+    rows = []
+    for allocator in ("system", "jemalloc"):
+        cfg = bench.job("memory", f"--metrics.log_freq={steps}", f"--memory.allocator={allocator}",
+                        "--memory.breakdown_step=2")  # the default run: its profiled step included
+        run = run_ray_titan(bench, cfg)
+        result = run["result"]
+        used = {r["allocator"] for k, r in result.timings.items() if k.startswith("rank")}
+        verdicts = {r: v["verdict"] for r, v in result.memory_verdicts.items()}
+        for name, slopes in memory_slopes(result.steps, first).items():
+            text = " ".join(f"r{r}:{v * 100 / MiB:+.2f}" for r, v in slopes.items()) or "unmeasured"
+            target = {"host RSS": "< 1", "malloc in-use": "< 0.2"}.get(name, "")
+            rows.append(Row(
+                f"{name} slope, steps {first + 1}-{steps} ({'/'.join(sorted(used))} malloc, pp=2 × dp_shard=2)",
+                "MiB per 100 steps", text, target=target,
+                note=f"Theil–Sen slope of every rank's {name} recorded at every step; verdicts {verdicts}",
+                data={"slope_bytes_per_step": slopes, "steps": steps, "allocator": allocator,
+                      "run_dir": run["run_dir"], "verdicts": verdicts},
+            ))
     return rows
 
 

@@ -8,7 +8,7 @@ parallel), and ``tp = 2`` with neither. Each rank profiles step 2 with the torch
 table gives, per variant and rank, in MiB:
 
 - ``peak above step start``: the highest net allocation during the step over what was alive
-  when it began (``ray_titan.metrics.memory.allocation_peak``, from the profiler's allocation
+  when it began (``ray_titan.metrics.profiling.allocation_peak``, from the profiler's allocation
   events): the activations kept for backward, plus gradients and temporaries at that moment.
   The parameters and optimizer state are excluded, so with a long sequence at batch size 1 this
   is the activation memory (the profiler's categorised timeline, which the README's ``total``

@@ -1,7 +1,8 @@
 """ray_titan: a distributed LLM trainer on Ray (PP × FSDP2) with a metrics collector that reports
 the real last-stage loss and every rank's memory.
 
-The driver API is :func:`train`; the per-worker loop is ``ray_titan.trainer.train_loop``.
+The driver API is :func:`train`; the per-worker loop is ``ray_titan.trainer.train_loop``;
+:func:`memory_plan` predicts every rank's memory before a run.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from ray_titan.driver import RunResult
+    from ray_titan.memory_planner import MemoryPlan
 
-__all__ = ["ConfigError", "JobConfig", "RunResult", "load_config", "train"]
+__all__ = ["ConfigError", "JobConfig", "RunResult", "load_config", "memory_plan", "train"]
 __version__ = "0.1.0"
 
 
@@ -29,6 +31,18 @@ def train(
     from ray_titan.driver import train as _train
 
     return _train(config, overrides, progress, callbacks=callbacks)
+
+
+def memory_plan(
+    config: JobConfig, device_memory: int | str | None = None, device: str | None = None,
+    routing_imbalance: float = 1.0, vocab_size: int | None = None,
+) -> MemoryPlan:
+    """Every rank's predicted memory, whether the job fits ``device_memory`` and the levers that
+    would make it fit, before anything starts; see :func:`ray_titan.memory_planner.memory_plan`
+    (imported lazily: it imports torch)."""
+    from ray_titan.memory_planner import memory_plan as _plan
+
+    return _plan(config, device_memory, device, routing_imbalance, vocab_size)
 
 
 def __getattr__(name: str):

@@ -34,6 +34,8 @@ __all__ = [
     "active_allocator",
     "host_heap",
     "jemalloc_library",
+    "jemalloc_muzzy_decay_ms",
+    "lazy_free_bytes",
     "libc_function",
     "malloc_trim",
     "worker_env_vars",
@@ -44,6 +46,7 @@ ALLOCATORS = ("auto", "jemalloc", "system")
 
 # jemalloc's MALLCTL_ARENAS_ALL: "arena.<i>.purge" with this index purges every arena.
 _ARENAS_ALL = 4096
+_TCACHE_BYTES = f"stats.arenas.{_ARENAS_ALL}.tcache_bytes".encode()
 
 
 @functools.cache
@@ -131,12 +134,49 @@ def _jemalloc_stat(mallctl: Any, name: bytes) -> int:
     return value.value
 
 
+@functools.cache
+def jemalloc_muzzy_decay_ms() -> int:
+    """jemalloc's ``opt.muzzy_decay_ms`` (0 where jemalloc is not this process's malloc). When it
+    is not 0, jemalloc returns idle pages in two steps, the first with ``madvise(MADV_FREE)``:
+    such pages stay in RSS (the kernel reclaims them lazily, under pressure: ``LazyFree`` in
+    ``/proc/self/smaps_rollup``) while jemalloc no longer counts them as resident. Ray's jemalloc
+    5.3 defaults to 0 (idle pages go back with ``MADV_DONTNEED`` at once); ``MALLOC_CONF`` or
+    another build can turn it on."""
+    mallctl = _mallctl()
+    if mallctl is None:
+        return 0
+    value, size = ctypes.c_ssize_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_ssize_t))
+    if mallctl(b"opt.muzzy_decay_ms", ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+        return 0
+    return value.value
+
+
+def lazy_free_bytes() -> int:
+    """Bytes of this process's RSS that were handed back with ``MADV_FREE`` and not yet reclaimed
+    (``LazyFree`` of ``/proc/self/smaps_rollup``; 0 where that file is missing). Reading it walks
+    every mapping of the process: ~1-10 ms."""
+    try:
+        with open("/proc/self/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"LazyFree:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def host_heap() -> tuple[int | None, int | None]:
     """``(in_use, free)`` bytes of this process's malloc.
 
-    - jemalloc: ``in_use = stats.allocated`` (bytes handed out), ``free = stats.resident -
-      stats.allocated`` (resident pages the allocator holds without handing them out: dirty
-      pages not yet returned, partly used pages, its metadata). Refreshed with ``epoch``.
+    - jemalloc: ``in_use = stats.allocated - stats.arenas.<all>.tcache_bytes`` (bytes handed out
+      and not freed: jemalloc counts freed blocks waiting in a thread's cache as allocated, and a
+      Ray worker's dozens of threads fill their caches over hundreds of steps), ``free =
+      stats.resident - in_use`` (resident pages the allocator holds without handing them out:
+      cached blocks, dirty pages not yet returned, partly used pages, its metadata), plus, when
+      ``opt.muzzy_decay_ms`` is not 0, the pages handed back with ``MADV_FREE`` that the kernel has
+      not reclaimed (:func:`lazy_free_bytes`): jemalloc stops counting them as resident while
+      they stay in RSS, so without them RSS less free rises by what was just freed. Refreshed
+      with ``epoch``.
     - glibc (``mallinfo2(3)``, every arena): ``in_use = uordblks + hblkhd`` (handed out from the
       heaps, and chunks mmapped on their own), ``free = fordblks`` (free chunks kept in the heaps).
     - ``(None, None)`` otherwise (glibc < 2.33, musl, macOS).
@@ -150,8 +190,11 @@ def host_heap() -> tuple[int | None, int | None]:
     if mallctl is not None:
         epoch = ctypes.c_uint64(1)
         mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch))
-        allocated = _jemalloc_stat(mallctl, b"stats.allocated")
-        return allocated, max(0, _jemalloc_stat(mallctl, b"stats.resident") - allocated)
+        in_use = _jemalloc_stat(mallctl, b"stats.allocated") - _jemalloc_stat(mallctl, _TCACHE_BYTES)
+        free = max(0, _jemalloc_stat(mallctl, b"stats.resident") - in_use)
+        if jemalloc_muzzy_decay_ms():  # pages handed back lazily are still in RSS
+            free += lazy_free_bytes()
+        return in_use, free
     fn = libc_function("mallinfo2", _MallInfo2)
     if fn is None:
         return None, None

@@ -13,6 +13,9 @@ default included, as TOML; ``ray-titan config docs`` prints (or writes, ``--outp
 configuration reference ``docs/configuration.md``.
 ``ray-titan export CHECKPOINT_OR_RUN_DIR --to hf OUT_DIR [--dtype bf16|fp32]`` writes a ray_titan
 checkpoint as a Hugging Face model directory (``ray_titan.hf.export_hf``).
+``ray-titan memory plan [--config X.toml] [--device-memory 80GiB] [--section.key=value ...]``
+prints every rank's predicted memory, whether the job fits, and the levers that would make it
+fit (``ray_titan.memory_planner``), without starting anything.
 ``ray-titan report RUN_DIR`` writes ``RUN_DIR/report/loss.png`` and ``memory.png`` (every rank's
 memory with its verdicts marked) and prints a summary table per rank (``ray_titan.run_report``).
 """
@@ -95,6 +98,32 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="weights dtype (default bf16)")
     ex.add_argument("--max-shard-size", type=float, default=5.0, metavar="GiB",
                     help="largest safetensors shard, GiB (default 5)")
+    mem = sub.add_parser("memory", help="plan a job's memory before running it",
+                         description="Memory tools. 'memory plan' predicts every rank's memory.")
+    msub = mem.add_subparsers(dest="memory_command", required=True, metavar="SUBCOMMAND")
+    plan = msub.add_parser(
+        "plan", help="every rank's predicted memory, whether it fits, and the levers that would make it fit",
+        description="Predict every rank's memory for a job without starting anything (the model is built "
+        "on the meta device): parameters, gradients, optimizer state, FSDP's gathered buffers, "
+        "activations times the microbatches the pipeline schedule keeps in flight, and the peak; "
+        "with a device capacity, whether it fits and the levers that would make it fit, cheapest "
+        "first (ray_titan.memory_planner). " + _OVERRIDES + ". Exit status: 0 fits (or no capacity "
+        "known), 1 does not fit, 2 config error.",
+    )
+    plan.add_argument("--config", metavar="X.toml", help="TOML job config (default: the built-in defaults)")
+    plan.add_argument("--device-memory", metavar="SIZE",
+                      help="memory of each rank's device, e.g. 80GiB, 80GB, 141GB (default: the CUDA device "
+                      "here, if any)")
+    plan.add_argument("--device", choices=("cuda", "cpu"),
+                      help="device kind of the workers (default: cuda with --device-memory or ray.use_gpu, else cpu)")
+    plan.add_argument("--routing-imbalance", type=float, default=1.0, metavar="RHO",
+                      help="MoE under expert parallel: max over mean tokens per rank's experts (default 1, balanced)")
+    plan.add_argument("--vocab-size", type=int, metavar="N",
+                      help="vocabulary of the model (default: the job's tokenizer's, else the flavor's)")
+    plan.add_argument("--margin", type=float, metavar="SHARE",
+                      help="share of the device memory kept free for the CUDA context, communication buffers "
+                      "and fragmentation (default 0.08 on cuda, 0 on cpu)")
+    plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
 
     rp = sub.add_parser(
         "report",
@@ -169,11 +198,27 @@ def _export(args, overrides: list[str]) -> int:
     return 0
 
 
+def _memory(args, overrides: list[str]) -> int:
+    from ray_titan.config import ConfigError, load_config
+    from ray_titan.memory_planner import memory_plan
+
+    try:
+        plan = memory_plan(load_config(args.config, overrides), args.device_memory, args.device,
+                           args.routing_imbalance, args.vocab_size, margin=args.margin)
+    except ConfigError as e:
+        print(f"ray-titan: config error: {e}", file=sys.stderr)
+        return 2
+    print(plan.format())
+    if args.json:
+        plan.save(args.json)
+    return 1 if plan.fits is False else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ray-titan``; returns the exit status."""
     args, overrides = _parser().parse_known_args(argv)
     if args.command == "report":
-        from ray_titan.run_report import format_table, write_report
+        from ray_titan.run_report import format_memory_table, format_table, memory_rows, write_report
 
         if overrides:
             print(f"ray-titan report: unexpected arguments {overrides}", file=sys.stderr)
@@ -189,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                   "--out DIR", file=sys.stderr)
             return 2
         print(format_table(rows))
+        memory = format_memory_table(memory_rows(args.run_dir))
+        if memory:
+            print(memory)
         for path in paths:
             print(f"wrote {path}")
         return 0
@@ -198,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args, overrides)
     if args.command == "config":
         return _config(args, overrides)
+    if args.command == "memory":
+        return _memory(args, overrides)
     return 2
 
 

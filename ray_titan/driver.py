@@ -34,6 +34,7 @@ from ray_titan import storage
 from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides, load_config
 from ray_titan.hf import resolve_hf_job, save_last_hf
 from ray_titan.interrupts import Interrupted, SignalGuard
+from ray_titan.memory_planner import record_memory_plan
 from ray_titan.preflight import job_warnings, validate_job
 from ray_titan.run_dir import STOP_REASON_FILE, make_run_dir, resolve_paths, under
 
@@ -78,6 +79,21 @@ class RunResult:
     ``ray_titan.metrics.timing``): start-up marks and steady-state step timing."""
     hf_export: Path | None = None
     """The Hugging Face model directory ``checkpoint.last_save_hf`` wrote (``<run_dir>/hf``)."""
+    memory_plan: dict[str, Any] | None = None
+    """The memory plan made before the workers started (``ray_titan.memory_planner``,
+    ``MemoryPlan.to_dict()``; also ``<run_dir>/memory_plan.json``), None if it could not be made."""
+    memory_breakdown: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Every rank's memory measured at ``memory.breakdown_step``, by category at the step's peak
+    (``ray_titan.metrics.profiling.StepProfiler.stop``): ``{rank: {"step", "peak_bytes",
+    "at_peak": {category: bytes}, "category_peaks", ...}}``."""
+    profiler_traces: list[Path] = field(default_factory=list)
+    """Chrome traces of ``profiling.trace_steps``: ``<run_dir>/profile/rank{r}-step{s}.json``."""
+
+    def memory_peaks(self) -> dict[int, tuple[int | None, int | None]]:
+        """``{rank: (predicted peak bytes, measured peak bytes)}``: the plan's and the breakdown's."""
+        planned = {r["rank"]: r["peak"] for r in (self.memory_plan or {}).get("ranks", [])}
+        ranks = sorted(set(planned) | set(self.memory_breakdown))
+        return {r: (planned.get(r), self.memory_breakdown.get(r, {}).get("peak_bytes")) for r in ranks}
 
     @property
     def metrics_path(self) -> Path | str:
@@ -290,6 +306,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
             update={"threads_per_worker": max(1, int(cpus + 0.999))})})
     run_dir = make_run_dir(cfg)
     storage.write_text(under(run_dir, "config.json"), cfg.model_dump_json(indent=2))
+    plan = record_memory_plan(cfg, run_dir)
     # Restarted by Ray if it dies; it resumes from its flushed parts and workers resend the rest.
     # No task events: each report call would be one more entry the GCS keeps (up to 100k) and
     # the dashboard lists, and their bookkeeping costs the GCS and the actor CPU every call.
@@ -403,6 +420,9 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
         if isinstance(run_dir, Path) and (run_dir / "memory").is_dir() else [],
         timings=read_timings(run_dir),
         hf_export=save_last_hf(cfg, latest, run_dir),
+        memory_plan=plan, memory_breakdown=summary.get("memory_breakdown", {}),
+        profiler_traces=sorted((run_dir / "profile").glob("*.json"))
+        if isinstance(run_dir, Path) and (run_dir / "profile").is_dir() else [],
     )
     print(f"ray_titan: done: final loss {result.final_loss}, metrics {result.metrics_path}, "
           f"{where}", flush=True)

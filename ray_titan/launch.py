@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ray_titan.checkpoint import LocalCheckpointStorage, find_latest
 from ray_titan.config.schema import load_config
 from ray_titan.hf import resolve_hf_job, save_last_hf
+from ray_titan.memory_planner import record_memory_plan
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.leak import leak_settings
 from ray_titan.metrics.report import JsonlReporter, LocalReporter, Reporter, rank_reports_path, read_rank_reports
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     assert holder[0] is not None  # rank 0's, broadcast to every rank
     run_dir = Path(holder[0])
     dims = parallel_dims(cfg)
+    if rank == 0:
+        record_memory_plan(cfg, run_dir)
 
     def new_collector() -> MetricsCollector:
         return MetricsCollector(

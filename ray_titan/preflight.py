@@ -67,15 +67,17 @@ def _check_dump_folder(cfg: JobConfig) -> None:
         ) from None
 
 
-def validate_job(cfg: JobConfig) -> JobConfig:
+def validate_job(cfg: JobConfig, check_data: bool = True) -> JobConfig:
     """Cross-field checks the driver runs before any worker starts.
 
     Checks the mesh against the worker count, the model against the pipeline, the batch against
     microbatches and DP degree, the sequence length against the model, that the data path
     exists and has the text column, that the run directory can be written, and that the
     checkpoint to load is complete (CRC-32 of every file), holds metadata the restricted
-    unpickler accepts, and fits the job. Raises :class:`ConfigError` naming the setting, its value
-    and what would be valid.
+    unpickler accepts, and fits the job. ``check_data = False`` leaves out what reads or writes
+    files (data, tokenizer, run directory, checkpoint to load): the memory plan checks a job
+    that may run elsewhere. Raises :class:`ConfigError` naming the setting, its value and what
+    would be valid.
 
     Returns ``cfg``, with ``checkpoint.load_path`` made the checkpoint it resolved to (a run
     directory's newest good one: a corrupt newer one is passed over with a warning), so the
@@ -100,7 +102,8 @@ def validate_job(cfg: JobConfig) -> JobConfig:
         raise ConfigError(
             f"debug.kill_rank = {cfg.debug.kill_rank} but the mesh has ranks 0..{cfg.world_size - 1}"
         )
-    _check_dump_folder(cfg)
+    if check_data:
+        _check_dump_folder(cfg)
     if cfg.data.source == "python_stdlib" and cfg.data.path:
         raise ConfigError(
             f"data.path = {cfg.data.path!r} is set but data.source = 'python_stdlib' ignores it; "
@@ -169,6 +172,8 @@ def validate_job(cfg: JobConfig) -> JobConfig:
             f"{margs.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}); use <= {margs.max_seq_len}"
         )
     _validate_memory(cfg)
+    if not check_data:
+        return cfg
     check_source(cfg.data)
     try:
         tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
@@ -344,6 +349,12 @@ def _validate_memory(cfg: JobConfig) -> None:
     if bad:
         raise ConfigError(
             f"memory.snapshot_steps = {mem.snapshot_steps}: step(s) {bad} are outside the run "
+            f"(1 .. training.steps = {steps})"
+        )
+    bad = sorted(s for s in cfg.profiling.trace_steps if not 1 <= s <= steps)
+    if bad:
+        raise ConfigError(
+            f"profiling.trace_steps = {cfg.profiling.trace_steps}: step(s) {bad} are outside the run "
             f"(1 .. training.steps = {steps})"
         )
     if mem.warmup_max_steps < mem.leak_window_steps:

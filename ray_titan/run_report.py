@@ -11,11 +11,15 @@ matplotlib's Agg backend (no display needed):
   verdict in the legend;
 
 and returns the summary table (one row per rank: coordinates, last verdict and rate, peak
-memory, GC count and pause, the metrics path's share of the step time) that the command prints.
+memory, GC count and pause, the metrics path's share of the step time) that the command prints,
+and, where the run recorded them, each rank's predicted peak (``memory_plan.json``,
+:mod:`ray_titan.memory_planner`) beside its measured one (``metrics/memory_breakdown.jsonl``,
+``memory.breakdown_step``) with the measured split by category: :func:`format_memory_table`.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +29,7 @@ import pyarrow as pa
 from ray_titan.metrics.leak import SERIES_NAMES, host_series
 from ray_titan.metrics.sinks import read_steps
 
-__all__ = ["format_table", "summary_rows", "write_report"]
+__all__ = ["format_memory_table", "format_table", "memory_rows", "summary_rows", "write_report"]
 
 MiB = 2**20
 _COORDS = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
@@ -109,6 +113,59 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     ] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body])
+
+
+def memory_rows(run_dir: str | Path) -> list[dict[str, Any]]:
+    """One dict per rank with a plan or a measured breakdown: ``rank``, ``coords``,
+    ``predicted_bytes`` (the plan's peak, None without a plan), ``measured_bytes`` (the profiler's
+    peak at the breakdown step, None without one), ``step``, ``error`` (measured / predicted − 1),
+    and the measured bytes by category at the peak (``parameters``, ``gradients``,
+    ``optimizer_state``, ``activations``, ``temporaries``, ``other``: inputs and unknown)."""
+    from ray_titan.memory_planner import PLAN_FILE
+    from ray_titan.metrics.collector import read_breakdowns
+
+    plan_path = Path(run_dir) / PLAN_FILE
+    plan = {r["rank"]: r for r in json.loads(plan_path.read_text())["ranks"]} if plan_path.is_file() else {}
+    measured = read_breakdowns(run_dir)
+    rows = []
+    for rank in sorted(set(plan) | set(measured)):
+        p, m = plan.get(rank), measured.get(rank)
+        coords = (p or m or {}).get("coords", {})
+        at = m["at_peak"] if m else {}
+        predicted: int | None = p["peak"] if p else None
+        peak: int | None = m["peak_bytes"] if m else None
+        row: dict[str, Any] = {
+            "rank": rank, "coords": ", ".join(f"{k}={v}" for k, v in coords.items()),
+            "predicted_bytes": predicted, "measured_bytes": peak, "step": m["step"] if m else None,
+            "error": peak / predicted - 1 if peak and predicted else None,
+        }
+        for k in ("parameters", "gradients", "optimizer_state", "activations", "temporaries"):
+            row[k] = at.get(k)
+        row["other"] = (at.get("inputs", 0) + at.get("unknown", 0)) if m else None
+        rows.append(row)
+    return rows
+
+
+def format_memory_table(rows: list[dict[str, Any]]) -> str:
+    """:func:`memory_rows` as an aligned text table (MiB); empty when there are none."""
+    if not rows:
+        return ""
+    head = ["rank", "coords", "predicted peak", "measured peak", "meas/pred", "params", "grads", "optim",
+            "activations", "temporaries", "other"]
+
+    def mib(v: int | None) -> str:
+        return "" if v is None else f"{v / MiB:.1f}"
+
+    body = [[str(r["rank"]), r["coords"], mib(r["predicted_bytes"]), mib(r["measured_bytes"]),
+             "" if r["error"] is None else f"{r['error']:+.1%}", mib(r["parameters"]), mib(r["gradients"]),
+             mib(r["optimizer_state"]), mib(r["activations"]), mib(r["temporaries"]), mib(r["other"])]
+            for r in rows]
+    step = next((r["step"] for r in rows if r["step"] is not None), None)
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    title = ("memory, MiB: the plan's peak (memory_plan.json) beside the profiler's"
+             + (f" at step {step}, split by category at that peak" if step else ""))
+    return "\n".join([title] + ["  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip()
+                                for line in [head, *body]])
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple[list[Path], list[dict[str, Any]]]:

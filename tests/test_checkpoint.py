@@ -34,7 +34,7 @@ def _cfg(tmp_path, corpus_cache, *overrides):
     return load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
         "--parallelism.pp=1", "--parallelism.dp_shard=1", "--training.steps=4", "--checkpoint.interval=2",
         f"--data.cache_dir={corpus_cache}", f"--job.dump_folder={tmp_path}", "--training.threads_per_worker=1",
-        "--metrics.enable_tensorboard=false"], overrides))
+        "--metrics.enable_tensorboard=false", "--memory.breakdown_step=0"], overrides))
 
 
 def _train(run_dir, cfg, save=True):

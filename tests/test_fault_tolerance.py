@@ -40,7 +40,8 @@ def _run(tmp_path_factory, corpus_cache, name, *overrides):
     cfg = load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
         f"--job.name={name}", f"--job.dump_folder={tmp_path_factory.mktemp(name, numbered=False)}",
         f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}", "--metrics.log_freq=1000",
-        f"--checkpoint.interval={INTERVAL}", "--metrics.flush_every_steps=2"], overrides))
+        f"--checkpoint.interval={INTERVAL}", "--metrics.flush_every_steps=2", "--memory.breakdown_step=0"],
+        overrides))
     return ray_titan.train(cfg)
 
 

@@ -34,7 +34,8 @@ transformers = pytest.importorskip("transformers")
 # The same data, batch and LR schedule in every run, so step losses compare across meshes.
 COMMON = ["--data.source=jsonl", "--training.seq_len=32", "--training.global_batch_size=8",
           "--parallelism.microbatches=4", "--lr_scheduler.warmup_steps=4", "--optimizer.lr=3e-3",
-          "--metrics.enable_tensorboard=false", "--metrics.log_freq=1", "--training.threads_per_worker=1"]
+          "--metrics.enable_tensorboard=false", "--metrics.log_freq=1", "--training.threads_per_worker=1",
+          "--memory.breakdown_step=0"]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import pytest
 
 import ray_titan
 from ray_titan.config import load_config, merge_overrides
+from ray_titan.metrics.leak import theil_sen_slope
 from ray_titan.metrics.report import read_rank_reports
 from tests.conftest import REPO
 
@@ -31,7 +32,7 @@ def _run(tmp_path_factory, corpus_cache, name, *overrides):
     cfg = load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
         f"--job.name={name}", f"--job.dump_folder={tmp_path_factory.mktemp(name)}",
         f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}",
-        "--metrics.log_freq=1000", "--metrics.save_rank_reports=true"], overrides))
+        "--metrics.log_freq=1000", "--metrics.save_rank_reports=true", "--memory.breakdown_step=0"], overrides))
     return ray_titan.train(cfg)
 
 
@@ -107,7 +108,7 @@ def test_user_parquet_file_trains(ray_cluster, tmp_path, corpus_cache):
     cfg = load_config(None, [
         "--job.name=userdata", f"--job.dump_folder={tmp_path}", "--data.source=parquet",
         f"--data.path={tmp_path / 'train.parquet'}", "--training.steps=20",
-        "--parallelism.pp=1", "--parallelism.dp_shard=2", "--metrics.log_freq=5",
+        "--parallelism.pp=1", "--parallelism.dp_shard=2", "--metrics.log_freq=5", "--memory.breakdown_step=0",
     ])
     run = ray_titan.train(cfg)
     losses = run.losses()
@@ -119,7 +120,7 @@ def test_jobs_entry_point_joins_the_running_cluster(ray_cluster, tmp_path, corpu
     env = {**os.environ, "RAY_ADDRESS": ray_cluster, "RAY_AUTH_MODE": "disabled"}
     out = subprocess.run(
         [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(REPO / "configs" / "debug_llama.toml"),
-         "--training.steps=3", "--metrics.log_freq=1", f"--job.dump_folder={tmp_path}",
+         "--training.steps=3", "--metrics.log_freq=1", f"--job.dump_folder={tmp_path}", "--memory.breakdown_step=0",
          f"--data.cache_dir={corpus_cache}"],
         env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )
@@ -133,7 +134,8 @@ def test_jobs_entry_point_joins_the_running_cluster(ray_cluster, tmp_path, corpu
 def test_main_job_learns(ray_cluster, tmp_path, corpus_cache):
     """The README's main job, unchanged but for where it writes and a console line never due
     (log_freq larger than the run: nothing may accumulate when logging is rare, DESIGN.md lesson
-    1): 300 steps of pp=2 × dp_shard=2."""
+    1): 300 steps of pp=2 × dp_shard=2, its memory plan against the measured peaks, and its host
+    memory flat after warm-up."""
     cfg = load_config(REPO / "configs" / "debug_llama.toml", [
         f"--job.dump_folder={tmp_path}", f"--data.cache_dir={corpus_cache}", "--metrics.log_freq=1000",
     ])
@@ -142,6 +144,23 @@ def test_main_job_learns(ray_cluster, tmp_path, corpus_cache):
     assert run.errors == [] and run.steps.num_rows == 300 * 4 and len(losses) == 300
     assert losses[0] == pytest.approx(np.log(258), abs=0.1)
     assert losses[-20:].mean() < 3.0
+    assert run.final_loss == pytest.approx(2.3466, abs=5e-5)  # the README's figure, whatever the allocator
+    # The plan made before the workers started, beside each rank's peak measured at step 2.
+    peaks = run.memory_peaks()
+    assert sorted(peaks) == [0, 1, 2, 3]
+    for rank, (predicted, measured) in peaks.items():
+        assert measured == pytest.approx(predicted, rel=0.15), rank
+    assert (run.run_dir / "memory_plan.json").is_file()
+    # Flat host memory by default: every rank's RSS and malloc in-use over the last 100 steps,
+    # past warm-up and the first checkpoints (Theil–Sen, per 100 steps; the memory benchmark
+    # measures steps 101-600 of a 600-step run: docs/benchmarks.md).
+    for rank in range(4):
+        rows = run.steps.filter(pa.compute.equal(run.steps["rank"], rank)).sort_by("step").to_pylist()
+        rows = [r for r in rows if r["step"] > 200]
+        steps = [r["step"] for r in rows]
+        rss = theil_sen_slope(steps, [r["host_rss_bytes"] for r in rows]) * 100 / 2**20
+        in_use = theil_sen_slope(steps, [r["host_heap_in_use_bytes"] for r in rows]) * 100 / 2**20
+        assert rss < 1.0 and in_use < 0.2, (rank, rss, in_use)
     # No false positive of the memory verdict, warm-up included: every rank ends stable and was
     # never growing.
     assert {r: v["verdict"] for r, v in run.memory_verdicts.items()} == dict.fromkeys(range(4), "stable")

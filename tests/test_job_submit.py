@@ -32,7 +32,8 @@ pytestmark = pytest.mark.ray
 RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]
 # Small and quick: 2 workers (pp=2), a handful of steps, a line every 2 steps.
 SMALL = ["--training.steps=6", "--parallelism.dp_shard=1", "--training.global_batch_size=4",
-         "--metrics.log_freq=2", "--lr_scheduler.warmup_steps=2", "--ray.cpus_per_worker=0.5"]
+         "--metrics.log_freq=2", "--lr_scheduler.warmup_steps=2", "--ray.cpus_per_worker=0.5",
+         "--memory.breakdown_step=0"]
 
 
 def _free_port() -> int:

@@ -3,6 +3,8 @@ real leaks; the per-rank monitor and the collector's columns and stop signal."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,7 @@ from ray_titan.metrics.memory import MEMORY_FIELDS
 from ray_titan.metrics.report import StepReport
 from ray_titan.metrics.sinks import read_steps
 from ray_titan.parallel.dims import ParallelDims
+from tests.conftest import REPO
 
 MiB = 2**20
 
@@ -193,3 +196,122 @@ def test_collector_records_verdicts_and_stops_on_request(tmp_path, on_leak):
     else:
         assert "rank 1 (pp=0, dp_shard=1): memory growing +2.000 MiB/step" in summary["stop"]
         assert answers[-1]["stop"] == summary["stop"]
+
+
+# -- the verdict matrix: recorded healthy ranks with leaks, ramps, releases added ------------------
+# Host memory of healthy ranks of the main job (pp=2 × dp_shard=2, 600 steps, every step): RSS and
+# malloc's free bytes on each C allocator (tests/data/host_memory_series.json says which runs).
+_RECORDED = json.loads((REPO / "tests" / "data" / "host_memory_series.json").read_text())["series"]
+RATES = [0.25, 0.5, 1.0, 2.0, 4.0]
+
+
+def _recorded(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Steps and the verdict's host series (RSS less malloc's free bytes, bytes) of a recorded rank."""
+    s = _RECORDED[name]
+    y = (np.array(s["rss_mib"]) - np.array(s["free_mib"])) * MiB
+    return np.arange(1, len(y) + 1), y
+
+
+def _host_verdicts(steps, y):
+    mon = LeakMonitor(**leak_settings())
+    return [mon.update(int(a), {"rank": 0, "coords": {}, "host_rss_bytes": float(b), "host_heap_free_bytes": 0.0})[0]
+            for a, b in zip(steps, y)]
+
+
+@pytest.mark.parametrize("name", sorted(_RECORDED))
+def test_recorded_healthy_ranks_are_never_growing(name):
+    steps, y = _recorded(name)
+    verdicts = _host_verdicts(steps, y)
+    assert GROWING not in {v.verdict for v in verdicts}
+    assert verdicts[-1].verdict == STABLE and abs(verdicts[-1].slope_mib_per_step) < 0.1
+
+
+@pytest.mark.parametrize("name", sorted(_RECORDED))
+@pytest.mark.parametrize("start", [1, 60, 400])  # from the first step, after warm-up, long after
+def test_leaks_from_a_quarter_to_four_mib_per_step_are_found_and_stay_found(name, start):
+    steps, base = _recorded(name)
+    warmup_max = leak_settings()["warmup_max_steps"]
+    for rate in RATES:
+        y = base + np.clip(steps - start + 1, 0, None) * rate * MiB
+        verdicts = _host_verdicts(steps, y)
+        first = next((s for s, v in zip(steps, verdicts) if v.verdict == GROWING), None)
+        assert first is not None, rate
+        # Seen within 30 steps of the leak's start (or of warm-up's end, for a leak from step 1).
+        assert first <= max(start, warmup_max) + 30, (rate, first)
+        # ... and never lost again, through the checkpoints' and GC rounds' releases.
+        assert all(v.verdict == GROWING for v in verdicts[first - 1:]), rate
+        assert verdicts[-1].slope_mib_per_step == pytest.approx(rate, rel=0.25, abs=0.05)
+
+
+@pytest.mark.parametrize("name", sorted(_RECORDED))
+@pytest.mark.parametrize("ramp_steps,total_mib", [(10, 60), (20, 200), (25, 30)])
+def test_a_ramp_in_the_first_steps_is_warm_up_never_a_leak(name, ramp_steps, total_mib):
+    """Memory allocated over the first steps and then kept (optimizer state, allocator pools,
+    caches filling) ends warm-up; it is never ``growing``."""
+    steps, base = _recorded(name)
+    y = base + np.minimum(steps, ramp_steps) * (total_mib / ramp_steps) * MiB
+    assert GROWING not in {v.verdict for v in _host_verdicts(steps, y)}
+
+
+@pytest.mark.parametrize("name", sorted(_RECORDED))
+def test_a_release_is_not_growth_and_does_not_hide_a_leak(name):
+    """A one-time drop (a GC round freeing a profiler's garbage, a checkpoint's buffers freed)
+    neither reads as a leak on a healthy rank nor ends the verdict of a leaking one."""
+    steps, base = _recorded(name)
+    drop = np.where(steps >= 150, -60 * MiB, 0)
+    assert GROWING not in {v.verdict for v in _host_verdicts(steps, base + drop)}
+    leak = base + drop + steps * 1.0 * MiB
+    verdicts = _host_verdicts(steps, leak)
+    assert all(v.verdict == GROWING for v in verdicts[leak_settings()["warmup_max_steps"] - 1:])
+
+
+def test_a_leak_on_one_rank_of_a_pipeline_stage_only_is_that_ranks():
+    """pp=2 × dp_shard=2: rank 2 (pp=1, dp_shard=0) leaks 0.5 MiB/step from step 200, its stage
+    partner rank 3 and the other stage do not; each rank's recorded series underneath."""
+    dims = ParallelDims(pp=2, dp_shard=2)
+    mon = LeakMonitor(**leak_settings())
+    names = sorted(_RECORDED)
+    series = {r: _recorded(names[r % len(names)])[1] for r in range(4)}
+    messages = []
+    for i in range(600):
+        step = i + 1
+        for r in range(4):
+            y = series[r][i] + (max(0, step - 199) * 0.5 * MiB if r == 2 else 0)
+            row = {"rank": r, "coords": dims.coords(r), "host_rss_bytes": y, "host_heap_free_bytes": 0.0}
+            _, msg = mon.update(step, row)
+            messages += [msg] if msg and "growing" in msg else []
+    summary = mon.summary()
+    assert [v["verdict"] for _, v in sorted(summary.items())] == [STABLE, STABLE, GROWING, STABLE]
+    assert summary[2]["slope_mib_per_step"] == pytest.approx(0.5, rel=0.25)
+    assert len(messages) == 1 and messages[0].startswith("memory: rank 2 (pp=1, dp_shard=0) growing +0.")
+
+
+@pytest.mark.parametrize("rate", RATES)
+def test_device_leaks_are_found_on_the_device_series_while_the_host_is_flat(rate):
+    """A GPU rank: device allocated memory is exact (flat after warm-up but for a new pool of the
+    caching allocator now and then); a device leak is ``growing`` on the device series, a host
+    leak on the host series, each at its rate."""
+    rng = np.random.default_rng(int(rate * 4))
+    steps = np.arange(1, 301)
+    pool = np.where(steps >= 120, 64 * MiB, 0)  # one new 64 MiB pool
+    device = 20_000 * MiB + np.minimum(steps, 3) * 2_000 * MiB + pool
+    host = 3_000 * MiB + rng.normal(0, 0.3 * MiB, len(steps))
+
+    def run(dev_leak, host_leak):
+        mon = LeakMonitor(**leak_settings())
+        for i, step in enumerate(steps):
+            leak = max(0, step - 100)
+            row = {"rank": 0, "coords": {"pp": 0}, "device_allocated_bytes": device[i] + dev_leak * leak * MiB,
+                   "device_reserved_bytes": device[i] + 512 * MiB, "device_capacity_bytes": 80 * 1024 * MiB,
+                   "host_rss_bytes": host[i] + host_leak * leak * MiB, "host_heap_free_bytes": 0.0,
+                   "host_available_bytes": 100_000 * MiB}
+            v, _ = mon.update(int(step), row)
+        return v
+
+    assert run(0, 0).verdict == STABLE
+    dev = run(rate, 0)
+    assert dev.verdict == GROWING and dev.source == "device" and dev.oom_step is not None
+    assert dev.slope_mib_per_step == pytest.approx(rate, rel=0.05)
+    host = run(0, rate)
+    assert host.verdict == GROWING and host.source == "host"
+    assert host.slope_mib_per_step == pytest.approx(rate, rel=0.25)

@@ -22,7 +22,8 @@ from tests.conftest import REPO
 def _train(tmp_path, corpus_cache, *overrides, callbacks=None):
     cfg = load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
         "--parallelism.pp=1", "--parallelism.dp_shard=1", "--training.steps=3",
-        f"--data.cache_dir={corpus_cache}", "--training.threads_per_worker=1"], overrides))
+        f"--data.cache_dir={corpus_cache}", "--training.threads_per_worker=1", "--memory.breakdown_step=0"],
+        overrides))
     collector = MetricsCollector(str(tmp_path), 1, [0], cfg.training.steps, log_freq=1000,
                                  enable_tensorboard=False, leak=leak_settings(cfg.memory),
                                  on_leak=cfg.memory.on_leak)

@@ -30,7 +30,7 @@ def _run(tmp_path_factory, corpus_cache, name, *overrides, steps=STEPS):
     cfg = load_config(REPO / "configs" / "debug_deepseek.toml", [
         f"--job.name={name}", f"--job.dump_folder={tmp_path_factory.mktemp(name)}",
         f"--data.cache_dir={corpus_cache}", f"--training.steps={steps}",
-        "--metrics.log_freq=1000", *overrides,
+        "--metrics.log_freq=1000", "--memory.breakdown_step=0", *overrides,
     ])
     return ray_titan.train(cfg)
 

@@ -22,7 +22,8 @@ class _Recording(Reporter):
 def _cfg(corpus_cache, *overrides):
     return load_config(None, merge_overrides([
         "--parallelism.pp=1", "--parallelism.dp_shard=1", "--training.steps=4",
-        "--training.threads_per_worker=1", f"--data.cache_dir={corpus_cache}"], overrides))
+        "--training.threads_per_worker=1", f"--data.cache_dir={corpus_cache}", "--memory.breakdown_step=0"],
+        overrides))
 
 
 def test_metrics_switch_and_timings(corpus_cache, tmp_path):

@@ -23,7 +23,7 @@ def _launch(tmp_path, corpus_cache, nproc: int, *overrides: str):
     out = subprocess.run(
         [*launcher, "-m", "ray_titan.launch", "--config", str(REPO / "configs" / "debug_llama.toml"),
          f"--training.steps={STEPS}", f"--job.dump_folder={dump}", f"--data.cache_dir={corpus_cache}",
-         "--metrics.log_freq=1", *overrides],
+         "--metrics.log_freq=1", "--memory.breakdown_step=0", *overrides],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

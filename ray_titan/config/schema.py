@@ -312,13 +312,15 @@ class Memory(_Section):
     allocator's count is exact and flat after warm-up in a healthy run, so 0.1 MiB/step (1 GiB per
     10,000 steps, a day's run on a large job) is well above its noise. A rank falls back to
     ``stable`` below half of the threshold (hysteresis, so a rate near it does not flap)."""
-    host_leak_threshold_mib_per_step: float = Field(0.5, gt=0)
-    """Rate of host memory at which a rank counts as ``growing``: RSS less the free bytes glibc
-    malloc holds (RSS alone without glibc). RSS alone rises while malloc's heap fragments:
-    0–2 MiB per 100 steps on healthy CPU runs, and a healthy rank of a loaded CI machine measured
-    +0.68 MiB/step over steps 13–40 (a false ``growing`` at this threshold); with the free bytes
-    taken out that growth goes, while anything kept by the trainer (tensors, buffers, Python
-    objects) still counts. 0.5 MiB/step is 5 GiB per 10,000 steps: a node-killing leak."""
+    host_leak_threshold_mib_per_step: float = Field(0.2, gt=0)
+    """Rate of host memory at which a rank counts as ``growing``: RSS less the free bytes malloc
+    holds (RSS alone without malloc statistics). RSS alone rises while malloc's heap fragments
+    (0–2 MiB per 100 steps on healthy CPU runs, +0.68 MiB/step on a healthy rank of a loaded
+    machine over steps 13–40); with the free bytes taken out that growth goes, while anything kept
+    by the trainer (tensors, buffers, Python objects) still counts. On recorded healthy ranks of
+    the main job (glibc and jemalloc, 600 steps) the verdict's rate stays below 0.05 MiB/step, so
+    0.2 catches a leak of 0.25 MiB/step (2.5 GiB per 10,000 steps) with room to spare
+    (tests/test_leak.py: leaks of 0.25-4 MiB/step on those recordings)."""
     warmup_max_steps: int = Field(40, ge=1)
     """Warm-up (``warming_up``) lasts until the window is full (a verdict needs
     ``leak_window_steps`` samples) and the newest quarter of it rises over the one before by less
@@ -329,6 +331,13 @@ class Memory(_Section):
     """Steps after which every rank writes a memory snapshot to ``<run_dir>/memory/``: on CUDA a
     pickled ``torch.cuda.memory`` snapshot (view at pytorch.org/memory_viz), on CPU the torch
     profiler's memory timeline of that step. Recording on CUDA starts at step 1."""
+    breakdown_step: int = Field(2, ge=0)
+    """The step whose memory every rank measures by category (parameters, gradients, optimizer
+    state, activations, temporaries) at its peak, with the torch profiler's memory timeline
+    (``ray_titan.metrics.profiling``): into ``metrics/memory_breakdown.jsonl``,
+    ``RunResult.memory_breakdown`` and ``ray-titan report``, beside the memory plan's prediction.
+    2: the first step with optimizer state. That step runs slower (profiled) and its analysis
+    takes ~0.5-3 s on the debug model, left out of ``step_time_s``; 0: none."""
     snapshot_on_oom: bool = True
     """On CUDA, record the allocation history from step 1 so that an out-of-memory error leaves a
     snapshot (costs a few percent of step time); on CPU an OOM writes the live tensors instead."""
@@ -341,14 +350,16 @@ class Memory(_Section):
     so a full collection runs now and then, at the same steps: 4-8 ms in a main-job Ray worker,
     since what exists before the first step is frozen (``gc.freeze``; 0.6-0.7 s without)."""
     allocator: Literal["auto", "jemalloc", "system"] = "system"
-    """The C allocator of the Ray Train workers, which holds every CPU tensor. ``jemalloc``: the
-    one Ray ships (``ray/core/libjemalloc.so``, Linux wheels), preloaded into the workers; host
-    RSS stays flat where glibc's malloc fragments (1-6 MiB per 100 steps on the debug MoE, which
-    sets it: ``configs/debug_deepseek.toml``). ``system``: the process's default malloc (glibc
-    on Linux), the default until the leak verdict's host series is validated under jemalloc
-    (one flaky run of the injected-leak test). ``auto``: jemalloc where Ray ships it, else the
-    system's. Applies to workers the driver starts; under ``torchrun`` the launching shell's
-    ``LD_PRELOAD`` decides (``ray_titan.allocator``)."""
+    """The C allocator of the Ray Train workers, which holds every CPU tensor. ``system``: the
+    process's default malloc (glibc on Linux), the default: on the dense main job (600 steps,
+    steps 101-600) every rank's RSS rose +0.03 to +0.21 MiB per 100 steps on it against +0.48 to
+    +0.87 on jemalloc, malloc in-use +0.11 to +0.12 on both (``python -m benchmarks.run memory``).
+    ``jemalloc``: the one Ray ships (``ray/core/libjemalloc.so``, Linux wheels), preloaded into
+    the workers; host RSS stays flat where glibc's malloc fragments (1-6 MiB per 100 steps on the
+    debug MoE, which sets it: ``configs/debug_deepseek.toml``). The leak verdict is right under
+    both (tests/test_leak.py, on recorded series of each). ``auto``: jemalloc where Ray ships
+    it, else the system's. Applies to workers the driver starts; under ``torchrun`` the launching
+    shell's ``LD_PRELOAD`` decides (``ray_titan.allocator``)."""
     malloc_trim: bool = False
     """After every synchronized GC, malloc returns its free pages to the kernel (glibc
     ``malloc_trim(0)``, jemalloc ``arena.<all>.purge``; part of the GC pause). Under glibc on the
@@ -362,6 +373,16 @@ class Memory(_Section):
     cpu_offload: bool = False
     """FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state live in host
     memory (pinned on CUDA) and the optimizer steps on the CPU. Needs ``parallelism.dp_shard`` > 1."""
+
+
+class Profiling(_Section):
+    """Profiler traces of chosen steps (section ``[profiling]``)."""
+
+    trace_steps: list[int] = Field(default_factory=list)
+    """Steps of which every rank writes a torch profiler trace (Chrome trace format, open it in
+    Perfetto: https://ui.perfetto.dev) to ``<run_dir>/profile/rank{r}-step{s}.json``: operators
+    of forward and backward, the pipeline schedule's microbatches, collectives and, on GPUs,
+    kernels. Listed in ``RunResult.profiler_traces``."""
 
 
 class ActivationCheckpoint(_Section):
@@ -421,6 +442,7 @@ class JobConfig(_Section):
     ray: RayConfig = Field(default_factory=RayConfig)
     memory: Memory = Field(default_factory=Memory)
     activation_checkpoint: ActivationCheckpoint = Field(default_factory=ActivationCheckpoint)
+    profiling: Profiling = Field(default_factory=Profiling)
     callbacks: list[Callback] = Field(default_factory=list)
     """Worker-side callbacks, run on every worker (``[[callbacks]]`` tables)."""
     debug: Debug = Field(default_factory=Debug)

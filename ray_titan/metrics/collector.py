@@ -14,6 +14,8 @@ step reports; when every rank has reported a step, the collector assembles it:
 - one row per rank (timings, memory, GC pause) to Parquet, scalars to TensorBoard, and a console
   line at the first step, every ``log_freq`` steps and at the last step, which the driver drains
   and prints.
+- each rank's measured memory breakdown (``memory.breakdown_step``), kept in
+  ``metrics/memory_breakdown.jsonl`` as it arrives and returned by :meth:`MetricsCollector.finish`.
 - a memory verdict per rank (``ray_titan.metrics.leak``: warming_up / stable / growing, MiB per
   step, projected OOM step) in every row and in TensorBoard, and a console line whenever a rank's
   verdict changes. With ``on_leak = "stop"`` a ``growing`` verdict sets :attr:`stop_reason`,
@@ -45,7 +47,24 @@ from ray_titan.metrics.leak import GROWING, LeakMonitor, describe_coords, leak_s
 from ray_titan.metrics.memory import MEMORY_FIELDS
 from ray_titan.metrics.sinks import ParquetSink, TensorBoardSink, latest_rows, read_raw_parts
 
-__all__ = ["MetricsCollector", "counted_rows", "expert_load", "format_step_line"]
+__all__ = ["BREAKDOWN_FILE", "MetricsCollector", "counted_rows", "expert_load", "format_step_line", "read_breakdowns"]
+
+BREAKDOWN_FILE = "memory_breakdown.jsonl"
+"""Every rank's measured memory breakdown (``memory.breakdown_step``), one JSON line each, in
+``<run_dir>/metrics/``."""
+
+
+def read_breakdowns(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+    """``{rank: breakdown}`` from ``<run_dir>/metrics/memory_breakdown.jsonl`` (the newest line of
+    a rank wins: a replayed step after a restart); empty if there is none."""
+    path = Path(run_dir) / "metrics" / BREAKDOWN_FILE
+    out: dict[int, dict[str, Any]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                b = json.loads(line)
+                out[b["rank"]] = b
+    return dict(sorted(out.items()))
 
 MiB = 2**20
 _STOPPED = "run stopped: "
@@ -180,6 +199,8 @@ class MetricsCollector:
         self._errors_path = self.run_dir / "metrics" / "errors.jsonl"
         self._write_errors: set[str] = set()
         self._errors_unwritten = False
+        self._breakdown_path = self.run_dir / "metrics" / BREAKDOWN_FILE
+        self.breakdowns: dict[int, dict[str, Any]] = {}
         self.restarted = _reconstructed()
         self._newest_attempt = float("-inf")
         self._resume()
@@ -239,8 +260,9 @@ class MetricsCollector:
         (``shown_step``: as for :meth:`drain_lines`).
 
         Returns ``{"steps": n, "last_step", "final_loss", "errors": [...], "lines": [...],
-        "steps_path", "skipped_steps", "restarts"}`` (``restarts``: worker-group restarts seen in
-        the table). Idempotent.
+        "steps_path", "skipped_steps", "restarts", "memory_verdicts", "memory_breakdown"}``
+        (``restarts``: worker-group restarts seen in the table; ``memory_breakdown``: ``{rank:
+        breakdown}``). Idempotent.
         """
         if not self._closed:
             for step in sorted(self._pending):
@@ -279,6 +301,7 @@ class MetricsCollector:
             "latest": self.latest,
             "steps_path": self._steps_path,
             "memory_verdicts": self.leak.summary(),
+            "memory_breakdown": dict(sorted(self.breakdowns.items())),
             "stop": self.stop_reason,
             "skipped_steps": self._skipped_steps,
             "restarts": self._restarts,
@@ -290,6 +313,7 @@ class MetricsCollector:
     def _resume(self) -> None:
         """After a restart by Ray: what the previous life flushed is on disk; carry on from it."""
         raw = read_raw_parts(self.parquet.parts)
+        self.breakdowns = read_breakdowns(self.run_dir)
         if self._errors_path.is_file():
             self.errors = [json.loads(line) for line in self._errors_path.read_text().splitlines()]
             self.errors_total = len(self.errors)
@@ -393,6 +417,9 @@ class MetricsCollector:
         summary["moe_imbalance"] = max(
             (max(c) * len(c) / sum(c) for c in load.values() if sum(c)), default=None
         )
+        for r in rows:
+            if r.get("memory_breakdown"):
+                self._breakdown(r["memory_breakdown"])
         flat = [self._row(r, summary) for r in rows]
         changes = [self._verdict(step, r, row) for r, row in zip(rows, flat)]
         self.parquet.add(flat)
@@ -439,6 +466,12 @@ class MetricsCollector:
             message = (f"memory: {self.leak.describe(rep['rank'])} {self.leak.format(v)} at step {step}; "
                        "memory.on_leak = 'stop' ends the run")
         return message
+
+    def _breakdown(self, breakdown: dict[str, Any]) -> None:
+        """Keep a rank's measured memory breakdown, on disk at once (it survives a restart)."""
+        self.breakdowns[breakdown["rank"]] = breakdown
+        with open(self._breakdown_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(breakdown) + "\n")
 
     def _error(self, message: str) -> None:
         # Bounded: a systematic error would otherwise add one message per step.

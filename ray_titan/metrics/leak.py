@@ -14,7 +14,12 @@ of samples (bytes per step):
   the whole window and between the medians of each pair of successive quarters of it (a one-time
   level shift, such as a new allocator pool, tilts the whole window but lifts at most two of the
   three steps between quarters; a leak lifts all three; the median of each quarter ignores
-  spikes), and ``stable`` again when that falls below half of the threshold (hysteresis).
+  spikes), and ``stable`` again when the median of those four rates falls below half of the
+  threshold (hysteresis). A fall between two successive samples of more than four times the
+  threshold rate over a quarter of the window is a release (a GC round freeing garbage, a
+  checkpoint's buffers, pages handed back), a level shift down: the samples after it are lifted
+  back by its size before fitting, so a release during a leak neither hides the leak nor reads
+  as shrinkage.
 - where a capacity is known (device memory, or the host memory still available), the step at
   which the rank would run out is projected from the rate.
 
@@ -111,6 +116,9 @@ class LeakDetector:
     """
 
     MIN_SAMPLES = 5
+    RELEASE = 4
+    """A fall between two samples larger than this many times the threshold rate over a quarter
+    of the window is a release, not a trend (:meth:`_without_releases`)."""
 
     def __init__(self, window: int, threshold_mib_per_step: float, warmup_max_steps: int, source: str):
         self.window, self.threshold = window, threshold_mib_per_step
@@ -122,6 +130,26 @@ class LeakDetector:
         self.warmup_end: int | None = None
         """The step at which warm-up ended (None while warming up)."""
 
+    def _without_releases(self) -> list[float]:
+        """The window's samples with every release undone: a fall between two successive samples
+        larger than :attr:`RELEASE` × the threshold rate × a quarter of the window (a GC round
+        freeing a profiler's or a checkpoint's garbage, pages handed back) lifts the samples
+        after it back by its size. A release is a level shift down; it says nothing of the
+        growth around it, which the window's slope would otherwise lose."""
+        raw = list(self._bytes)
+        y = list(raw)
+        bound = self.RELEASE * self.threshold * MiB * max(1, self.window // 4)
+        lift = 0.0
+        for i in range(1, len(y)):
+            if raw[i - 1] - raw[i] > bound:
+                # The level (median of three samples) on either side, so a one-sample spike and
+                # its return are not a release.
+                fall = statistics.median(raw[max(0, i - 3):i]) - statistics.median(raw[i:i + 3])
+                if fall > bound:
+                    lift += fall
+            y[i] += lift
+        return y
+
     def update(self, step: int, used_bytes: float, free_bytes: float | None = None) -> Verdict:
         """Add the sample of ``step`` (``used_bytes``) and return the verdict. ``free_bytes``: what
         the rank may still allocate (capacity minus use), for the OOM projection."""
@@ -130,9 +158,9 @@ class LeakDetector:
             self._bytes.pop()
         self._steps.append(step)
         self._bytes.append(used_bytes)
-        slope = sustained = recent = None
+        slope = sustained = typical = recent = None
         if len(self._steps) >= self.MIN_SAMPLES:
-            x, y = list(self._steps), list(self._bytes)
+            x, y = list(self._steps), self._without_releases()
             slope = theil_sen_slope(x, y) / MiB
             # A one-time level shift (a new allocator pool) tilts the slope of any window that
             # holds it; a leak raises every part of the window. So the growth that counts is the
@@ -143,15 +171,20 @@ class LeakDetector:
             my = [statistics.median(y[a:b]) for a, b in zip(bounds, bounds[1:])]
             steps = [(my[i + 1] - my[i]) / (mx[i + 1] - mx[i]) / MiB for i in range(3)]
             recent, sustained = steps[-1], min(slope, *steps)
+            typical = statistics.median([slope, *steps])
         if self.state == WARMING_UP:
             flat = recent is not None and recent < self.threshold  # the newest quarter has flattened
             if step >= self.warmup_max or (len(self._steps) == self.window and flat):
                 self.warmup_end = step
                 self.state = STABLE
-        if self.state != WARMING_UP and sustained is not None and len(self._steps) == self.window:
+        if self.state != WARMING_UP and sustained is not None and typical is not None \
+                and len(self._steps) == self.window:
+            # Growing once every part of the window rises at the threshold rate; stable again
+            # once the typical part rises at less than half of it (a leak near the threshold
+            # would otherwise flap with the noise of one quarter).
             if sustained >= self.threshold:
                 self.state = GROWING
-            elif sustained < self.threshold / 2:
+            elif typical < self.threshold / 2:
                 self.state = STABLE
         oom = None
         if self.state == GROWING and free_bytes is not None and slope and slope > 0:

@@ -9,14 +9,14 @@ host_peak_rss_bytes        bytes  ``ru_maxrss`` of ``getrusage(RUSAGE_SELF)``: p
                                   set of the process so far (``VmHWM``)
 host_heap_in_use_bytes     bytes  what malloc has handed out and not taken back
                                   (:func:`ray_titan.allocator.host_heap`: jemalloc
-                                  ``stats.allocated``, glibc ``mallinfo2`` ``uordblks +
-                                  hblkhd``); None without either. Tensor data on CPU is
+                                  ``stats.allocated`` less its thread caches, glibc
+                                  ``mallinfo2`` ``uordblks + hblkhd``); None without either. Tensor data on CPU is
                                   malloc'd, so this is the process's own allocations: RSS
                                   minus it is mostly free space the allocator keeps, plus
                                   code pages and Python's small-object arenas (mmapped
                                   directly, so not counted here)
 host_heap_free_bytes       bytes  resident bytes malloc keeps without handing them out
-                                  (jemalloc ``stats.resident − stats.allocated``, glibc
+                                  (jemalloc ``stats.resident`` − in use, glibc
                                   ``fordblks``): the leak verdict watches
                                   ``host_rss_bytes − host_heap_free_bytes``, RSS without the
                                   allocator's free space; None without either
@@ -49,8 +49,9 @@ reporting is in its ``metrics_time_s`` column.
 
 :class:`MemorySnapshots` writes snapshots to ``<run_dir>/memory/``: on CUDA the allocator's
 history (``torch.cuda.memory._record_memory_history``, pickled with ``_dump_snapshot``, viewable
-at https://pytorch.org/memory_viz); on CPU the torch profiler's memory timeline of the step. An
-out-of-memory error on a rank leaves a snapshot and becomes :class:`RankOutOfMemoryError`.
+at https://pytorch.org/memory_viz); on CPU the torch profiler's memory timeline of the step
+(written by :class:`ray_titan.metrics.profiling.StepProfiler`). An out-of-memory error on a
+rank leaves a snapshot and becomes :class:`RankOutOfMemoryError`.
 """
 
 from __future__ import annotations
@@ -64,26 +65,25 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ray_titan.allocator import host_heap
 
-if TYPE_CHECKING:
-    from torch.profiler import profile
-
 __all__ = [
+    "BREAKDOWN_CATEGORIES",
     "MEMORY_FIELDS",
     "MemorySampler",
     "MemorySnapshots",
     "RankOutOfMemoryError",
-    "allocation_peak",
     "host_available",
     "host_heap",
     "host_memory",
+    "live_storages",
     "live_tensors",
     "sample_memory",
+    "timeline_breakdown",
     "timeline_peaks",
 ]
 
@@ -191,10 +191,11 @@ class MemorySampler:
     """Samples every field of :data:`MEMORY_FIELDS`, once per step, at a bounded cost.
 
     Every :meth:`sample`: host RSS (``/proc/self/statm``, kept open and re-read with ``pread``,
-    ~2 µs), peak RSS (``getrusage``) and the device counters (resetting the device peaks). At most
-    every ``slow_interval_s`` seconds (the first sample always): malloc's statistics
-    (``host_heap_in_use_bytes``, ``host_heap_free_bytes``) and ``host_available_bytes``; samples in
-    between carry the last values. glibc's ``mallinfo2`` walks every arena's free lists under
+    ~2 µs), peak RSS (``getrusage``), the device counters (resetting the device peaks) and, under
+    jemalloc, malloc's statistics (``mallctl``, ~20 µs). At most every ``slow_interval_s``
+    seconds (the first sample always): glibc's malloc statistics (``host_heap_in_use_bytes``,
+    ``host_heap_free_bytes``) and ``host_available_bytes``; samples in between carry the last
+    values. glibc's ``mallinfo2`` walks every arena's free lists under
     the arena's lock: 0.55 ms per call in a main-job Ray worker (its threads each get an arena),
     ``/proc/meminfo`` 0.1 ms; every step they made sampling 0.8 ms of a worker's CPU per step,
     1 % of it. Both drift slowly, and the memory verdict fits a slope over many steps.
@@ -202,10 +203,16 @@ class MemorySampler:
     """
 
     def __init__(self, device: torch.device, slow_interval_s: float = 1.0):
+        from ray_titan.allocator import active_allocator, jemalloc_muzzy_decay_ms
+
         self.device, self.slow_interval_s = device, slow_interval_s
         self._slow: dict[str, int | None] = {}
         self._slow_at = -math.inf
         self._fd, self._pid = -1, -1
+        # jemalloc's statistics cost ~20 µs: read with RSS every step, so the host series
+        # (RSS less malloc's free bytes) never pairs RSS after a purge with free bytes before it.
+        # (Not where pages go back lazily: then the free bytes need /proc/self/smaps_rollup.)
+        self._heap_every_step = active_allocator() == "jemalloc" and not jemalloc_muzzy_decay_ms()
 
     def _rss(self) -> int:
         if self._pid != os.getpid():  # opened by a parent before a fork: /proc/self was its
@@ -225,6 +232,8 @@ class MemorySampler:
                           "host_available_bytes": host_available()}
             self._slow_at = now
         out.update(self._slow)
+        if self._heap_every_step and now != self._slow_at:
+            out["host_heap_in_use_bytes"], out["host_heap_free_bytes"] = host_heap()
         if self.device.type != "cpu":
             out.update(_device_memory(self.device))
         return out
@@ -280,13 +289,15 @@ class RankOutOfMemoryError(RuntimeError):
     its peak memory and where the snapshot was written."""
 
 
-def live_tensors(limit: int = 50) -> dict[str, Any]:
-    """The tensors alive in this process (found through the garbage collector), largest storage
-    first: ``{"count", "bytes", "tensors": [{"shape", "dtype", "device", "bytes"}, ...]}``.
-    Storages shared by several tensors are counted once."""
+def live_storages() -> dict[int, dict[str, Any]]:
+    """Every tensor storage alive in this process (found through the garbage collector), by its
+    data pointer: ``{"shape", "dtype", "device", "bytes", "grad"}`` of a tensor viewing it
+    (``grad``: it is a parameter's ``.grad``). Storages shared by several tensors appear once;
+    meta tensors and tensor subclasses without a storage are left out."""
     import warnings
 
     seen: dict[int, dict[str, Any]] = {}
+    grads: set[int] = set()
     with warnings.catch_warnings():  # isinstance() on deprecated module proxies warns
         warnings.simplefilter("ignore")
         objects = gc.get_objects()
@@ -296,6 +307,8 @@ def live_tensors(limit: int = 50) -> dict[str, Any]:
         try:
             if obj.device.type == "meta":
                 continue
+            if isinstance(obj, torch.nn.Parameter) and obj.grad is not None:
+                grads.add(obj.grad.untyped_storage().data_ptr())
             storage = obj.untyped_storage()
             key = storage.data_ptr() or id(storage)
             if key not in seen:
@@ -303,55 +316,77 @@ def live_tensors(limit: int = 50) -> dict[str, Any]:
                              "device": str(obj.device), "bytes": storage.nbytes()}
         except Exception:  # tensor subclasses without storage (DTensor wrappers, fakes)
             continue
-    items = sorted(seen.values(), key=lambda t: -t["bytes"])
+    return {k: {**v, "grad": k in grads} for k, v in seen.items()}
+
+
+def live_tensors(limit: int = 50) -> dict[str, Any]:
+    """The tensors alive in this process (:func:`live_storages`), largest storage first:
+    ``{"count", "bytes", "tensors": [{"shape", "dtype", "device", "bytes"}, ...]}``."""
+    items = sorted(live_storages().values(), key=lambda t: -t["bytes"])
     return {"count": len(items), "bytes": sum(t["bytes"] for t in items), "tensors": items[:limit]}
 
 
-def allocation_peak(prof: Any) -> int:
-    """The highest net bytes allocated on the CPU while ``prof`` (a stopped
-    ``torch.profiler.profile`` with ``profile_memory=True``) recorded, counted from its start:
-    for a profiled step, the peak of what the step added on top of what existed before it
-    (activations kept for backward, gradients, temporaries). From the profiler's raw allocation
-    events (their running ``total_allocated``), so it needs no categorisation and holds for
-    tensor subclasses (DTensor) too."""
-    from torch._C._profiler import _EventType
+BREAKDOWN_CATEGORIES = (
+    "parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "unknown",
+)
+"""The categories of a measured breakdown. ``activations``: tensors saved for backward;
+``temporaries``: tensors that live within an operator, and the gradients of activations in
+backward (the profiler's ``TEMPORARY`` and ``AUTOGRAD_DETAIL``); ``inputs``: the step's data;
+``unknown``: what the profiler could not attribute (communication buffers, tensors created
+before the profiled step and never used in it)."""
 
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
-            events.append((node.start_time_ns, node.extra_fields.total_allocated, node.extra_fields.alloc_size))
-        stack.extend(node.children)
-    if not events:
-        return 0
-    # The CPU reporter's running total survives from one profiling session to the next (what an
-    # earlier profiled step kept alive stays counted), so count from the total before the first
-    # event of this one.
-    events.sort()
-    base = events[0][1] - events[0][2]
-    return max(0, max(total for _, total, _ in events) - base)
+# torch.profiler._memory_profiler.Category name -> breakdown category.
+_CATEGORY = {
+    "PARAMETER": "parameters", "GRADIENT": "gradients", "OPTIMIZER_STATE": "optimizer_state",
+    "ACTIVATION": "activations", "TEMPORARY": "temporaries", "AUTOGRAD_DETAIL": "temporaries",
+    "INPUT": "inputs", None: "unknown",
+}
+
+
+def timeline_breakdown(sizes: list[list[int]]) -> dict[str, Any]:
+    """The breakdown of a memory timeline's ``sizes`` (``export_memory_timeline``'s second list:
+    one row per time point; row ``[0]`` unused, then bytes per ``torch.profiler`` memory category
+    in the order of ``_memory_profiler._CATEGORY_TO_INDEX``, offset by one).
+
+    Returns ``{"peak_bytes": the largest total, "at_peak": {category: bytes at that moment}
+    (summing to it), "category_peaks": {category: its own largest}}``, categories as
+    :data:`BREAKDOWN_CATEGORIES`.
+    """
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
+
+    columns = {i + 1: _CATEGORY[c.name if c is not None else None] for c, i in _CATEGORY_TO_INDEX.items()}
+    if not sizes:
+        zero = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
+        return {"peak_bytes": 0, "at_peak": zero, "category_peaks": dict(zero)}
+    totals = [sum(row) for row in sizes]
+    at = max(range(len(sizes)), key=totals.__getitem__)
+    at_peak = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
+    peaks = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
+    for col, name in columns.items():
+        at_peak[name] += sizes[at][col]
+    for name in BREAKDOWN_CATEGORIES:
+        cols = [c for c, n in columns.items() if n == name]
+        peaks[name] = max(sum(row[c] for c in cols) for row in sizes)
+    return {"peak_bytes": totals[at], "at_peak": at_peak, "category_peaks": peaks}
 
 
 def timeline_peaks(path: str | Path) -> dict[str, int]:
     """Peak bytes per category in a memory timeline written by the torch profiler
-    (``export_memory_timeline`` to ``.json`` / ``.json.gz``: ``[times, sizes]``, ``sizes[t][c]``
-    in the category order of ``torch.profiler._memory_profiler``). Returns each category's own
-    peak and ``total`` (the peak of the sum)."""
+    (``export_memory_timeline`` to ``.json`` / ``.json.gz``: ``[times, sizes]``), categories as
+    :data:`BREAKDOWN_CATEGORIES`: each category's own peak, and ``total`` (the peak of the sum)."""
     import gzip
-
-    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
 
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
         _, sizes = json.load(f)
-    names = {i: (c.name.lower() if c is not None else "unknown") for c, i in _CATEGORY_TO_INDEX.items()}
-    out = {names[i]: max((s[i] for s in sizes), default=0) for i in names}
-    out["total"] = max((sum(s) for s in sizes), default=0)
-    return out
+    b = timeline_breakdown(sizes)
+    return {**b["category_peaks"], "total": b["peak_bytes"]}
 
 
 class MemorySnapshots:
-    """Memory snapshots of one rank, on request (``steps``) and on out-of-memory.
+    """Memory snapshots of one rank, on request (``steps``, on CUDA; on CPU the profiler's
+    memory timeline is the snapshot: :class:`ray_titan.metrics.profiling.StepProfiler`) and on
+    out-of-memory.
 
     Args:
         run_dir: the run directory; files go to ``<run_dir>/memory/`` (no snapshots if None).
@@ -376,7 +411,6 @@ class MemorySnapshots:
         self.record = self.cuda and self.dir is not None and (bool(self.steps) or on_oom)
         self.max_entries = max_entries
         self.paths: list[Path] = []
-        self._prof: profile | None = None
 
     def _path(self, what: str) -> Path:
         assert self.dir is not None
@@ -388,55 +422,22 @@ class MemorySnapshots:
             torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
 
     def before_step(self, step: int) -> None:
-        if step in self.steps and not self.cuda:
-            from torch.profiler import ProfilerActivity, profile
-
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
-                                 record_shapes=True, with_stack=True)
-            self._prof.start()
+        """Nothing yet: CUDA records from :meth:`start`; CPU steps are the profiler's."""
 
     def after_step(self, step: int) -> list[Path]:
-        """Write the snapshot of ``step`` if one was requested; returns the files written."""
-        if step not in self.steps:
+        """Write the CUDA snapshot of ``step`` if one was requested; returns the files written."""
+        if step not in self.steps or not self.cuda:
             return []
-        if self.cuda:
-            written = [self._path(f"step{step}.pickle")]
-            torch.cuda.memory._dump_snapshot(str(written[0]))
-        else:
-            written = self._export_profile(step)
+        written = [self._path(f"step{step}.pickle")]
+        torch.cuda.memory._dump_snapshot(str(written[0]))
         self.paths += written
         return written
-
-    def _export_profile(self, step: int) -> list[Path]:
-        import warnings
-
-        prof, self._prof = self._prof, None
-        if prof is None:
-            return []
-        prof.stop()
-        data: dict[str, Any] = {"step": step, "rank": self.rank, "coords": self.coords,
-                                "peak_above_step_start_bytes": allocation_peak(prof)}
-        timeline = self._path(f"step{step}.json.gz")
-        written = []
-        try:
-            with warnings.catch_warnings():  # deprecated for CUDA in favour of the history above
-                warnings.simplefilter("ignore", FutureWarning)
-                prof.export_memory_timeline(str(timeline), device="cpu")
-            data["peak_bytes_by_category"] = timeline_peaks(timeline)
-            written.append(timeline)
-        except Exception as e:  # its data-flow analysis rejects tensor subclasses' ops (DTensor: TP)
-            data["peak_bytes_by_category"] = None
-            data["categories_unavailable"] = f"{type(e).__name__}: {str(e)[:300]}"
-        summary = self._path(f"step{step}-summary.json")
-        summary.write_text(json.dumps(data, indent=1))
-        return [*written, summary]
 
     def oom(self, step: int, error: BaseException) -> RankOutOfMemoryError:
         """Write the out-of-memory snapshot and return the error to raise (the caller raises it
         ``from error``)."""
         from ray_titan.metrics.leak import describe_coords
 
-        self._prof = None
         _, peak_rss = host_memory()
         parts = [f"peak host RSS {peak_rss / MiB:.0f} MiB"]
         path = None
@@ -467,8 +468,5 @@ class MemorySnapshots:
         )
 
     def close(self) -> None:
-        if self._prof is not None:
-            self._prof.stop()
-            self._prof = None
         if self.record:
             torch.cuda.memory._record_memory_history(enabled=None)

@@ -72,6 +72,9 @@ class StepReport:
     the step (host ints). Summed over the ranks of a stage it is the layer's load for the step."""
     gc_generation: int | None = None
     """Generation of the synchronized GC run in this step (``ray_titan.gc``), None if none ran."""
+    memory_breakdown: dict[str, Any] | None = None
+    """At ``memory.breakdown_step``: this rank's memory at the step's peak by category, measured
+    with the torch profiler (``ray_titan.metrics.profiling.StepProfiler.stop``); else None."""
     metrics_time_s: float | None = None
     """Seconds this rank spent in the previous step sampling memory, building its report and
     handing it to the reporter (the Ray call included when one was made): the metrics path's own

@@ -198,7 +198,7 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
             last = parts.is_last_stage
             with parts.loss_context():
                 parts.schedule.step(*((dummy,) if parts.has_first_stage else ()), target=dummy if last else None,
-                                    losses=[] if last else None)
+                                    losses=[] if last else None, return_outputs=False)
             optimizer.zero_grad(set_to_none=True)
             moe.reset()
     return parts

@@ -29,6 +29,7 @@ from ray_titan.data.loader import PackedLoader
 from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.gc import GarbageCollection
 from ray_titan.metrics.memory import MemorySampler, MemorySnapshots, host_memory
+from ray_titan.metrics.profiling import StepProfiler
 from ray_titan.metrics.report import Reporter, StepReport
 from ray_titan.metrics.timing import StepClock
 from ray_titan.trainer.build import build, parallel_dims
@@ -95,6 +96,9 @@ def train_loop(
     gc_policy = GarbageCollection(cfg.training.gc_freq, mem.gc_full_every, mem.gc_debug, rank, mem.malloc_trim)
     snapshots = MemorySnapshots(run_dir, rank, coords, device, mem.snapshot_steps, mem.snapshot_on_oom,
                                 mem.history_max_entries)
+    profiler = StepProfiler(run_dir, rank, coords, device, cfg.profiling.trace_steps,
+                            mem.breakdown_step if cfg.metrics.enabled else None,
+                            mem.snapshot_steps if device.type == "cpu" else ())
     hooks = _callbacks(cfg, callbacks, CallbackContext(
         rank, coords, world, device, Path(run_dir) if run_dir is not None else None, cfg))
     sampler = MemorySampler(device, cfg.metrics.heap_stats_interval_s)
@@ -108,12 +112,16 @@ def train_loop(
             faults.begin_step(step)
             hooks.on_step_begin(step)
             snapshots.before_step(step)
+            profiler.start(step)
             t0 = time.perf_counter()
             inputs, labels = next(loader)
             inputs, labels = inputs.to(device), labels.to(device)
             t1 = time.perf_counter()
             out = train_step(parts, inputs, labels, step, cfg.parallelism.microbatches, cfg.training.max_norm,
                              cfg.training.autocast)
+            t_export = time.perf_counter()
+            breakdown = profiler.stop(step)
+            export_s = time.perf_counter() - t_export  # writing traces and the memory timeline's analysis
             gc_result = gc_policy.run(step)
             if cfg.metrics.enabled:
                 t_sample = time.perf_counter()
@@ -121,12 +129,13 @@ def train_loop(
                 t4 = time.perf_counter()
                 report = StepReport(
                     step=step, rank=rank, coords=coords, is_last_stage=parts.is_last_stage, loss=out.loss,
-                    tokens=labels.numel(), step_time_s=t4 - t0, data_time_s=t1 - t0,
+                    tokens=labels.numel(), step_time_s=t4 - t0 - export_s, data_time_s=t1 - t0,
                     fwd_bwd_time_s=out.fwd_bwd_time_s, optim_time_s=out.optim_time_s,
                     grad_norm=out.grad_norm, lr=out.lr, memory=memory, gc_pause_s=gc_result.pause_s,
                     time=time.time(), gc_generation=gc_result.generation, aux_loss=out.aux_loss,
                     moe_layers=out.moe_layers, expert_load=out.expert_load, skipped_update=out.skipped,
                     attempt_start_time=faults.attempt_start_time, metrics_time_s=metrics_time,
+                    memory_breakdown=breakdown,
                 )
                 t_hooks = time.perf_counter()
                 hooks.on_step_end(step, report)  # the user's callbacks: not the metrics path's cost
@@ -150,6 +159,7 @@ def train_loop(
         error = e
         raise
     finally:
+        profiler.close()
         snapshots.close()
         sampler.close()
         gc_policy.close()
@@ -162,7 +172,8 @@ def train_loop(
         "rank": rank, "steps": cfg.training.steps, "last_loss": last_loss, **clock.summary(),
         "tokens_per_step": tokens_per_step, "host_rss_bytes": rss, "host_peak_rss_bytes": peak_rss,
         "allocator": allocator,
-        "snapshots": [str(p) for p in snapshots.paths],
+        "snapshots": [str(p) for p in snapshots.paths] + [str(p) for p in profiler.paths if "/profile/" not in str(p)],
+        "traces": [str(p) for p in profiler.paths if "/profile/" in str(p)],
     }
 
 

@@ -1,0 +1,1004 @@
+"""The memory plan: every rank's memory predicted before any worker starts, whether the job fits
+its devices, and the levers that would make it fit, ranked by what they cost.
+
+``memory_plan(cfg)`` (and ``ray-titan memory plan --config X``) builds the model on the meta
+device (nothing allocated), cuts it into the job's pipeline stages and, for every rank of the
+mesh (by its coordinates), adds up:
+
+====================  ===========================================================================
+part                  bytes
+====================  ===========================================================================
+parameters            this rank's shards, fp32: ``4·Ψ_r``, Ψ_r the elements it holds. FSDP2
+                      shards dim 0 over ``dp_shard`` (padded to a multiple of it); expert
+                      parallel splits the routed experts over ``ep`` first, and FSDP shards them
+                      over what is left (``dp_shard / ep``).
+gradients             ``4·Ψ_r`` (fp32, as the parameters).
+optimizer state       AdamW / Adam: ``8·Ψ_r`` (``exp_avg``, ``exp_avg_sq``); SGD with momentum:
+                      ``4·Ψ_r``. These three rows are ZeRO's model-state count (Rajbhandari et al.
+                      2020, arXiv:1910.02054, §3.1: ``2Ψ + 2Ψ + 12Ψ`` for mixed-precision Adam;
+                      here fp32 weights, so ``4Ψ + 4Ψ + 8Ψ``), with FSDP2 = ZeRO-3 sharding.
+FSDP unsharded        while a stage computes, FSDP2 holds the all-gathered parameters of the blocks
+                      in use: under PP the whole stage (the pipeline keeps them gathered, and
+                      ``reshard_after_forward`` only re-gathers per microbatch), otherwise the
+                      root group plus two blocks (the current and the prefetched one) with
+                      ``reshard_after_forward`` and every block without it; and, with more than
+                      one microbatch, the stage's unsharded gradients, accumulated without
+                      reduce-scatter until the last microbatch's backward.
+activations           per microbatch of ``T = (global batch / dp / microbatches) × seq_len``
+                      tokens, the tensors autograd saves for backward (below), times the
+                      microbatches the pipeline schedule keeps in flight on the stage
+                      (:data:`SCHEDULE_IN_FLIGHT`).
+pipeline buffers      receive buffers a pipeline stage allocates once per microbatch: the
+                      activations it receives (non-first stages) and the gradients it receives
+                      (non-last stages), ``4·T·d`` each.
+transient             the largest short-lived allocation of the step: the loss's gradient over
+                      the vocabulary on the last stage, a block's backward, the block that
+                      activation checkpointing recomputes, the optimizer's gradient temporaries.
+peak                  ``max`` of the forward/backward phase (everything above) and the optimizer
+                      phase (parameters, gradients, optimizer state).
+====================  ===========================================================================
+
+**Activations per layer.** Following the method of Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models", arXiv:2205.05198, §4.1: count the
+tensors each operation saves for backward, per token), applied to this trainer's exact blocks;
+``d`` model width, ``h`` heads, ``kv`` the key/value width, ``f`` SwiGLU hidden size, ``s``
+sequence length, bytes per token with ``e`` the activation element size (4 in fp32, 2 under
+bf16 autocast) and fp32 (4) for the residual stream, norm statistics, router scores and the
+loss's log-softmax:
+
+- Llama block: residual and norm inputs ``4·(2d + 2d + 2)`` (x, x̂ and the RMS of both norms),
+  the two norm outputs ``2e·d``, the rotated queries, keys and values ``e·(d + 2kv)``, the
+  attention output ``e·d`` and its log-sum-exp ``4h`` (fused attention: no ``s × s`` matrix),
+  and the SwiGLU's ``4e·f``; in fp32: ``8d + 2kv + 4f + h + 2`` elements. Korthikanti's GPT
+  count (``34·s·b·h + 5·a·s²·b`` bytes) differs in the MLP (SwiGLU has three matrices) and in
+  attention (fused kernels save no ``s²`` scores).
+- DeepSeek-V2 block (multi-head latent attention, arXiv:2405.04434): the norms as above, the
+  KV latent ``e·(r_kv + r_rope)``, its norm ``4·r_kv + e·r_kv``, queries and keys ``2e·h·d_qk``,
+  values and output ``2e·h·d_v``, and either ``4h`` (fused attention) or ``e·h·s`` (the
+  attention probabilities of PyTorch's math kernel, which the CPU takes when ``d_qk ≠ d_v``).
+  Dense feed-forward as Llama's; MoE feed-forward: router scores ``4·E``, routing indices
+  ``24·k`` (int64), the ``k`` dispatched copies of each token ``3e·k·d`` (gathered, expert output,
+  weighted), each expert's SwiGLU ``4e·m`` per routed copy and the shared experts' ``4e·n_s·m``.
+  Under expert parallel a rank's experts receive ``ρ·k`` copies per token, ρ the routing
+  imbalance (max over mean tokens per rank, 1 = balanced; ``routing_imbalance``).
+- Activation checkpointing (``[activation_checkpoint]``): ``full`` keeps each block's input
+  (``4·d``) and recomputes one block at a time in backward (a transient of one block's
+  activations); ``selective``/``op`` keeps the block input and the outputs of the matrix
+  multiplications and attention (:data:`ray_titan.parallel.ac.SAVED_OPS`) and recomputes the
+  rest; ``selective``/``layer`` checkpoints every ``layer_freq``-th block fully.
+- The last stage keeps the logits ``e·V`` of every microbatch in flight (pipelining holds a
+  stage's output until its backward) and the loss's log-softmax ``4·V``; other stages keep their
+  output ``4·d``.
+
+**Microbatches in flight.** :data:`SCHEDULE_IN_FLIGHT` holds one rule per pipeline schedule:
+the microbatches whose forward ran and whose backward (the weight-gradient half, for zero-bubble
+schedules) has not, at a rank's peak, per local stage, as a function of ``pp``, stages per rank
+``v``, microbatches ``n`` and the pp rank ``r``; and how many are in flight once gradients exist.
+They are read from the schedules of ``torch.distributed.pipelining.schedules`` (the warm-up
+counts of each; ``tests/test_memory_plan.py`` checks every rule against the action lists torch
+builds). GPipe keeps ``n`` (Huang et al. 2019), 1F1B ``min(n, pp − r)`` (Narayanan et al. 2021,
+PipeDream-Flush), interleaved 1F1B its warm-up ``(v − 1)·n_round + 2·(pp − 1 − r)`` plus one,
+the zero-bubble schedules (Qi et al. 2023, arXiv:2401.10241) and DualPipeV (DeepSeek-V3,
+arXiv:2412.19437) theirs.
+
+**Checked against measurement.** On CPU (fp32) the plan's peak is compared with the torch
+profiler's peak of all tensors during step 2 (the run's memory breakdown,
+``memory.breakdown_step``) for the debug Llama and DeepSeek over pp, dp_shard, ep, schedules and
+AC modes: ``tests/test_memory_plan.py`` (a handful) and ``python -m benchmarks.memory_plan`` (the
+full table), within 15 %. On GPUs the caching allocator adds its own reserve and fragmentation
+on top (``device_reserved`` − ``device_allocated``); bf16 figures are estimates.
+
+**Levers.** When a rank does not fit ``device_memory``, the plan re-plans the job with each
+lever and ranks them by cost: more microbatches (smaller ones; no extra compute), selective
+then full activation checkpointing (recomputation), ``reshard_after_forward`` (more
+all-gathers), CPU offload (host traffic, optimizer on the CPU), then more devices: a larger
+``dp_shard``, tensor parallel where the mesh has it, more pipeline stages. The recommendation is
+the cheapest prefix of those levers, applied together, that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides
+
+__all__ = [
+    "PLAN_FILE",
+    "SCHEDULE_IN_FLIGHT",
+    "InFlight",
+    "Lever",
+    "MemoryPlan",
+    "RankPlan",
+    "ScheduleRule",
+    "format_bytes",
+    "local_stages",
+    "memory_plan",
+    "parse_bytes",
+    "record_memory_plan",
+]
+
+PLAN_FILE = "memory_plan.json"
+"""Where a run records its plan: ``<run_dir>/memory_plan.json``."""
+
+MiB, GiB = 2**20, 2**30
+_F32, _I64 = 4, 8
+
+
+# -- microbatches in flight ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class InFlight:
+    """Microbatches in flight on each of a rank's local stages (in the order :func:`local_stages`
+    gives): ``peak`` at the rank's most, ``with_grads`` at the most once the step's first weight
+    gradients exist (after its first full backward, or first weight-gradient step)."""
+
+    peak: tuple[int, ...]
+    with_grads: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ScheduleRule:
+    """A pipeline schedule's placement of stages (``loop``: rank ``r`` holds stages
+    ``r, r + pp, ...``; ``v``: rank ``r`` holds ``r`` and ``2·pp − 1 − r``), stages per rank it
+    needs (None: any), and its in-flight rule ``(pp, v, n, r) -> InFlight``."""
+
+    placement: Literal["loop", "v"]
+    stages_per_rank: int | None
+    in_flight: Callable[[int, int, int, int], InFlight]
+
+
+def _less_one(counts: tuple[int, ...], j: int, drop: bool) -> tuple[int, ...]:
+    return tuple(c - 1 if drop and i == j else c for i, c in enumerate(counts))
+
+
+def _gpipe(pp: int, v: int, n: int, r: int) -> InFlight:
+    # All forwards, then all backwards.
+    return InFlight((n,), (n - 1,))
+
+
+def _one_f_one_b(pp: int, v: int, n: int, r: int) -> InFlight:
+    # Warm-up of pp − r forwards, then one backward per forward.
+    w = min(n, pp - r)
+    return InFlight((w,), _less_one((w,), 0, n <= w))
+
+
+def _interleaved(zero_bubble: bool) -> Callable[[int, int, int, int], InFlight]:
+    def rule(pp: int, v: int, n: int, r: int) -> InFlight:
+        # torch: rounds of n_round = n // max(1, n // pp) microbatches; forward op i runs local
+        # stage (i // n_round) % v; warm-up (v − 1)·n_round + m·(pp − 1 − r) forwards (m = 2;
+        # 1 for zero bubble, whose first r steady steps defer their weight gradients).
+        n_round = n // max(1, n // pp)
+        warmup = min((v - 1) * n_round + (1 if zero_bubble else 2) * (pp - 1 - r), n * v)
+        steady = n * v - warmup
+        total = warmup + min(steady, r + 1 if zero_bubble else 1)
+        counts = [0] * v
+        for i in range(total):
+            counts[(i // n_round) % v] += 1
+        drop = steady <= (r + 1 if zero_bubble else 1)
+        return InFlight(tuple(counts), _less_one(tuple(counts), v - 1, drop))
+
+    return rule
+
+
+def _zbv(pp: int, v: int, n: int, r: int) -> InFlight:
+    # 2·(pp − r) − 1 forwards of the first chunk, r pairs of both, then the second chunk's first
+    # forward before its first backward.
+    counts = (min(n, 2 * pp - 1 - r), min(n, r + 1))
+    return InFlight(counts, _less_one(counts, 1, r == pp - 1 and n <= pp))
+
+
+def _dualpipev(pp: int, v: int, n: int, r: int) -> InFlight:
+    # 2·(pp − r − 1) forwards of the first chunk, r + 1 pairs, then one more second-chunk forward.
+    counts = (min(n, 2 * pp - r), min(n, r + 1))
+    return InFlight(counts, counts)
+
+
+SCHEDULE_IN_FLIGHT: dict[str, ScheduleRule] = {
+    "GPipe": ScheduleRule("loop", 1, _gpipe),
+    "1F1B": ScheduleRule("loop", 1, _one_f_one_b),
+    "Interleaved1F1B": ScheduleRule("loop", None, _interleaved(zero_bubble=False)),
+    "InterleavedZeroBubble": ScheduleRule("loop", None, _interleaved(zero_bubble=True)),
+    "ZBVZeroBubble": ScheduleRule("v", 2, _zbv),
+    "DualPipeV": ScheduleRule("v", 2, _dualpipev),
+}
+"""Microbatches in flight per stage, by schedule name (module docstring). Without PP the
+microbatches are accumulated one at a time: one in flight."""
+
+
+def local_stages(placement: str, pp: int, v: int, pp_rank: int) -> list[int]:
+    """The stage indices pp rank ``pp_rank`` holds, in the order of :class:`InFlight`'s counts."""
+    if placement == "v":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + j * pp for j in range(v)]
+
+
+# -- parameters ------------------------------------------------------------------------------------
+@dataclass
+class _Group:
+    """One FSDP group's parameters on one rank, in elements: ``local``, what the rank holds
+    (FSDP2 shards dim 0, padded to a multiple of the group), and ``full``, what an all-gather
+    puts together (padded)."""
+
+    local: int = 0
+    full: int = 0
+
+    def add(self, shape: tuple[int, ...], shard: int) -> None:
+        """Add a parameter of ``shape`` sharded over ``shard`` ranks (1: not sharded)."""
+        rows, rest = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+        per = math.ceil(rows / shard)
+        self.local += per * rest
+        self.full += per * shard * rest
+
+
+@dataclass
+class _StageParams:
+    root: _Group = field(default_factory=_Group)  # embedding, final norm, output head
+    blocks: dict[int, _Group] = field(default_factory=dict)
+    experts: dict[int, _Group] = field(default_factory=dict)  # only where FSDP groups them apart
+    buffers: int = 0  # bytes of module buffers (rotary tables, router statistics)
+
+    def groups(self) -> list[_Group]:
+        return [self.root, *self.blocks.values(), *self.experts.values()]
+
+    @property
+    def local(self) -> int:
+        return sum(g.local for g in self.groups())
+
+    @property
+    def full(self) -> int:
+        return sum(g.full for g in self.groups())
+
+
+def _stage_params(whole: Any, layers: list[int], first: bool, last: bool, dp: int, ep: int,
+                  tp: int) -> _StageParams:
+    """Elements per FSDP group of one stage on one rank. ``whole``: the model on meta."""
+    out = _StageParams()
+    mod_ep = dp // ep
+    keep = {str(i) for i in layers}
+    for name, p in whole.named_parameters():
+        shape = tuple(p.shape)
+        parts = name.split(".")
+        if parts[0] == "layers":
+            if parts[1] not in keep:
+                continue
+            layer = int(parts[1])
+            if ".experts." in name and ep > 1:
+                shape = (shape[0] // ep, *shape[1:])
+                if mod_ep > 1:
+                    out.experts.setdefault(layer, _Group()).add(shape, mod_ep)
+                else:  # left out of FSDP: each rank holds its experts whole
+                    out.blocks.setdefault(layer, _Group()).add(shape, 1)
+                continue
+            if tp > 1 and len(shape) == 2:  # tensor parallel splits the block's matrices
+                shape = (math.ceil(shape[0] / tp), shape[1])
+            out.blocks.setdefault(layer, _Group()).add(shape, dp)
+        elif (parts[0] == "tok_embeddings" and first) or (parts[0] in ("norm", "output") and last):
+            if tp > 1 and len(shape) == 2:
+                shape = (math.ceil(shape[0] / tp), shape[1])
+            out.root.add(shape, dp)
+    for name, b in whole.named_buffers():
+        parts = name.split(".")
+        if parts[0] != "layers" or parts[1] in keep:
+            out.buffers += b.numel() * b.element_size()
+    return out
+
+
+# -- activations -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _BlockActivations:
+    """Bytes per token one block saves for backward: ``none`` (everything autograd saves),
+    ``op`` (op-level selective AC: the block input and the outputs of matmuls and attention),
+    ``input`` (full AC: the block input), and ``backward`` (the transient of its backward)."""
+
+    none: float
+    op: float
+    input: float
+    backward: float
+    experts_none: float = 0.0
+    experts_op: float = 0.0
+
+    def experts(self, checkpointed: str) -> float:
+        """Bytes per token of the MoE dispatch and expert activations within :meth:`kept`."""
+        return {"none": self.experts_none, "op": self.experts_op, "full": 0.0}[checkpointed]
+
+    def kept(self, checkpointed: str) -> float:
+        return {"none": self.none, "op": self.op, "full": self.input}[checkpointed]
+
+    def recompute(self, checkpointed: str) -> float:
+        """Bytes per token that exist only while backward recomputes this block."""
+        return {"none": 0.0, "op": self.none - self.op, "full": self.none - self.input}[checkpointed]
+
+
+def _fused_attention(args: Any, device: str) -> bool:
+    """Whether ``scaled_dot_product_attention`` runs a fused kernel (no ``s × s`` probabilities
+    saved): every accelerator kernel; on the CPU only where query/key and value head dimensions
+    are equal (otherwise PyTorch falls back to its math kernel)."""
+    qk = getattr(args, "qk_head_dim", None) or args.dim // args.n_heads
+    v = getattr(args, "v_head_dim", None) or qk
+    return device != "cpu" or qk == v
+
+
+def _llama_block(a: Any, e: int, seq: int, device: str, rho: float, ep: int) -> _BlockActivations:
+    d, h = a.dim, a.n_heads
+    kv = a.n_kv_heads * a.head_dim
+    f = a.ffn_hidden_dim
+    norms = _F32 * (4 * d + 2) + e * 2 * d  # x, x̂, h, ĥ, two RMS values; the two norm outputs
+    attention = e * (d + 2 * kv) + e * d + _F32 * h  # rotated q, k; v; output; log-sum-exp
+    none = norms + attention + e * 4 * f
+    op = _F32 * d + e * (d + 2 * kv) + e * d + _F32 * h + e * d + e * 2 * f + e * d
+    backward = e * 2 * f  # the SwiGLU's gradients
+    return _BlockActivations(none, op, _F32 * d, backward)
+
+
+def _deepseek_block(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
+                    ep: int) -> _BlockActivations:
+    d, h = a.dim, a.n_heads
+    qk, vd, r_kv, r_rope = a.qk_head_dim, a.v_head_dim, a.kv_lora_rank, a.qk_rope_head_dim
+    norm_in = _F32 * (2 * d + 1) + e * d  # x, x̂, RMS; norm output
+    q = (_F32 * 2 * a.q_lora_rank + _F32 + e * a.q_lora_rank) if a.q_lora_rank else 0
+    kv = e * (r_kv + r_rope) + _F32 * (r_kv + 1) + e * r_kv
+    if _fused_attention(a, device):
+        core = e * (2 * h * qk + 2 * h * vd) + _F32 * h
+        core_op = e * h * vd + _F32 * h
+    else:  # math kernel: q, kᵀ, probabilities, v, and the output's copy for wo
+        core = e * (2 * h * qk + h * seq + 2 * h * vd)
+        core_op = e * (h * seq + h * vd)
+    attention = norm_in + q + kv + core
+    q_mm = e * (a.q_lora_rank + h * qk) if a.q_lora_rank else e * h * qk
+    attention_op = _F32 * d + q_mm + e * (r_kv + r_rope) + e * h * (a.qk_nope_head_dim + vd) + core_op + e * d
+    if layer < a.n_dense_layers:
+        ffn = norm_in + e * 4 * a.inter_dim
+        ffn_op = e * (2 * a.inter_dim + d)
+        backward = e * 2 * a.inter_dim
+    else:
+        k, m, ns, n_exp = a.n_activated_experts, a.moe_inter_dim, a.n_shared_experts, a.n_routed_experts
+        routed = rho * k if ep > 1 else k  # copies this rank's experts process per token
+        route = _F32 * n_exp + 3 * _I64 * k + _F32 * k
+        dispatched = e * (routed * d + 2 * k * d) + (_I64 * routed if ep > 1 else 0)
+        experts_none = dispatched + e * 4 * m * routed
+        experts_op = e * routed * (2 * m + d)
+        ffn = norm_in + route + experts_none + e * 4 * ns * m
+        ffn_op = _F32 * n_exp + experts_op + e * (2 * ns * m + d)
+        backward = e * (routed * (2 * m + 2 * d) + 2 * ns * m)
+        return _BlockActivations(attention + ffn, attention_op + ffn_op, _F32 * d, backward, experts_none, experts_op)
+    return _BlockActivations(attention + ffn, attention_op + ffn_op, _F32 * d, backward)
+
+
+def _block_activations() -> dict[type, Callable[..., _BlockActivations]]:
+    """Each model family's per-block formula, by its arguments class: adding a family is adding
+    its formula here (and checking it against autograd: tests/test_memory_plan.py)."""
+    from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
+    from ray_titan.models.llama.args import LlamaArgs
+
+    return {
+        LlamaArgs: lambda a, layer, *rest: _llama_block(a, *rest),
+        DeepSeekV2Args: _deepseek_block,
+    }
+
+
+def _block(args: Any, layer: int, e: int, seq: int, device: str, rho: float, ep: int) -> _BlockActivations:
+    """Bytes per token block ``layer`` of a model with ``args`` saves, by AC treatment. Raises
+    ``ConfigError`` for a family without a formula."""
+    formula = _block_activations().get(type(args))
+    if formula is None:
+        raise ConfigError(f"the memory plan has no activation formula for {type(args).__name__} models; "
+                          "add one to ray_titan.memory_planner._block_activations")
+    return formula(args, layer, e, seq, device, rho, ep)
+
+
+def _checkpointed(cfg: JobConfig, layer: int) -> str:
+    """How block ``layer`` is checkpointed: ``none``, ``op`` or ``full`` (``ray_titan.parallel.ac``)."""
+    ac = cfg.activation_checkpoint
+    if ac.mode == "none":
+        return "none"
+    if ac.mode == "full":
+        return "full"
+    if ac.selective_option == "op":
+        return "op"
+    return "full" if layer % ac.layer_freq == 0 else "none"
+
+
+# -- the plan --------------------------------------------------------------------------------------
+@dataclass
+class RankPlan:
+    """One rank's predicted memory, bytes.
+
+    ``coords``: mesh coordinates; ``stages``: the pipeline stages it holds. ``parameters``,
+    ``gradients``: this rank's shards (fp32); ``optimizer_state``: bytes per optimizer;
+    ``fsdp_unsharded_params`` / ``fsdp_unsharded_grads``: FSDP2's all-gathered parameters and
+    accumulated unsharded gradients at the peak; ``activations_per_microbatch``: per stage;
+    ``in_flight``: microbatches in flight per stage at the peak; ``activations``: at the peak;
+    ``activations_by_ac_mode``: one microbatch over all its stages under each AC mode
+    (``none``, ``full``, ``selective_op``, ``selective_layer``); ``expert_buffers``: the MoE
+    layers' dispatched tokens and expert activations within ``activations``;
+    ``pipeline_buffers``; ``buffers`` (module buffers and the step's batch); ``transient``;
+    ``peak`` and ``peak_phase`` (``forward_backward`` or ``optimizer``); ``offloaded``: bytes
+    ``memory.cpu_offload`` keeps in host memory instead (not in ``peak``).
+    """
+
+    rank: int
+    coords: dict[str, int]
+    stages: list[int]
+    parameters: int
+    gradients: int
+    optimizer_state: dict[str, int]
+    fsdp_unsharded_params: int
+    fsdp_unsharded_grads: int
+    activations_per_microbatch: dict[int, int]
+    in_flight: dict[int, int]
+    activations: int
+    activations_by_ac_mode: dict[str, int]
+    expert_buffers: int
+    pipeline_buffers: int
+    buffers: int
+    transient: int
+    peak: int
+    peak_phase: str
+    offloaded: int = 0
+
+    def categories(self) -> dict[str, int]:
+        """The peak split as the profiler splits a measured one (``memory.breakdown_step``):
+        ``parameters`` (shards and FSDP's gathered copies), ``gradients``, ``optimizer_state``,
+        ``activations``, ``temporaries`` (transient, pipeline and module buffers)."""
+        if self.peak_phase == "optimizer":
+            return {"parameters": self.parameters, "gradients": self.gradients,
+                    "optimizer_state": sum(self.optimizer_state.values()), "activations": 0,
+                    "temporaries": self.peak - self.parameters - self.gradients
+                    - sum(self.optimizer_state.values())}
+        params = self.parameters + self.fsdp_unsharded_params
+        grads = self.peak_grads
+        opt = sum(self.optimizer_state.values())
+        return {"parameters": params, "gradients": grads, "optimizer_state": opt,
+                "activations": self.activations,
+                "temporaries": self.peak - params - grads - opt - self.activations}
+
+    peak_grads: int = 0
+    """Gradient bytes alive at the peak (unsharded accumulated ones under FSDP)."""
+
+
+@dataclass
+class Lever:
+    """A change that lowers the peak: ``overrides`` (``--section.key=value``), the largest rank
+    peak with it, whether that fits, ``cost`` (what it costs, in words) and ``rank`` (its place
+    in the cost order, cheapest first)."""
+
+    name: str
+    overrides: list[str]
+    peak: int
+    fits: bool | None
+    cost: str
+    rank: int
+
+
+@dataclass
+class MemoryPlan:
+    """The plan of a job (module docstring). ``job``: what was planned (model, mesh, schedule,
+    microbatch, AC, dtype, device kind, routing imbalance, vocabulary); ``ranks``: one
+    :class:`RankPlan` per rank; ``device_memory``: the capacity compared with (bytes, None if
+    unknown) and where it came from; ``levers`` ranked by cost and ``recommendation`` (the
+    overrides that make it fit, cheapest first; None if it fits or nothing does)."""
+
+    job: dict[str, Any]
+    ranks: list[RankPlan]
+    device_memory: int | None = None
+    device_memory_source: str = ""
+    margin: float = 0.0
+    """Share of ``device_memory`` kept free: the CUDA context, communication buffers and the
+    caching allocator's fragmentation, which the plan does not count."""
+    levers: list[Lever] = field(default_factory=list)
+    recommendation: list[str] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def max_peak(self) -> int:
+        return max(r.peak for r in self.ranks)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether every rank's peak fits :attr:`usable` (None when the capacity is unknown)."""
+        return None if self.usable is None else self.max_peak <= self.usable
+
+    @property
+    def usable(self) -> int | None:
+        """Bytes a rank may plan to use: ``device_memory`` less the margin (None if unknown)."""
+        return None if self.device_memory is None else int(self.device_memory * (1 - self.margin))
+
+    def peak_by_rank(self) -> dict[int, int]:
+        return {r.rank: r.peak for r in self.ranks}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"max_peak": self.max_peak, "fits": self.fits}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryPlan:
+        fields = {f.name for f in dataclasses.fields(RankPlan)}
+
+        def rank(d: dict[str, Any]) -> RankPlan:
+            d = {k: v for k, v in d.items() if k in fields}
+            for key in ("activations_per_microbatch", "in_flight"):
+                d[key] = {int(k): v for k, v in d[key].items()}
+            return RankPlan(**d)
+
+        return cls(job=data["job"], ranks=[rank(r) for r in data["ranks"]],
+                   device_memory=data.get("device_memory"), device_memory_source=data.get("device_memory_source", ""),
+                   margin=data.get("margin", 0.0),
+                   levers=[Lever(**lv) for lv in data.get("levers", [])],
+                   recommendation=data.get("recommendation"), notes=data.get("notes", []))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> MemoryPlan:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def format(self) -> str:
+        """The plan as text: one row per group of ranks with the same figures, then the verdict
+        and the levers."""
+        j = self.job
+        lines = [
+            f"memory plan: {j['model']}/{j['flavor']}, mesh {j['mesh']}, {j['schedule']}, "
+            f"{j['microbatches']} microbatches of {j['microbatch_size']} × {j['seq_len']} tokens, "
+            f"AC {j['ac']}, {j['dtype']}, {j['optimizer']}, device {j['device']}"
+            + (f", routing imbalance {j['routing_imbalance']:g}" if j.get("moe") else ""),
+        ]
+        head = ["ranks", "coords", "stages", "params", "gathered", "grads", "optim", "act/mb",
+                "in flight", "activations", "pp bufs", "transient", "peak"]
+        body = []
+        for ranks, r in _groups(self.ranks):
+            body.append([
+                _rank_list(ranks), ", ".join(f"{k}={v}" for k, v in r.coords.items() if k != "dp_shard"
+                                             and k != "ep") or "-",
+                ",".join(map(str, r.stages)), format_bytes(r.parameters), format_bytes(r.fsdp_unsharded_params),
+                format_bytes(r.peak_grads), format_bytes(sum(r.optimizer_state.values())),
+                format_bytes(sum(r.activations_per_microbatch.values()) / max(1, len(r.stages))),
+                "+".join(str(r.in_flight[s]) for s in r.stages), format_bytes(r.activations),
+                format_bytes(r.pipeline_buffers), format_bytes(r.transient), format_bytes(r.peak),
+            ])
+        widths = [max(len(x) for x in col) for col in zip(head, *body)]
+        lines += ["  ".join(x.rjust(w) if i > 2 else x.ljust(w) for i, (x, w) in enumerate(zip(row, widths))).rstrip()
+                  for row in [head, *body]]
+        if self.device_memory is None:
+            lines.append(f"largest peak {format_bytes(self.max_peak)}; no device capacity "
+                         f"({self.device_memory_source or 'pass --device-memory, e.g. 80GiB'})")
+        else:
+            verdict = "fits" if self.fits else "does NOT fit"
+            of = format_bytes(self.device_memory) + f" ({self.device_memory_source})"
+            if self.margin:
+                of += f", {format_bytes(self.usable or 0)} usable with {self.margin:.0%} kept free"
+            lines.append(f"largest peak {format_bytes(self.max_peak)} of {of}: {verdict}")
+        if self.levers and not self.fits:
+            lines.append("levers, cheapest first (each alone):")
+            for lv in self.levers:
+                mark = "fits" if lv.fits else ("does not fit" if lv.fits is False else "")
+                lines.append(f"  {lv.name}: peak {format_bytes(lv.peak)}, {mark or '?'}; {lv.cost}")
+            if self.recommendation:
+                lines.append("recommended: " + " ".join(self.recommendation))
+            else:
+                lines.append("no combination of these levers fits: more devices (dp_shard, pp) or a smaller "
+                             "microbatch / sequence")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _groups(ranks: list[RankPlan]) -> list[tuple[list[int], RankPlan]]:
+    """Ranks with identical figures, together (ranks differing only by dp_shard / ep coordinate)."""
+    out: dict[tuple, tuple[list[int], RankPlan]] = {}
+    for r in ranks:
+        key = (tuple(r.stages), r.peak, r.parameters, r.activations, r.coords.get("pp", 0))
+        out.setdefault(key, ([], r))[0].append(r.rank)
+    return list(out.values())
+
+
+def _rank_list(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``80GiB``, ``80GB``, ``81920MiB``, ``1.5e9`` → bytes (``GB`` = 10⁹, ``GiB`` = 2³⁰). Raises
+    ``ValueError`` naming the text for anything else."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; write e.g. 80GiB, 80GB or 81920MiB")
+    try:
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size; write e.g. 80GiB, 80GB or 81920MiB") from None
+
+
+def format_bytes(n: float) -> str:
+    """``1.50 GiB``, ``12.3 MiB``, ``512 KiB``."""
+    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", MiB), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}" if n / size < 100 else f"{n / size:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _optimizer_states(cfg: JobConfig) -> int:
+    """fp32 states per parameter element of ``[optimizer]``."""
+    o = cfg.optimizer
+    if o.name in ("AdamW", "Adam"):
+        return 2
+    return 1 if o.beta1 > 0 else 0
+
+
+def _vocab_size(cfg: JobConfig, args: Any) -> int:
+    """The tokenizer's vocabulary (as the trainer builds the model), else the flavor's."""
+    from ray_titan.data.tokenizer import build_tokenizer
+
+    try:
+        return build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path).vocab_size
+    except Exception:  # a tokenizer.json that is not here: plan with the flavor's vocabulary
+        return args.vocab_size
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_model(name: str, flavor: str, vocab: int, extra: tuple[tuple[str, Any], ...]) -> Any:
+    """The whole model on the meta device (nothing allocated); cached, since levers re-plan."""
+    import torch
+
+    from ray_titan.models.registry import build_model
+
+    with torch.device("meta"):
+        return build_model(name, flavor, vocab_size=vocab, **dict(extra))
+
+
+def _plan_ranks(cfg: JobConfig, device: str, rho: float,
+                vocab_size: int | None) -> tuple[dict[str, Any], list[RankPlan]]:
+    from ray_titan.models.registry import get_model_args, get_spec
+    from ray_titan.parallel.fsdp import resolve_reshard_after_forward
+    from ray_titan.parallel.pipeline import split_layers
+    from ray_titan.trainer.build import parallel_dims
+
+    dims = parallel_dims(cfg)
+    par, tr = cfg.parallelism, cfg.training
+    pp, v, n = dims.pp, dims.stages_per_rank, par.microbatches
+    tp = getattr(dims, "tp", 1)
+    dp_total = dims.dp_shard * getattr(dims, "dp_replicate", 1)
+    spec = get_spec(cfg.model.name)
+    args = get_model_args(cfg.model.name, cfg.model.flavor)
+    vocab = vocab_size or _vocab_size(cfg, args)
+    whole = _meta_model(cfg.model.name, cfg.model.flavor, vocab, tuple(sorted(spec.config_args(cfg.model).items())))
+    args = whole.args
+    e = 2 if tr.autocast == "bfloat16" else _F32
+    mb = tr.global_batch_size // dp_total // n
+    tokens = mb * tr.seq_len  # per microbatch
+    rule = SCHEDULE_IN_FLIGHT.get(par.pipeline_schedule)
+    if pp > 1 and rule is None:
+        raise ConfigError(f"parallelism.pipeline_schedule = {par.pipeline_schedule!r} has no in-flight rule; "
+                          f"known: {sorted(SCHEDULE_IN_FLIGHT)}")
+    split = split_layers(args.n_layers, dims.num_stages)
+    reshard = resolve_reshard_after_forward(par.fsdp_reshard_after_forward, pp > 1)
+    k_opt = _optimizer_states(cfg)
+    offload = cfg.memory.cpu_offload and device != "cpu"
+    job = {
+        "model": cfg.model.name, "flavor": cfg.model.flavor, "vocab_size": vocab,
+        "mesh": " × ".join(f"{a}={getattr(dims, a)}" for a in ("pp", "dp_shard", "tp", "ep")
+                           if getattr(dims, a, 1) > 1 or a in ("pp", "dp_shard")),
+        "world_size": dims.world_size, "schedule": par.pipeline_schedule if pp > 1 else "none (pp = 1)",
+        "stages_per_rank": v, "microbatches": n, "microbatch_size": mb, "seq_len": tr.seq_len,
+        "ac": cfg.activation_checkpoint.mode + (f"/{cfg.activation_checkpoint.selective_option}"
+                                                if cfg.activation_checkpoint.mode == "selective" else ""),
+        "dtype": "bf16 autocast" if e == 2 else "fp32", "optimizer": cfg.optimizer.name,
+        "device": device, "moe": hasattr(args, "n_routed_experts"), "routing_imbalance": rho,
+        "reshard_after_forward": reshard, "cpu_offload": cfg.memory.cpu_offload,
+    }
+    placement = rule.placement if (pp > 1 and rule is not None) else "loop"
+    plans: dict[int, RankPlan] = {}
+    batch_bytes = 2 * _I64 * mb * n * tr.seq_len  # inputs and labels of the step
+    for pp_rank in range(pp):
+        stage_ids = local_stages(placement, pp, v, pp_rank) if pp > 1 else [0]
+        if pp > 1 and rule is not None:
+            flight = rule.in_flight(pp, v, n, pp_rank)
+        else:
+            flight = InFlight((1,), (1 if n > 1 else 0,))
+        params: dict[int, _StageParams] = {}
+        act: dict[int, float] = {}
+        act_modes = dict.fromkeys(("none", "full", "selective_op", "selective_layer"), 0.0)
+        expert_act: dict[int, float] = {}
+        stage_transient: dict[int, float] = {}
+        pipe = 0.0
+        for s in stage_ids:
+            first, last = s == 0, s == dims.num_stages - 1
+            params[s] = _stage_params(whole, split[s], first, last, dims.dp_shard, dims.ep, tp)
+            # Per token of one microbatch: what it keeps, and the most it holds while backward
+            # runs (from the last block back: the blocks not yet done, the block being
+            # recomputed, the block's backward temporaries).
+            kept_so_far, backward_peak, moe_part = 0.0, 0.0, 0.0
+            for i, layer in enumerate(split[s]):
+                blk = _block(args, layer, e, tr.seq_len, device, rho, dims.ep)
+                how = _checkpointed(cfg, layer)
+                kept = blk.kept(how)
+                if i == 0 and not first:
+                    kept -= _F32 * args.dim  # its input is the pipeline's receive buffer
+                kept_so_far += kept
+                backward_peak = max(backward_peak, kept_so_far + blk.recompute(how) + blk.backward)
+                moe_part += blk.experts(how)
+                lay = layer % cfg.activation_checkpoint.layer_freq == 0
+                act_modes["none"] += blk.none
+                act_modes["full"] += blk.input
+                act_modes["selective_op"] += blk.op
+                act_modes["selective_layer"] += blk.input if lay else blk.none
+            head = 0.0
+            if last:  # final norm, output head's input, the loss's log-softmax
+                head = _F32 * (2 * args.dim + 1) + e * args.dim + _F32 * vocab
+                if pp > 1:
+                    head += e * vocab  # the stage output (logits) waits for its backward
+                # The loss's backward: the gradient of the log-softmax and of the logits.
+                backward_peak = max(backward_peak, kept_so_far + head + (_F32 + e) * vocab)
+            elif pp > 1:
+                head = _F32 * args.dim  # the stage's output waits for its backward
+            for key in act_modes:
+                act_modes[key] += head
+            per_token = kept_so_far + head + (_I64 if first else 0)
+            act[s] = per_token * tokens / tp
+            expert_act[s] = moe_part * tokens / tp
+            stage_transient[s] = max(0.0, backward_peak - per_token) * tokens / tp
+            if pp > 1:
+                pipe += _F32 * args.dim * tokens * n * ((0 if first else 1) + (0 if last else 1))
+        # Model states and FSDP.
+        local = sum(p.local for p in params.values())
+        full = sum(p.full for p in params.values())
+        sharded = dims.dp_shard > 1
+        param_b = _F32 * local
+        opt_b = _F32 * k_opt * local
+        grads_after = _F32 * local
+        gathered: float
+        grads_during: float
+        if sharded:
+            biggest = max((g.full for p in params.values() for g in [*p.blocks.values(), *p.experts.values()]),
+                          default=0)
+            if pp > 1 or not reshard:
+                gathered = _F32 * full
+            else:
+                gathered = _F32 * (sum(p.root.full for p in params.values()) + 2 * biggest)
+            grads_during = _F32 * full if n > 1 else _F32 * (local + 2 * biggest)
+        else:
+            gathered, grads_during = 0.0, float(grads_after)
+        buffers = sum(p.buffers for p in params.values()) + batch_bytes
+        a_peak = sum(c * act[s] for c, s in zip(flight.peak, stage_ids))
+        a_grads = sum(c * act[s] for c, s in zip(flight.with_grads, stage_ids))
+        transient = max(stage_transient.values())
+        resident = 0.0 if offload else param_b + opt_b
+        base = resident + gathered + pipe + buffers
+        before_grads = base + a_peak + transient
+        with_grads = base + grads_during + a_grads + transient
+        fwd_bwd = max(before_grads, with_grads)
+        optim = (0.0 if offload else param_b + grads_after + opt_b) + pipe + buffers
+        peak, phase = (fwd_bwd, "forward_backward") if fwd_bwd >= optim else (optim, "optimizer")
+        peak_grads = grads_during if with_grads >= before_grads else 0.0
+        for rank in range(dims.world_size):
+            coords = dims.coords(rank)
+            if coords["pp"] != pp_rank:
+                continue
+            plans[rank] = RankPlan(
+                rank=rank, coords=coords, stages=stage_ids, parameters=int(0 if offload else param_b),
+                gradients=int(0 if offload else grads_after),
+                optimizer_state={cfg.optimizer.name: int(0 if offload else opt_b)},
+                fsdp_unsharded_params=int(gathered), fsdp_unsharded_grads=int(grads_during if sharded else 0),
+                activations_per_microbatch={s: int(act[s]) for s in stage_ids},
+                in_flight={s: c for c, s in zip(flight.peak, stage_ids)},
+                activations=int(a_peak if before_grads >= with_grads else a_grads),
+                activations_by_ac_mode={k: int(x * tokens / tp) for k, x in act_modes.items()},
+                expert_buffers=int(sum(c * expert_act[s] for c, s in zip(flight.peak, stage_ids))),
+                pipeline_buffers=int(pipe), buffers=int(buffers), transient=int(transient),
+                peak=int(peak), peak_phase=phase,
+                offloaded=int(param_b + grads_after + opt_b) if offload else 0,
+                peak_grads=int(peak_grads if phase == "forward_backward" else grads_after),
+            )
+    return job, [plans[r] for r in sorted(plans)]
+
+
+def _detect_device_memory() -> tuple[int | None, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        return total, f"detected: {torch.cuda.get_device_name(0)}"
+    return None, "no CUDA device here; pass --device-memory, e.g. 80GiB"
+
+
+# (key, group, cost): levers in cost order, cheapest first. One lever per group at a time.
+_LEVERS = [
+    ("microbatches", "microbatches",
+     "smaller microbatches: no extra compute or devices; smaller matmuls run less efficiently"),
+    ("selective_op", "ac",
+     "recomputes norms, rotary embeddings and activation functions in backward (a few % more compute)"),
+    ("selective_layer", "ac", "recomputes every 2nd block's forward in backward (~+17% compute)"),
+    ("full_ac", "ac", "recomputes every block's forward in backward (~+33% compute)"),
+    ("reshard", "reshard", "all-gathers each block again in backward (more communication)"),
+    ("cpu_offload", "offload", "parameters, gradients and optimizer state in host memory: host-device copies "
+                               "every step, optimizer on the CPU (much slower steps)"),
+    ("dp_shard", "dp_shard", "2× the devices (FSDP shards model states over twice as many ranks)"),
+    ("tp", "tp", "2× the devices (tensor parallel splits matrices and, with sequence parallel, activations)"),
+    ("pp", "pp", "2× the devices (twice the pipeline stages) and a longer pipeline bubble"),
+]
+
+
+def _lever_candidates(cfg: JobConfig, device: str) -> list[tuple[str, str, list[str]]]:
+    """(key, name, overrides) of every lever that applies to ``cfg``, in cost order."""
+    par, ac = cfg.parallelism, cfg.activation_checkpoint
+    out = []
+    local = cfg.training.global_batch_size // (par.dp_shard * par.microbatches)
+    if par.pipeline_schedule != "GPipe" and local % 2 == 0:
+        out.append(("microbatches", f"microbatches {par.microbatches} → {2 * par.microbatches}",
+                    [f"--parallelism.microbatches={2 * par.microbatches}"]))
+    if ac.mode == "none":
+        out.append(("selective_op", "activation checkpointing selective/op",
+                    ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=op"]))
+        out.append(("selective_layer", "activation checkpointing selective/layer (every 2nd)",
+                    ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=layer",
+                     "--activation_checkpoint.layer_freq=2"]))
+    if ac.mode != "full":
+        out.append(("full_ac", "activation checkpointing full", ["--activation_checkpoint.mode=full"]))
+    if par.dp_shard > 1 and par.pp == 1 and par.fsdp_reshard_after_forward == "never":
+        out.append(("reshard", "fsdp_reshard_after_forward always",
+                    ["--parallelism.fsdp_reshard_after_forward=always"]))
+    if par.dp_shard > 1 and not cfg.memory.cpu_offload and device != "cpu":
+        out.append(("cpu_offload", "CPU offload", ["--memory.cpu_offload=true"]))
+    gbs = cfg.training.global_batch_size
+    # More devices keep each rank's batch where the global batch cannot be split further.
+    dp_more = [f"--parallelism.dp_shard={2 * par.dp_shard}"]
+    dp_name = f"dp_shard {par.dp_shard} → {2 * par.dp_shard}"
+    if gbs % (2 * par.dp_shard * par.microbatches):
+        dp_more.append(f"--training.global_batch_size={2 * gbs}")
+        dp_name += f" (global batch {gbs} → {2 * gbs})"
+    out.append(("dp_shard", dp_name, dp_more))
+    if hasattr(par, "tp"):  # tensor parallel, where the mesh has it
+        tp = par.tp
+        out.append(("tp", f"tp {tp} → {2 * tp}", [f"--parallelism.tp={2 * tp}"]))
+    pp_more = [f"--parallelism.pp={2 * par.pp}"]
+    pp_name = f"pp {par.pp} → {2 * par.pp}"
+    if par.pp == 1:
+        pp_more.append("--parallelism.pipeline_schedule=1F1B")
+    n = max(par.microbatches, 2 * par.pp)  # 1F1B and the interleaved schedules need n >= pp
+    if n != par.microbatches:
+        pp_more.append(f"--parallelism.microbatches={n}")
+        pp_name += f", microbatches {par.microbatches} → {n}"
+    g = gbs
+    while g % (par.dp_shard * n):
+        g *= 2
+    if g != gbs:
+        pp_more.append(f"--training.global_batch_size={g}")
+        pp_name += f" (global batch {gbs} → {g})"
+    out.append(("pp", pp_name, pp_more))
+    return out
+
+
+def _variant(cfg: JobConfig, overrides: list[str]) -> JobConfig | None:
+    """``cfg`` with ``overrides``, or None when the result is not a valid job (the checks the
+    driver runs before workers start, without the data ones)."""
+    from ray_titan.preflight import validate_job
+
+    data = cfg.model_dump()
+    data["ray"]["num_workers"] = None  # a lever may change the worker count
+    try:
+        new = JobConfig.from_dict(apply_overrides(data, overrides))
+        validate_job(new, check_data=False)
+    except (ConfigError, ValueError):
+        return None
+    return new
+
+
+def _add_levers(plan: MemoryPlan, cfg: JobConfig, device: str, rho: float, vocab: int) -> None:
+    """Each lever alone (those that lower the peak) into ``plan.levers``, and the cheapest set of
+    levers that fits into ``plan.recommendation``: the one whose dearest lever is cheapest, then
+    with the fewest and cheapest levers (one activation checkpointing mode at a time)."""
+    usable = plan.usable
+    assert usable is not None
+    order = {key: (i, group, cost) for i, (key, group, cost) in enumerate(_LEVERS)}
+    for key, name, overrides in _lever_candidates(cfg, device):
+        variant = _variant(cfg, overrides)
+        if variant is None:
+            continue
+        peak = max(r.peak for r in _plan_ranks(variant, device, rho, vocab)[1])
+        if peak >= plan.max_peak:
+            continue  # does not lower the peak (e.g. more microbatches under GPipe)
+        rank, _, cost = order[key]
+        plan.levers.append(Lever(name, overrides, peak, peak <= usable, cost, rank))
+    best: tuple | None = None
+    for n in range(1, len(plan.levers) + 1):
+        for combo in itertools.combinations(plan.levers, n):
+            groups = [_LEVERS[lv.rank][1] for lv in combo]
+            if len(set(groups)) < len(groups):
+                continue
+            cost_key = (max(lv.rank for lv in combo), n, sum(lv.rank for lv in combo))
+            if best is not None and cost_key >= best[0]:
+                continue
+            overrides = [o for lv in sorted(combo, key=lambda lv: lv.rank) for o in lv.overrides]
+            variant = _variant(cfg, overrides)
+            if variant is None:
+                continue
+            if max(r.peak for r in _plan_ranks(variant, device, rho, vocab)[1]) <= usable:
+                best = (cost_key, overrides)
+    if best is not None:
+        plan.recommendation = best[1]
+
+
+def memory_plan(
+    cfg: JobConfig, device_memory: int | str | None = None, device: str | None = None,
+    routing_imbalance: float = 1.0, vocab_size: int | None = None, levers: bool = True,
+    margin: float | None = None,
+) -> MemoryPlan:
+    """Plan every rank's memory for ``cfg`` without starting anything (module docstring).
+
+    ``device_memory``: bytes (or ``"80GiB"``) each rank's device has; default: the detected CUDA
+    device's, else unknown (no fit verdict). ``device``: ``"cuda"`` (any accelerator) or ``"cpu"``;
+    default ``cuda`` when ``ray.use_gpu`` or a device capacity is given, else ``cpu``. It decides
+    the attention kernel (PyTorch's CPU kernel saves ``s × s`` probabilities where query and value
+    head dimensions differ) and whether CPU offload frees device memory. ``routing_imbalance``:
+    MoE only, max over mean of the tokens an expert-parallel rank's experts receive (>= 1).
+    ``vocab_size``: default the tokenizer's, as the trainer builds the model (the flavor's where the
+    tokenizer file is not here). ``levers``: also rank the levers when the job does not fit.
+    ``margin``: share of the capacity kept free for what the plan does not count (the CUDA
+    context, NCCL buffers, the caching allocator's fragmentation); default 0.08 on ``cuda``
+    (PyTorch's own context and NCCL take ~1-3 GiB of an 80 GiB device, fragmentation a few %
+    more), 0 on ``cpu``.
+
+    Raises :class:`ConfigError` for a job that is not valid (mesh, batch, schedule) or a bad
+    argument.
+    """
+    from ray_titan.preflight import validate_job
+
+    if routing_imbalance < 1:
+        raise ConfigError(f"routing_imbalance = {routing_imbalance}: must be >= 1 (max over mean load)")
+    try:
+        capacity = parse_bytes(device_memory) if device_memory is not None else None
+    except ValueError as e:
+        raise ConfigError(f"device memory: {e}") from None
+    validate_job(cfg, check_data=False)
+    source = "given"
+    if capacity is None:
+        capacity, source = _detect_device_memory()
+    device = device or ("cuda" if cfg.ray.use_gpu or capacity is not None else "cpu")
+    if device not in ("cuda", "cpu"):
+        raise ConfigError(f"device = {device!r}: 'cuda' (any accelerator) or 'cpu'")
+    job, ranks = _plan_ranks(cfg, device, routing_imbalance, vocab_size)
+    if margin is None:
+        margin = 0.08 if device == "cuda" else 0.0
+    if not 0 <= margin < 1:
+        raise ConfigError(f"margin = {margin}: a share of the device memory in [0, 1)")
+    plan = MemoryPlan(job=job, ranks=ranks, device_memory=capacity, device_memory_source=source, margin=margin)
+    if job["dtype"] != "fp32":
+        plan.notes.append("bf16 activations are estimated (the formulas are checked against fp32 runs)")
+    if levers and plan.fits is False:
+        _add_levers(plan, cfg, device, routing_imbalance, job["vocab_size"])
+    return plan
+
+
+def record_memory_plan(cfg: JobConfig, run_dir: Path | str) -> dict[str, Any] | None:
+    """Plan the job's memory (``ray_titan.memory_planner``, on the device kind the workers use, with
+    no capacity: the driver may not see the workers' devices), write it to
+    ``<run_dir>/memory_plan.json`` and print each rank group's predicted peak. Returns the plan as
+    a dict; None, with a warning, where it cannot be made (it never stops a run)."""
+    import sys
+
+    from ray_titan import storage
+    from ray_titan.run_dir import under
+
+    try:
+        plan = memory_plan(cfg, device="cuda" if cfg.ray.use_gpu else "cpu", levers=False)
+    except Exception as e:  # the plan informs; a job the pre-flight checks passed still runs
+        print(f"ray_titan: warning: no memory plan: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return None
+    data = plan.to_dict()
+    storage.write_text(under(run_dir, PLAN_FILE), json.dumps(data, indent=1))
+    peaks = ", ".join(f"ranks {_rank_list(ranks)} {format_bytes(r.peak)}" for ranks, r in _groups(plan.ranks))
+    print(f"ray_titan: memory plan: predicted peak {peaks} ({under(run_dir, PLAN_FILE)})", flush=True)
+    return data
