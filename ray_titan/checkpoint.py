@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -235,7 +236,10 @@ def _job_manifest(cfg, vocab_size: int) -> dict[str, Any]:
         "model": {"name": cfg.model.name, "flavor": cfg.model.flavor, "vocab_size": vocab_size},
         "optimizer": cfg.optimizer.name,
         "data": {"source": cfg.data.source, "path": cfg.data.path, "text_column": cfg.data.text_column,
-                 "tokenizer": cfg.data.tokenizer, "seed": cfg.training.seed},
+                 "tokenizer": cfg.data.tokenizer, "seed": cfg.training.seed,
+                 # Only where set, so that checkpoints of a single text source stay loadable.
+                 **({"format": cfg.data.format} if cfg.data.format != "text" else {}),
+                 **({"sources": [s.model_dump() for s in cfg.data.sources]} if cfg.data.sources else {})},
         "total_steps": cfg.training.steps,
     }
 
@@ -419,14 +423,15 @@ class Checkpointer:
         osd = get_optimizer_state_dict(self.parts, self.optimizer, options=_OPTIM_OPTIONS)
         sd.update({f"optimizer.{k}": v for k, v in osd.items()})
         sd.update({f"lr_scheduler.{k}": v for k, v in self.scheduler.state_dict().items()})
-        loader = self.loader.state_dict()
-        buf = torch.from_numpy(loader["buffer"])
-        if metadata is not None:  # its length differs between saves: size the slot from the checkpoint
-            md = metadata.state_dict_metadata.get("dataloader.buffer")
-            if isinstance(md, TensorStorageMetadata):
-                buf = torch.empty(md.size, dtype=torch.int64)
-        sd.update({"dataloader.epoch": loader["epoch"], "dataloader.doc_pos": loader["doc_pos"],
-                   "dataloader.buffer": buf, "train.step": step})
+        for k, v in self.loader.state_dict().items():  # ints, and arrays whose length varies
+            key = f"dataloader.{k}"
+            if isinstance(v, np.ndarray):
+                v = torch.from_numpy(v)
+                md = metadata.state_dict_metadata.get(key) if metadata is not None else None
+                if isinstance(md, TensorStorageMetadata):  # size the slot from the checkpoint
+                    v = torch.empty(md.size, dtype=v.dtype)
+            sd[key] = v
+        sd["train.step"] = step
         if same_mesh:
             sd[f"rng.rank{self.rank}.cpu"] = torch.get_rng_state()
             if self.device.type == "cuda":
@@ -512,8 +517,8 @@ class Checkpointer:
                                  {k[10:]: v for k, v in sd.items() if k.startswith("optimizer.")},
                                  options=_OPTIM_OPTIONS)
         self.scheduler.load_state_dict({k[13:]: v for k, v in sd.items() if k.startswith("lr_scheduler.")})
-        self.loader.load_state_dict({"epoch": sd["dataloader.epoch"], "doc_pos": sd["dataloader.doc_pos"],
-                                     "buffer": sd["dataloader.buffer"].numpy()})
+        self.loader.load_state_dict({k[len("dataloader."):]: v.numpy() if isinstance(v, torch.Tensor) else v
+                                     for k, v in sd.items() if k.startswith("dataloader.")})
         if same_mesh:
             torch.set_rng_state(sd[f"rng.rank{self.rank}.cpu"])
             if f"rng.rank{self.rank}.cuda" in sd:

@@ -88,6 +88,16 @@ class RunResult:
         """The step losses (nats per token) in step order."""
         return self.step_column("step_loss")
 
+    @property
+    def validation(self) -> dict[int, float]:
+        """The validation losses (nats per counted token, token-weighted over the last stage's
+        data-parallel ranks) by step, at the steps that evaluated (``[validation]``); empty
+        without validation. Their perplexity is ``math.exp`` of each."""
+        if "step_val_loss" not in self.steps.column_names:
+            return {}
+        steps, vals = self.step_column("step"), self.step_column("step_val_loss")
+        return {s: v for s, v in zip(steps, vals) if v is not None}
+
 
 def _connect(cfg: JobConfig) -> None:
     import ray
@@ -191,7 +201,7 @@ def train(
     from ray_titan.checkpoint import find_latest
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.leak import MemoryLeakError, leak_settings
-    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.sinks import read_steps, wandb_settings
     from ray_titan.metrics.timing import read_timings, write_timings
     from ray_titan.progress import ConsoleThread, check_mode, make_display
     from ray_titan.trainer.build import parallel_dims
@@ -236,7 +246,7 @@ def train(
         str(run_dir), dims.world_size, dims.last_stage_ranks(), cfg.training.steps,
         cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
         leak=leak_settings(cfg.memory), on_leak=cfg.memory.on_leak,
-        kill_at_step=cfg.debug.kill_collector_at_step, nice=cfg.metrics.collector_nice,
+        kill_at_step=cfg.debug.kill_collector_at_step, nice=cfg.metrics.collector_nice, wandb=wandb_settings(cfg),
     ) if cfg.metrics.enabled else None
     # The run directory's last part; run_dir is a URI string (no .name) on remote storage.
     run_name = run_dir.name if isinstance(run_dir, Path) else run_dir.rstrip("/").rsplit("/", 1)[-1]

@@ -13,12 +13,16 @@ what would be valid.
 
 from __future__ import annotations
 
+import importlib.util
+
 from ray_titan import storage
 from ray_titan.allocator import worker_env_vars
 from ray_titan.callbacks import load_callback
 from ray_titan.checkpoint import CheckpointError, check_compatible, read_manifest, resolve_checkpoint
 from ray_titan.config.schema import ConfigError, JobConfig
+from ray_titan.data.build import source_settings, training_documents, validation_documents
 from ray_titan.data.corpus import check_source
+from ray_titan.data.sft import ChatTemplate, find_chat_template
 from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.models.registry import get_model_args, is_moe
 
@@ -77,7 +81,12 @@ def validate_job(cfg: JobConfig) -> None:
             f"debug.kill_rank = {cfg.debug.kill_rank} but the mesh has ranks 0..{cfg.world_size - 1}"
         )
     _check_dump_folder(cfg)
-    if cfg.data.source == "python_stdlib" and cfg.data.path:
+    if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "metrics.wandb = true but the wandb package is not installed; install it with "
+            "pip install 'ray-titan[wandb]' (or pip install wandb), or set metrics.wandb = false"
+        )
+    if cfg.data.source == "python_stdlib" and cfg.data.path and not cfg.data.sources:
         raise ConfigError(
             f"data.path = {cfg.data.path!r} is set but data.source = 'python_stdlib' ignores it; "
             "set data.source = 'parquet' or 'jsonl' to train on it"
@@ -153,7 +162,10 @@ def validate_job(cfg: JobConfig) -> None:
             f"{margs.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}); use <= {margs.max_seq_len}"
         )
     _validate_memory(cfg)
-    check_source(cfg.data)
+    _check_sources(cfg)
+    if cfg.data.format == "messages":
+        ChatTemplate(find_chat_template(cfg.data))
+    _validate_validation(cfg)
     try:
         tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
     except Exception as e:  # a missing, unreadable or special-token-less tokenizer.json
@@ -202,6 +214,57 @@ def _validate_memory(cfg: JobConfig) -> None:
             load_callback(cb.target, cb.kwargs)
         except ValueError as e:
             raise ConfigError(f"callbacks[{i}].target = {cb.target!r}: {e}") from None
+
+
+def _check_sources(cfg: JobConfig) -> None:
+    """The training source, or every source of a mixture, exists and has documents."""
+    data = cfg.data
+    if not data.sources:
+        check_source(data)
+        return
+    if data.path:
+        raise ConfigError(f"data.path = {data.path!r} is set but data.sources (a mixture) replaces it; "
+                          "give each source its own path in data.sources")
+    names = [s.name for s in data.sources]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data.sources names {names} repeat; give each source its own name")
+    for i, d in enumerate(source_settings(data)):
+        try:
+            check_source(d)
+        except ConfigError as e:
+            raise ConfigError(f"data.sources[{i}] ({names[i]!r}): {e}") from None
+
+
+def _validate_validation(cfg: JobConfig) -> None:
+    """Checks of ``[validation]``: batch shape, its own source, or a non-empty held-out share."""
+    v, tr = cfg.validation, cfg.training
+    if not v.enable:
+        return
+    if v.batch_size is not None and v.batch_size % tr.global_batch_size:
+        raise ConfigError(
+            f"validation.batch_size = {v.batch_size} is not a multiple of training.global_batch_size = "
+            f"{tr.global_batch_size}: validation runs the training step's microbatch shape; use a multiple "
+            f"of {tr.global_batch_size} (or leave it unset)"
+        )
+    if v.source == "holdout":
+        if v.path:
+            raise ConfigError(f"validation.path = {v.path!r} is set but validation.source = 'holdout' ignores it; "
+                              "set validation.source = 'parquet' or 'jsonl' to validate on it")
+        held = validation_documents(cfg)
+        train = [training_documents(cfg, d) for d in source_settings(cfg.data)]
+        for what, n in [("held out", len(held))] + [("left to train on", len(t)) for t in train]:
+            if n == 0:
+                raise ConfigError(
+                    f"validation.holdout_fraction = {v.holdout_fraction} leaves no document {what} in the "
+                    "training source(s); choose another fraction or a validation source"
+                )
+        return
+    if v.source != "python_stdlib" and not v.path:
+        raise ConfigError(f"validation.source = {v.source!r} needs validation.path (a file or a directory)")
+    try:
+        check_source(cfg.data.model_copy(update={"source": v.source, "path": v.path}))
+    except ConfigError as e:
+        raise ConfigError(f"validation source: {e} (validation.path = {v.path!r})") from None
 
 
 def _check_load_path(cfg: JobConfig, vocab_size: int) -> None:

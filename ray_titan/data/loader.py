@@ -5,6 +5,11 @@ tokenized as ``[BOS] + tokens + [EOS]`` and appended to one stream, which is cut
 ``seq_len + 1`` tokens (no padding, no token used twice). A step's global batch is the next
 ``global_batch_size`` chunks; DP rank ``r`` of ``D`` takes chunks ``[r·B/D, (r+1)·B/D)``. So the
 ranks read disjoint parts, and the union over ranks is exactly what a one-worker run reads.
+
+Subclasses choose how a document becomes tokens (:meth:`PackedLoader._tokens`): supervised
+examples (``ray_titan.data.sft``) mark the tokens that are no target of the loss (a prompt's) by
+storing them complemented (``~id``, negative) in the stream, so the position stays one token
+array; their labels come out as ``IGNORE_INDEX``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ import torch
 
 from ray_titan.data.tokenizer import Tokenizer
 
-__all__ = ["PackedLoader"]
+__all__ = ["IGNORE_INDEX", "PackedLoader"]
+
+IGNORE_INDEX = -100
+"""The label of a token that is no target of the loss (``torch.nn.functional.cross_entropy``'s default)."""
 
 
 class PackedLoader:
@@ -30,6 +38,15 @@ class PackedLoader:
     Raises ``ValueError`` if ``global_batch_size`` is not divisible by ``dp_degree`` or the
     corpus is empty.
     """
+
+    masked = False
+    """Whether some labels are :data:`IGNORE_INDEX` (then :attr:`counted_tokens` is set)."""
+    counted_tokens: int | None = None
+    """Labels that count in the loss in the last global batch (all data-parallel ranks' slices);
+    None when every label counts."""
+    source_tokens: list[int] | None = None
+    """With a mixture (``ray_titan.data.mixing``): the label tokens of the last batch's slice
+    taken from each source; None otherwise."""
 
     def __init__(
         self,
@@ -64,12 +81,15 @@ class PackedLoader:
             if self.doc_pos == len(self._order):
                 self.epoch, self.doc_pos = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
-            text = self.texts[int(self._order[self.doc_pos])].as_py()
+            parts.append(self._tokens(int(self._order[self.doc_pos])))
             self.doc_pos += 1
-            ids = self.tok.encode(text)
-            parts.append(np.concatenate(([self.tok.bos_id], ids, [self.tok.eos_id])).astype(np.int64))
             have += len(parts[-1])
         self._buffer = np.concatenate(parts)
+
+    def _tokens(self, index: int) -> np.ndarray:
+        """Document ``index`` as stored in the stream: ``[BOS] + tokens + [EOS]``, int64."""
+        ids = self.tok.encode(self.texts[index].as_py())
+        return np.concatenate(([self.tok.bos_id], ids, [self.tok.eos_id])).astype(np.int64)
 
     def __iter__(self) -> PackedLoader:
         return self
@@ -79,7 +99,14 @@ class PackedLoader:
         need = self.global_batch * chunk
         self._fill(need)
         batch, self._buffer = self._buffer[:need], self._buffer[need:]
-        mine = batch.reshape(self.global_batch, chunk)[self.first : self.first + self.local_batch]
+        rows = batch.reshape(self.global_batch, chunk)
+        if self.masked:
+            self.counted_tokens = int((rows[:, 1:] >= 0).sum())
+            mine = rows[self.first : self.first + self.local_batch]
+            inputs = np.where(mine[:, :-1] < 0, ~mine[:, :-1], mine[:, :-1])
+            labels = np.where(mine[:, 1:] < 0, IGNORE_INDEX, mine[:, 1:])
+            return torch.from_numpy(inputs), torch.from_numpy(labels)
+        mine = rows[self.first : self.first + self.local_batch]
         t = torch.from_numpy(np.ascontiguousarray(mine))
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 

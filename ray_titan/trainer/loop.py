@@ -24,14 +24,15 @@ from ray_titan.allocator import active_allocator
 from ray_titan.callbacks import CallbackContext, CallbackList, load_callback
 from ray_titan.checkpoint import Checkpointer
 from ray_titan.config.schema import JobConfig
-from ray_titan.data.corpus import load_texts
-from ray_titan.data.loader import PackedLoader
+from ray_titan.data.build import build_loader
+from ray_titan.data.documents import document_positions
 from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.gc import GarbageCollection
 from ray_titan.metrics.memory import MemorySampler, MemorySnapshots, host_memory
 from ray_titan.metrics.report import Reporter, StepReport
 from ray_titan.metrics.timing import StepClock
-from ray_titan.trainer.build import build, parallel_dims
+from ray_titan.trainer.build import build, data_parallel_position, parallel_dims
+from ray_titan.trainer.evaluate import Validator
 from ray_titan.trainer.step import train_step
 
 __all__ = ["train_loop"]
@@ -74,10 +75,9 @@ def train_loop(
 
     # Data: every rank builds the same stream and keeps its DP slice.
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
-    loader = PackedLoader(
-        load_texts(cfg.data), tokenizer, cfg.training.seq_len, cfg.training.global_batch_size,
-        dp_rank=coords["dp_shard"], dp_degree=dims.dp_shard, seed=cfg.training.seed,
-    )
+    dp_rank, dp_degree = data_parallel_position(dims, coords)
+    loader = build_loader(cfg, tokenizer, dp_rank, dp_degree)
+    validator = Validator(cfg, tokenizer, dp_rank, dp_degree) if cfg.validation.enable else None
     clock.mark("data_ready")
     parts = build(cfg, rank, tokenizer.vocab_size, loader, device)
     ckpt = Checkpointer(cfg, rank, parts.stages.values(), parts.optimizer, parts.scheduler, loader, reporter,
@@ -109,15 +109,19 @@ def train_loop(
             snapshots.before_step(step)
             t0 = time.perf_counter()
             inputs, labels = next(loader)
+            positions = document_positions(inputs, tokenizer.bos_id).to(device) if cfg.training.document_mask else None
             inputs, labels = inputs.to(device), labels.to(device)
             t1 = time.perf_counter()
             out = train_step(parts, inputs, labels, step, cfg.parallelism.microbatches, cfg.training.max_norm,
-                             cfg.training.autocast)
+                             cfg.training.autocast, loader.counted_tokens, positions)
             gc_result = gc_policy.run(step)
+            t_val = time.perf_counter()
+            val = validator.run(parts) if validator is not None and validator.due(step) else None
+            t_val = time.perf_counter() - t_val  # kept out of the step time
             if cfg.metrics.enabled:
                 t_sample = time.perf_counter()
                 memory = sampler.sample()
-                t4 = time.perf_counter()
+                t4 = time.perf_counter() - t_val
                 report = StepReport(
                     step=step, rank=rank, coords=coords, is_last_stage=parts.is_last_stage, loss=out.loss,
                     tokens=labels.numel(), step_time_s=t4 - t0, data_time_s=t1 - t0,
@@ -126,6 +130,8 @@ def train_loop(
                     time=time.time(), gc_generation=gc_result.generation, aux_loss=out.aux_loss,
                     moe_layers=out.moe_layers, expert_load=out.expert_load, skipped_update=out.skipped,
                     attempt_start_time=faults.attempt_start_time, metrics_time_s=metrics_time,
+                    loss_tokens=out.loss_tokens, source_tokens=loader.source_tokens, val_loss=val.loss if val else None,
+                    val_tokens=val.tokens if val else None, val_time_s=val.time_s if val else None,
                 )
                 t_hooks = time.perf_counter()
                 hooks.on_step_end(step, report)  # the user's callbacks: not the metrics path's cost
@@ -140,7 +146,7 @@ def train_loop(
                 gc_policy.at_checkpoint()
             last_loss = out.loss
             tokens_per_step = labels.numel()
-            del inputs, labels
+            del inputs, labels, positions
             snapshots.after_step(step)
     except (torch.OutOfMemoryError, MemoryError) as e:
         error = snapshots.oom(step, e)
