@@ -122,8 +122,10 @@ def _check_cluster(cfg: JobConfig) -> float:
     gpus, cluster_cpus = resources.get("GPU", 0), resources.get("CPU", 0)
     if cfg.ray.use_gpu and gpus < n:
         raise ConfigError(f"ray.use_gpu = true needs {n} GPUs (one per worker) but the cluster has {gpus:g}")
-    # Default: fractions where the cluster has fewer cores than workers, never more than one each.
-    cpus = cfg.ray.cpus_per_worker or min(1.0, round(cluster_cpus / n, 3))
+    # Default: fractions where the cluster has fewer cores than workers, never more than one each;
+    # with Ray Data, one CPU left for its read tasks (they would wait forever on a full cluster).
+    spare = 1.0 if cfg.data.source == "ray_data" and cluster_cpus > 1 else 0.0
+    cpus = cfg.ray.cpus_per_worker or min(1.0, round((cluster_cpus - spare) / n, 3))
     if cpus * n > cluster_cpus + 1e-9:
         raise ConfigError(
             f"ray.cpus_per_worker = {cpus:g} × {n} workers = {cpus * n:g} CPUs, but the cluster "
@@ -131,6 +133,28 @@ def _check_cluster(cfg: JobConfig) -> float:
             f"ray.cpus_per_worker <= {cluster_cpus / n:.3g} (or leave it unset)"
         )
     return cpus
+
+
+def _datasets(cfg: JobConfig, dataset: Any) -> dict[str, Any]:
+    """``TorchTrainer``'s ``datasets`` and ``dataset_config`` for ``data.source = "ray_data"``:
+    every worker gets an iterator over the whole dataset in its order (not Ray Train's split;
+    ``ray_titan.data.ray_data``); empty otherwise. Raises :class:`ConfigError` for a dataset
+    without the text column."""
+    if cfg.data.source != "ray_data":
+        return {}
+    from ray.data import ExecutionOptions
+    from ray.train import DataConfig
+
+    from ray_titan.data.ray_data import DATASET_NAME, read_dataset
+
+    if dataset is None:
+        dataset = read_dataset(cfg.data)
+    names = dataset.schema().names
+    if cfg.data.text_column not in names:
+        raise ConfigError(f"data.text_column = {cfg.data.text_column!r} is not a column of the dataset; "
+                          f"its columns are {names}")
+    return {"datasets": {DATASET_NAME: dataset},
+            "dataset_config": DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True))}
 
 
 def _worker_entry(loop_config: dict[str, Any]) -> None:
@@ -179,7 +203,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
 
 def train(
     config: JobConfig | str | Path, overrides: list[str] | None = None, progress: str = "auto", *,
-    callbacks: list | None = None,
+    callbacks: list | None = None, dataset: Any = None,
 ) -> RunResult:
     """Run a training job on Ray and return its :class:`RunResult`.
 
@@ -187,7 +211,10 @@ def train(
     dotted flags (``["--training.steps=50"]``). ``progress``: ``auto`` (a progress bar when
     stdout is a terminal, plain lines otherwise), ``bar`` or ``lines``. ``callbacks``:
     worker-side callback objects (``ray_titan.callbacks``), pickled to every worker and run after
-    those of the config. Raises :class:`ConfigError` for an invalid job before any worker starts,
+    those of the config. ``dataset``: a ``ray.data.Dataset`` with a ``data.text_column`` column to
+    train on (``data.source`` becomes ``"ray_data"``; ``ray_titan.data.ray_data``: every rank
+    streams it in order, nothing is materialised here); ``data.source = "ray_data"`` with
+    ``data.path`` reads one with Ray Data. Raises :class:`ConfigError` for an invalid job before any worker starts,
     :class:`~ray_titan.metrics.leak.MemoryLeakError` when a rank's memory grew and
     ``memory.on_leak = "stop"`` ended the run, and ``ray.train.TrainingFailedError`` if training
     fails otherwise (the metrics recorded until then stay in the run directory), ``NonFiniteError``
@@ -222,12 +249,15 @@ def train(
             "absolute --job.dump_folder (shared storage on a multi-node cluster) to keep the run",
             file=sys.stderr, flush=True,
         )
+    if dataset is not None:
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": "ray_data", "path": None})})
     cfg = resolve_paths(cfg)
     for warning in job_warnings(cfg):
         print(f"ray_titan: warning: {warning}", file=sys.stderr, flush=True)
-    validate_job(cfg)  # also materialises the built-in corpus, once, before workers read it
+    validate_job(cfg, has_dataset=dataset is not None)  # also materialises the built-in corpus, once
 
     _connect(cfg)
+    datasets = _datasets(cfg, dataset)
     dims = parallel_dims(cfg)
     cpus = _check_cluster(cfg)
     marks["cluster_ready"] = time.time()
@@ -261,6 +291,7 @@ def train(
         train_loop_config={"config": cfg.model_dump(), "collector": collector, "run_dir": str(run_dir),
                            "callbacks": list(callbacks or [])},
         torch_config=TorchConfig(backend="nccl" if cfg.ray.use_gpu else "gloo"),
+        **datasets,
         scaling_config=ScalingConfig(
             num_workers=dims.world_size, use_gpu=cfg.ray.use_gpu,
             resources_per_worker={"CPU": cpus, **({"GPU": 1} if cfg.ray.use_gpu else {})},

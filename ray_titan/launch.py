@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
             f"the mesh needs {cfg.world_size} processes (pp × dp_shard = {cfg.parallelism.pp} × "
             f"{cfg.parallelism.dp_shard}) but this launch has {world}: use torchrun --nproc-per-node={cfg.world_size}"
         )
+    if cfg.data.source == "ray_data":
+        raise SystemExit("data.source = 'ray_data' streams through Ray: run it with ray-titan train (the Ray driver)")
     validate_job(cfg)  # on every rank, so a bad config stops them all before the process group
     device = local_cuda_device()
     if world > 1:

@@ -22,6 +22,7 @@ from ray_titan.checkpoint import CheckpointError, check_compatible, read_manifes
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.data.build import source_settings, training_documents, validation_documents
 from ray_titan.data.corpus import check_source
+from ray_titan.data.ray_data import dataset_format
 from ray_titan.data.sft import ChatTemplate, find_chat_template
 from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.models.registry import get_model_args, is_moe
@@ -56,13 +57,14 @@ def _check_dump_folder(cfg: JobConfig) -> None:
         )
 
 
-def validate_job(cfg: JobConfig) -> None:
+def validate_job(cfg: JobConfig, has_dataset: bool = False) -> None:
     """Cross-field checks the driver runs before any worker starts.
 
     Checks the mesh against the worker count, the model against the pipeline, the batch against
     microbatches and DP degree, the sequence length against the model, and that the data path
-    exists and has the text column. Raises :class:`ConfigError` naming the setting, its value and
-    what would be valid.
+    exists and has the text column. ``has_dataset``: the driver was given a ``ray.data.Dataset``
+    (``data.source = "ray_data"`` without a path). Raises :class:`ConfigError` naming the setting,
+    its value and what would be valid.
     """
     par, tr = cfg.parallelism, cfg.training
     mesh = f"parallelism.pp × parallelism.dp_shard = {par.pp} × {par.dp_shard} = {cfg.world_size}"
@@ -162,7 +164,7 @@ def validate_job(cfg: JobConfig) -> None:
             f"{margs.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}); use <= {margs.max_seq_len}"
         )
     _validate_memory(cfg)
-    _check_sources(cfg)
+    _check_sources(cfg, has_dataset)
     if cfg.data.format == "messages":
         ChatTemplate(find_chat_template(cfg.data))
     _validate_validation(cfg)
@@ -216,9 +218,12 @@ def _validate_memory(cfg: JobConfig) -> None:
             raise ConfigError(f"callbacks[{i}].target = {cb.target!r}: {e}") from None
 
 
-def _check_sources(cfg: JobConfig) -> None:
+def _check_sources(cfg: JobConfig, has_dataset: bool = False) -> None:
     """The training source, or every source of a mixture, exists and has documents."""
     data = cfg.data
+    if data.source == "ray_data":
+        _check_ray_data(cfg, has_dataset)
+        return
     if not data.sources:
         check_source(data)
         return
@@ -233,6 +238,26 @@ def _check_sources(cfg: JobConfig) -> None:
             check_source(d)
         except ConfigError as e:
             raise ConfigError(f"data.sources[{i}] ({names[i]!r}): {e}") from None
+
+
+def _check_ray_data(cfg: JobConfig, has_dataset: bool) -> None:
+    """``data.source = "ray_data"``: text, a path (unless a dataset was given), no held-out share."""
+    data = cfg.data
+    if data.format != "text":
+        raise ConfigError(f"data.source = 'ray_data' streams text documents; data.format = {data.format!r} needs "
+                          "data.source = 'parquet' or 'jsonl'")
+    if data.sources:
+        raise ConfigError("data.source = 'ray_data' cannot be mixed with data.sources; use one or the other")
+    if cfg.validation.enable and cfg.validation.source == "holdout":
+        raise ConfigError("validation.source = 'holdout' needs a file source to hash; with data.source = "
+                          "'ray_data' give validation a source of its own (validation.source, validation.path)")
+    if has_dataset:
+        return
+    if not data.path:
+        raise ConfigError("data.source = 'ray_data' needs data.path (Parquet or JSON Lines files, local or "
+                          "object storage) or a dataset: ray_titan.train(cfg, dataset=ds)")
+    if not storage.is_remote(data.path):  # object storage is read by Ray Data itself, on the cluster
+        check_source(data.model_copy(update={"source": dataset_format(data.path)}))
 
 
 def _validate_validation(cfg: JobConfig) -> None:

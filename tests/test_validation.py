@@ -56,7 +56,7 @@ def _overrides(sft_data, dump, *extra):
     return [f"--job.dump_folder={dump}", f"--training.steps={STEPS}", "--metrics.log_freq=1",
             "--data.source=parquet", f"--data.path={sft_data / 'train.parquet'}", "--data.format=prompt_response",
             "--training.document_mask=true", "--validation.source=parquet",
-            f"--validation.path={sft_data / 'val.parquet'}", "--validation.freq=1", "--validation.steps=2", *extra]
+            f"--validation.path={sft_data / 'val.parquet'}", "--validation.freq=1", "--validation.steps=1", *extra]
 
 
 def _torchrun(sft_data, dump, *extra):

@@ -76,9 +76,12 @@ class DataSource(_Section):
 class Data(_Section):
     """Corpus source and tokenizer."""
 
-    source: Literal["python_stdlib", "parquet", "jsonl"] = "python_stdlib"
+    source: Literal["python_stdlib", "parquet", "jsonl", "ray_data"] = "python_stdlib"
     """``python_stdlib``: the running interpreter's standard library (built in, nothing downloaded);
-    ``parquet`` / ``jsonl``: user files given by ``path``."""
+    ``parquet`` / ``jsonl``: user files given by ``path``; ``ray_data``: streamed with Ray Data
+    from ``path`` (Parquet, or JSON Lines for ``.jsonl`` paths; local or object storage such as
+    ``s3://``), or the ``ray.data.Dataset`` given to ``ray_titan.train(cfg, dataset=ds)``
+    (``ray_titan.data.ray_data``: every rank streams it in order; text only)."""
     path: str | None = None
     """A file or a directory of ``*.parquet`` / ``*.jsonl`` files (required for those sources)."""
     text_column: str = "text"

@@ -67,6 +67,11 @@ def _loader(cfg: JobConfig, docs, tokenizer: Tokenizer, batch: int, dp_rank: int
 def build_loader(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> PackedLoader:
     """The training loader of data-parallel rank ``dp_rank`` of ``dp_degree``."""
     batch = cfg.training.global_batch_size
+    if cfg.data.source == "ray_data":
+        from ray_titan.data.ray_data import StreamLoader, worker_rows
+
+        return StreamLoader(worker_rows(cfg.data), cfg.data.text_column, tokenizer, cfg.training.seq_len, batch,
+                            dp_rank, dp_degree)
     if not cfg.data.sources:
         return _loader(cfg, training_documents(cfg), tokenizer, batch, dp_rank, dp_degree)
     # Each source's own order from its own seed (its index), the mixture's draws from the job's.
