@@ -102,3 +102,15 @@ def test_bad_mixtures_are_refused_before_workers(sources, corpus_cache, change, 
         cfg = load_config(REPO / "configs" / "debug_llama.toml", [f"--data.cache_dir={corpus_cache}",
                                                                   *change(sources)])
         validate_job(cfg)
+
+
+def test_config_show_round_trips_a_mixture(sources):
+    import tomllib
+
+    from ray_titan.config.docs import to_toml
+    from ray_titan.config.schema import JobConfig
+
+    cfg = load_config(REPO / "configs" / "debug_llama.toml", [
+        '--data.sources=[{name = "std", source = "python_stdlib", weight = 2.0}, '
+        f'{{name = "code", source = "parquet", path = "{sources / "code.parquet"}", weight = 1.0}}]'])
+    assert JobConfig.from_dict(tomllib.loads(to_toml(cfg))) == cfg

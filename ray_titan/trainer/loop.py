@@ -5,7 +5,8 @@
 (``ray_titan.launch``), which is how the CUDA paths are exercised on a machine without Ray.
 
 Per step: data → :func:`~ray_titan.trainer.step.train_step` (forward/backward, clip, optimizer,
-LR; the loss becomes a host float on last-stage ranks) → synchronized GC → memory sample → one
+LR; the loss becomes a host float on last-stage ranks) → synchronized GC → the validation loss
+when due (:mod:`~ray_titan.trainer.evaluate`, outside the step time) → memory sample → one
 StepReport, sent without waiting → checkpoint when due. Nothing from a step outlives it on the
 device (DESIGN.md, lesson 1).
 """
