@@ -7,7 +7,7 @@ The driver API is :func:`train`; the per-worker loop is ``ray_titan.trainer.trai
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ray_titan.config import ConfigError, JobConfig, load_config
 
@@ -23,14 +23,15 @@ __version__ = "0.1.0"
 
 def train(
     config: JobConfig | str | Path, overrides: list[str] | None = None, progress: str = "auto", *,
-    callbacks: list | None = None,
+    callbacks: list | None = None, dataset: Any = None,
 ) -> RunResult:
     """Run a training job on Ray; see :func:`ray_titan.driver.train` (imported lazily, so that
     ``import ray_titan`` does not import Ray). ``progress``: ``auto``, ``bar`` or ``lines``.
-    ``callbacks``: worker-side callback objects (``ray_titan.callbacks``) run on every worker."""
+    ``callbacks``: worker-side callback objects (``ray_titan.callbacks``) run on every worker.
+    ``dataset``: a ``ray.data.Dataset`` with a text column to train on (``ray_titan.data.ray_data``)."""
     from ray_titan.driver import train as _train
 
-    return _train(config, overrides, progress, callbacks=callbacks)
+    return _train(config, overrides, progress, callbacks=callbacks, dataset=dataset)
 
 
 def memory_plan(

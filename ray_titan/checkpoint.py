@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -343,7 +344,10 @@ def _job_manifest(cfg, vocab_size: int) -> dict[str, Any]:
         "model": {"name": cfg.model.name, "flavor": cfg.model.flavor, "vocab_size": vocab_size},
         "optimizer": cfg.optimizer.name,
         "data": {"source": cfg.data.source, "path": cfg.data.path, "text_column": cfg.data.text_column,
-                 "tokenizer": cfg.data.tokenizer, "seed": cfg.training.seed},
+                 "tokenizer": cfg.data.tokenizer, "seed": cfg.training.seed,
+                 # Only where set, so that checkpoints of a single text source stay loadable.
+                 **({"format": cfg.data.format} if cfg.data.format != "text" else {}),
+                 **({"sources": [s.model_dump() for s in cfg.data.sources]} if cfg.data.sources else {})},
         "total_steps": cfg.training.steps,
     }
 
@@ -572,14 +576,22 @@ class Checkpointer:
         """True when this worker group resumed its own run's checkpoint (a restart)."""
 
     # -- state dicts -------------------------------------------------------------------------
-    def _state(self, step: int, model_only: bool, same_mesh: bool) -> dict[str, Any]:
+    def _state(self, step: int, model_only: bool, same_mesh: bool,
+               metadata: Metadata | None = None) -> dict[str, Any]:
         sd: dict[str, Any] = {f"model.{k}": v for k, v in get_model_state_dict(self.parts).items()}
         if model_only:
             return sd
         osd = get_optimizer_state_dict(self.parts, self.optimizer, options=_OPTIM_OPTIONS)
         sd.update({f"optimizer.{k}": v for k, v in osd.items()})
         sd.update({f"lr_scheduler.{k}": v for k, v in self.scheduler.state_dict().items()})
-        sd.update({f"dataloader.{k}": v for k, v in self.loader.state_dict().items()})
+        for k, v in self.loader.state_dict().items():  # ints, and arrays whose length varies
+            key = f"dataloader.{k}"
+            if isinstance(v, np.ndarray):
+                v = torch.from_numpy(v)
+                md = metadata.state_dict_metadata.get(key) if metadata is not None else None
+                if isinstance(md, TensorStorageMetadata):  # size the slot from the checkpoint
+                    v = torch.empty(md.size, dtype=v.dtype)
+            sd[key] = v
         sd["train.step"] = step
         if same_mesh:
             sd[f"rng.rank{self.rank}.cpu"] = torch.get_rng_state()
@@ -667,7 +679,7 @@ class Checkpointer:
         same_mesh = manifest["mesh"] == self.job["mesh"]
         reader = SafeFileSystemReader(str(path))
         metadata = reader.read_metadata()
-        sd = self._state(0, model_only, same_mesh)
+        sd = self._state(0, model_only, same_mesh, metadata)
         # A tied model's last-stage head copy, saved without pipeline stages as the embedding only.
         head, emb = "model.output.weight", "model.tok_embeddings.weight"
         tied_copy = head in sd and head not in metadata.state_dict_metadata and emb not in sd
@@ -696,7 +708,8 @@ class Checkpointer:
                                  {k[10:]: v for k, v in sd.items() if k.startswith("optimizer.")},
                                  options=_OPTIM_OPTIONS)
         self.scheduler.load_state_dict({k[13:]: v for k, v in sd.items() if k.startswith("lr_scheduler.")})
-        self.loader.load_state_dict({k[11:]: v for k, v in sd.items() if k.startswith("dataloader.")})
+        self.loader.load_state_dict({k[len("dataloader."):]: v.numpy() if isinstance(v, torch.Tensor) else v
+                                     for k, v in sd.items() if k.startswith("dataloader.")})
         if same_mesh:
             torch.set_rng_state(sd[f"rng.rank{self.rank}.cpu"])
             if f"rng.rank{self.rank}.cuda" in sd:

@@ -113,6 +113,16 @@ class RunResult:
         """The step losses (nats per token) in step order."""
         return self.step_column("step_loss")
 
+    @property
+    def validation(self) -> dict[int, float]:
+        """The validation losses (nats per counted token, token-weighted over the last stage's
+        data-parallel ranks) by step, at the steps that evaluated (``[validation]``); empty
+        without validation. Their perplexity is ``math.exp`` of each."""
+        if "step_val_loss" not in self.steps.column_names:
+            return {}
+        steps, vals = self.step_column("step"), self.step_column("step_val_loss")
+        return {s: v for s, v in zip(steps, vals) if v is not None}
+
 
 # Ray Train V2 starts a detached PlacementGroupCleaner per run, which removes the run's placement
 # group (and so kills every worker) once the state API says the run's controller is not alive. It
@@ -178,8 +188,10 @@ def _check_cluster(cfg: JobConfig) -> float:
     gpus, cluster_cpus = resources.get("GPU", 0), resources.get("CPU", 0)
     if cfg.ray.use_gpu and gpus < n:
         raise ConfigError(f"ray.use_gpu = true needs {n} GPUs (one per worker) but the cluster has {gpus:g}")
-    # Default: fractions where the cluster has fewer cores than workers, never more than one each.
-    cpus = cfg.ray.cpus_per_worker or min(1.0, round(cluster_cpus / n, 3))
+    # Default: fractions where the cluster has fewer cores than workers, never more than one each;
+    # with Ray Data, one CPU left for its read tasks (they would wait forever on a full cluster).
+    spare = 1.0 if cfg.data.source == "ray_data" and cluster_cpus > 1 else 0.0
+    cpus = cfg.ray.cpus_per_worker or min(1.0, round((cluster_cpus - spare) / n, 3))
     if cpus * n > cluster_cpus + 1e-9:
         raise ConfigError(
             f"ray.cpus_per_worker = {cpus:g} × {n} workers = {cpus * n:g} CPUs, but the cluster "
@@ -187,6 +199,28 @@ def _check_cluster(cfg: JobConfig) -> float:
             f"ray.cpus_per_worker <= {cluster_cpus / n:.3g} (or leave it unset)"
         )
     return cpus
+
+
+def _datasets(cfg: JobConfig, dataset: Any) -> dict[str, Any]:
+    """``TorchTrainer``'s ``datasets`` and ``dataset_config`` for ``data.source = "ray_data"``:
+    every worker gets an iterator over the whole dataset in its order (not Ray Train's split;
+    ``ray_titan.data.ray_data``); empty otherwise. Raises :class:`ConfigError` for a dataset
+    without the text column."""
+    if cfg.data.source != "ray_data":
+        return {}
+    from ray.data import ExecutionOptions
+    from ray.train import DataConfig
+
+    from ray_titan.data.ray_data import DATASET_NAME, read_dataset
+
+    if dataset is None:
+        dataset = read_dataset(cfg.data)
+    names = dataset.schema().names
+    if cfg.data.text_column not in names:
+        raise ConfigError(f"data.text_column = {cfg.data.text_column!r} is not a column of the dataset; "
+                          f"its columns are {names}")
+    return {"datasets": {DATASET_NAME: dataset},
+            "dataset_config": DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True))}
 
 
 def _worker_entry(loop_config: dict[str, Any]) -> None:
@@ -235,7 +269,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
 
 def train(
     config: JobConfig | str | Path, overrides: list[str] | None = None, progress: str = "auto", *,
-    callbacks: list | None = None,
+    callbacks: list | None = None, dataset: Any = None,
 ) -> RunResult:
     """Run a training job on Ray and return its :class:`RunResult`.
 
@@ -243,7 +277,11 @@ def train(
     dotted flags (``["--training.steps=50"]``). ``progress``: ``auto`` (a progress bar when
     stdout is a terminal, plain lines otherwise), ``bar`` or ``lines``. ``callbacks``:
     worker-side callback objects (``ray_titan.callbacks``), pickled to every worker and run after
-    those of the config. Raises :class:`ConfigError` for an invalid job before any worker starts,
+    those of the config. ``dataset``: a ``ray.data.Dataset`` with a ``data.text_column`` column to
+    train on (``data.source`` becomes ``"ray_data"``; ``ray_titan.data.ray_data``: every rank
+    streams it in order, nothing is materialised here); ``data.source = "ray_data"`` with
+    ``data.path`` reads one with Ray Data. Raises :class:`ConfigError` for an invalid job before
+    any worker starts,
     :class:`~ray_titan.metrics.leak.MemoryLeakError` when a rank's memory grew and
     ``memory.on_leak = "stop"`` ended the run, and ``ray.train.TrainingFailedError`` if training
     fails otherwise (the metrics recorded until then stay in the run directory), ``NonFiniteError``
@@ -252,7 +290,7 @@ def train(
     """
     with SignalGuard() as signals:
         try:
-            return _train(config, overrides, progress, callbacks, signals)
+            return _train(config, overrides, progress, callbacks, signals, dataset)
         except KeyboardInterrupt as e:  # before the workers started, or a plain Ctrl-C
             if isinstance(e, Interrupted):
                 raise
@@ -260,7 +298,7 @@ def train(
 
 
 def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress: str, callbacks: list | None,
-           signals: SignalGuard) -> RunResult:
+           signals: SignalGuard, dataset: Any = None) -> RunResult:
 
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -270,7 +308,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     from ray_titan.checkpoint import find_latest, remove_staging
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.leak import MemoryLeakError, leak_settings
-    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.sinks import read_steps, wandb_settings
     from ray_titan.metrics.timing import read_timings, write_timings
     from ray_titan.progress import ConsoleThread, check_mode, make_display
     from ray_titan.trainer.build import parallel_dims
@@ -291,13 +329,17 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
             "absolute --job.dump_folder (shared storage on a multi-node cluster) to keep the run",
             file=sys.stderr, flush=True,
         )
+    if dataset is not None:
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": "ray_data", "path": None})})
     cfg = resolve_hf_job(resolve_paths(cfg))
     for warning in job_warnings(cfg):
         print(f"ray_titan: warning: {warning}", file=sys.stderr, flush=True)
-    cfg = validate_job(cfg)  # also materialises the built-in corpus, once, before workers read it
+    # Also materialises the built-in corpus, once, before workers read it.
+    cfg = validate_job(cfg, has_dataset=dataset is not None)
 
     _connect(cfg)
     signals.rearm()  # ray.init sets its own SIGTERM handler
+    datasets = _datasets(cfg, dataset)
     dims = parallel_dims(cfg)
     cpus = _check_cluster(cfg)
     marks["cluster_ready"] = time.time()
@@ -317,7 +359,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
         str(run_dir), dims.world_size, dims.last_stage_ranks(), cfg.training.steps,
         cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
         leak=leak_settings(cfg.memory), on_leak=cfg.memory.on_leak,
-        kill_at_step=cfg.debug.kill_collector_at_step, nice=cfg.metrics.collector_nice,
+        kill_at_step=cfg.debug.kill_collector_at_step, nice=cfg.metrics.collector_nice, wandb=wandb_settings(cfg),
     ) if cfg.metrics.enabled else None
     # The run directory's last part; run_dir is a URI string (no .name) on remote storage.
     run_name = run_dir.name if isinstance(run_dir, Path) else run_dir.rstrip("/").rsplit("/", 1)[-1]
@@ -332,6 +374,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
         train_loop_config={"config": cfg.model_dump(), "collector": collector, "run_dir": str(run_dir),
                            "callbacks": list(callbacks or [])},
         torch_config=TorchConfig(backend="nccl" if cfg.ray.use_gpu else "gloo"),
+        **datasets,
         scaling_config=ScalingConfig(
             num_workers=dims.world_size, use_gpu=cfg.ray.use_gpu,
             resources_per_worker={"CPU": cpus, **({"GPU": 1} if cfg.ray.use_gpu else {})},

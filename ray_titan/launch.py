@@ -26,6 +26,7 @@ from ray_titan.memory_planner import record_memory_plan
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.leak import leak_settings
 from ray_titan.metrics.report import JsonlReporter, LocalReporter, Reporter, rank_reports_path, read_rank_reports
+from ray_titan.metrics.sinks import wandb_settings
 from ray_titan.metrics.timing import write_timings
 from ray_titan.preflight import validate_job
 from ray_titan.run_dir import make_run_dir, resolve_paths
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{cfg.parallelism.dp_replicate} × {cfg.parallelism.dp_shard} × {cfg.parallelism.tp}) but this launch "
             f"has {world}: use torchrun --nproc-per-node={cfg.world_size}"
         )
+    if cfg.data.source == "ray_data":
+        raise SystemExit("data.source = 'ray_data' streams through Ray: run it with ray-titan train (the Ray driver)")
     cfg = validate_job(cfg)  # on every rank, so a bad config stops them all before the process group
     device = local_cuda_device()
     if world > 1:
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         return MetricsCollector(
             str(run_dir), world, dims.last_stage_ranks(), cfg.training.steps, cfg.metrics.log_freq,
             cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
-            leak_settings(cfg.memory), cfg.memory.on_leak,
+            leak_settings(cfg.memory), cfg.memory.on_leak, wandb=wandb_settings(cfg),
         )
 
     storage = LocalCheckpointStorage(run_dir / "checkpoints", cfg.checkpoint.keep_latest_k)

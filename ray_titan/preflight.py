@@ -13,6 +13,7 @@ what would be valid.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from typing import Any
 
@@ -28,7 +29,10 @@ from ray_titan.checkpoint import (
     read_manifest,
 )
 from ray_titan.config.schema import ConfigError, JobConfig
+from ray_titan.data.build import source_settings, training_documents, validation_documents
 from ray_titan.data.corpus import check_source
+from ray_titan.data.ray_data import dataset_format
+from ray_titan.data.sft import ChatTemplate, find_chat_template
 from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.hf import HFCheckpointError, check_hf_checkpoint, job_model_args
 from ray_titan.models.registry import is_moe
@@ -67,17 +71,18 @@ def _check_dump_folder(cfg: JobConfig) -> None:
         ) from None
 
 
-def validate_job(cfg: JobConfig, check_data: bool = True) -> JobConfig:
+def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = False) -> JobConfig:
     """Cross-field checks the driver runs before any worker starts.
 
     Checks the mesh against the worker count, the model against the pipeline, the batch against
-    microbatches and DP degree, the sequence length against the model, that the data path
-    exists and has the text column, that the run directory can be written, and that the
-    checkpoint to load is complete (CRC-32 of every file), holds metadata the restricted
-    unpickler accepts, and fits the job. ``check_data = False`` leaves out what reads or writes
-    files (data, tokenizer, run directory, checkpoint to load): the memory plan checks a job
-    that may run elsewhere. Raises :class:`ConfigError` naming the setting, its value and what
-    would be valid.
+    microbatches and DP degree, the sequence length against the model, that the data source(s)
+    exist and have the columns ``data.format`` reads, the validation settings, that the run
+    directory can be written, and that the checkpoint to load is complete (CRC-32 of every
+    file), holds metadata the restricted unpickler accepts, and fits the job. ``check_data =
+    False`` leaves out what reads or writes files (data, tokenizer, run directory, checkpoint to
+    load): the memory plan checks a job that may run elsewhere. ``has_dataset``: the driver was
+    given a ``ray.data.Dataset`` (``data.source = "ray_data"`` without a path). Raises
+    :class:`ConfigError` naming the setting, its value and what would be valid.
 
     Returns ``cfg``, with ``checkpoint.load_path`` made the checkpoint it resolved to (a run
     directory's newest good one: a corrupt newer one is passed over with a warning), so the
@@ -104,7 +109,12 @@ def validate_job(cfg: JobConfig, check_data: bool = True) -> JobConfig:
         )
     if check_data:
         _check_dump_folder(cfg)
-    if cfg.data.source == "python_stdlib" and cfg.data.path:
+    if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "metrics.wandb = true but the wandb package is not installed; install it with "
+            "pip install 'ray-titan[wandb]' (or pip install wandb), or set metrics.wandb = false"
+        )
+    if cfg.data.source == "python_stdlib" and cfg.data.path and not cfg.data.sources:
         raise ConfigError(
             f"data.path = {cfg.data.path!r} is set but data.source = 'python_stdlib' ignores it; "
             "set data.source = 'parquet' or 'jsonl' to train on it"
@@ -174,7 +184,10 @@ def validate_job(cfg: JobConfig, check_data: bool = True) -> JobConfig:
     _validate_memory(cfg)
     if not check_data:
         return cfg
-    check_source(cfg.data)
+    _check_sources(cfg, has_dataset)
+    if cfg.data.format == "messages":
+        ChatTemplate(find_chat_template(cfg.data))
+    _validate_validation(cfg)
     try:
         tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
     except Exception as e:  # a missing, unreadable or special-token-less tokenizer.json
@@ -385,6 +398,80 @@ def _validate_memory(cfg: JobConfig) -> None:
             load_callback(cb.target, cb.kwargs)
         except ValueError as e:
             raise ConfigError(f"callbacks[{i}].target = {cb.target!r}: {e}") from None
+
+
+def _check_sources(cfg: JobConfig, has_dataset: bool = False) -> None:
+    """The training source, or every source of a mixture, exists and has documents."""
+    data = cfg.data
+    if data.source == "ray_data":
+        _check_ray_data(cfg, has_dataset)
+        return
+    if not data.sources:
+        check_source(data)
+        return
+    if data.path:
+        raise ConfigError(f"data.path = {data.path!r} is set but data.sources (a mixture) replaces it; "
+                          "give each source its own path in data.sources")
+    names = [s.name for s in data.sources]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data.sources names {names} repeat; give each source its own name")
+    for i, d in enumerate(source_settings(data)):
+        try:
+            check_source(d)
+        except ConfigError as e:
+            raise ConfigError(f"data.sources[{i}] ({names[i]!r}): {e}") from None
+
+
+def _check_ray_data(cfg: JobConfig, has_dataset: bool) -> None:
+    """``data.source = "ray_data"``: text, a path (unless a dataset was given), no held-out share."""
+    data = cfg.data
+    if data.format != "text":
+        raise ConfigError(f"data.source = 'ray_data' streams text documents; data.format = {data.format!r} needs "
+                          "data.source = 'parquet' or 'jsonl'")
+    if data.sources:
+        raise ConfigError("data.source = 'ray_data' cannot be mixed with data.sources; use one or the other")
+    if cfg.validation.enable and cfg.validation.source == "holdout":
+        raise ConfigError("validation.source = 'holdout' needs a file source to hash; with data.source = "
+                          "'ray_data' give validation a source of its own (validation.source, validation.path)")
+    if has_dataset:
+        return
+    if not data.path:
+        raise ConfigError("data.source = 'ray_data' needs data.path (Parquet or JSON Lines files, local or "
+                          "object storage) or a dataset: ray_titan.train(cfg, dataset=ds)")
+    if not storage.is_remote(data.path):  # object storage is read by Ray Data itself, on the cluster
+        check_source(data.model_copy(update={"source": dataset_format(data.path)}))
+
+
+def _validate_validation(cfg: JobConfig) -> None:
+    """Checks of ``[validation]``: batch shape, its own source, or a non-empty held-out share."""
+    v, tr = cfg.validation, cfg.training
+    if not v.enable:
+        return
+    if v.batch_size is not None and v.batch_size % tr.global_batch_size:
+        raise ConfigError(
+            f"validation.batch_size = {v.batch_size} is not a multiple of training.global_batch_size = "
+            f"{tr.global_batch_size}: validation runs the training step's microbatch shape; use a multiple "
+            f"of {tr.global_batch_size} (or leave it unset)"
+        )
+    if v.source == "holdout":
+        if v.path:
+            raise ConfigError(f"validation.path = {v.path!r} is set but validation.source = 'holdout' ignores it; "
+                              "set validation.source = 'parquet' or 'jsonl' to validate on it")
+        held = validation_documents(cfg)
+        train = [training_documents(cfg, d) for d in source_settings(cfg.data)]
+        for what, n in [("held out", len(held))] + [("left to train on", len(t)) for t in train]:
+            if n == 0:
+                raise ConfigError(
+                    f"validation.holdout_fraction = {v.holdout_fraction} leaves no document {what} in the "
+                    "training source(s); choose another fraction or a validation source"
+                )
+        return
+    if v.source != "python_stdlib" and not v.path:
+        raise ConfigError(f"validation.source = {v.source!r} needs validation.path (a file or a directory)")
+    try:
+        check_source(cfg.data.model_copy(update={"source": v.source, "path": v.path}))
+    except ConfigError as e:
+        raise ConfigError(f"validation source: {e} (validation.path = {v.path!r})") from None
 
 
 def _check_load_path(cfg: JobConfig, vocab_size: int) -> JobConfig:

@@ -3,7 +3,8 @@
 Reads ``<run_dir>/metrics/steps.parquet`` (or its flushed parts, after a crash) and writes, with
 matplotlib's Agg backend (no display needed):
 
-- ``<run_dir>/report/loss.png``: the step loss (last pipeline stage) over steps;
+- ``<run_dir>/report/loss.png``: the step loss (last pipeline stage) over steps, and the
+  validation loss at the steps that evaluated;
 - ``<run_dir>/report/memory.png``: every rank's memory over steps, the series its verdict
   watches (device allocated where the ranks have a device, else host RSS less malloc's free
   bytes, with RSS itself dashed), one line per rank labelled with its mesh coordinates, the
@@ -187,7 +188,11 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tupl
     first = ranks[min(ranks)]
     fig, ax = plt.subplots(figsize=(8, 4))
     loss = np.array([np.nan if v is None else v for v in first["step_loss"]], dtype=float)
-    ax.plot(first["step"], loss, lw=1)
+    ax.plot(first["step"], loss, lw=1, label="train")
+    val = [(s, v) for s, v in zip(first["step"], first.get("step_val_loss") or []) if v is not None]
+    if val:
+        ax.plot(*zip(*val), marker="o", ms=3, lw=1, label="validation")
+        ax.legend()
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{Path(run_dir).name}: loss of the last stage")
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -76,7 +76,8 @@ def toml_value(v: Any) -> str:
     if isinstance(v, str):
         return json.dumps(v, ensure_ascii=False)  # a JSON string is a valid TOML basic string
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
+        # TOML has no null: an unset entry of an inline table is left out.
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items() if x is not None) + "}"
     return str(v)
 
 

@@ -74,12 +74,28 @@ class Model(_Section):
     """MoE only: γ, the step of the aux-loss-free bias update per optimizer step (DeepSeek-V3: 0.001)."""
 
 
+class DataSource(_Section):
+    """One source of a mixture (an entry of ``data.sources``)."""
+
+    name: str
+    """Its name in the metrics (``source_tokens`` follows the order of ``data.sources``)."""
+    source: Literal["python_stdlib", "parquet", "jsonl"]
+    """As ``data.source``."""
+    path: str | None = None
+    """As ``data.path``."""
+    weight: float = Field(gt=0)
+    """Its share of the documents drawn: weight over the sum of the weights."""
+
+
 class Data(_Section):
     """Corpus source and tokenizer."""
 
-    source: Literal["python_stdlib", "parquet", "jsonl"] = "python_stdlib"
+    source: Literal["python_stdlib", "parquet", "jsonl", "ray_data"] = "python_stdlib"
     """``python_stdlib``: the running interpreter's standard library (built in, nothing downloaded);
-    ``parquet`` / ``jsonl``: user files given by ``path``."""
+    ``parquet`` / ``jsonl``: user files given by ``path``; ``ray_data``: streamed with Ray Data
+    from ``path`` (Parquet, or JSON Lines for ``.jsonl`` paths; local or object storage such as
+    ``s3://``), or the ``ray.data.Dataset`` given to ``ray_titan.train(cfg, dataset=ds)``
+    (``ray_titan.data.ray_data``: every rank streams it in order; text only)."""
     path: str | None = None
     """A file or a directory of ``*.parquet`` / ``*.jsonl`` files (required for those sources)."""
     text_column: str = "text"
@@ -90,6 +106,29 @@ class Data(_Section):
     """Path of a Hugging Face ``tokenizer.json`` (required for ``tokenizer = "huggingface"``)."""
     cache_dir: str | None = None
     """Where built-in corpora are materialised as Parquet; default ``~/.cache/ray_titan``."""
+    sources: list[DataSource] = Field(default_factory=list)
+    """A mixture: several sources (``[[data.sources]]`` tables, or ``--data.sources=[{name = "code",
+    source = "parquet", path = "...", weight = 3.0}, ...]``), each document drawn from one of
+    them with probability proportional to its weight, in an order fixed by ``training.seed``.
+    Each entry: ``name``, ``source`` (as above), ``path``, ``weight`` (> 0);
+    ``source`` and ``path`` above are then unused (the columns, format and tokenizer apply to
+    every source). Each step's rows record the tokens taken from each (``source_tokens``)."""
+    format: Literal["text", "prompt_response", "messages"] = "text"
+    """``text``: documents in ``text_column``, every token a target of the loss.
+    Supervised fine-tuning (the loss counts response tokens only, its mean taken over every
+    counted token of the global batch): ``prompt_response``: ``prompt_column`` and
+    ``response_column``, each example ``[BOS] prompt response [EOS]``; ``messages``: a
+    ``messages_column`` of chat messages (``role``, ``content``) rendered with the tokenizer's
+    chat template (``chat_template_path``), the assistant messages' tokens counted."""
+    prompt_column: str = "prompt"
+    """With ``format = "prompt_response"``: the prompt's column (not a target of the loss)."""
+    response_column: str = "response"
+    """With ``format = "prompt_response"``: the response's column (the loss's targets)."""
+    messages_column: str = "messages"
+    """With ``format = "messages"``: the column of message lists (``{"role", "content"}`` each)."""
+    chat_template_path: str | None = None
+    """With ``format = "messages"``: a Hugging Face ``tokenizer_config.json`` (its ``chat_template``)
+    or a ``chat_template.jinja`` file. Default: one of those beside ``tokenizer_path``."""
 
 
 class Training(_Section):
@@ -111,12 +150,47 @@ class Training(_Section):
     autocast: Literal["none", "bfloat16"] = "none"
     """``bfloat16``: forward passes (and the pipeline schedule's steps) run under
     ``torch.autocast`` in bf16: matmuls in bf16, weights, gradients and optimizer state in fp32."""
+    document_mask: bool = False
+    """Attention stays within each document of a packed sequence (block-causal: a document
+    starts at each BOS token and at the start of a row), and rotary positions restart at 0 in
+    every document, so a packed sequence computes what its documents would alone. Computed with
+    ``scaled_dot_product_attention`` and a boolean mask on every device. Off: causal attention
+    over the whole sequence (documents see their predecessors)."""
     threads_per_worker: int | None = Field(None, gt=0)
     """``torch.set_num_threads`` per worker; default: the worker's CPU share rounded up."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient norm: ``stop`` ends the run with an error naming the step and
     the stage; ``skip`` drops that step's update (the LR schedule and the data still advance) and
     counts it in the metrics (``skipped_update``)."""
+
+
+class Validation(_Section):
+    """Held-out loss (section ``[validation]``): every ``freq`` steps and at the last step, the
+    model is evaluated without gradients on ``steps`` batches of ``batch_size`` sequences of
+    ``training.seq_len`` tokens (the same batches at every evaluation), and the loss (token-weighted
+    mean over the last stage's data-parallel ranks, nats per token) is recorded beside the
+    training loss. Training is unchanged by it: its losses are bit-identical with validation on
+    or off (a held-out share excepted, which removes those documents from training)."""
+
+    enable: bool = False
+    """Evaluate the validation loss during training."""
+    freq: int = Field(100, gt=0)
+    """Steps between evaluations (also after the last step)."""
+    steps: int = Field(10, gt=0)
+    """Batches per evaluation."""
+    source: Literal["holdout", "python_stdlib", "parquet", "jsonl"] = "holdout"
+    """``holdout``: a share (``holdout_fraction``) of the training source's documents, chosen by a
+    hash of each document's content (the same on every rank and in every run, whatever the
+    seed) and removed from training. ``python_stdlib`` / ``parquet`` / ``jsonl``: a source of its
+    own (``path``), read with the training source's columns, format and tokenizer."""
+    path: str | None = None
+    """File or directory of the validation source (``source = "parquet"`` or ``"jsonl"``)."""
+    holdout_fraction: float = Field(0.01, gt=0, lt=1)
+    """With ``source = "holdout"``: the share of the training source's documents held out."""
+    batch_size: int | None = Field(None, gt=0)
+    """Sequences per validation batch over all data-parallel ranks; default
+    ``training.global_batch_size``. A multiple of it: each batch runs through the training
+    step's microbatch shape (the pipeline schedule's buffers are sized by it)."""
 
 
 class Parallelism(_Section):
@@ -231,6 +305,18 @@ class Metrics(_Section):
     """Reports a worker holds until the collector has them on disk (it resends them after a
     collector restart); beyond this the oldest are dropped and counted (bounded so a stuck
     collector cannot grow a worker)."""
+    wandb: bool = False
+    """Also log to Weights & Biases, from the collector only (never from the workers): the
+    TensorBoard scalars of every step (losses, validation, throughput, lr, every rank's memory)
+    and the job's config. Needs the ``wandb`` package (``pip install 'ray-titan[wandb]'``);
+    ``WANDB_MODE=offline`` writes the run under ``<run_dir>/wandb`` for ``wandb sync`` later;
+    the API key comes from ``WANDB_API_KEY`` or ``wandb login``, as wandb reads them."""
+    wandb_project: str = "ray_titan"
+    """The W&B project."""
+    wandb_run_name: str | None = None
+    """The W&B run's display name; default the run directory's name (``<name>-<timestamp>``)."""
+    wandb_tags: list[str] = Field(default_factory=list)
+    """Tags of the W&B run."""
     collector_max_restarts: int = Field(10, ge=0)
     """Times Ray restarts a killed collector actor; it resumes from the metrics it had flushed."""
     collector_nice: int = Field(10, ge=0, le=19)
@@ -434,6 +520,7 @@ class JobConfig(_Section):
     model: Model = Field(default_factory=Model)
     data: Data = Field(default_factory=Data)
     training: Training = Field(default_factory=Training)
+    validation: Validation = Field(default_factory=Validation)
     parallelism: Parallelism = Field(default_factory=Parallelism)
     optimizer: Optimizer = Field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = Field(default_factory=LRScheduler)

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from ray_titan.config.schema import ConfigError, Data
 
-__all__ = ["check_source", "load_texts", "materialize_python_stdlib", "source_files"]
+__all__ = ["check_source", "load_columns", "load_texts", "materialize_python_stdlib", "source_files"]
 
 _SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl"}
 _EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -141,9 +141,26 @@ def _first_text(files: list[Path], fmt: str, column: str) -> bool:
     return False
 
 
+def _columns(data: Data) -> list[tuple[str, str, str]]:
+    """``(setting, column, kind)`` of the columns ``data.format`` reads."""
+    if data.format == "prompt_response":
+        return [("prompt_column", data.prompt_column, "string"), ("response_column", data.response_column, "string")]
+    if data.format == "messages":
+        return [("messages_column", data.messages_column, "a list of {role, content}")]
+    return [("text_column", data.text_column, "string")]
+
+
+def _is_kind(t: pa.DataType, kind: str) -> bool:
+    if kind == "string":
+        return pa.types.is_string(t) or pa.types.is_large_string(t)
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_struct(t.value_type) and all(
+        t.value_type.get_field_index(k) >= 0 for k in ("role", "content"))
+
+
 def check_source(data: Data) -> None:
-    """Check that every file of the source exists and has ``data.text_column`` as a string
-    column, and that the source has rows with text.
+    """Check that every file of the source exists and has the columns ``data.format`` reads
+    (``data.text_column`` as a string column for text), and that the source has rows (for text,
+    rows with text).
 
     Also checks that some document has text (not all empty or null). Reads Parquet footers and
     then row groups until one has text (one, for a real corpus); JSON Lines files are parsed.
@@ -162,26 +179,36 @@ def check_source(data: Data) -> None:
         except (pa.ArrowInvalid, OSError) as e:
             raise ConfigError(f"data.path file {str(f)!r} is not readable as {fmt}: {e}") from None
         rows += n
-        if data.text_column not in schema.names:
-            raise ConfigError(
-                f"data.text_column = {data.text_column!r} is not a column of {str(f)!r}; "
-                f"its columns are {schema.names}"
-            )
-        if not pa.types.is_string(schema.field(data.text_column).type) and not pa.types.is_large_string(
-            schema.field(data.text_column).type
-        ):
-            raise ConfigError(
-                f"data.text_column = {data.text_column!r} in {str(f)!r} has type "
-                f"{schema.field(data.text_column).type}, not string"
-            )
+        for setting, column, kind in _columns(data):
+            if column not in schema.names:
+                raise ConfigError(
+                    f"data.{setting} = {column!r} is not a column of {str(f)!r}; "
+                    f"its columns are {schema.names}"
+                )
+            if not _is_kind(schema.field(column).type, kind):
+                raise ConfigError(
+                    f"data.{setting} = {column!r} in {str(f)!r} has type {schema.field(column).type}, not {kind}"
+                )
     if rows == 0:
         raise ConfigError(f"data.path = {data.path!r} has no documents (0 rows in {len(files)} file(s))")
-    if not _first_text(files, fmt, data.text_column):
+    if data.format == "text" and not _first_text(files, fmt, data.text_column):
         raise ConfigError(
             f"data.text_column = {data.text_column!r} is empty or null in all {rows} rows of data.path = "
             f"{data.path!r} ({len(files)} file(s)): nothing to train on but BOS/EOS; name the column that holds "
             "the text"
         )
+
+
+def load_columns(data: Data, columns: list[str]) -> pa.Table:
+    """``columns`` of every file of the source, in file order, as one table (rows whose
+    columns are all null dropped): the examples of a supervised fine-tuning source."""
+    files, fmt = source_files(data)
+    table = pa.concat_tables([_read(f, fmt, columns) for f in files], promote_options="permissive")
+    valid = None
+    for name in columns:
+        v = table[name].is_valid()
+        valid = v if valid is None else pc.or_(valid, v)
+    return table.filter(valid)
 
 
 def load_texts(data: Data) -> pa.ChunkedArray:

@@ -5,6 +5,11 @@ tokenized as ``[BOS] + tokens + [EOS]`` and appended to one stream, which is cut
 ``seq_len + 1`` tokens (no padding, no token used twice). A step's global batch is the next
 ``global_batch_size`` chunks; DP rank ``r`` of ``D`` takes chunks ``[r·B/D, (r+1)·B/D)``. So the
 ranks read disjoint parts, and the union over ranks is exactly what a one-worker run reads.
+
+Subclasses choose how a document becomes tokens (:meth:`PackedLoader._tokens`): supervised
+examples (``ray_titan.data.sft``) mark the tokens that are no target of the loss (a prompt's) by
+storing them complemented (``~id``, negative) in the stream, so the position stays one token
+array; their labels come out as ``IGNORE_INDEX``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ import torch
 
 from ray_titan.data.tokenizer import Tokenizer
 
-__all__ = ["PackedLoader"]
+__all__ = ["IGNORE_INDEX", "BufferedPackedLoader", "PackedLoader"]
+
+IGNORE_INDEX = -100
+"""The label of a token that is no target of the loss (``torch.nn.functional.cross_entropy``'s default)."""
 
 
 class PackedLoader:
@@ -37,6 +45,15 @@ class PackedLoader:
     Raises ``ValueError`` if ``global_batch_size`` is not divisible by ``dp_degree`` or the
     corpus is empty.
     """
+
+    masked = False
+    """Whether some labels are :data:`IGNORE_INDEX` (then :attr:`counted_tokens` is set)."""
+    counted_tokens: int | None = None
+    """Labels that count in the loss in the last global batch (all data-parallel ranks' slices);
+    None when every label counts."""
+    source_tokens: list[int] | None = None
+    """With a mixture (``ray_titan.data.mixing``): the label tokens of the last batch's slice
+    taken from each source; None otherwise."""
 
     def __init__(
         self,
@@ -71,8 +88,7 @@ class PackedLoader:
         if self.doc_pos == len(self._order):
             self.epoch, self.doc_pos = self.epoch + 1, 0
             self._order = self._permutation(self.epoch)
-        text = self.texts[int(self._order[self.doc_pos])].as_py()
-        ids = np.concatenate(([self.tok.bos_id], self.tok.encode(text), [self.tok.eos_id])).astype(np.int32)
+        ids = self._tokens(int(self._order[self.doc_pos])).astype(np.int32)
         self._docs.append((self.epoch, self.doc_pos, ids))
         self._have += len(ids)
         self.doc_pos += 1
@@ -94,13 +110,23 @@ class PackedLoader:
                 self._offset = 0
         return np.concatenate(parts).astype(np.int64)
 
+    def _tokens(self, index: int) -> np.ndarray:
+        """Document ``index`` as stored in the stream: ``[BOS] + tokens + [EOS]``, int64."""
+        ids = self.tok.encode(self.texts[index].as_py())
+        return np.concatenate(([self.tok.bos_id], ids, [self.tok.eos_id])).astype(np.int64)
+
     def __iter__(self) -> PackedLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self.seq_len + 1
-        batch = self._take(self.global_batch * chunk)
-        mine = batch.reshape(self.global_batch, chunk)[self.first : self.first + self.local_batch]
+        rows = self._take(self.global_batch * chunk).reshape(self.global_batch, chunk)
+        mine = rows[self.first : self.first + self.local_batch]
+        if self.masked:
+            self.counted_tokens = int((rows[:, 1:] >= 0).sum())
+            inputs = np.where(mine[:, :-1] < 0, ~mine[:, :-1], mine[:, :-1])
+            labels = np.where(mine[:, 1:] < 0, IGNORE_INDEX, mine[:, 1:])
+            return torch.from_numpy(inputs), torch.from_numpy(labels)
         t = torch.from_numpy(np.ascontiguousarray(mine))
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
@@ -127,3 +153,24 @@ class PackedLoader:
             if offset >= self._have:
                 raise ValueError(f"data position {state}: that document has only {self._have} tokens")
             self._offset = offset
+
+
+class BufferedPackedLoader(PackedLoader):
+    """A :class:`PackedLoader` whose unread tokens are one buffer, saved in its position:
+    for streams that cannot be re-read from a document index (a weighted mixture, a Ray Data
+    stream). Subclasses fill :attr:`_buffer` in :meth:`_fill` and restore it in
+    ``load_state_dict``."""
+
+    _buffer: np.ndarray = np.empty(0, dtype=np.int64)
+
+    def _fill(self, n_tokens: int) -> None:
+        raise NotImplementedError
+
+    def _take(self, n: int) -> np.ndarray:
+        self._fill(n)
+        out, self._buffer = self._buffer[:n], self._buffer[n:]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position in the stream: epoch, documents consumed, and the tokens read but unused."""
+        return {"epoch": self.epoch, "doc_pos": self.doc_pos, "buffer": self._buffer.copy()}

@@ -5,9 +5,10 @@ or as a plain object in-process. Workers call :meth:`MetricsCollector.report` wi
 step reports; when every rank has reported a step, the collector assembles it:
 
 - loss: the token-weighted mean of the losses of the ranks that hold the last pipeline stage
-  (given by the stage-to-rank mapping, ``last_stage_ranks``), and their max, each data-parallel
-  rank counted once: the tp ranks of one tensor-parallel group hold the same loss and the same
-  tokens, so only the one at ``tp = 0`` is counted (:func:`counted_rows`). A last-stage rank
+  (given by the stage-to-rank mapping, ``last_stage_ranks``; weighted by their counted labels,
+  ``loss_tokens``, under loss masks), and their max, each data-parallel rank counted once: the tp
+  ranks of one tensor-parallel group hold the same loss and the same tokens, so only the one at
+  ``tp = 0`` is counted (:func:`counted_rows`). A last-stage rank
   without a loss, or a non-last-stage rank with one, is recorded as an error, not filled in.
 - tokens/s: tokens of the step (summed over the last stage's DP ranks) over the slowest rank's
   step time.
@@ -33,6 +34,7 @@ ignores their resent reports.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import uuid
@@ -45,9 +47,20 @@ import pyarrow.compute
 from ray_titan import storage
 from ray_titan.metrics.leak import GROWING, LeakMonitor, describe_coords, leak_settings
 from ray_titan.metrics.memory import MEMORY_FIELDS
-from ray_titan.metrics.sinks import ParquetSink, TensorBoardSink, latest_rows, read_raw_parts
+from ray_titan.metrics.sinks import (
+    ParquetSink,
+    TensorBoardSink,
+    WandbSink,
+    expert_load_scalars,
+    latest_rows,
+    read_raw_parts,
+    step_scalars,
+)
 
-__all__ = ["BREAKDOWN_FILE", "MetricsCollector", "counted_rows", "expert_load", "format_step_line", "read_breakdowns"]
+__all__ = [
+    "BREAKDOWN_FILE", "MetricsCollector", "counted_rows", "expert_load", "format_step_line", "read_breakdowns",
+    "validation_summary",
+]
 
 BREAKDOWN_FILE = "memory_breakdown.jsonl"
 """Every rank's measured memory breakdown (``memory.breakdown_step``), one JSON line each, in
@@ -90,6 +103,18 @@ def expert_load(rows: list[dict[str, Any]]) -> dict[int, list[int]]:
     return dict(sorted(out.items()))
 
 
+def validation_summary(last: list[dict[str, Any]]) -> dict[str, float | None]:
+    """``{"val/loss", "val/perplexity"}`` of a step from its last-stage ranks' reports: the
+    token-weighted mean of their validation losses and its exponential; None at steps without
+    an evaluation."""
+    with_val = [r for r in last if r.get("val_loss") is not None and r.get("val_tokens")]
+    tokens = sum(r["val_tokens"] for r in with_val)
+    if not tokens:
+        return {"val/loss": None, "val/perplexity": None}
+    loss = sum(r["val_loss"] * r["val_tokens"] for r in with_val) / tokens
+    return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 700.0))}
+
+
 def format_step_line(step: int, total: int, s: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """The console line of a step: loss of the last stage, throughput, times, and every rank's
     memory (host RSS, and device allocated / peak reserved where there is a device)."""
@@ -102,6 +127,8 @@ def format_step_line(step: int, total: int, s: dict[str, Any], rows: list[dict[s
     )
     if s.get("moe_imbalance") is not None:
         line += f" | moe load max/mean {s['moe_imbalance']:.2f}"
+    if s.get("val/loss") is not None:
+        line += f" | val loss {s['val/loss']:.4f} (ppl {s['val/perplexity']:.2f})"
     if s.get("skipped"):
         line += " | update skipped (non-finite)"
     if rows[0].get("device_allocated_bytes") is not None:
@@ -143,6 +170,8 @@ class MetricsCollector:
             it assembles that step, in its first life only.
         nice: lower this process's CPU priority by this much (``os.nice``) first; for the Ray
             actor (``metrics.collector_nice``), not for a collector inside a worker.
+        wandb: :class:`~ray_titan.metrics.sinks.WandbSink`'s arguments (``wandb_settings``) to
+            also log every step to Weights & Biases; None: no W&B.
     """
 
     MAX_ERRORS = 1000
@@ -160,6 +189,7 @@ class MetricsCollector:
         on_leak: str = "warn",
         kill_at_step: int | None = None,
         nice: int = 0,
+        wandb: dict[str, Any] | None = None,
     ):
         if nice:
             os.nice(nice)
@@ -172,6 +202,7 @@ class MetricsCollector:
         self.total_steps, self.log_freq, self.flush_every = total_steps, log_freq, flush_every_steps
         self.parquet = ParquetSink(self.run_dir / "metrics")
         self.tb = TensorBoardSink(self.run_dir / "tb") if enable_tensorboard else None
+        self.wandb = WandbSink(self.run_dir, **wandb) if wandb else None
         self._pending: dict[int, dict[int, dict[str, Any]]] = {}
         self._lines: list[tuple[int | None, str]] = []  # (step it belongs to, text)
         self.errors: list[str] = []
@@ -284,6 +315,8 @@ class MetricsCollector:
                 steps_path = self.parquet.parts
             if self.tb:
                 self._tensorboard(self.tb.close)
+            if self.wandb:
+                self.wandb.close()
             if self._errors_unwritten:
                 try:
                     self._errors_path.write_text("".join(json.dumps(e) + "\n" for e in self.errors), encoding="utf-8")
@@ -397,8 +430,9 @@ class MetricsCollector:
                 self._error(f"step {step}: rank {r['rank']} is not on the last stage but reported a loss")
         last = counted_rows(last)
         with_loss = [r for r in last if r["loss"] is not None]
-        tokens = sum(r["tokens"] for r in with_loss)
-        loss = sum(r["loss"] * r["tokens"] for r in with_loss) / tokens if tokens else None
+        weights = [r["tokens"] if r.get("loss_tokens") is None else r["loss_tokens"] for r in with_loss]
+        tokens = sum(weights)
+        loss = sum(r["loss"] * w for r, w in zip(with_loss, weights)) / tokens if tokens else None
         step_time = max(r["step_time_s"] for r in rows)
         summary = {
             "loss": loss,
@@ -410,6 +444,9 @@ class MetricsCollector:
             "skipped": rows[0].get("skipped_update", False),
         }
         summary["tokens_per_s"] = summary["tokens"] / step_time if step_time > 0 else 0.0
+        summary.update(validation_summary(last))
+        mixed = [r["source_tokens"] for r in last if r.get("source_tokens")]  # one per data-parallel group
+        summary["source_tokens"] = [sum(c) for c in zip(*mixed)] if mixed else None
         load = expert_load(counted_rows(rows))
         aux = [r["aux_loss"] for r in counted_rows(rows) if r.get("aux_loss") is not None]
         # Each DP replica's layers sum to its balance loss; average the replicas.
@@ -423,9 +460,12 @@ class MetricsCollector:
         flat = [self._row(r, summary) for r in rows]
         changes = [self._verdict(step, r, row) for r, row in zip(rows, flat)]
         self.parquet.add(flat)
+        scalars = {k: summary[k] for k in ("loss", "loss_max", "tokens_per_s", "lr", "grad_norm", "step_time_s",
+                                           "moe/aux_loss", "val/loss", "val/perplexity")}
+        if self.wandb:
+            self.wandb.log(step, step_scalars(scalars, flat) + expert_load_scalars(load))
         if self.tb:
-            scalars = ("loss", "loss_max", "tokens_per_s", "lr", "grad_norm", "step_time_s", "moe/aux_loss")
-            self._tensorboard(self.tb.add_step, step, {k: summary[k] for k in scalars}, flat)
+            self._tensorboard(self.tb.add_step, step, scalars, flat)
             if load and self.tb:
                 self._tensorboard(self.tb.add_expert_load, step, load)
             if not self._mesh_written and self.tb:  # what ``rank{r}`` in the tags is on the mesh
@@ -435,7 +475,7 @@ class MetricsCollector:
             for message in filter(None, changes):
                 if self.tb:
                     self._tensorboard(self.tb.add_text, "memory/verdict", message, step)
-        if step % self.log_freq == 0 or step == self.total_steps or step == 1:
+        if step % self.log_freq == 0 or step == self.total_steps or step == 1 or summary["val/loss"] is not None:
             self._lines.append((step, format_step_line(step, self.total_steps, summary, flat)))
         self._lines += [(step, c) for c in changes if c]
         self.assembled += 1
@@ -544,6 +584,10 @@ class MetricsCollector:
                    expert_load=r.get("expert_load") or [])
         row["gc_generation"] = r.get("gc_generation")
         row["metrics_time_s"] = r.get("metrics_time_s")
+        row["loss_tokens"] = r.get("loss_tokens")
+        row.update(source_tokens=r.get("source_tokens"), step_source_tokens=s["source_tokens"])
+        row.update(val_loss=r.get("val_loss"), val_tokens=r.get("val_tokens"), val_time_s=r.get("val_time_s"),
+                   step_val_loss=s["val/loss"])
         row.update(skipped_update=r.get("skipped_update", False), attempt=0,
                    attempt_start_time=r.get("attempt_start_time", 0.0), pid=r.get("pid"))
         row.update({k: r["memory"].get(k) for k in MEMORY_FIELDS})

@@ -81,6 +81,20 @@ class StepReport:
     cost, callbacks excluded. The sample falls inside that step's ``step_time_s``, the report
     after it. None at an attempt's first step."""
 
+    loss_tokens: int | None = None
+    """With loss masks (supervised fine-tuning): the labels counted in ``loss`` (its weight in the
+    step's mean); None when every label of ``tokens`` counts."""
+    source_tokens: list[int] | None = None
+    """With a mixture (``data.sources``): the label tokens of this rank's slice taken from each
+    source, in the order of ``data.sources``."""
+    val_loss: float | None = None
+    """Validation loss (nats per counted token, mean over this rank's validation tokens) at the
+    steps that evaluated (``[validation]``), on last-stage ranks; None otherwise."""
+    val_tokens: int | None = None
+    """Counted label tokens of this rank's validation batches at the steps that evaluated."""
+    val_time_s: float | None = None
+    """Seconds the evaluation took (not part of ``step_time_s``)."""
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as a dict, sharing the nested dicts and lists (``dataclasses.asdict`` deep
         copies them: ~50 µs a report); a report is not changed after it is handed over."""

@@ -1,4 +1,5 @@
-"""Where assembled metrics go: Parquet (pyarrow) and TensorBoard (tensorboardX).
+"""Where assembled metrics go: Parquet (pyarrow), TensorBoard (tensorboardX) and, optionally,
+Weights & Biases.
 
 Parquet: rows are appended in parts, ``<run_dir>/metrics/parts/part-NNNNN.parquet``, each written
 whole (temporary file, then rename) so a crash loses at most the rows not yet flushed. On close
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-__all__ = ["STEP_SCHEMA", "VERDICT_CODES", "ParquetSink", "TensorBoardSink", "read_steps"]
+__all__ = [
+    "STEP_SCHEMA", "VERDICT_CODES", "ParquetSink", "TensorBoardSink", "WandbSink", "expert_load_scalars",
+    "read_steps", "step_scalars", "wandb_settings",
+]
 
 _I, _F, _B = pa.int64(), pa.float64(), pa.bool_()
 STEP_SCHEMA = pa.schema(
@@ -43,6 +48,12 @@ STEP_SCHEMA = pa.schema(
         ("step_loss", _F), ("step_loss_max", _F), ("step_tokens", _I), ("step_tokens_per_s", _F),
         # Fault tolerance:
         ("skipped_update", _B), ("attempt", _I), ("attempt_start_time", _F), ("pid", _I),
+        # Validation (null at steps without an evaluation):
+        ("val_loss", _F), ("val_tokens", _I), ("val_time_s", _F), ("step_val_loss", _F),
+        # Loss masks (supervised fine-tuning): the labels counted in ``loss`` (null: all of ``tokens``).
+        ("loss_tokens", _I),
+        # Mixtures (data.sources): label tokens from each source, this rank's and the step's.
+        ("source_tokens", pa.list_(_I)), ("step_source_tokens", pa.list_(_I)),
     ]
 )
 """One row per step per rank. ``pp``, ``dp_shard``, ``ep``, ``dp_replicate``, ``tp``: the rank's
@@ -58,7 +69,14 @@ rate (null unless growing with a known capacity).
 ``skipped_update``: the step's update was dropped (non-finite loss or gradient norm, under
 ``training.on_nonfinite = "skip"``). ``attempt``: 0 for the first worker group, 1 for the first
 restart, ...; ``attempt_start_time`` (Unix seconds) identifies it. Steps replayed after a restart
-replace the lost attempt's rows, so each (step, rank) appears once. ``pid``: the worker process."""
+replace the lost attempt's rows, so each (step, rank) appears once. ``pid``: the worker process.
+``val_loss``, ``val_tokens``, ``val_time_s``: at steps that evaluated (``[validation]``), the rank's
+validation loss (last-stage ranks; nats per counted token), its counted validation tokens and the
+evaluation's seconds (outside ``step_time_s``); ``step_val_loss``: the step's validation loss,
+token-weighted over the last stage's data-parallel ranks (its perplexity is ``exp`` of it).
+``loss_tokens``: under loss masks, the labels counted in the rank's ``loss``. ``source_tokens``
+and ``step_source_tokens``: with a mixture, the label tokens taken from each source (in the order
+of ``data.sources``) in the rank's slice and in the whole step (null without a mixture)."""
 
 
 class ParquetSink:
@@ -170,9 +188,80 @@ VERDICT_CODES = {"warming_up": 0, "stable": 1, "growing": 2}
 """How a memory verdict is plotted as a TensorBoard scalar (``memory/rank{r}/verdict``)."""
 
 
+def step_scalars(scalars: Mapping[str, float | None], rows: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """A step's scalars by tag, as TensorBoard and W&B get them: ``scalars`` (the step-level
+    figures, None left out) and, per rank, its memory (MiB), verdict, slope and GC pause."""
+    values = [(k, v) for k, v in scalars.items() if v is not None]
+    for row in rows:
+        rank = row["rank"]
+        for k in ("host_rss_bytes", "host_peak_rss_bytes", "device_allocated_bytes",
+                  "device_reserved_bytes", "device_peak_active_bytes", "device_peak_reserved_bytes"):
+            if row.get(k) is not None:
+                values.append((f"memory/rank{rank}/{k.removesuffix('_bytes')}_mib", row[k] / 2**20))
+        if row.get("memory_verdict") is not None:
+            values.append((f"memory/rank{rank}/verdict", VERDICT_CODES[row["memory_verdict"]]))
+        if row.get("memory_slope_mib_per_step") is not None:
+            values.append((f"memory/rank{rank}/slope_mib_per_step", row["memory_slope_mib_per_step"]))
+        if row.get("gc_generation") is not None:
+            values.append((f"gc/rank{rank}/pause_s", row["gc_pause_s"]))
+    return values
+
+
+def expert_load_scalars(load: dict[int, list[int]]) -> list[tuple[str, float]]:
+    """Per MoE layer: max over mean of the experts' token counts (1 = perfectly balanced) and
+    each expert's share of the layer's routed tokens."""
+    values = []
+    for layer, counts in load.items():
+        total = sum(counts)
+        if total:
+            values.append((f"moe/layer{layer}/load_max_over_mean", max(counts) * len(counts) / total))
+            values += [(f"moe/layer{layer}/expert{e}_share", c / total) for e, c in enumerate(counts)]
+    return values
+
+
+def wandb_settings(cfg: Any) -> dict[str, Any] | None:
+    """The :class:`WandbSink` arguments of a job (``metrics.wandb``; its config included), or None."""
+    m = cfg.metrics
+    if not m.wandb:
+        return None
+    return {"project": m.wandb_project, "name": m.wandb_run_name, "tags": list(m.wandb_tags),
+            "config": cfg.model_dump(mode="json")}
+
+
+class WandbSink:
+    """The same scalars as :class:`TensorBoardSink` to a Weights & Biases run, one ``log`` call per
+    step, with the job's config. Opened by the collector, the one place that sees every rank.
+
+    The run id is derived from the run directory's name, so a restarted collector continues the
+    same W&B run (``resume="allow"``); W&B steps only increase, so steps replayed after a worker
+    restart are not logged again there (Parquet has them). Raises ``ImportError`` without the
+    ``wandb`` package (the pre-flight checks refuse that first).
+    """
+
+    def __init__(self, run_dir: str | Path, project: str, name: str | None, tags: list[str],
+                 config: dict[str, Any] | None):
+        import wandb
+
+        run_dir = Path(run_dir)
+        run_id = "".join(c if c.isalnum() or c in "-_" else "-" for c in run_dir.name)[-64:]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=project, name=name or run_dir.name, tags=tags or None, config=config,
+                              dir=str(run_dir), id=run_id, resume="allow", reinit="create_new")
+        self.last_step = -1
+
+    def log(self, step: int, values: list[tuple[str, float]]) -> None:
+        if step > self.last_step and values:
+            self.run.log(dict(values), step=step)
+            self.last_step = step
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class TensorBoardSink:
     """Scalars to ``<run_dir>/tb`` with tensorboardX: ``loss``, ``loss_max``, ``tokens_per_s``,
-    ``lr``, ``grad_norm``, ``step_time_s``, ``memory/rank{r}/<field>`` (MiB),
+    ``lr``, ``grad_norm``, ``step_time_s``, ``val/loss`` and ``val/perplexity`` at evaluations,
+    ``memory/rank{r}/<field>`` (MiB),
     ``memory/rank{r}/verdict`` (:data:`VERDICT_CODES`), ``memory/rank{r}/slope_mib_per_step``,
     ``gc/rank{r}/pause_s`` at steps with a GC, text ``memory/verdict`` when a verdict changes,
     text ``mesh/ranks`` (every rank's mesh coordinates, at the first step recorded), and,
@@ -203,20 +292,7 @@ class TensorBoardSink:
         self._events.write_event(Event(wall_time=time.time(), step=step, summary=summary))
 
     def add_step(self, step: int, scalars: dict[str, float], rows: list[dict[str, Any]]) -> None:
-        values = [(k, v) for k, v in scalars.items() if v is not None]
-        for row in rows:
-            rank = row["rank"]
-            for k in ("host_rss_bytes", "host_peak_rss_bytes", "device_allocated_bytes",
-                      "device_reserved_bytes", "device_peak_active_bytes", "device_peak_reserved_bytes"):
-                if row.get(k) is not None:
-                    values.append((f"memory/rank{rank}/{k.removesuffix('_bytes')}_mib", row[k] / 2**20))
-            if row.get("memory_verdict") is not None:
-                values.append((f"memory/rank{rank}/verdict", VERDICT_CODES[row["memory_verdict"]]))
-            if row.get("memory_slope_mib_per_step") is not None:
-                values.append((f"memory/rank{rank}/slope_mib_per_step", row["memory_slope_mib_per_step"]))
-            if row.get("gc_generation") is not None:
-                values.append((f"gc/rank{rank}/pause_s", row["gc_pause_s"]))
-        self._scalars(step, values)
+        self._scalars(step, step_scalars(scalars, rows))
 
     def _scalars(self, step: int, values: list[tuple[str, float]]) -> None:
         """All of a step's scalars as one event: one Summary with a value per tag, which
@@ -235,15 +311,8 @@ class TensorBoardSink:
         self._write(step, text_summary(tag, text))
 
     def add_expert_load(self, step: int, load: dict[int, list[int]]) -> None:
-        """Per MoE layer: max over mean of the experts' token counts (1 = perfectly balanced) and
-        each expert's share of the layer's routed tokens."""
-        values = []
-        for layer, counts in load.items():
-            total = sum(counts)
-            if total:
-                values.append((f"moe/layer{layer}/load_max_over_mean", max(counts) * len(counts) / total))
-                values += [(f"moe/layer{layer}/expert{e}_share", c / total) for e, c in enumerate(counts)]
-        self._scalars(step, values)
+        """:func:`expert_load_scalars` at ``step``."""
+        self._scalars(step, expert_load_scalars(load))
 
     def flush(self) -> None:
         """Write what is buffered and fsync it. Raises ``OSError`` (a full disk)."""

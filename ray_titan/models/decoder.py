@@ -24,7 +24,21 @@ from torch import nn
 
 from ray_titan.models.rope import RopeScaling, inv_frequencies
 
-__all__ = ["Decoder", "FeedForward", "RMSNorm", "apply_rope", "count_parameters", "param_seed", "rope_tables"]
+__all__ = [
+    "Decoder", "FeedForward", "RMSNorm", "apply_rope", "count_parameters", "document_causal_mask", "param_seed",
+    "rope_tables",
+]
+
+
+def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """Block-causal attention mask of documents packed in a sequence: ``positions (batch, seq)``
+    int64, each token's position within its document (a document starts where it is 0);
+    returns ``(batch, 1, seq, seq)`` bool, True where query ``i`` may attend to key ``j``: ``j <=
+    i`` and both in the same document (as torchtitan's per-document masks)."""
+    doc = (positions == 0).cumsum(dim=1)
+    seq = positions.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -63,10 +77,14 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float,
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``(batch, seq, heads, head_dim)`` pairwise (interleaved pairs, as Meta's
     reference) by ``cos``/``sin`` ``(>= seq, head_dim // 2)``, whose first ``seq`` rows are used
-    (positions ``0 .. seq - 1``)."""
+    (positions ``0 .. seq - 1``), or ``(batch, seq, head_dim // 2)`` when each sequence has its
+    own positions (documents packed in one sequence)."""
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    seq = x.shape[1]
-    cos, sin = cos[None, :seq, None, :], sin[None, :seq, None, :]
+    if cos.dim() == 3:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    else:
+        seq = x.shape[1]
+        cos, sin = cos[None, :seq, None, :], sin[None, :seq, None, :]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return out.type_as(x)
 
@@ -89,7 +107,11 @@ class Decoder(nn.Module):
 
     ``forward`` takes token ids ``(batch, seq)`` int64 when this module holds the embedding,
     otherwise hidden states ``(batch, seq, dim)``; it returns logits ``(batch, seq, vocab_size)``
-    when it holds the output head, otherwise hidden states. ``layers`` is a ``ModuleDict`` keyed
+    when it holds the output head, otherwise hidden states. ``positions (batch, seq)`` int64, when
+    given, is each token's position within its document (documents packed in one sequence): the
+    rotary angles follow it and attention is block-causal within each document
+    (:func:`document_causal_mask`); each block is then called with the mask as a fourth
+    argument. ``layers`` is a ``ModuleDict`` keyed
     by the layer's index in the whole model, so a pipeline stage keeps the whole model's names.
     Subclasses provide :meth:`make_layer` and :attr:`rope_dim`.
 
@@ -140,13 +162,19 @@ class Decoder(nn.Module):
         """The rope scaling of ``args`` (None: plain RoPE)."""
         return self.args.rope_scaling
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        # The whole tables: a block's attention may see more positions than ``h`` holds here
-        # (sequence parallel keeps 1/tp of them between blocks); apply_rope takes what it needs.
-        cos, sin = self.rope_cos, self.rope_sin
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
+        if positions is None:
+            # The whole tables: a block's attention may see more positions than ``h`` holds here
+            # (sequence parallel keeps 1/tp of them between blocks); apply_rope takes what it needs.
+            cos, sin = self.rope_cos, self.rope_sin
+            for layer in self.layers.values():
+                h = layer(h, cos, sin)
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            mask = document_causal_mask(positions)
+            for layer in self.layers.values():
+                h = layer(h, cos, sin, mask)
         if self.norm is not None:  # the last stage
             h = self.norm(h)
             if self.output is not None:

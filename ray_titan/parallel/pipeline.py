@@ -114,7 +114,7 @@ def build_pipeline_schedule(
     stage_modules: dict[int, nn.Module],
     num_stages: int,
     n_microbatches: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[..., torch.Tensor],
     device: torch.device,
     pp_group,
     stage_to_rank: dict[int, int] | None = None,

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ray_titan.config.schema import JobConfig
-from ray_titan.data.loader import PackedLoader
+from ray_titan.data.loader import IGNORE_INDEX, PackedLoader
 from ray_titan.fault import FaultHandler
 from ray_titan.hf import hf_model, load_hf_weights
 from ray_titan.models.registry import build_model, get_spec
@@ -31,13 +31,25 @@ from ray_titan.parallel.expert import MoEStepState
 from ray_titan.parallel.pipeline import build_pipeline_schedule, build_stage_module, split_layers, stage_placement
 from ray_titan.parallel.tied import TiedEmbeddings
 
-__all__ = ["TrainParts", "build", "build_lr_lambda", "build_optimizer", "cross_entropy_loss", "parallel_dims"]
+__all__ = [
+    "TrainParts", "build", "build_lr_lambda", "build_optimizer", "cross_entropy_loss",
+    "parallel_dims",
+]
 
 
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy in nats per token. ``logits (batch, seq, vocab)``, ``labels (batch, seq)``
-    int64. Computed in fp32."""
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Cross-entropy in nats, computed in fp32. ``logits (batch, seq, vocab)``, ``labels (batch,
+    seq)`` int64. ``scale`` None: the mean over the tokens (every label counts). Otherwise the
+    sum over the counted labels (not :data:`IGNORE_INDEX`) times ``scale``: with ``scale =
+    microbatches × dp_degree / counted labels of the global batch``, the gradients the schedule
+    averages over microbatches and FSDP over data-parallel ranks are those of the mean over every
+    counted label of the global batch, however unevenly they fall on microbatches and ranks (a
+    mean of per-microbatch means would weight a microbatch's tokens by its count's inverse)."""
+    if scale is None:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+    total = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum")
+    return total * scale
 
 
 def parallel_dims(cfg: JobConfig) -> ParallelDims:
@@ -111,7 +123,7 @@ class TrainParts:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     schedule: _PipelineSchedule | None
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_fn: Callable[..., torch.Tensor]
     moe: MoEStepState
     faults: FaultHandler
     pp_group: dist.ProcessGroup | None

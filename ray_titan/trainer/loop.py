@@ -5,7 +5,8 @@
 (``ray_titan.launch``), which is how the CUDA paths are exercised on a machine without Ray.
 
 Per step: data → :func:`~ray_titan.trainer.step.train_step` (forward/backward, clip, optimizer,
-LR; the loss becomes a host float on last-stage ranks) → synchronized GC → memory sample → one
+LR; the loss becomes a host float on last-stage ranks) → synchronized GC → the validation loss
+when due (:mod:`~ray_titan.trainer.evaluate`, outside the step time) → memory sample → one
 StepReport, sent without waiting → checkpoint when due. Nothing from a step outlives it on the
 device (DESIGN.md, lesson 1).
 """
@@ -24,8 +25,8 @@ from ray_titan.allocator import active_allocator
 from ray_titan.callbacks import CallbackContext, CallbackList, load_callback
 from ray_titan.checkpoint import Checkpointer
 from ray_titan.config.schema import JobConfig
-from ray_titan.data.corpus import load_texts
-from ray_titan.data.loader import PackedLoader
+from ray_titan.data.build import build_loader
+from ray_titan.data.documents import document_positions
 from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.gc import GarbageCollection
 from ray_titan.metrics.memory import MemorySampler, MemorySnapshots, host_memory
@@ -33,6 +34,7 @@ from ray_titan.metrics.profiling import StepProfiler
 from ray_titan.metrics.report import Reporter, StepReport
 from ray_titan.metrics.timing import StepClock
 from ray_titan.trainer.build import build, parallel_dims
+from ray_titan.trainer.evaluate import Validator
 from ray_titan.trainer.step import train_step
 
 __all__ = ["train_loop"]
@@ -76,10 +78,9 @@ def train_loop(
     # Data: every rank builds the same stream and keeps its DP slice (the tp ranks of a group,
     # and the pp ranks of a pipeline, read the same one).
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
-    loader = PackedLoader(
-        load_texts(cfg.data), tokenizer, cfg.training.seq_len, cfg.training.global_batch_size,
-        dp_rank=dims.dp_rank(rank), dp_degree=dims.dp, seed=cfg.training.seed,
-    )
+    dp_rank, dp_degree = dims.dp_rank(rank), dims.dp
+    loader = build_loader(cfg, tokenizer, dp_rank, dp_degree)
+    validator = Validator(cfg, tokenizer, dp_rank, dp_degree) if cfg.validation.enable else None
     clock.mark("data_ready")
     parts = build(cfg, rank, tokenizer.vocab_size, loader, device)
     ckpt = Checkpointer(cfg, rank, parts.stages.values(), parts.optimizer, parts.scheduler, loader, reporter,
@@ -115,18 +116,22 @@ def train_loop(
             profiler.start(step)
             t0 = time.perf_counter()
             inputs, labels = next(loader)
+            positions = document_positions(inputs, tokenizer.bos_id).to(device) if cfg.training.document_mask else None
             inputs, labels = inputs.to(device), labels.to(device)
             t1 = time.perf_counter()
             out = train_step(parts, inputs, labels, step, cfg.parallelism.microbatches, cfg.training.max_norm,
-                             cfg.training.autocast)
+                             cfg.training.autocast, loader.counted_tokens, positions)
             t_export = time.perf_counter()
             breakdown = profiler.stop(step)
             export_s = time.perf_counter() - t_export  # writing traces and the memory timeline's analysis
             gc_result = gc_policy.run(step)
+            t_val = time.perf_counter()
+            val = validator.run(parts) if validator is not None and validator.due(step) else None
+            t_val = time.perf_counter() - t_val  # kept out of the step time
             if cfg.metrics.enabled:
                 t_sample = time.perf_counter()
                 memory = sampler.sample()
-                t4 = time.perf_counter()
+                t4 = time.perf_counter() - t_val
                 report = StepReport(
                     step=step, rank=rank, coords=coords, is_last_stage=parts.is_last_stage, loss=out.loss,
                     tokens=labels.numel(), step_time_s=t4 - t0 - export_s, data_time_s=t1 - t0,
@@ -135,7 +140,9 @@ def train_loop(
                     time=time.time(), gc_generation=gc_result.generation, aux_loss=out.aux_loss,
                     moe_layers=out.moe_layers, expert_load=out.expert_load, skipped_update=out.skipped,
                     attempt_start_time=faults.attempt_start_time, metrics_time_s=metrics_time,
-                    memory_breakdown=breakdown,
+                    memory_breakdown=breakdown, loss_tokens=out.loss_tokens, source_tokens=loader.source_tokens,
+                    val_loss=val.loss if val else None, val_tokens=val.tokens if val else None,
+                    val_time_s=val.time_s if val else None,
                 )
                 t_hooks = time.perf_counter()
                 hooks.on_step_end(step, report)  # the user's callbacks: not the metrics path's cost
@@ -150,7 +157,7 @@ def train_loop(
                 gc_policy.at_checkpoint()
             last_loss = out.loss
             tokens_per_step = labels.numel()
-            del inputs, labels
+            del inputs, labels, positions
             snapshots.after_step(step)
     except (torch.OutOfMemoryError, MemoryError) as e:
         error = snapshots.oom(step, e)

@@ -81,7 +81,8 @@ class MLA(nn.Module):
         # None: SDPA's own 1/sqrt(qk_head_dim), bitwise as without scaling.
         self.softmax_scale = None if factor == 1.0 else args.qk_head_dim**-0.5 * factor
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
         # -1 heads: the projections may hold a subset of the heads (tensor parallel).
@@ -94,7 +95,8 @@ class MLA(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -308,8 +310,9 @@ class MoEBlock(nn.Module):
         else:
             self.moe = MoE(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 

@@ -24,7 +24,8 @@ __all__ = ["Attention", "Llama", "TransformerBlock"]
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention via ``F.scaled_dot_product_attention``.
+    """Causal grouped-query self-attention via ``F.scaled_dot_product_attention``; with ``mask``
+    (``(batch, 1, seq, seq)`` bool, True = may attend) that mask instead of the causal one.
 
     Input and output ``(batch, seq, dim)``. ``q_norm`` / ``k_norm`` (``args.qk_norm``): RMSNorm
     over ``head_dim`` of each query / key head before the rotary embedding (Qwen3).
@@ -40,7 +41,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 heads: the projections may hold a subset of the heads (tensor parallel).
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -51,7 +53,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads
         )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
@@ -66,8 +68,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
