@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ray_titan.checkpoint import LocalCheckpointStorage, find_latest
-from ray_titan.config import load_config
+from ray_titan.config import load_config, merge_overrides
 from ray_titan.hf import check_hf_checkpoint, export_hf, load_hf_weights, resolve_hf_job
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.report import LocalReporter
@@ -78,7 +78,7 @@ def _launch(nproc, dump, *overrides):
         sys.executable]
     dump.mkdir(parents=True, exist_ok=True)
     out = subprocess.run(
-        [*cmd, "-m", "ray_titan.launch", *overrides, f"--job.dump_folder={dump}"],
+        [*cmd, "-m", "ray_titan.launch", *overrides],
         capture_output=True, text=True, timeout=600, cwd=dump.parent, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
@@ -159,12 +159,15 @@ def test_import_onto_pp2_dp_shard2_matches_one_process(models, finetune, tmp_pat
 @pytest.fixture(scope="module")
 def qwen3_debug_one_process(models, tmp_path_factory):
     """Two steps of the built-in ``qwen3/debug`` flavor (tied, 4 k/v heads: tp=2 divides them)."""
-    return _launch(1, tmp_path_factory.mktemp("qwen3_one") / "dump", *_qwen3_debug(models[1]))
+    dump = tmp_path_factory.mktemp("qwen3_one") / "dump"
+    return _launch(1, dump, *_qwen3_debug(models[1], dump))
 
 
-def _qwen3_debug(data):
-    return ["--model.name=qwen3", "--model.flavor=debug", "--data.tokenizer=byte", f"--data.path={data}", *COMMON,
-            "--training.steps=2", "--checkpoint.enable=false", "--parallelism.pp=1", "--parallelism.dp_shard=1"]
+def _qwen3_debug(data, dump, *extra):
+    return merge_overrides(
+        ["--model.name=qwen3", "--model.flavor=debug", "--data.tokenizer=byte", f"--data.path={data}", *COMMON,
+         "--training.steps=2", "--checkpoint.enable=false", "--parallelism.pp=1", "--parallelism.dp_shard=1",
+         f"--job.dump_folder={dump}"], list(extra))
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
@@ -174,9 +177,9 @@ def test_tied_head_under_pp2_tp2_matches_one_process(models, qwen3_debug_one_pro
     gradient, Replicate under TP, is summed as its Shard(0) weight. Either way the second
     step's loss is the one-process run's."""
     v = ["--parallelism.stages_per_rank=2"] if schedule == "ZBVZeroBubble" else []
-    losses, _ = _launch(4, tmp_path / "dump", *_qwen3_debug(models[1]), "--parallelism.pp=2",
-                        "--parallelism.dp_shard=1", "--parallelism.tp=2",
-                        f"--parallelism.pipeline_schedule={schedule}", *v)
+    losses, _ = _launch(4, tmp_path / "dump", *_qwen3_debug(
+        models[1], tmp_path / "dump", "--parallelism.pp=2", "--parallelism.dp_shard=1", "--parallelism.tp=2",
+        f"--parallelism.pipeline_schedule={schedule}", *v))
     np.testing.assert_allclose(losses, qwen3_debug_one_process[0], rtol=1e-5)
 
 

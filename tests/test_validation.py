@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from ray_titan.config import load_config
+from ray_titan.config import load_config, merge_overrides
 from ray_titan.data.holdout import holdout_mask, split_holdout
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.report import LocalReporter, Reporter
@@ -92,9 +92,9 @@ def test_training_is_bit_identical_with_validation_on_or_off(pp_runs):
 
 
 def _one_process_cfg(sft_data, tmp_path, *extra):
-    return load_config(REPO / "configs" / "debug_llama.toml", _overrides(
+    return load_config(REPO / "configs" / "debug_llama.toml", merge_overrides(_overrides(
         sft_data, tmp_path, "--parallelism.pp=1", "--parallelism.dp_shard=1", "--training.threads_per_worker=1",
-        "--validation.enable=true", *extra))
+        "--validation.enable=true"), list(extra)))
 
 
 def test_validation_loss_equals_one_process_evaluation_of_the_same_weights(pp_runs, sft_data, tmp_path):

@@ -104,14 +104,15 @@ def attention_plan(prefix: str, colwise: list[str], rowwise: str, sequence_paral
                    norm: str = "attention_norm") -> Plan:
     """Plan of an attention at ``prefix`` that splits its heads: the projections ``colwise``
     (names inside it) column-wise, the output projection ``rowwise`` row-wise. Its ``forward``
-    takes ``(x, cos, sin)``; under SP the norm ``norm`` is ``SequenceParallel`` and ``x`` is
-    all-gathered (``cos``/``sin`` are the whole rotary tables, replicated plain tensors)."""
+    takes ``(x, cos, sin, mask)``; under SP the norm ``norm`` is ``SequenceParallel`` and ``x`` is
+    all-gathered (``cos``/``sin`` are the whole rotary tables or the per-document ones, ``mask``
+    the document mask or None: replicated plain tensors)."""
     plan: Plan = {f"{prefix}.{name}": ColwiseParallel() for name in colwise}
     plan[f"{prefix}.{rowwise}"] = RowwiseParallel(output_layouts=_seq(sequence_parallel))
     if sequence_parallel:
         plan.update(norm_plan(norm, True))
-        plan[prefix] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                          desired_input_layouts=(Replicate(), None, None), use_local_output=True)
+        plan[prefix] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                          desired_input_layouts=(Replicate(), None, None, None), use_local_output=True)
     return plan
 
 
