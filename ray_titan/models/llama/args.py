@@ -92,11 +92,5 @@ FLAVORS: dict[str, LlamaArgs] = {
         ffn_dim_multiplier=1.0, rope_theta=500_000.0, max_seq_len=131_072, rope_scaling=_LLAMA32_ROPE,
         tie_word_embeddings=True,
     ),
-    # Meta Llama 3 / 3.1 70B (github.com/meta-llama/llama3, params.json): 70.6 B parameters. 3.1's
-    # llama3 rope scaling (for contexts beyond 8192) changes no shape and is not applied here.
-    "70B": LlamaArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128_256, multiple_of=4096,
-        ffn_dim_multiplier=1.3, rope_theta=500_000.0, max_seq_len=8192,
-    ),
 }
 """Flavors by name. ``debug`` is tiny and CPU-friendly; ``8B`` is ``3-8B``."""
