@@ -72,6 +72,10 @@ class StepReport:
     the step (host ints). Summed over the ranks of a stage it is the layer's load for the step."""
     gc_generation: int | None = None
     """Generation of the synchronized GC run in this step (``ray_titan.gc``), None if none ran."""
+    node: str = ""
+    """The node this rank runs on (Ray's node id under Ray, the host name otherwise)."""
+    world_size: int = 0
+    """Ranks of this rank's worker group (an elastic run's differs between attempts; 0: the run's)."""
     metrics_time_s: float | None = None
     """Seconds this rank spent in the previous step sampling memory, building its report and
     handing it to the reporter (the Ray call included when one was made): the metrics path's own

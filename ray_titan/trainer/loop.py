@@ -12,6 +12,7 @@ device (DESIGN.md, lesson 1).
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ __all__ = ["train_loop"]
 def train_loop(
     cfg: JobConfig, reporter: Reporter, device: torch.device | None = None,
     run_dir: str | Path | None = None, callbacks: list | None = None, checkpoint_storage: Any = None,
+    node: str | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg`` on this rank, sending one :class:`StepReport` per step to ``reporter``.
 
@@ -49,7 +51,8 @@ def train_loop(
     memory snapshots go (``<run_dir>/memory/``; none without it). ``callbacks``: worker-side
     callbacks (``ray_titan.callbacks``), run after those of ``cfg.callbacks``.
     ``checkpoint_storage`` is where checkpoints go (``ray_titan.checkpoint``; None saves none),
-    and a restart or ``checkpoint.load_path`` resumes from one. Returns a small summary of this
+    and a restart or ``checkpoint.load_path`` resumes from one. ``node``: the node this rank runs
+    on, as reports name it (default: the host name). Returns a small summary of this
     rank (``rank``, ``steps``, ``last_loss``, ``snapshots``, and the timings of
     :class:`~ray_titan.metrics.timing.StepClock`: ``marks``, ``steady_steps``, ``steady_time_s``,
     ``tokens_per_step``, ``host_rss_bytes``, ``host_peak_rss_bytes``, and ``allocator``, the malloc
@@ -67,6 +70,7 @@ def train_loop(
     if world != dims.world_size:
         raise RuntimeError(f"{world} processes, but the mesh needs {dims.world_size} ({dims})")
     coords = dims.coords(rank)
+    node = node or socket.gethostname()
     device = device or torch.device("cpu")
     if cfg.training.threads_per_worker:
         torch.set_num_threads(cfg.training.threads_per_worker)
@@ -127,6 +131,7 @@ def train_loop(
                     time=time.time(), gc_generation=gc_result.generation, aux_loss=out.aux_loss,
                     moe_layers=out.moe_layers, expert_load=out.expert_load, skipped_update=out.skipped,
                     attempt_start_time=faults.attempt_start_time, metrics_time_s=metrics_time,
+                    node=node, world_size=world,
                 )
                 t_hooks = time.perf_counter()
                 hooks.on_step_end(step, report)  # the user's callbacks: not the metrics path's cost
