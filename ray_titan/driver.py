@@ -207,6 +207,7 @@ def train(
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from ray_titan.allocator import worker_env_vars
     from ray_titan.checkpoint import find_latest
@@ -257,8 +258,13 @@ def train(
     # No task events: each report call would be one more entry the GCS keeps (up to 100k) and
     # the dashboard lists, and their bookkeeping costs the GCS and the actor CPU every call.
     # Any: Ray types an actor handle's `method.remote()` only for @ray.method-decorated methods.
+    # On the head node (the one whose loss ends the cluster anyway): a collector on a worker
+    # node would die with that node, and with it reports the lost workers cannot resend.
+    head = next((n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]),
+                ray.get_runtime_context().get_node_id())
     collector: Any = ray.remote(MetricsCollector).options(
         num_cpus=0, max_restarts=cfg.metrics.collector_max_restarts, enable_task_events=False,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=True),
     ).remote(
         str(run_dir), dims.world_size, last_stage_ranks, cfg.training.steps,
         cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
@@ -295,7 +301,9 @@ def train(
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_latest_k or None),
             # A worker group that cannot start fails the run at once instead of retrying forever.
             failure_config=FailureConfig(  # type: ignore[call-arg]
-                max_failures=cfg.ray.max_failures, controller_failure_limit=0),
+                max_failures=cfg.ray.max_failures,
+                # Elastic: a start may time out while lost capacity is still counted; retry it.
+                controller_failure_limit=cfg.ray.max_failures if is_elastic(cfg) else 0),
             # The allocator is chosen at process start: preloaded into the workers only.
             worker_runtime_env={"env_vars": env} if (env := worker_env_vars(cfg.memory.allocator)) else None,
         ),

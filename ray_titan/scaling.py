@@ -15,7 +15,12 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
+import ray
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
+    AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
+)
+from ray.train.v2._internal.util import time_monotonic
 from ray.train.v2.torch.torch_trainer import TorchTrainer
 
 __all__ = ["MeshScalingPolicy", "MeshTorchTrainer"]
@@ -29,6 +34,23 @@ class MeshScalingPolicy(ElasticScalingPolicy):
     def __init__(self, scaling_config: Any, counts: list[int]):
         super().__init__(scaling_config)
         self.counts = sorted(counts)
+
+    def _get_reserved_resources(self) -> Any:
+        # Ray's coordinator refreshes its view of the nodes every 20 s: a restart right after a
+        # node died would ask for the dead node's workers and wait out the start timeout.
+        # Recompute against live nodes (what the coordinator offers callers that pin to nodes).
+        now = time_monotonic()
+        if now - self._latest_reserved_resources_query_time < self.GET_RESERVED_RESOURCES_INTERVAL_S:
+            return self._latest_reserved_resources
+        try:
+            self._latest_reserved_resources = ray.get(
+                self._autoscaling_coordinator.get_reserved_resources.remote(self._requester_id, recompute=True),
+                timeout=AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
+            )
+        except Exception:  # as Ray's policy: no decision this time, ask again at the next one
+            self._latest_reserved_resources = None
+        self._latest_reserved_resources_query_time = time_monotonic()
+        return self._latest_reserved_resources
 
     def _count_possible_workers(self, reserved_resources: Any) -> int:
         n = super()._count_possible_workers(reserved_resources)
