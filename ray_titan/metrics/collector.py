@@ -345,9 +345,6 @@ class MetricsCollector:
 
     def _assemble(self, step: int, reps: dict[int, dict[str, Any]]) -> None:
         rows = [reps[r] for r in sorted(reps)]
-        if rows[0].get("attempt_start_time", 0.0) not in self._layout_shown:
-            self._layout_shown.add(rows[0].get("attempt_start_time", 0.0))
-            self._lines.append(self._layout(rows))
         last_ranks = self.last_by_size.get(self._size(reps), self.last)
         last = [reps[r] for r in last_ranks if r in reps]
         for r in rows:
@@ -394,6 +391,10 @@ class MetricsCollector:
         if step % self.log_freq == 0 or step == self.total_steps or step == 1:
             self._lines.append(format_step_line(step, self.total_steps, summary, flat))
         self._lines += filter(None, changes)
+        # Where each worker group runs, once per attempt (reports that name their node).
+        if rows[0].get("node") and rows[0].get("attempt_start_time", 0.0) not in self._layout_shown:
+            self._layout_shown.add(rows[0].get("attempt_start_time", 0.0))
+            self._lines.append(self._layout(rows))
         self.assembled += 1
         if step >= self.last_step:  # the newest step's loss, None (and an error) if it had none
             self.last_step, self.final_loss = step, loss
