@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -183,8 +184,10 @@ def _check_cluster(cfg: JobConfig) -> float:
     hold the worker group (its start would otherwise wait forever)."""
     import ray
 
+    from ray_titan.parallel.elastic import worker_range
+
     resources = ray.cluster_resources()
-    n = cfg.world_size
+    n = worker_range(cfg)[0]  # an elastic run starts on what the cluster holds, at least min
     gpus, cluster_cpus = resources.get("GPU", 0), resources.get("CPU", 0)
     if cfg.ray.use_gpu and gpus < n:
         raise ConfigError(f"ray.use_gpu = true needs {n} GPUs (one per worker) but the cluster has {gpus:g}")
@@ -223,6 +226,13 @@ def _datasets(cfg: JobConfig, dataset: Any) -> dict[str, Any]:
             "dataset_config": DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True))}
 
 
+def _workers_text(cfg: JobConfig, counts: list[int]) -> str:
+    """``"4 workers"``, or for an elastic run ``"2..4 workers (elastic; counts the mesh fits: 2, 4)"``."""
+    if not isinstance(cfg.ray.num_workers, list):
+        return f"{cfg.world_size} workers"
+    return f"{counts[0]}..{counts[-1]} workers (elastic; counts the mesh fits: {', '.join(map(str, counts))})"
+
+
 def _worker_entry(loop_config: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``: rebuild the config, report to the collector."""
     import ray.train
@@ -233,11 +243,18 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     from ray_titan.fault import NonFiniteError
     from ray_titan.metrics.report import CollectorReporter, JsonlReporter, Reporter, rank_reports_path
     from ray_titan.metrics.timing import write_timings
+    from ray_titan.parallel.elastic import mesh_for_workers
     from ray_titan.trainer import train_loop
 
     worker_start = time.time()
     cfg = JobConfig.model_validate(loop_config["config"])
-    rank = ray.train.get_context().get_world_rank()
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    # An elastic run's mesh is sized for the workers Ray granted this attempt.
+    granted = mesh_for_workers(cfg, context.get_world_size())
+    if granted is None:
+        raise RuntimeError(f"Ray Train granted {context.get_world_size()} workers, a count no mesh of this job fits")
+    cfg = granted
     if loop_config["collector"] is None:  # metrics.enabled = false
         reporter = Reporter()
     else:
@@ -253,6 +270,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         summary = train_loop(
             cfg, reporter, device, run_dir=loop_config["run_dir"], callbacks=loop_config.get("callbacks"),
             checkpoint_storage=RayTrainCheckpointStorage(loop_config["run_dir"]) if cfg.checkpoint.enable else None,
+            node=ray.get_runtime_context().get_node_id(),
         )
     except NonFiniteError as e:
         # Every rank stops at the same step. Raising would make Ray Train restart the group
@@ -303,6 +321,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from ray_titan.allocator import worker_env_vars
     from ray_titan.checkpoint import find_latest, remove_staging
@@ -310,7 +329,9 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     from ray_titan.metrics.leak import MemoryLeakError, leak_settings
     from ray_titan.metrics.sinks import read_steps, wandb_settings
     from ray_titan.metrics.timing import read_timings, write_timings
+    from ray_titan.parallel.elastic import fitting_worker_counts, is_elastic, mesh_for_workers
     from ray_titan.progress import ConsoleThread, check_mode, make_display
+    from ray_titan.scaling import MeshTorchTrainer
     from ray_titan.trainer.build import parallel_dims
 
     check_mode(progress)
@@ -349,14 +370,23 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     run_dir = make_run_dir(cfg)
     storage.write_text(under(run_dir, "config.json"), cfg.model_dump_json(indent=2))
     plan = record_memory_plan(cfg, run_dir)
+    counts = fitting_worker_counts(cfg)
+    # An elastic run's last-stage ranks depend on the mesh of each attempt's worker count.
+    last_stage_ranks: list[int] | dict[int, list[int]] = dims.last_stage_ranks() if not is_elastic(cfg) else {
+        n: parallel_dims(m).last_stage_ranks() for n in counts if (m := mesh_for_workers(cfg, n)) is not None}
     # Restarted by Ray if it dies; it resumes from its flushed parts and workers resend the rest.
     # No task events: each report call would be one more entry the GCS keeps (up to 100k) and
     # the dashboard lists, and their bookkeeping costs the GCS and the actor CPU every call.
     # Any: Ray types an actor handle's `method.remote()` only for @ray.method-decorated methods.
+    # On the head node (the one whose loss ends the cluster anyway): a collector on a worker
+    # node would die with that node, and with it reports the lost workers cannot resend.
+    head = next((n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]),
+                ray.get_runtime_context().get_node_id())
     collector: Any = ray.remote(MetricsCollector).options(
         num_cpus=0, max_restarts=cfg.metrics.collector_max_restarts, enable_task_events=False,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=True),
     ).remote(
-        str(run_dir), dims.world_size, dims.last_stage_ranks(), cfg.training.steps,
+        str(run_dir), dims.world_size, last_stage_ranks, cfg.training.steps,
         cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
         leak=leak_settings(cfg.memory), on_leak=cfg.memory.on_leak,
         kill_at_step=cfg.debug.kill_collector_at_step, nice=cfg.metrics.collector_nice, wandb=wandb_settings(cfg),
@@ -364,20 +394,24 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     # The run directory's last part; run_dir is a URI string (no .name) on remote storage.
     run_name = run_dir.name if isinstance(run_dir, Path) else run_dir.rstrip("/").rsplit("/", 1)[-1]
     print(
-        f"ray_titan: run {run_name}: {dims.world_size} workers ({dims.describe()}, {cpus} CPU each), "
+        f"ray_titan: run {run_name}: {_workers_text(cfg, counts)} ({dims.describe()}, {cpus} CPU each; "
+        "ranks grouped by node, tp then dp_shard innermost: the layout line follows at step 1), "
         f"{cfg.model.name}/{cfg.model.flavor}, "
         f"{cfg.training.steps} steps; last stage on ranks {dims.last_stage_ranks()}; run dir {run_dir}",
         flush=True,
     )
-    trainer = TorchTrainer(
+    trainer = (partial(MeshTorchTrainer, counts=counts) if is_elastic(cfg) else TorchTrainer)(
         _worker_entry,
         train_loop_config={"config": cfg.model_dump(), "collector": collector, "run_dir": str(run_dir),
                            "callbacks": list(callbacks or [])},
         torch_config=TorchConfig(backend="nccl" if cfg.ray.use_gpu else "gloo"),
         **datasets,
-        scaling_config=ScalingConfig(
-            num_workers=dims.world_size, use_gpu=cfg.ray.use_gpu,
+        # The ignore: a (min, max) range and the resize interval are Ray Train V2's ScalingConfig's.
+        scaling_config=ScalingConfig(  # type: ignore[call-arg]
+            num_workers=(counts[0], counts[-1]) if is_elastic(cfg) else dims.world_size,  # type: ignore[arg-type]
+            use_gpu=cfg.ray.use_gpu,
             resources_per_worker={"CPU": cpus, **({"GPU": 1} if cfg.ray.use_gpu else {})},
+            elastic_resize_monitor_interval_s=cfg.ray.elastic_resize_interval_s,
         ),
         # The ignores: worker_runtime_env and controller_failure_limit are Ray Train V2's (the
         # RunConfig and FailureConfig ray.train exports at runtime); mypy resolves the V1 classes.
@@ -388,7 +422,9 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_latest_k or None),
             # A worker group that cannot start fails the run at once instead of retrying forever.
             failure_config=FailureConfig(  # type: ignore[call-arg]
-                max_failures=cfg.ray.max_failures, controller_failure_limit=0),
+                max_failures=cfg.ray.max_failures,
+                # Elastic: a start may time out while lost capacity is still counted; retry it.
+                controller_failure_limit=cfg.ray.max_failures if is_elastic(cfg) else 0),
             # The allocator is chosen at process start: preloaded into the workers only.
             worker_runtime_env={"env_vars": env} if (env := worker_env_vars(cfg.memory.allocator)) else None,
         ),

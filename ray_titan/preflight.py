@@ -36,6 +36,7 @@ from ray_titan.data.sft import ChatTemplate, find_chat_template
 from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.hf import HFCheckpointError, check_hf_checkpoint, job_model_args
 from ray_titan.models.registry import is_moe
+from ray_titan.parallel.elastic import fitting_worker_counts, is_elastic, mesh_for_workers
 from ray_titan.parallel.pipeline import stage_placement
 
 __all__ = ["job_warnings", "validate_job"]
@@ -93,7 +94,9 @@ def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = Fa
     axes = [a for a in ("pp", "dp_replicate", "dp_shard", "tp") if a in ("pp", "dp_shard") or getattr(par, a) > 1]
     mesh = (" × ".join(f"parallelism.{a}" for a in axes) + " = " + " × ".join(str(getattr(par, a)) for a in axes)
             + f" = {cfg.world_size}")
-    if cfg.ray.num_workers is not None and cfg.ray.num_workers != cfg.world_size:
+    if is_elastic(cfg):
+        _check_elastic(cfg, mesh)
+    elif cfg.ray.num_workers is not None and cfg.ray.num_workers != cfg.world_size:
         raise ConfigError(
             f"ray.num_workers = {cfg.ray.num_workers} but the mesh needs {mesh} workers; "
             f"set ray.num_workers = {cfg.world_size} (or leave it unset) or change the mesh"
@@ -240,6 +243,32 @@ def _check_settings(cfg: JobConfig) -> None:
         raise ConfigError(
             f"debug.nonfinite_loss_at_steps = {d.nonfinite_loss_at_steps}: step(s) {outside} are outside the run "
             f"(1 .. training.steps = {steps})"
+        )
+
+
+def _check_elastic(cfg: JobConfig, mesh: str) -> None:
+    """``ray.num_workers = [min, max]``: a range whose ends a mesh fits, on a restartable job."""
+    n = cfg.ray.num_workers
+    assert isinstance(n, list)
+    if len(n) != 2 or not 1 <= n[0] <= n[1]:
+        raise ConfigError(f"ray.num_workers = {n}: an elastic range is [min, max] with 1 <= min <= max")
+    if n[1] != cfg.world_size:
+        raise ConfigError(
+            f"ray.num_workers = {n}: max = {n[1]} must be the mesh's size, {mesh} (the largest mesh "
+            f"the run may grow to); use [{n[0]}, {cfg.world_size}] or change the mesh"
+        )
+    fits = fitting_worker_counts(cfg)
+    if mesh_for_workers(cfg, n[0]) is None:
+        raise ConfigError(
+            f"ray.num_workers = {n}: no mesh fits min = {n[0]} workers (pp = {cfg.parallelism.pp} and tp = "
+            f"{cfg.parallelism.tp} stay; dp_replicate × dp_shard shrinks, microbatches × dp must divide "
+            f"training.global_batch_size = {cfg.training.global_batch_size}); counts that fit: {fits}"
+        )
+    if not cfg.ray.max_failures or not cfg.checkpoint.enable:
+        raise ConfigError(
+            f"ray.num_workers = {n} (elastic) with ray.max_failures = {cfg.ray.max_failures} and "
+            f"checkpoint.enable = {cfg.checkpoint.enable}: every resize restarts the worker group from the "
+            "latest checkpoint; set ray.max_failures >= 1 and checkpoint.enable = true"
         )
 
 

@@ -500,8 +500,15 @@ class Callback(_Section):
 class RayConfig(_Section):
     """How the job is placed on Ray (section ``[ray]``)."""
 
-    num_workers: int | None = Field(None, gt=0)
-    """Training workers; must equal the mesh product. Default: the mesh product."""
+    num_workers: int | list[int] | None = None
+    """Training workers: the mesh product (default), or ``[min, max]`` for an elastic run: Ray
+    Train grants what the cluster holds in that range, rounded down to a count the mesh fits
+    (``ray_titan.parallel.elastic``: ``dp_replicate`` and ``dp_shard`` shrink, ``pp`` and ``tp``
+    stay); ``max`` must be the mesh product. A lost node makes the run continue on fewer workers
+    from the latest checkpoint; returning capacity grows it back at the next resize check."""
+    elastic_resize_interval_s: float = Field(60.0, ge=0)
+    """Elastic runs: seconds between Ray Train's checks for more capacity than the running worker
+    group has (a larger group restarts from the latest checkpoint)."""
     cpus_per_worker: float | None = Field(None, gt=0)
     """CPUs Ray reserves per worker. Default: 1, or a fraction so the job fits the cluster's CPUs."""
     num_cpus: int | None = Field(None, gt=0)

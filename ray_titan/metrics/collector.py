@@ -157,8 +157,10 @@ class MetricsCollector:
         run_dir: the run directory; metrics go to ``metrics/`` and ``tb/`` inside it. A remote URI
             (``s3://...``, see :mod:`ray_titan.storage`) is written through a local staging
             directory that is uploaded at every flush and at the end.
-        world_size: number of ranks that report every step.
-        last_stage_ranks: global ranks holding the last pipeline stage.
+        world_size: number of ranks that report every step (an elastic run's largest; each
+            report names its own worker group's size).
+        last_stage_ranks: global ranks holding the last pipeline stage, or for an elastic run
+            ``{world size: those ranks}`` for every worker count it may run on.
         total_steps: steps of the run (for the console line).
         log_freq: console line every this many steps.
         flush_every_steps: Parquet part and TensorBoard flush every this many assembled steps.
@@ -180,7 +182,7 @@ class MetricsCollector:
         self,
         run_dir: str,
         world_size: int,
-        last_stage_ranks: list[int],
+        last_stage_ranks: list[int] | dict[int, list[int]],
         total_steps: int,
         log_freq: int = 10,
         flush_every_steps: int = 20,
@@ -198,7 +200,10 @@ class MetricsCollector:
             self.mirror = storage.Mirror(storage.staging_dir(run_dir), run_dir)
             run_dir = str(self.mirror.local_dir)
         self.run_dir = Path(run_dir)
-        self.world_size, self.last = world_size, sorted(last_stage_ranks)
+        self.last_by_size = ({n: sorted(r) for n, r in last_stage_ranks.items()} if isinstance(last_stage_ranks, dict)
+                             else {world_size: sorted(last_stage_ranks)})
+        self.world_size, self.last = world_size, self.last_by_size[world_size]
+        self._layout_shown: set[float] = set()
         self.total_steps, self.log_freq, self.flush_every = total_steps, log_freq, flush_every_steps
         self.parquet = ParquetSink(self.run_dir / "metrics")
         self.tb = TensorBoardSink(self.run_dir / "tb") if enable_tensorboard else None
@@ -259,7 +264,7 @@ class MetricsCollector:
             self._pending.setdefault(step, {})[rep["rank"]] = rep
             if dropped:
                 self.dropped[rep["rank"]] = dropped
-        for step in sorted(s for s, reps in self._pending.items() if len(reps) == self.world_size):
+        for step in sorted(s for s, reps in self._pending.items() if len(reps) == self._size(reps)):
             self._pending_attempt.pop(step)
             self._assemble(step, self._pending.pop(step))
         if flush:
@@ -297,7 +302,7 @@ class MetricsCollector:
         """
         if not self._closed:
             for step in sorted(self._pending):
-                missing = sorted(set(range(self.world_size)) - set(self._pending[step]))
+                missing = sorted(set(range(self._size(self._pending[step]))) - set(self._pending[step]))
                 self._error(f"step {step}: no report from rank(s) {missing}")
             self._pending.clear()
             for rank, n in sorted(self.dropped.items()):
@@ -408,25 +413,42 @@ class MetricsCollector:
         """Every rank has a row at every step from the first to the last recorded."""
         import pyarrow.parquet as pq
 
-        t = pq.read_table(steps_path, columns=["step", "rank", "skipped_update", "attempt"])
+        t = pq.read_table(steps_path, columns=["step", "rank", "skipped_update", "attempt", "world_size"])
         self._skipped_steps = len({s for s, k in zip(t["step"].to_pylist(), t["skipped_update"].to_pylist()) if k})
         self._restarts = max(t["attempt"].to_pylist(), default=0)
         if t.num_rows == 0:
             return
         have = set(zip(t["step"].to_pylist(), t["rank"].to_pylist()))
         steps = t["step"].to_pylist()
+        size = {s: n or self.world_size for s, n in zip(steps, t["world_size"].to_pylist())}
         for step in range(min(steps), max(steps) + 1):
-            missing = [r for r in range(self.world_size) if (step, r) not in have]
+            missing = [r for r in range(size.get(step, self.world_size)) if (step, r) not in have]
             if missing:
                 self._error(f"step {step}: the metrics table has no row for rank(s) {missing}")
 
+    def _size(self, reps: dict[int, dict[str, Any]]) -> int:
+        """The worker group size of a step's reports (the run's for reports that do not say)."""
+        return next(iter(reps.values())).get("world_size") or self.world_size
+
+    def _layout(self, rows: list[dict[str, Any]]) -> str:
+        """``"ray_titan: layout of 4 ranks: node 1a2b3c4d: ranks 0-1 (pp=0 × dp_shard=0-1); ..."``."""
+        by_node: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            by_node.setdefault(r.get("node") or "?", []).append(r)
+        parts = []
+        for node, rs in by_node.items():
+            axes = " × ".join(f"{a}={_span(sorted({r['coords'][a] for r in rs}))}" for a in rs[0]["coords"])
+            parts.append(f"node {node[:8]}: ranks {_span([r['rank'] for r in rs])} ({axes})")
+        return f"ray_titan: layout of {len(rows)} ranks on {len(by_node)} node(s): " + "; ".join(parts)
+
     def _assemble(self, step: int, reps: dict[int, dict[str, Any]]) -> None:
         rows = [reps[r] for r in sorted(reps)]
-        last = [reps[r] for r in self.last if r in reps]
+        last_ranks = self.last_by_size.get(self._size(reps), self.last)
+        last = [reps[r] for r in last_ranks if r in reps]
         for r in rows:
-            if r["rank"] in self.last and r["loss"] is None:
+            if r["rank"] in last_ranks and r["loss"] is None:
                 self._error(f"step {step}: last-stage rank {r['rank']} reported no loss")
-            if r["rank"] not in self.last and r["loss"] is not None:
+            if r["rank"] not in last_ranks and r["loss"] is not None:
                 self._error(f"step {step}: rank {r['rank']} is not on the last stage but reported a loss")
         last = counted_rows(last)
         with_loss = [r for r in last if r["loss"] is not None]
@@ -478,6 +500,10 @@ class MetricsCollector:
         if step % self.log_freq == 0 or step == self.total_steps or step == 1 or summary["val/loss"] is not None:
             self._lines.append((step, format_step_line(step, self.total_steps, summary, flat)))
         self._lines += [(step, c) for c in changes if c]
+        # Where each worker group runs, once per attempt (reports that name their node).
+        if rows[0].get("node") and rows[0].get("attempt_start_time", 0.0) not in self._layout_shown:
+            self._layout_shown.add(rows[0].get("attempt_start_time", 0.0))
+            self._lines.append((step, self._layout(rows)))
         self.assembled += 1
         if step >= self.last_step:  # the newest step's loss, None (and an error) if it had none
             self.last_step, self.final_loss = step, loss
@@ -588,12 +614,20 @@ class MetricsCollector:
         row.update(source_tokens=r.get("source_tokens"), step_source_tokens=s["source_tokens"])
         row.update(val_loss=r.get("val_loss"), val_tokens=r.get("val_tokens"), val_time_s=r.get("val_time_s"),
                    step_val_loss=s["val/loss"])
+        row.update(node=r.get("node") or None, world_size=r.get("world_size") or None)
         row.update(skipped_update=r.get("skipped_update", False), attempt=0,
                    attempt_start_time=r.get("attempt_start_time", 0.0), pid=r.get("pid"))
         row.update({k: r["memory"].get(k) for k in MEMORY_FIELDS})
         row.update(step_loss=s["loss"], step_loss_max=s["loss_max"], step_tokens=s["tokens"],
                    step_tokens_per_s=s["tokens_per_s"])
         return row
+
+
+def _span(values: list[int]) -> str:
+    """``[0, 1, 2]`` → ``"0-2"``; ``[3]`` → ``"3"``; ``[0, 2]`` → ``"0,2"``."""
+    if len(values) > 1 and values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}-{values[-1]}"
+    return ",".join(map(str, values))
 
 
 def _reconstructed() -> bool:

@@ -75,6 +75,10 @@ class StepReport:
     memory_breakdown: dict[str, Any] | None = None
     """At ``memory.breakdown_step``: this rank's memory at the step's peak by category, measured
     with the torch profiler (``ray_titan.metrics.profiling.StepProfiler.stop``); else None."""
+    node: str = ""
+    """The node this rank runs on (Ray's node id under Ray, the host name otherwise)."""
+    world_size: int = 0
+    """Ranks of this rank's worker group (an elastic run's differs between attempts; 0: the run's)."""
     metrics_time_s: float | None = None
     """Seconds this rank spent in the previous step sampling memory, building its report and
     handing it to the reporter (the Ray call included when one was made): the metrics path's own

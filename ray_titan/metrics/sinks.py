@@ -54,6 +54,8 @@ STEP_SCHEMA = pa.schema(
         ("loss_tokens", _I),
         # Mixtures (data.sources): label tokens from each source, this rank's and the step's.
         ("source_tokens", pa.list_(_I)), ("step_source_tokens", pa.list_(_I)),
+        # Placement: the rank's node, and its worker group's size (elastic runs resize).
+        ("node", pa.string()), ("world_size", _I),
     ]
 )
 """One row per step per rank. ``pp``, ``dp_shard``, ``ep``, ``dp_replicate``, ``tp``: the rank's
@@ -69,7 +71,10 @@ rate (null unless growing with a known capacity).
 ``skipped_update``: the step's update was dropped (non-finite loss or gradient norm, under
 ``training.on_nonfinite = "skip"``). ``attempt``: 0 for the first worker group, 1 for the first
 restart, ...; ``attempt_start_time`` (Unix seconds) identifies it. Steps replayed after a restart
-replace the lost attempt's rows, so each (step, rank) appears once. ``pid``: the worker process.
+replace the lost attempt's rows, so each (step, rank) appears once, and a step's rows are all of one
+attempt. ``pid``: the worker process. ``node``: the node it ran on (Ray's node id, or the host
+name without Ray); ``world_size``: the ranks of its worker group (an elastic run's changes at a
+resize).
 ``val_loss``, ``val_tokens``, ``val_time_s``: at steps that evaluated (``[validation]``), the rank's
 validation loss (last-stage ranks; nats per counted token), its counted validation tokens and the
 evaluation's seconds (outside ``step_time_s``); ``step_val_loss``: the step's validation loss,
@@ -149,7 +154,8 @@ def read_raw_parts(parts: Path) -> pa.Table:
 def latest_rows(table: pa.Table) -> pa.Table:
     """One row per (step, rank): the one from the newest attempt (replayed steps replace the
     lost ones; resent duplicates collapse), with ``attempt`` numbered 0, 1, ... by start time;
-    sorted by step and rank."""
+    sorted by step and rank. A step keeps only its newest attempt's rows: after an elastic
+    resize the lost attempt's rows of ranks the new worker group lacks go too."""
     if table.num_rows == 0:
         return table
     starts = sorted(set(table["attempt_start_time"].to_pylist()))
@@ -159,7 +165,11 @@ def latest_rows(table: pa.Table) -> pa.Table:
     )
     table = table.sort_by([("step", "ascending"), ("rank", "ascending"), ("attempt", "descending")])
     keys = list(zip(table["step"].to_pylist(), table["rank"].to_pylist()))
-    first = [i for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
+    attempts = table["attempt"].to_pylist()
+    newest: dict[int, int] = {}
+    for (step, _), a in zip(keys, attempts):
+        newest[step] = max(newest.get(step, a), a)
+    first = [i for i, k in enumerate(keys) if (i == 0 or keys[i - 1] != k) and attempts[i] == newest[k[0]]]
     return table.take(pa.array(first, pa.int64()))
 
 

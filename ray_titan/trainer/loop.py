@@ -13,6 +13,7 @@ device (DESIGN.md, lesson 1).
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ __all__ = ["train_loop"]
 def train_loop(
     cfg: JobConfig, reporter: Reporter, device: torch.device | None = None,
     run_dir: str | Path | None = None, callbacks: list | None = None, checkpoint_storage: Any = None,
+    node: str | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg`` on this rank, sending one :class:`StepReport` per step to ``reporter``.
 
@@ -52,7 +54,8 @@ def train_loop(
     memory snapshots go (``<run_dir>/memory/``; none without it). ``callbacks``: worker-side
     callbacks (``ray_titan.callbacks``), run after those of ``cfg.callbacks``.
     ``checkpoint_storage`` is where checkpoints go (``ray_titan.checkpoint``; None saves none),
-    and a restart or ``checkpoint.load_path`` resumes from one. Returns a small summary of this
+    and a restart or ``checkpoint.load_path`` resumes from one. ``node``: the node this rank runs
+    on, as reports name it (default: the host name). Returns a small summary of this
     rank (``rank``, ``steps``, ``last_loss``, ``snapshots``, and the timings of
     :class:`~ray_titan.metrics.timing.StepClock`: ``marks``, ``steady_steps``, ``steady_time_s``,
     ``tokens_per_step``, ``host_rss_bytes``, ``host_peak_rss_bytes``, and ``allocator``, the malloc
@@ -70,6 +73,7 @@ def train_loop(
     if world != dims.world_size:
         raise RuntimeError(f"{world} processes, but the mesh needs {dims.world_size} ({dims})")
     coords = dims.coords(rank)
+    node = node or socket.gethostname()
     device = device or torch.device("cpu")
     if cfg.training.threads_per_worker:
         torch.set_num_threads(cfg.training.threads_per_worker)
@@ -143,6 +147,7 @@ def train_loop(
                     memory_breakdown=breakdown, loss_tokens=out.loss_tokens, source_tokens=loader.source_tokens,
                     val_loss=val.loss if val else None, val_tokens=val.tokens if val else None,
                     val_time_s=val.time_s if val else None,
+                    node=node, world_size=world,
                 )
                 t_hooks = time.perf_counter()
                 hooks.on_step_end(step, report)  # the user's callbacks: not the metrics path's cost

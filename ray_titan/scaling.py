@@ -1,0 +1,70 @@
+"""Ray Train's elastic scaling, restricted to worker counts the mesh fits.
+
+Ray Train V2 grows and shrinks a worker group between ``ScalingConfig(num_workers=(min, max))``
+(its ``ElasticScalingPolicy``: at a (re)start, and every ``elastic_resize_monitor_interval_s``
+while running, it counts the workers the cluster's resources hold). A pipeline of ``pp`` stages
+cannot run on any count: :class:`MeshScalingPolicy` is Ray's policy with that count rounded down
+to the largest one a mesh fits (:func:`ray_titan.parallel.elastic.fitting_worker_counts`);
+below ``min`` Ray waits for capacity, as it does for any elastic run. :class:`MeshTorchTrainer`
+is Ray's ``TorchTrainer`` with that policy. Both use Ray Train V2's internal policy interface
+(Ray 2.5x); nothing else of Ray's behaviour changes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+import ray
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
+    AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
+)
+from ray.train.v2._internal.util import time_monotonic
+from ray.train.v2.torch.torch_trainer import TorchTrainer
+
+__all__ = ["MeshScalingPolicy", "MeshTorchTrainer"]
+
+
+class MeshScalingPolicy(ElasticScalingPolicy):
+    """Ray Train's elastic policy granting only ``counts`` (increasing worker counts that fit the
+    mesh): the count the cluster holds is rounded down to one of them (to 0, so Ray waits, below
+    the smallest)."""
+
+    def __init__(self, scaling_config: Any, counts: list[int]):
+        super().__init__(scaling_config)
+        self.counts = sorted(counts)
+
+    def _get_reserved_resources(self) -> Any:
+        # Ray's coordinator refreshes its view of the nodes every 20 s: a restart right after a
+        # node died would ask for the dead node's workers and wait out the start timeout.
+        # Recompute against live nodes (what the coordinator offers callers that pin to nodes).
+        now = time_monotonic()
+        if now - self._latest_reserved_resources_query_time < self.GET_RESERVED_RESOURCES_INTERVAL_S:
+            return self._latest_reserved_resources
+        try:
+            self._latest_reserved_resources = ray.get(
+                self._autoscaling_coordinator.get_reserved_resources.remote(self._requester_id, recompute=True),
+                timeout=AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
+            )
+        except Exception:  # as Ray's policy: no decision this time, ask again at the next one
+            self._latest_reserved_resources = None
+        self._latest_reserved_resources_query_time = time_monotonic()
+        return self._latest_reserved_resources
+
+    def _count_possible_workers(self, reserved_resources: Any) -> int:
+        n = super()._count_possible_workers(reserved_resources)
+        i = bisect.bisect_right(self.counts, n)
+        return self.counts[i - 1] if i else 0
+
+
+class MeshTorchTrainer(TorchTrainer):
+    """``TorchTrainer`` whose elastic worker counts are ``counts`` (:class:`MeshScalingPolicy`)."""
+
+    def __init__(self, *args: Any, counts: list[int], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._mesh_counts = counts
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
+        controller_init_kwargs["scaling_policy"] = MeshScalingPolicy(self.scaling_config, self._mesh_counts)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
