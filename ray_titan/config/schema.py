@@ -106,6 +106,11 @@ class Training(_Section):
     """A non-finite loss or gradient norm: ``stop`` ends the run with an error naming the step and
     the stage; ``skip`` drops that step's update (the LR schedule and the data still advance) and
     counts it in the metrics (``skipped_update``)."""
+    compile: bool = False
+    """``torch.compile`` (inductor) of each transformer block, after activation checkpointing and
+    before FSDP2 (``ray_titan.parallel.compile``). The first step pays the compile time (about
+    a minute per distinct block on 2 CPU cores); it pays off when the run is much longer than
+    that and the blocks are large enough for fused kernels to matter (docs/benchmarks.md)."""
 
 
 class Parallelism(_Section):
