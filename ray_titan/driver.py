@@ -17,9 +17,11 @@ metrics and says where the last checkpoint is.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -126,6 +128,24 @@ def _check_cluster(cfg: JobConfig) -> float:
     return cpus
 
 
+def set_process_niceness(nice: int) -> bool:
+    """Set the niceness of every thread of this process (Linux niceness is per thread; threads
+    started later inherit their creator's) to ``nice``. Returns False, with a warning, where
+    the process may not lower it (no ``CAP_SYS_NICE``) or the platform has no
+    ``os.setpriority``; it then keeps what it had."""
+    tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+    try:
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):  # a thread that has ended since
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except (PermissionError, AttributeError) as e:
+        warnings.warn(f"ray.worker_nice = {nice}: cannot set this worker's niceness ({e}); it keeps "
+                      f"{os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, 'getpriority') else 'its own'}",
+                      stacklevel=2)
+        return False
+    return True
+
+
 def _worker_entry(loop_config: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``: rebuild the config, report to the collector."""
     import ray.train
@@ -141,6 +161,8 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     worker_start = time.time()
     cfg = JobConfig.model_validate(loop_config["config"])
     rank = ray.train.get_context().get_world_rank()
+    if cfg.ray.worker_nice is not None:
+        set_process_niceness(cfg.ray.worker_nice)
     if loop_config["collector"] is None:  # metrics.enabled = false
         reporter = Reporter()
     else:

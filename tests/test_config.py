@@ -199,3 +199,24 @@ def test_callbacks_and_memory_sections_load_from_toml(tmp_path):
     assert cfg.activation_checkpoint.mode == "full"
     assert cfg.callbacks[0].kwargs == {"ranks": [1], "mib_per_step": 2.0}
     validate_job(cfg)
+
+
+def test_worker_niceness_applies_to_every_thread(tmp_path):
+    # In a child process: niceness, once raised, cannot be lowered back without CAP_SYS_NICE.
+    code = """
+import os, threading, time
+from ray_titan.driver import set_process_niceness
+stop = threading.Event()
+t = threading.Thread(target=stop.wait); t.start()
+before = os.getpriority(os.PRIO_PROCESS, t.native_id)
+assert set_process_niceness(before + 3)
+print(before, os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, t.native_id))
+stop.set(); t.join()
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    before, main, thread = map(int, out.stdout.split())
+    assert main == thread == min(before + 3, 19)
