@@ -161,8 +161,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     worker_start = time.time()
     cfg = JobConfig.model_validate(loop_config["config"])
     rank = ray.train.get_context().get_world_rank()
-    if cfg.ray.worker_nice is not None:
-        set_process_niceness(cfg.ray.worker_nice)
+    set_process_niceness(cfg.ray.worker_nice)
     if loop_config["collector"] is None:  # metrics.enabled = false
         reporter = Reporter()
     else:

@@ -398,12 +398,12 @@ class RayConfig(_Section):
     the latest checkpoint (needs ``checkpoint.enable``)."""
     use_gpu: bool = False
     """One GPU per worker; the process group then uses NCCL (gloo otherwise)."""
-    worker_nice: int | None = Field(0, ge=-20, le=19)
+    worker_nice: int = Field(0, ge=-20, le=19)
     """Niceness each training worker sets for all its threads when it starts. Ray starts its
     workers at 15 (``RAY_worker_niceness``) while the raylet, GCS and driver stay at 0, so on a
     busy machine the workers lose CPU to them that workers launched by torchrun would not lose;
     0 puts them level with torchrun's. Lowering niceness needs ``CAP_SYS_NICE`` (root in most
-    containers); without it the workers keep Ray's and warn once. None: Ray's 15."""
+    containers); without it the workers keep Ray's and warn. 15: Ray's own."""
 
 
 class JobConfig(_Section):
