@@ -148,6 +148,8 @@ def set_process_niceness(nice: int) -> bool:
 
 def _worker_entry(loop_config: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``: rebuild the config, report to the collector."""
+    # First, so that the imports below (seconds of CPU on a busy machine) run at it too.
+    set_process_niceness(loop_config["config"]["ray"]["worker_nice"])
     import ray.train
     import ray.train.torch
     import torch
@@ -161,7 +163,6 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     worker_start = time.time()
     cfg = JobConfig.model_validate(loop_config["config"])
     rank = ray.train.get_context().get_world_rank()
-    set_process_niceness(cfg.ray.worker_nice)
     if loop_config["collector"] is None:  # metrics.enabled = false
         reporter = Reporter()
     else:
