@@ -17,6 +17,7 @@ metrics and says where the last checkpoint is.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -24,6 +25,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -233,8 +235,28 @@ def _workers_text(cfg: JobConfig, counts: list[int]) -> str:
     return f"{counts[0]}..{counts[-1]} workers (elastic; counts the mesh fits: {', '.join(map(str, counts))})"
 
 
+def set_process_niceness(nice: int) -> bool:
+    """Set the niceness of every thread of this process (Linux niceness is per thread; threads
+    started later inherit their creator's) to ``nice``. Returns False, with a warning, where
+    the process may not lower it (no ``CAP_SYS_NICE``) or the platform has no
+    ``os.setpriority``; it then keeps what it had."""
+    tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+    try:
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):  # a thread that has ended since
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except (PermissionError, AttributeError) as e:
+        warnings.warn(f"ray.worker_nice = {nice}: cannot set this worker's niceness ({e}); it keeps "
+                      f"{os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, 'getpriority') else 'its own'}",
+                      stacklevel=2)
+        return False
+    return True
+
+
 def _worker_entry(loop_config: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``: rebuild the config, report to the collector."""
+    # First, so that the imports below (seconds of CPU on a busy machine) run at it too.
+    set_process_niceness(loop_config["config"]["ray"]["worker_nice"])
     import ray.train
     import ray.train.torch
     import torch

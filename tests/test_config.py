@@ -242,3 +242,24 @@ def test_unreadable_config_files_are_config_errors_exit_2(tmp_path, capsys, cont
     err = capsys.readouterr().err
     assert err.startswith(f"ray-titan: config error: config file {str(path)!r} ") and re.search(message, err), err
     assert main(["config", "show", str(path)]) == 2
+
+
+def test_worker_niceness_applies_to_every_thread(tmp_path):
+    # In a child process: niceness, once raised, cannot be lowered back without CAP_SYS_NICE.
+    code = """
+import os, threading, time
+from ray_titan.driver import set_process_niceness
+stop = threading.Event()
+t = threading.Thread(target=stop.wait); t.start()
+before = os.getpriority(os.PRIO_PROCESS, t.native_id)
+assert set_process_niceness(before + 3)
+print(before, os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, t.native_id))
+stop.set(); t.join()
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    before, main, thread = map(int, out.stdout.split())
+    assert main == thread == min(before + 3, 19)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import socket
 import traceback
 from pathlib import Path
@@ -72,11 +73,12 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, nproc: int, port: int, config: str, overrides: list[str], run_dir: str,
-               save: bool) -> None:
+               save: bool, env: dict[str, str] | None = None) -> None:
     """One rank of a composition: what ``ray_titan.launch`` does under torchrun, minus the CLI."""
     from ray_titan.checkpoint import LocalCheckpointStorage
     from ray_titan.trainer import train_loop
 
+    os.environ.update(env or {})  # the forkserver's environment is that of its first use
     try:
         if nproc > 1:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
@@ -91,9 +93,10 @@ def _rank_main(rank: int, nproc: int, port: int, config: str, overrides: list[st
         raise
 
 
-def _run(tmp: Path, model: str, nproc: int, overrides: list[str], steps: int = STEPS, save: bool = False):
-    """Run one composition on ``nproc`` processes and assemble its reports as the launcher does;
-    returns ``(collector summary, steps table, ParallelDims)``."""
+def _run(tmp: Path, model: str, nproc: int, overrides: list[str], steps: int = STEPS, save: bool = False,
+         env: dict[str, str] | None = None):
+    """Run one composition on ``nproc`` processes (``env`` added to each one's environment) and
+    assemble its reports as the launcher does; returns ``(collector summary, steps table, ParallelDims)``."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["ray_titan.trainer", "tests.test_parallel_parity"])
     flags = merge_overrides(["--parallelism.ep=1"] if model == "deepseek_v2" else [], COMMON, [
@@ -102,7 +105,7 @@ def _run(tmp: Path, model: str, nproc: int, overrides: list[str], steps: int = S
     run_dir = tmp / "run"
     run_dir.mkdir(parents=True)
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, CONFIGS[model], flags, str(run_dir), save))
+    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, CONFIGS[model], flags, str(run_dir), save, env))
              for r in range(nproc)]
     for p in procs:
         p.start()

@@ -162,6 +162,11 @@ class Training(_Section):
     """A non-finite loss or gradient norm: ``stop`` ends the run with an error naming the step and
     the stage; ``skip`` drops that step's update (the LR schedule and the data still advance) and
     counts it in the metrics (``skipped_update``)."""
+    compile: bool = False
+    """``torch.compile`` (inductor) of each transformer block, after activation checkpointing and
+    before FSDP2 (``ray_titan.parallel.compile``). The first step pays the compile time (about
+    a minute per distinct block on 2 CPU cores); it pays off when the run is much longer than
+    that and the blocks are large enough for fused kernels to matter (docs/benchmarks.md)."""
 
 
 class Validation(_Section):
@@ -518,6 +523,12 @@ class RayConfig(_Section):
     the latest checkpoint (needs ``checkpoint.enable``)."""
     use_gpu: bool = False
     """One GPU per worker; the process group then uses NCCL (gloo otherwise)."""
+    worker_nice: int = Field(0, ge=-20, le=19)
+    """Niceness each training worker sets for all its threads when it starts. Ray starts its
+    workers at 15 (``RAY_worker_niceness``) while the raylet, GCS and driver stay at 0, so on a
+    busy machine the workers lose CPU to them that workers launched by torchrun would not lose;
+    0 puts them level with torchrun's. Lowering niceness needs ``CAP_SYS_NICE`` (root in most
+    containers); without it the workers keep Ray's and warn. 15: Ray's own."""
 
 
 class JobConfig(_Section):

@@ -141,7 +141,7 @@ class Router(nn.Module):
             weights = weights * self.route_scale
         if not _recomputing():
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(indices.flatten(), minlength=scores.shape[-1])
+                self.tokens_per_expert += _count_per_expert(indices.flatten(), scores.shape[-1])
         return weights, indices, scores
 
 
@@ -179,8 +179,19 @@ class GroupedExperts(nn.Module):
 
 def _recomputing() -> bool:
     """Whether this forward runs inside backward: activation checkpointing recomputing a block.
-    Its routing statistics were already counted by the original forward."""
+    Its routing statistics were already counted by the original forward. Under ``torch.compile``
+    the forward is traced once and its recomputation is told to skip side effects
+    (``ray_titan.parallel.compile``), so the traced forward is never a recomputation."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
+
+
+def _count_per_expert(indices: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert: ``(n_experts,)`` int64 from ``indices`` in ``[0, n_experts)``.
+    ``bincount`` without its data-dependent output size, which ``torch.compile`` cannot trace."""
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=indices.device)
+    return counts.index_add_(0, indices, torch.ones_like(indices))
 
 
 def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -243,7 +254,7 @@ def route_tokens(
     flat = indices.flatten()
     order = torch.argsort(flat, stable=True)
     token_of = order // top_k
-    counts = torch.bincount(flat, minlength=n_experts)
+    counts = _count_per_expert(flat, n_experts)
     x_sorted = x[token_of]
     if run_experts is None:
         y_sorted = experts(x_sorted, counts.tolist())

@@ -35,6 +35,7 @@ from torch import nn
 
 from ray_titan.config.schema import JobConfig
 from ray_titan.parallel.ac import apply_ac
+from ray_titan.parallel.compile import apply_compile
 from ray_titan.parallel.dims import Meshes, ParallelDims
 from ray_titan.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
 from ray_titan.parallel.fsdp import apply_fsdp, resolve_reshard_after_forward
@@ -71,8 +72,9 @@ def parallelize_deepseek_v2(model: nn.Module, dims: ParallelDims, meshes: Meshes
     ``meshes``: the job's meshes by name (:meth:`ParallelDims.build_mesh`), None on a single
     rank. Order: tensor parallel over ``tp`` when it is > 1 (module docstring) → expert parallel
     over ``ep`` when it is > 1 → activation checkpointing per ``[activation_checkpoint]`` →
-    (compile: not yet) → FSDP2 over the ``fsdp`` mesh when there is more than one data-parallel
-    rank (routed experts over ``efsdp`` under EP).
+    ``torch.compile`` of each block when ``training.compile`` (graph breaks allowed: MoE
+    routing) → FSDP2 over the ``fsdp`` mesh when there is more than one data-parallel rank
+    (routed experts over ``efsdp`` under EP).
     """
     par = cfg.parallelism
     if dims.tp > 1:
@@ -87,6 +89,8 @@ def parallelize_deepseek_v2(model: nn.Module, dims: ParallelDims, meshes: Meshes
         apply_expert_parallel(model, meshes["ep"], meshes.get("ep_tp"))
     ac = cfg.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_option, ac.layer_freq)
+    if cfg.training.compile:
+        apply_compile(model, fullgraph=False)
     if dims.fsdp:
         assert meshes is not None
         reshard = resolve_reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp > 1)

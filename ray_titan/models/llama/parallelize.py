@@ -5,8 +5,8 @@ column-wise, ``wo`` row-wise; grouped-query attention needs ``n_kv_heads`` divis
 the feed-forward's hidden units (``w1``, ``w3`` column-wise, ``w2`` row-wise), the embedding
 (row-wise, over the vocabulary) and the output head (column-wise, loss parallel); with sequence
 parallel the norms run on ``1/tp`` of the sequence. Then activation checkpointing
-(``ray_titan.parallel.ac``), ``torch.compile`` (place reserved), and FSDP2 over ``dp_shard``, or
-HSDP over ``(dp_replicate, dp_shard)`` (``ray_titan.parallel.fsdp``). Called on each pipeline
+(``ray_titan.parallel.ac``), ``torch.compile`` of each block (``training.compile``), and FSDP2
+over ``dp_shard``, or HSDP over ``(dp_replicate, dp_shard)`` (``ray_titan.parallel.fsdp``). Called on each pipeline
 stage module while it is on the meta device, before its weights are materialised.
 """
 
@@ -18,6 +18,7 @@ from torch import nn
 
 from ray_titan.config.schema import JobConfig
 from ray_titan.parallel.ac import apply_ac
+from ray_titan.parallel.compile import apply_compile
 from ray_titan.parallel.dims import Meshes, ParallelDims
 from ray_titan.parallel.fsdp import apply_fsdp, resolve_reshard_after_forward
 from ray_titan.parallel.tp import apply_tp, attention_plan, decoder_ends_plan, feed_forward_plan
@@ -31,8 +32,9 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, meshes: Meshes | Non
     ``meshes``: the job's meshes by name (:meth:`ParallelDims.build_mesh`), None on a single
     rank. Order: tensor parallel over ``tp`` when it is > 1 (``parallelism.sequence_parallel``,
     ``parallelism.loss_parallel``) → activation checkpointing per ``[activation_checkpoint]`` →
-    (compile: not yet) → FSDP2 over the ``fsdp`` mesh when there is more than one data-parallel
-    rank, with ``parallelism.fsdp_reshard_after_forward`` and ``memory.cpu_offload``.
+    ``torch.compile`` of each block when ``training.compile`` → FSDP2 over the ``fsdp`` mesh
+    when there is more than one data-parallel rank, with ``parallelism.fsdp_reshard_after_forward``
+    and ``memory.cpu_offload``.
     """
     par = cfg.parallelism
     if dims.tp > 1:
@@ -44,6 +46,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, meshes: Meshes | Non
                                            **feed_forward_plan("feed_forward", sp)})
     ac = cfg.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_option, ac.layer_freq)
+    if cfg.training.compile:
+        apply_compile(model)
     if dims.fsdp:
         assert meshes is not None
         reshard = resolve_reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp > 1)
