@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from ray_titan.config import ConfigError, load_config
+from ray_titan.config import ConfigError, load_config, merge_overrides
 from ray_titan.parallel.elastic import fitting_worker_counts, mesh_for_workers
 from ray_titan.preflight import validate_job
 from tests.conftest import REPO
@@ -123,8 +123,8 @@ def one_process(root, corpus_cache):
     dump = root / "one_process"
     subprocess.run(
         [sys.executable, "-m", "ray_titan.launch", "--config", str(REPO / "configs" / "debug_llama.toml"),
-         "--job.name=one", f"--job.dump_folder={dump}", f"--data.cache_dir={corpus_cache}", *JOB,
-         "--parallelism.pp=1", "--parallelism.dp_shard=1"],
+         *merge_overrides(["--job.name=one", f"--job.dump_folder={dump}", f"--data.cache_dir={corpus_cache}", *JOB],
+                          ["--parallelism.pp=1", "--parallelism.dp_shard=1"])],
         cwd=REPO, check=True, capture_output=True, env=os.environ.copy(),
     )
     (path,) = dump.glob("**/metrics/steps.parquet")
