@@ -715,9 +715,14 @@ class Checkpointer:
             if f"rng.rank{self.rank}.cuda" in sd:
                 torch.cuda.set_rng_state(sd[f"rng.rank{self.rank}.cuda"], self.device)
         if own and hasattr(self.reporter, "resend"):  # same run: metrics not yet on disk at the save
-            rfile = path / "reports" / f"rank{self.rank}.json"
-            if rfile.is_file():
-                self.reporter.resend(json.loads(rfile.read_text()))
+            files = [path / "reports" / f"rank{self.rank}.json"]
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            if self.rank == 0:  # an elastic group that shrank: rank 0 delivers the lost ranks' too
+                files += sorted(f for f in (path / "reports").glob("rank*.json")
+                                if f.stem[4:].isdigit() and int(f.stem[4:]) >= world)
+            for rfile in files:
+                if rfile.is_file():
+                    self.reporter.resend(json.loads(rfile.read_text()))
         return int(sd["train.step"])
 
 
