@@ -18,6 +18,7 @@ metrics and says where the last checkpoint is.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -226,6 +227,29 @@ def _datasets(cfg: JobConfig, dataset: Any) -> dict[str, Any]:
                           f"its columns are {names}")
     return {"datasets": {DATASET_NAME: dataset},
             "dataset_config": DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True))}
+
+
+def _deliver_checkpoint_reports(collector: Any, run_dir: str | Path) -> None:
+    """Give the collector the latest checkpoint's unacknowledged reports (``reports/rank<r>.json``):
+    a run stopped (Ctrl-C, SIGTERM, a failure) after a checkpoint but before its steps' reports
+    reached the collector keeps them, so its metrics reach the checkpoint's step. Reports the
+    collector already has are ignored by it; best effort (``finish`` records what is missing)."""
+    import ray
+
+    from ray_titan.checkpoint import find_latest
+
+    if not isinstance(run_dir, Path):
+        return
+    latest = find_latest(run_dir / "checkpoints")
+    if latest is None:
+        return
+    for path in sorted((latest / "reports").glob("rank*.json")):
+        try:
+            reports = json.loads(path.read_text())
+            if reports:
+                ray.get(collector.report.remote(reports), timeout=30)
+        except Exception as e:  # a dead collector, an unreadable file: the flushed metrics stand
+            print(f"ray_titan: warning: could not deliver {path}: {e}", file=sys.stderr, flush=True)
 
 
 def _workers_text(cfg: JobConfig, counts: list[int]) -> str:
@@ -471,6 +495,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
         remove_staging(run_dir)  # what an interrupted save left; room for the metrics on a full disk
         if failure is not None:
             _remove_incomplete_checkpoints(run_dir)
+            _deliver_checkpoint_reports(collector, run_dir)
         try:
             summary = ray.get(collector.finish.remote(poller.shown_step), timeout=120)
         except Exception as e:  # the flushed parts are on disk; never hide a training error
