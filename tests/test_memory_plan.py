@@ -156,7 +156,14 @@ def _measured(tmp_path, config, *overrides):
     ("debug_llama.toml", ["--activation_checkpoint.mode=full"]),
 ])
 def test_plan_is_within_15_percent_of_the_measured_peak_in_one_process(tmp_path, corpus_cache, config, overrides):
-    planned, measured = _measured(tmp_path, config, f"--data.cache_dir={corpus_cache}", *overrides)
+    # In a fresh process: the profiler's categories once counted 400 KiB more parameters after
+    # the whole suite had run in this one.
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        planned, measured = pool.submit(_measured, tmp_path, config, f"--data.cache_dir={corpus_cache}",
+                                        *overrides).result(timeout=600)
     assert measured["step"] == 2 and set(measured["at_peak"]) >= {"parameters", "gradients", "activations"}
     assert sum(measured["at_peak"].values()) == measured["peak_bytes"]
     # The model states the plan counts are the ones the profiler finds.
