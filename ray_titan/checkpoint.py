@@ -78,6 +78,7 @@ __all__ = [
     "read_manifest",
     "remove_staging",
     "resolve_checkpoint",
+    "saved_reports",
     "staging_root",
     "step_dir_name",
 ]
@@ -284,6 +285,17 @@ def read_manifest(path: str | Path, verify_checksums: bool = False) -> dict[str,
             raise CheckpointError(f"checkpoint {path} is corrupt: {name} fails its CRC-32 check")
     manifest["step"] = step
     return manifest
+
+
+def saved_reports(path: Path, from_rank: int = 0) -> dict[int, list[dict[str, Any]]]:
+    """The metric reports checkpoint ``path`` holds (``reports/rank<r>.json``: what rank ``r``
+    had not yet seen on disk at the collector when it saved), by rank, for ranks >= ``from_rank``;
+    empty where there are none. Raises ``OSError``/``ValueError`` for an unreadable file."""
+    out = {}
+    for f in sorted((path / "reports").glob("rank*.json")):
+        if f.stem[4:].isdigit() and int(f.stem[4:]) >= from_rank:
+            out[int(f.stem[4:])] = json.loads(f.read_text())
+    return out
 
 
 def find_latest(directory: str | Path) -> Path | None:
@@ -715,14 +727,13 @@ class Checkpointer:
             if f"rng.rank{self.rank}.cuda" in sd:
                 torch.cuda.set_rng_state(sd[f"rng.rank{self.rank}.cuda"], self.device)
         if own and hasattr(self.reporter, "resend"):  # same run: metrics not yet on disk at the save
-            files = [path / "reports" / f"rank{self.rank}.json"]
             world = dist.get_world_size() if dist.is_initialized() else 1
-            if self.rank == 0:  # an elastic group that shrank: rank 0 delivers the lost ranks' too
-                files += sorted(f for f in (path / "reports").glob("rank*.json")
-                                if f.stem[4:].isdigit() and int(f.stem[4:]) >= world)
-            for rfile in files:
-                if rfile.is_file():
-                    self.reporter.resend(json.loads(rfile.read_text()))
+            saved = saved_reports(path)
+            # An elastic group that shrank: rank 0 delivers the lost ranks' reports too.
+            ranks = [self.rank] + ([r for r in saved if r >= world] if self.rank == 0 else [])
+            for r in ranks:
+                if saved.get(r):
+                    self.reporter.resend(saved[r])
         return int(sd["train.step"])
 
 

@@ -18,7 +18,6 @@ metrics and says where the last checkpoint is.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -236,20 +235,19 @@ def _deliver_checkpoint_reports(collector: Any, run_dir: str | Path) -> None:
     collector already has are ignored by it; best effort (``finish`` records what is missing)."""
     import ray
 
-    from ray_titan.checkpoint import find_latest
+    from ray_titan.checkpoint import find_latest, saved_reports
 
     if not isinstance(run_dir, Path):
         return
     latest = find_latest(run_dir / "checkpoints")
     if latest is None:
         return
-    for path in sorted((latest / "reports").glob("rank*.json")):
-        try:
-            reports = json.loads(path.read_text())
+    try:
+        for reports in saved_reports(latest).values():
             if reports:
                 ray.get(collector.report.remote(reports), timeout=30)
-        except Exception as e:  # a dead collector, an unreadable file: the flushed metrics stand
-            print(f"ray_titan: warning: could not deliver {path}: {e}", file=sys.stderr, flush=True)
+    except Exception as e:  # a dead collector, an unreadable file: the flushed metrics stand
+        print(f"ray_titan: warning: could not deliver the reports of {latest}: {e}", file=sys.stderr, flush=True)
 
 
 def _workers_text(cfg: JobConfig, counts: list[int]) -> str:
