@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.compute
 import pytest
 
-from ray_titan.metrics.collector import MetricsCollector
+from ray_titan.metrics.collector import MetricsCollector, read_breakdowns
 from ray_titan.metrics.memory import MEMORY_FIELDS, host_memory, sample_memory
 from ray_titan.metrics.report import StepReport
 from ray_titan.metrics.sinks import read_steps
@@ -261,9 +261,13 @@ def test_a_full_disk_loses_no_metric_that_fits_later(small_disk):
         except OSError:
             pass
     for step in range(6, 16):
-        c.report([_report(step, 0, dims, loss=2.0)])
+        rep = _report(step, 0, dims, loss=2.0)
+        if step == 7:  # memory.breakdown_step's side file fails too: the step keeps its row
+            rep["memory_breakdown"] = {"rank": 0, "step": 7, "parameters_bytes": 1024}
+        c.report([rep])
     failures = [e for e in c.errors if "No space left on device" in e]
-    assert failures and f"cannot write {small_disk / 'metrics' / 'parts'}" in failures[0]
+    assert any(f"cannot write {small_disk / 'metrics' / 'parts'}" in e for e in failures)
+    assert any(f"memory breakdown {small_disk / 'metrics'}" in e for e in failures)
     assert len([e for e in failures if "part-" in e]) == 1  # once, not at every flush
     assert read_steps(small_disk)["step"].to_pylist() == [1, 2, 3, 4, 5]  # what was flushed stays readable
     filler.unlink()
@@ -272,6 +276,7 @@ def test_a_full_disk_loses_no_metric_that_fits_later(small_disk):
     summary = c.finish()
     assert read_steps(small_disk)["step"].to_pylist() == list(range(1, 31))
     assert summary["final_loss"] == 2.0
+    assert read_breakdowns(small_disk)[0]["step"] == 7
 
 
 def test_per_step_bookkeeping_stays_as_small_as_the_unflushed_steps(tmp_path):

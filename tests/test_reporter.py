@@ -113,3 +113,36 @@ def test_reports_between_calls_travel_together(stuck_collector):
     reporter.close()  # delivers what is held, whatever the interval
     assert ray.get(stuck_collector.received.remote()) == (list(range(1, 51)), 0)
     assert ray.get(stuck_collector.count.remote()) == 2
+
+
+def test_close_does_not_wait_on_a_collector_whose_disk_is_full(ray_cluster):
+    """A collector that holds every report but cannot write (``write_failing``): close() returns
+    at once (waiting cannot make room; the driver frees it after the run) and nothing was
+    withheld from it."""
+    import time
+
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Full:
+        def __init__(self):
+            self.steps: list[int] = []
+
+        def report(self, batch, dropped=0, flush=False):
+            self.steps.extend(r["step"] for r in batch)
+            return {"incarnation": "one", "durable": {}, "write_failing": len(self.steps) >= 5}
+
+        def received(self):
+            return sorted(set(self.steps))
+
+    actor = Full.remote()
+    try:
+        reporter = CollectorReporter(actor, interval_s=0.0)
+        for s in range(1, 11):
+            reporter.report(_rep(s))
+        start = time.monotonic()
+        reporter.close(timeout_s=60.0)
+        assert time.monotonic() - start < 10
+        assert ray.get(actor.received.remote()) == list(range(1, 11)) and reporter.dropped == 0
+    finally:
+        ray.kill(actor)

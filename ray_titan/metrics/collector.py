@@ -235,6 +235,8 @@ class MetricsCollector:
         self._errors_path = self.run_dir / "metrics" / "errors.jsonl"
         self._write_errors: set[str] = set()
         self._errors_unwritten = False
+        self._breakdowns_unwritten = False
+        self._write_failing = False  # the last Parquet flush failed (a full disk)
         self._breakdown_path = self.run_dir / "metrics" / BREAKDOWN_FILE
         self.breakdowns: dict[int, dict[str, Any]] = {}
         self.restarted = _reconstructed()
@@ -248,7 +250,8 @@ class MetricsCollector:
 
         Returns ``{"incarnation": id of this collector life, "durable": {attempt_start_time:
         step}, "stop": reason or None}``: every step up to ``step`` of that attempt is on disk;
-        ``stop`` is set once the run must stop (the memory verdict under ``on_leak = "stop"``).
+        ``stop`` is set once the run must stop (the memory verdict under ``on_leak = "stop"``);
+        ``write_failing``: the last flush failed, so rows wait in memory for room on disk.
         """
         for rep in batch:
             step, attempt = rep["step"], rep.get("attempt_start_time", 0.0)
@@ -269,7 +272,8 @@ class MetricsCollector:
             self._assemble(step, self._pending.pop(step))
         if flush:
             self.flush()
-        return {"incarnation": self.incarnation, "durable": dict(self._durable), "stop": self.stop_reason}
+        return {"incarnation": self.incarnation, "durable": dict(self._durable), "stop": self.stop_reason,
+                "write_failing": self._write_failing}
 
     def stop_run(self, reason: str) -> None:
         """A worker ended the run on purpose (a non-finite loss under ``on_nonfinite = "stop"``):
@@ -322,6 +326,12 @@ class MetricsCollector:
                 self._tensorboard(self.tb.close)
             if self.wandb:
                 self.wandb.close()
+            if self._breakdowns_unwritten:
+                try:
+                    self._breakdown_path.write_text(
+                        "".join(json.dumps(b) + "\n" for b in self.breakdowns.values()), encoding="utf-8")
+                except OSError:
+                    pass
             if self._errors_unwritten:
                 try:
                     self._errors_path.write_text("".join(json.dumps(e) + "\n" for e in self.errors), encoding="utf-8")
@@ -534,10 +544,16 @@ class MetricsCollector:
         return message
 
     def _breakdown(self, breakdown: dict[str, Any]) -> None:
-        """Keep a rank's measured memory breakdown, on disk at once (it survives a restart)."""
+        """Keep a rank's measured memory breakdown, on disk at once (it survives a restart). A
+        full disk must not cost the step its row: the failure is recorded and the breakdowns are
+        written again at the end."""
         self.breakdowns[breakdown["rank"]] = breakdown
-        with open(self._breakdown_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(breakdown) + "\n")
+        try:
+            with open(self._breakdown_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(breakdown) + "\n")
+        except OSError as e:
+            self._breakdowns_unwritten = True
+            self._write_failed(f"memory breakdown {self._breakdown_path}: {e.strerror or e}")
 
     def _error(self, message: str) -> None:
         # Bounded: a systematic error would otherwise add one message per step.
@@ -561,8 +577,10 @@ class MetricsCollector:
         try:
             self.parquet.flush()
         except OSError as e:
+            self._write_failing = True
             self._write_failed(e.strerror or str(e))
             return  # nothing new is durable: the workers keep (and resend) these reports
+        self._write_failing = False
         if self.tb:
             self._tensorboard(self.tb.flush)
         for attempt, step in self._unflushed:

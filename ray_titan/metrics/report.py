@@ -155,6 +155,7 @@ class CollectorReporter(Reporter):
         self.resends = 0
         self.last_error: str | None = None
         self.stop_reason: str | None = None
+        self._write_failing = False  # the collector's last answer: its disk writes fail
 
     @property
     def _queue(self) -> list[dict[str, Any]]:
@@ -207,6 +208,7 @@ class CollectorReporter(Reporter):
             self._incarnation = answer["incarnation"]
             if answer.get("stop"):
                 self.stop_reason = answer["stop"]
+            self._write_failing = bool(answer.get("write_failing"))
             self._acknowledge(answer["durable"])
 
     def _acknowledge(self, durable: dict[float, int]) -> None:
@@ -238,13 +240,22 @@ class CollectorReporter(Reporter):
         (asking it to flush, resending to a restarted one); never raises, so a collector problem
         cannot fail a finished training. Reports not on disk by then are counted in ``dropped``
         and a warning goes to this worker's stderr; the collector itself records every step it
-        lacks a rank's report for."""
+        lacks a rank's report for. A collector whose disk writes fail (a full disk) holding
+        every report ends the wait at once: waiting cannot make room."""
         import sys
 
         deadline = time.monotonic() + timeout_s
         while self._held and time.monotonic() < deadline:
             self._send(flush=not self._pending)
             self._poll(timeout=min(0.5, max(0.0, deadline - time.monotonic())), num_returns=1)
+            if self._write_failing and not self._unsent and not self._pending:
+                # The collector holds every report in memory but cannot write (a full disk): no
+                # wait here makes room. It writes them at the end, once the driver has removed
+                # what a failed checkpoint left.
+                print(f"ray_titan: warning: metrics collector: {len(self._held)} report(s) held in its memory, "
+                      "not yet on disk (its writes fail; it tries again at the end)", file=sys.stderr, flush=True)
+                self._held.clear()
+                break
             if not self._pending and self._held:
                 time.sleep(0.2)  # the other ranks' last reports complete the last steps
         lost = len(self._held)
