@@ -142,7 +142,8 @@ _STATE_API_VARS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 def init_local_cluster(num_cpus: int, **kwargs: Any) -> None:
     """``ray.init`` a new local cluster with the dashboard (its state API) on a free port of
     127.0.0.1, named in the job's runtime env as ``RAY_API_SERVER_ADDRESS`` so Ray Train's
-    placement-group cleaner asks this cluster about its runs and no other. ``kwargs`` go to
+    placement-group cleaner asks this cluster about its runs and no other; Ray Train's preemption
+    watcher is off (a one-machine cluster is never drained). ``kwargs`` go to
     ``ray.init`` (``_temp_dir``, ``log_to_driver``, ...)."""
     import socket
 
@@ -151,9 +152,12 @@ def init_local_cluster(num_cpus: int, **kwargs: Any) -> None:
     with socket.socket() as s:  # a free port now; the dashboard binds it a moment later
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    env = {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}",
+           # One machine, no autoscaler: no node is ever drained, so Ray Train's preemption
+           # watcher (an actor process per worker group) would only cost its start-up.
+           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=port, runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}},
-             **kwargs)
+             dashboard_port=port, runtime_env={"env_vars": env}, **kwargs)
 
 
 def _connect(cfg: JobConfig) -> None:
@@ -277,8 +281,10 @@ def set_process_niceness(nice: int) -> bool:
 
 def _worker_entry(loop_config: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``: rebuild the config, report to the collector."""
+    entry, cpu_at_entry = time.time(), time.process_time()
     # First, so that the imports below (seconds of CPU on a busy machine) run at it too.
     set_process_niceness(loop_config["config"]["ray"]["worker_nice"])
+    import psutil
     import ray.train
     import ray.train.torch
     import torch
@@ -290,7 +296,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     from ray_titan.parallel.elastic import mesh_for_workers
     from ray_titan.trainer import train_loop
 
-    worker_start = time.time()
+    worker_start, cpu_at_start = time.time(), time.process_time()
     cfg = JobConfig.model_validate(loop_config["config"])
     context = ray.train.get_context()
     rank = context.get_world_rank()
@@ -325,7 +331,12 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
             else:
                 ray.get(loop_config["collector"].stop_run.remote(str(e)), timeout=120)
         return
-    summary["marks"]["worker_start"] = worker_start
+    summary["marks"].update(process_start=psutil.Process().create_time(), train_fn_entry=entry,
+                            worker_start=worker_start)
+    # Where a worker's start-up CPU goes (the startup benchmark's split): Ray's worker and
+    # Ray Train's set-up before the train function, then this function's imports.
+    summary["cpu_s"] = {"before_train_fn": cpu_at_entry, "train_fn_imports": cpu_at_start - cpu_at_entry,
+                        "total": time.process_time()}
     write_timings(loop_config["run_dir"], f"rank{rank}", summary)
 
 
@@ -364,7 +375,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
 
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from ray_titan.allocator import worker_env_vars
@@ -375,7 +386,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     from ray_titan.metrics.timing import read_timings, write_timings
     from ray_titan.parallel.elastic import fitting_worker_counts, is_elastic, mesh_for_workers
     from ray_titan.progress import ConsoleThread, check_mode, make_display
-    from ray_titan.scaling import MeshTorchTrainer
+    from ray_titan.scaling import LeanTorchTrainer, MeshTorchTrainer
     from ray_titan.trainer.build import parallel_dims
 
     check_mode(progress)
@@ -444,7 +455,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
         f"{cfg.training.steps} steps; last stage on ranks {dims.last_stage_ranks()}; run dir {run_dir}",
         flush=True,
     )
-    trainer = (partial(MeshTorchTrainer, counts=counts) if is_elastic(cfg) else TorchTrainer)(
+    trainer = (partial(MeshTorchTrainer, counts=counts) if is_elastic(cfg) else LeanTorchTrainer)(
         _worker_entry,
         train_loop_config={"config": cfg.model_dump(), "collector": collector, "run_dir": str(run_dir),
                            "callbacks": list(callbacks or [])},

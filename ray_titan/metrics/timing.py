@@ -12,7 +12,9 @@ train_called         driver    ``ray_titan.train`` entered
 cluster_ready        driver    Ray cluster joined or started, resources checked
 fit_called           driver    collector created, ``TorchTrainer.fit`` about to run
 fit_returned         driver    the worker group finished
-worker_start         rank      the train function starts on a Ray worker (process group up)
+process_start        rank      the Ray worker process was created
+train_fn_entry       rank      the train function entered (process group up), before its imports
+worker_start         rank      the train function's imports done
 loop_start           rank      ``train_loop`` entered
 data_ready           rank      tokenizer and corpus loaded, loader built
 model_built          rank      stages built, parallelized, initialised; optimizer built
