@@ -48,3 +48,33 @@ def hf_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf_models")
     return root, {f: make_hf_model(f, root / f) for f in ("llama", "qwen3", "deepseek_v2")}
+
+
+class OneProcessRun:
+    """A job run without Ray (``python -m ray_titan.launch``, one process): the one-worker side
+    of a parity check where Ray is not the subject (DESIGN.md, Testing). ``steps`` and
+    ``step_column`` as :class:`ray_titan.driver.RunResult`'s; a failed run raises."""
+
+    def __init__(self, config: str | Path, overrides: list[str], dump: Path):
+        import subprocess
+        import sys
+
+        from ray_titan.config import merge_overrides
+        from ray_titan.metrics.sinks import read_steps
+
+        proc = subprocess.run(
+            [sys.executable, "-m", "ray_titan.launch", "--config", str(config),
+             *merge_overrides([f"--job.dump_folder={dump}"], overrides)],
+            cwd=REPO, capture_output=True, text=True,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        (run_dir,) = (p.parents[1] for p in dump.glob("*/metrics/steps.parquet"))
+        self.run_dir = run_dir
+        self.errors = [line.removeprefix("metrics error: ") for line in proc.stdout.splitlines()
+                       if line.startswith("metrics error: ")]
+        self.steps = read_steps(run_dir)
+
+    def step_column(self, column: str) -> list:
+        from ray_titan.driver import RunResult
+
+        return RunResult.step_column(self, column)  # type: ignore[arg-type]

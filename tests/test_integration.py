@@ -16,7 +16,7 @@ import ray_titan
 from ray_titan.config import load_config, merge_overrides
 from ray_titan.metrics.leak import theil_sen_slope
 from ray_titan.metrics.report import read_rank_reports
-from tests.conftest import REPO
+from tests.conftest import REPO, OneProcessRun
 
 pytestmark = pytest.mark.ray
 
@@ -37,9 +37,11 @@ def _run(tmp_path_factory, corpus_cache, name, *overrides):
 
 
 @pytest.fixture(scope="module")
-def reference(ray_cluster, tmp_path_factory, corpus_cache):
-    """One worker, no PP, no FSDP: the same model, seed and data."""
-    return _run(tmp_path_factory, corpus_cache, "ref", "--parallelism.pp=1", "--parallelism.dp_shard=1")
+def reference(tmp_path_factory, corpus_cache):
+    """One process without Ray, no PP, no FSDP: the same model, seed and data."""
+    return OneProcessRun(REPO / "configs" / "debug_llama.toml", [
+        "--job.name=ref", f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}", "--metrics.log_freq=1000",
+        "--memory.breakdown_step=0", "--parallelism.pp=1", "--parallelism.dp_shard=1"], tmp_path_factory.mktemp("ref"))
 
 
 @pytest.fixture(scope="module", params=list(SCHEDULES))

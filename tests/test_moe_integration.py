@@ -11,7 +11,7 @@ from ray_titan.allocator import jemalloc_library
 from ray_titan.config import load_config
 from ray_titan.metrics.collector import expert_load
 from ray_titan.metrics.moe_stats import expert_shares, memory_slopes
-from tests.conftest import REPO
+from tests.conftest import REPO, OneProcessRun
 
 pytestmark = pytest.mark.ray
 
@@ -36,14 +36,17 @@ def _run(tmp_path_factory, corpus_cache, name, *overrides, steps=STEPS):
 
 
 @pytest.fixture(scope="module")
-def moe_references(ray_cluster, tmp_path_factory, corpus_cache):
-    """One worker (all experts local, no PP, no FSDP) per balancing mode, run on first use."""
+def moe_references(tmp_path_factory, corpus_cache):
+    """One process without Ray (all experts local, no PP, no FSDP) per balancing mode, run on
+    first use."""
     cache = {}
 
     def get(mode: str):
         if mode not in cache:
-            cache[mode] = _run(tmp_path_factory, corpus_cache, f"moe_ref_{mode}", *ONE_WORKER,
-                               f"--model.load_balance={mode}")
+            cache[mode] = OneProcessRun(REPO / "configs" / "debug_deepseek.toml", [
+                f"--job.name=moe_ref_{mode}", f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}",
+                "--metrics.log_freq=1000", "--memory.breakdown_step=0", *ONE_WORKER, f"--model.load_balance={mode}",
+            ], tmp_path_factory.mktemp(f"moe_ref_{mode}"))
         return cache[mode]
 
     return get
