@@ -374,8 +374,10 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
            signals: SignalGuard, dataset: Any = None) -> RunResult:
 
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
+
+    # Ray Train V2's classes (what ray.train exports at runtime), named so that mypy sees them too.
+    from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from ray_titan.allocator import worker_env_vars
@@ -461,22 +463,19 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
                            "callbacks": list(callbacks or [])},
         torch_config=TorchConfig(backend="nccl" if cfg.ray.use_gpu else "gloo"),
         **datasets,
-        # The ignore: a (min, max) range and the resize interval are Ray Train V2's ScalingConfig's.
-        scaling_config=ScalingConfig(  # type: ignore[call-arg]
-            num_workers=(counts[0], counts[-1]) if is_elastic(cfg) else dims.world_size,  # type: ignore[arg-type]
+        scaling_config=ScalingConfig(
+            num_workers=(counts[0], counts[-1]) if is_elastic(cfg) else dims.world_size,
             use_gpu=cfg.ray.use_gpu,
             resources_per_worker={"CPU": cpus, **({"GPU": 1} if cfg.ray.use_gpu else {})},
             elastic_resize_monitor_interval_s=cfg.ray.elastic_resize_interval_s,
         ),
-        # The ignores: worker_runtime_env and controller_failure_limit are Ray Train V2's (the
-        # RunConfig and FailureConfig ray.train exports at runtime); mypy resolves the V1 classes.
-        run_config=RunConfig(  # type: ignore[call-arg]
+        run_config=RunConfig(
             # Checkpoints land in <run_dir>/checkpoints/step-NNNNNNNN (ray_titan.checkpoint).
             name="checkpoints",
             storage_path=str(run_dir),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_latest_k or None),
             # A worker group that cannot start fails the run at once instead of retrying forever.
-            failure_config=FailureConfig(  # type: ignore[call-arg]
+            failure_config=FailureConfig(
                 max_failures=cfg.ray.max_failures,
                 # Elastic: a start may time out while lost capacity is still counted; retry it.
                 controller_failure_limit=cfg.ray.max_failures if is_elastic(cfg) else 0),

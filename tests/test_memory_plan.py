@@ -166,8 +166,11 @@ def test_plan_is_within_15_percent_of_the_measured_peak_in_one_process(tmp_path,
                                         *overrides).result(timeout=600)
     assert measured["step"] == 2 and set(measured["at_peak"]) >= {"parameters", "gradients", "activations"}
     assert sum(measured["at_peak"].values()) == measured["peak_bytes"]
-    # The model states the plan counts are the ones the profiler finds.
-    assert measured["at_peak"]["parameters"] == pytest.approx(planned.parameters, rel=0.05)
+    # The model states the plan counts are the ones the profiler finds. The profiler's categories
+    # are inferred from data flow and once in a few runs (in CI too) label 400 KiB of the step's
+    # tensors parameters (3,824,128 bytes against the model's 3,414,528; torch 2.13): every
+    # parameter is found, and at most that much more.
+    assert planned.parameters <= measured["at_peak"]["parameters"] <= planned.parameters * 1.15
     assert measured["at_peak"]["optimizer_state"] == pytest.approx(sum(planned.optimizer_state.values()), rel=0.05)
     assert planned.peak == pytest.approx(measured["peak_bytes"], rel=0.15)
 
