@@ -139,11 +139,26 @@ class RunResult:
 _STATE_API_VARS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 
 
+_OWN_CLUSTER_VAR = "RAY_TITAN_OWN_CLUSTER"
+
+
+def own_cluster() -> bool:
+    """Whether this Ray job runs on a one-machine cluster ray_titan started
+    (:func:`init_local_cluster`, named in the job's runtime env): it has no autoscaler and ends
+    with its driver, so runs leave out Ray Train's placement-group cleaner and autoscaling
+    coordinator (:class:`ray_titan.scaling.LeanTorchTrainer`)."""
+    import ray
+
+    env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
+    return env.get(_OWN_CLUSTER_VAR) == "1"
+
+
 def init_local_cluster(num_cpus: int, **kwargs: Any) -> None:
     """``ray.init`` a new local cluster with the dashboard (its state API) on a free port of
     127.0.0.1, named in the job's runtime env as ``RAY_API_SERVER_ADDRESS`` so Ray Train's
     placement-group cleaner asks this cluster about its runs and no other; Ray Train's preemption
-    watcher is off (a one-machine cluster is never drained). ``kwargs`` go to
+    watcher is off (a one-machine cluster is never drained), and so are the placement-group cleaner
+    and the autoscaling coordinator of fixed-size runs (:func:`own_cluster`). ``kwargs`` go to
     ``ray.init`` (``_temp_dir``, ``log_to_driver``, ...)."""
     import socket
 
@@ -155,7 +170,8 @@ def init_local_cluster(num_cpus: int, **kwargs: Any) -> None:
     env = {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}",
            # One machine, no autoscaler: no node is ever drained, so Ray Train's preemption
            # watcher (an actor process per worker group) would only cost its start-up.
-           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+           _OWN_CLUSTER_VAR: "1"}
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
              dashboard_port=port, runtime_env={"env_vars": env}, **kwargs)
 
@@ -459,6 +475,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     )
     trainer = (partial(MeshTorchTrainer, counts=counts) if is_elastic(cfg) else LeanTorchTrainer)(
         _worker_entry,
+        own_cluster=own_cluster(),
         train_loop_config={"config": cfg.model_dump(), "collector": collector, "run_dir": str(run_dir),
                            "callbacks": list(callbacks or [])},
         torch_config=TorchConfig(backend="nccl" if cfg.ray.use_gpu else "gloo"),

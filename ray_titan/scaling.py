@@ -9,10 +9,20 @@ below ``min`` Ray waits for capacity, as it does for any elastic run. :class:`Me
 is Ray's ``TorchTrainer`` with that policy. Both use Ray Train V2's internal policy interface
 (Ray 2.5x); nothing else of Ray's behaviour changes.
 
-:class:`LeanTorchTrainer`, the base of every ray_titan run, leaves out Ray Train's Ray Data
-callback when the run has no Ray Dataset: Ray 2.60 starts it regardless, and its two idle actors
-(a ``DatasetManager`` and Ray Data's autoscaling coordinator) are two more processes importing
-Ray Data while the workers start (~2 CPU-seconds each).
+:class:`LeanTorchTrainer`, the base of every ray_titan run, leaves out what a run does not use,
+each an actor process that imports Ray Train or Ray Data (~2-4 CPU-seconds) while the workers start,
+on machines where start-up is CPU-bound (measured: ``python -m benchmarks.run startup``):
+
+- Ray Train's Ray Data callback, when the run has no Ray Dataset: Ray 2.60 starts it regardless,
+  with two idle actors (a ``DatasetManager`` and Ray Data's autoscaling coordinator).
+- On the one-machine cluster ray_titan starts itself (``own_cluster``, see
+  :func:`ray_titan.driver.init_local_cluster`), for a fixed-size run: the placement-group cleaner
+  (a detached actor that removes the run's placement group if the controller dies while the
+  driver lives; that cluster ends with the driver) and the requests to Ray's autoscaling
+  coordinator (a cluster without an autoscaler grants nothing; :class:`LocalScalingPolicy`). The
+  coordinator's start was also on the critical path (~2 s between the controller's start and the
+  worker group's). On any other cluster both stay: there a controller can die alone and an
+  autoscaler may add nodes.
 """
 
 from __future__ import annotations
@@ -22,14 +32,27 @@ from typing import Any
 
 import ray
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, FixedScalingPolicy
 from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
     AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
 )
 from ray.train.v2._internal.util import time_monotonic
 from ray.train.v2.torch.torch_trainer import TorchTrainer
 
-__all__ = ["LeanTorchTrainer", "MeshScalingPolicy", "MeshTorchTrainer"]
+__all__ = ["LeanTorchTrainer", "LocalScalingPolicy", "MeshScalingPolicy", "MeshTorchTrainer"]
+
+
+class LocalScalingPolicy(FixedScalingPolicy):
+    """Ray's fixed-size policy without the autoscaling coordinator: no requests for resources
+    (Ray's policy sends them so that an autoscaler adds nodes), so no coordinator actor. For a
+    cluster without an autoscaler; the decisions are Ray's."""
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        pass
+
+    def _maybe_send_resource_request(self) -> None:
+        pass
 
 
 class MeshScalingPolicy(ElasticScalingPolicy):
@@ -65,14 +88,27 @@ class MeshScalingPolicy(ElasticScalingPolicy):
 
 
 class LeanTorchTrainer(TorchTrainer):
-    """Ray's ``TorchTrainer`` without its Ray Data callback when ``datasets`` is empty (with a
-    dataset, unchanged). Overrides Ray Train V2's internal ``_create_default_callbacks``."""
+    """Ray's ``TorchTrainer`` without its Ray Data callback when ``datasets`` is empty, and on a
+    cluster ray_titan started itself (``own_cluster=True``) without the placement-group cleaner
+    and the autoscaling coordinator (module docstring). Overrides Ray Train V2's internal
+    ``_create_default_callbacks`` and ``_initialize_and_run_controller``."""
+
+    def __init__(self, *args: Any, own_cluster: bool = False, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._own_cluster = own_cluster
 
     def _create_default_callbacks(self) -> list[Any]:
-        callbacks = super()._create_default_callbacks()
-        if self.datasets:
-            return callbacks
-        return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+        drop: tuple[type, ...] = () if self.datasets else (DatasetsCallback,)
+        if self._own_cluster:
+            drop += (PlacementGroupCleanerCallback,)
+        return [c for c in super()._create_default_callbacks() if not isinstance(c, drop)]
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
+        # Any: mypy resolves the attribute to Ray Train V1's ScalingConfig; at runtime it is V2's.
+        scaling: Any = self.scaling_config
+        if self._own_cluster and not scaling.elasticity_enabled:
+            controller_init_kwargs["scaling_policy"] = LocalScalingPolicy(scaling)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
 class MeshTorchTrainer(LeanTorchTrainer):
