@@ -46,7 +46,7 @@ import pyarrow.compute
 
 from ray_titan import storage
 from ray_titan.metrics.leak import GROWING, LeakMonitor, describe_coords, leak_settings
-from ray_titan.metrics.memory import MEMORY_FIELDS
+from ray_titan.metrics.report import MEMORY_FIELDS
 from ray_titan.metrics.sinks import (
     ParquetSink,
     TensorBoardSink,

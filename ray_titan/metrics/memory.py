@@ -70,6 +70,7 @@ from typing import Any
 import torch
 
 from ray_titan.allocator import host_heap
+from ray_titan.metrics.report import MEMORY_FIELDS
 
 __all__ = [
     "BREAKDOWN_CATEGORIES",
@@ -88,23 +89,6 @@ __all__ = [
 ]
 
 MiB = 2**20
-
-MEMORY_FIELDS = (
-    "host_rss_bytes",
-    "host_peak_rss_bytes",
-    "host_heap_in_use_bytes",
-    "host_heap_free_bytes",
-    "host_available_bytes",
-    "device_allocated_bytes",
-    "device_active_bytes",
-    "device_reserved_bytes",
-    "device_peak_active_bytes",
-    "device_peak_reserved_bytes",
-    "device_alloc_retries",
-    "device_ooms",
-    "device_capacity_bytes",
-)
-
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 

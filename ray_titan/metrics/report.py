@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "MEMORY_FIELDS",
     "CollectorReporter",
     "JsonlReporter",
     "LocalReporter",
@@ -28,6 +29,24 @@ __all__ = [
     "rank_reports_path",
     "read_rank_reports",
 ]
+
+# The memory sample of a StepReport (ray_titan.metrics.memory.MemorySampler fills it). Here, not
+# beside the sampler: the collector needs the names, and the sampler module imports torch.
+MEMORY_FIELDS = (
+    "host_rss_bytes",
+    "host_peak_rss_bytes",
+    "host_heap_in_use_bytes",
+    "host_heap_free_bytes",
+    "host_available_bytes",
+    "device_allocated_bytes",
+    "device_active_bytes",
+    "device_reserved_bytes",
+    "device_peak_active_bytes",
+    "device_peak_reserved_bytes",
+    "device_alloc_retries",
+    "device_ooms",
+    "device_capacity_bytes",
+)
 
 
 @dataclass
