@@ -1,5 +1,7 @@
 """Fault tolerance on the shared local Ray cluster: a SIGKILLed worker and a SIGKILLed collector
 cost time, never data or correctness; a checkpoint loads onto another mesh; Ctrl-C stops cleanly.
+The uninterrupted curve each run is held to is one process's (``python -m ray_titan.launch``) of
+the same model, seed and data (DESIGN.md, Testing).
 
 ``RESUME_CASES`` names the jobs whose resume is checked; each is a list of config overrides
 (the dense pp=2 × dp_shard=2 job and the MoE pp=2 × ep=2 job, whose router bias is state).
@@ -23,7 +25,7 @@ import ray_titan
 from ray_titan.checkpoint import find_latest
 from ray_titan.config import load_config, merge_overrides
 from ray_titan.metrics.sinks import read_steps
-from tests.conftest import REPO
+from tests.conftest import REPO, OneProcessRun
 
 pytestmark = pytest.mark.ray
 
@@ -36,12 +38,16 @@ RESUME_CASES = {
 }
 
 
+def _flags(name, corpus_cache, *overrides):
+    return merge_overrides([
+        f"--job.name={name}", f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}",
+        "--metrics.log_freq=1000", f"--checkpoint.interval={INTERVAL}", "--metrics.flush_every_steps=2",
+        "--memory.breakdown_step=0"], overrides)
+
+
 def _run(tmp_path_factory, corpus_cache, name, *overrides):
-    cfg = load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
-        f"--job.name={name}", f"--job.dump_folder={tmp_path_factory.mktemp(name, numbered=False)}",
-        f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}", "--metrics.log_freq=1000",
-        f"--checkpoint.interval={INTERVAL}", "--metrics.flush_every_steps=2", "--memory.breakdown_step=0"],
-        overrides))
+    cfg = load_config(REPO / "configs" / "debug_llama.toml", merge_overrides(
+        [f"--job.dump_folder={tmp_path_factory.mktemp(name, numbered=False)}"], _flags(name, corpus_cache, *overrides)))
     return ray_titan.train(cfg)
 
 
@@ -51,8 +57,11 @@ def case(request):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(case, ray_cluster, tmp_path_factory, corpus_cache):
-    return _run(tmp_path_factory, corpus_cache, f"ref_{case}", *RESUME_CASES[case])
+def uninterrupted(case, tmp_path_factory, corpus_cache):
+    """The job in one process (all experts local, no PP, no FSDP)."""
+    return OneProcessRun(REPO / "configs" / "debug_llama.toml", _flags(
+        f"ref_{case}", corpus_cache, *RESUME_CASES[case], "--parallelism.pp=1", "--parallelism.dp_shard=1",
+        "--parallelism.ep=1"), tmp_path_factory.mktemp(f"ref_{case}"))
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +75,13 @@ def faulty(case, ray_cluster, tmp_path_factory, corpus_cache):
 
 
 def test_killed_worker_run_continues_the_uninterrupted_loss_curve(uninterrupted, faulty):
-    assert faulty.restarts == 1 and uninterrupted.restarts == 0
+    assert faulty.restarts == 1
     assert faulty.errors == [] and uninterrupted.errors == []
-    np.testing.assert_allclose(faulty.losses(), uninterrupted.losses(), rtol=1e-6)
-    np.testing.assert_allclose(faulty.step_column("grad_norm"), uninterrupted.step_column("grad_norm"), rtol=1e-6)
-    assert len(faulty.losses()) == STEPS and faulty.final_loss == uninterrupted.final_loss
+    ref = uninterrupted.step_column("step_loss")
+    assert len(faulty.losses()) == len(ref) == STEPS
+    # The one-process run sums in another order: equal to fp32 rounding, the parity tolerance.
+    np.testing.assert_allclose(faulty.losses(), ref, rtol=1e-4)
+    np.testing.assert_allclose(faulty.step_column("grad_norm"), uninterrupted.step_column("grad_norm"), rtol=1e-4)
 
 
 def test_metrics_have_one_row_per_step_per_rank_and_mark_the_restart(faulty):
@@ -92,24 +103,25 @@ def test_killed_collector_restarts_and_no_step_is_missing(faulty):
     assert sorted(set(faulty.steps["step"].to_pylist())) == list(range(1, STEPS + 1))
 
 
-def test_checkpoints_kept_and_named_by_step(uninterrupted):
-    kept = sorted(p.name for p in (uninterrupted.run_dir / "checkpoints").glob("step-*"))
+def test_checkpoints_kept_and_named_by_step(faulty):
+    # Step 4's from the first worker group, 8 and 12 from the restarted one.
+    kept = sorted(p.name for p in (faulty.run_dir / "checkpoints").glob("step-*"))
     assert kept == ["step-00000004", "step-00000008", "step-00000012"]
-    assert uninterrupted.checkpoint == uninterrupted.run_dir / "checkpoints" / "step-00000012"
+    assert faulty.checkpoint == faulty.run_dir / "checkpoints" / "step-00000012"
 
 
-def test_load_path_onto_another_mesh_continues_the_run(case, uninterrupted, ray_cluster, tmp_path_factory,
+def test_load_path_onto_another_mesh_continues_the_run(case, uninterrupted, faulty, ray_cluster, tmp_path_factory,
                                                        corpus_cache):
     """pp=2 × dp_shard=2 → pp=1 × dp_shard=4: DCP reshards the model and optimizer state (for
     the MoE job, experts split over ep=2 become also FSDP-sharded over dp_shard / ep = 2)."""
-    ckpt = uninterrupted.run_dir / "checkpoints" / "step-00000004"
+    ckpt = faulty.run_dir / "checkpoints" / "step-00000004"
     model = [o for o in RESUME_CASES[case] if not o.startswith("--parallelism.")]
     mesh = ["--parallelism.pp=1", "--parallelism.dp_shard=4"] + (["--parallelism.ep=2"] if model else [])
     run = _run(tmp_path_factory, corpus_cache, f"reshard_{case}", *model, *mesh, f"--checkpoint.load_path={ckpt}")
     assert run.errors == []
     assert sorted(set(run.steps["step"].to_pylist())) == list(range(INTERVAL + 1, STEPS + 1))
     # Another mesh sums in another order: equal to fp32 rounding, not bit for bit.
-    np.testing.assert_allclose(run.losses(), uninterrupted.losses()[INTERVAL:], rtol=1e-4)
+    np.testing.assert_allclose(run.losses(), uninterrupted.step_column("step_loss")[INTERVAL:], rtol=1e-4)
 
 
 def test_nonfinite_stop_ends_the_run_without_a_restart(ray_cluster, tmp_path_factory, corpus_cache):

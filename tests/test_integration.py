@@ -1,5 +1,7 @@
-"""End to end on the shared local Ray cluster: parity with one worker, the collector's record,
-TensorBoard, user data, and the command-line entry points."""
+"""End to end on the shared local Ray cluster: the README's main job (300 steps of pp=2 ×
+dp_shard=2, 1F1B) against one worker, the collector's record, TensorBoard, user data, and the
+command-line entry points. The other pipeline schedules' parity with one worker runs without Ray
+(tests/test_parallel_parity.py), where Ray is not the subject."""
 
 from __future__ import annotations
 
@@ -13,27 +15,17 @@ import pyarrow.parquet as pq
 import pytest
 
 import ray_titan
-from ray_titan.config import load_config, merge_overrides
+from ray_titan.config import load_config
 from ray_titan.metrics.leak import theil_sen_slope
 from ray_titan.metrics.report import read_rank_reports
 from tests.conftest import REPO, OneProcessRun
 
 pytestmark = pytest.mark.ray
 
+MAIN_STEPS = 300
+# The reference's steps: the main job's first ones are in the LR warm-up (20 steps), whose rates
+# do not depend on the run's length, so a 10-step run of one worker is its first 10 steps.
 STEPS = 10
-SCHEDULES = {
-    "1F1B": ["--parallelism.pipeline_schedule=1F1B"],
-    "GPipe": ["--parallelism.pipeline_schedule=GPipe"],
-    "Interleaved1F1B": ["--parallelism.pipeline_schedule=Interleaved1F1B", "--parallelism.stages_per_rank=2"],
-}
-
-
-def _run(tmp_path_factory, corpus_cache, name, *overrides):
-    cfg = load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
-        f"--job.name={name}", f"--job.dump_folder={tmp_path_factory.mktemp(name)}",
-        f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}",
-        "--metrics.log_freq=1000", "--metrics.save_rank_reports=true", "--memory.breakdown_step=0"], overrides))
-    return ray_titan.train(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -44,76 +36,82 @@ def reference(tmp_path_factory, corpus_cache):
         "--memory.breakdown_step=0", "--parallelism.pp=1", "--parallelism.dp_shard=1"], tmp_path_factory.mktemp("ref"))
 
 
-@pytest.fixture(scope="module", params=list(SCHEDULES))
-def pp_run(request, ray_cluster, tmp_path_factory, corpus_cache):
-    """pp=2 × dp_shard=2 on 4 workers with each schedule."""
-    return request.param, _run(tmp_path_factory, corpus_cache, f"pp_{request.param}", *SCHEDULES[request.param])
+@pytest.fixture(scope="module")
+def main_job(ray_cluster, tmp_path_factory, corpus_cache):
+    """The README's main job, unchanged but for where it writes, a console line never due
+    (log_freq larger than the run: nothing may accumulate when logging is rare, DESIGN.md lesson
+    1) and each rank's own record of its reports (``metrics.save_rank_reports``)."""
+    cfg = load_config(REPO / "configs" / "debug_llama.toml", [
+        f"--job.dump_folder={tmp_path_factory.mktemp('main')}", f"--data.cache_dir={corpus_cache}",
+        "--metrics.log_freq=1000", "--metrics.save_rank_reports=true",
+    ])
+    return ray_titan.train(cfg)
 
 
 def _step_column(result, column):
     return np.array(result.step_column(column), dtype=float)
 
 
-def test_parity_with_one_worker(pp_run, reference):
-    name, run = pp_run
-    ref_loss, loss = _step_column(reference, "step_loss"), _step_column(run, "step_loss")
-    assert len(loss) == len(ref_loss) == STEPS
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-4, err_msg=name)
+def test_parity_with_one_worker(main_job, reference):
+    ref_loss, loss = _step_column(reference, "step_loss"), _step_column(main_job, "step_loss")[:STEPS]
+    assert len(ref_loss) == STEPS
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-4)
     # The gradient norm is of the whole model across stages and shards.
-    np.testing.assert_allclose(_step_column(run, "grad_norm"), _step_column(reference, "grad_norm"), rtol=1e-4)
+    np.testing.assert_allclose(_step_column(main_job, "grad_norm")[:STEPS], _step_column(reference, "grad_norm"),
+                               rtol=1e-4)
     assert ref_loss[-1] < ref_loss[0] - 0.3  # and it learns
 
 
-def test_collector_loss_is_what_the_last_stage_computed(pp_run):
-    _, run = pp_run
+def test_collector_loss_is_what_the_last_stage_computed(main_job):
+    run = main_job
     assert run.errors == []
     ranks = {r: {rep["step"]: rep for rep in read_rank_reports(run.run_dir, r)} for r in range(4)}
-    for step in range(1, STEPS + 1):
+    row_losses: dict[int, set] = {}
+    for row in run.steps.select(["step", "step_loss"]).to_pylist():
+        row_losses.setdefault(row["step"], set()).add(row["step_loss"])
+    for step in range(1, MAIN_STEPS + 1):
         assert ranks[0][step]["loss"] is None and ranks[1][step]["loss"] is None  # never a placeholder
         last = [ranks[2][step], ranks[3][step]]
         assert all(rep["is_last_stage"] and rep["loss"] is not None for rep in last)
         expected = sum(rep["loss"] * rep["tokens"] for rep in last) / sum(rep["tokens"] for rep in last)
-        rows = run.steps.filter(pa.compute.equal(run.steps["step"], step))
-        assert set(rows["step_loss"].to_pylist()) == {expected}
+        assert row_losses[step] == {expected}  # on every rank's row
     assert run.final_loss == _step_column(run, "step_loss")[-1]
 
 
-def test_every_rank_has_a_row_with_memory_at_every_step(pp_run):
-    _, run = pp_run
-    t = run.steps
-    assert t.num_rows == STEPS * 4  # log_freq (1000) is larger than the run
+def test_every_rank_has_a_row_with_memory_at_every_step(main_job):
+    t = main_job.steps
+    assert t.num_rows == MAIN_STEPS * 4  # log_freq (1000) is larger than the run
     for r in range(4):
-        mine = t.filter(pa.compute.equal(t["rank"], r))
-        assert mine["step"].to_pylist() == list(range(1, STEPS + 1))
+        mine = t.filter(pa.compute.equal(t["rank"], r)).sort_by("step")
+        assert mine["step"].to_pylist() == list(range(1, MAIN_STEPS + 1))
         assert all(v > 50 << 20 for v in mine["host_rss_bytes"].to_pylist())
         assert all(p >= v for p, v in zip(mine["host_peak_rss_bytes"].to_pylist(), mine["host_rss_bytes"].to_pylist()))
-    assert (run.run_dir / "metrics" / "steps.parquet").exists()
+    assert (main_job.run_dir / "metrics" / "steps.parquet").exists()
 
 
-def test_tensorboard_has_loss_and_every_ranks_memory(reference, pp_run):
+def test_tensorboard_has_loss_and_every_ranks_memory(main_job):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    _, run = pp_run
-    acc = EventAccumulator(str(run.tensorboard_dir))
+    acc = EventAccumulator(str(main_job.tensorboard_dir))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"loss", "tokens_per_s", "grad_norm", "lr"} <= tags
     assert {f"memory/rank{r}/host_rss_mib" for r in range(4)} <= tags
     losses = [e.value for e in acc.Scalars("loss")]
-    np.testing.assert_allclose(losses, _step_column(run, "step_loss"), rtol=1e-6)
-    assert [e.step for e in acc.Scalars("memory/rank3/host_rss_mib")] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose(losses, _step_column(main_job, "step_loss"), rtol=1e-6)
+    assert [e.step for e in acc.Scalars("memory/rank3/host_rss_mib")] == list(range(1, MAIN_STEPS + 1))
 
 
-def test_user_parquet_file_trains(ray_cluster, tmp_path, corpus_cache):
+def test_user_parquet_file_trains(tmp_path):
+    # One process (python -m ray_titan.launch): the subject is the data source, not Ray.
     docs = [p.read_text() for p in sorted((REPO / "ray_titan").rglob("*.py"))]
     pq.write_table(pa.table({"text": docs * 20}), tmp_path / "train.parquet")
-    cfg = load_config(None, [
-        "--job.name=userdata", f"--job.dump_folder={tmp_path}", "--data.source=parquet",
-        f"--data.path={tmp_path / 'train.parquet'}", "--training.steps=20",
-        "--parallelism.pp=1", "--parallelism.dp_shard=2", "--metrics.log_freq=5", "--memory.breakdown_step=0",
-    ])
-    run = ray_titan.train(cfg)
-    losses = run.losses()
+    run = OneProcessRun(REPO / "configs" / "debug_llama.toml", [
+        "--job.name=userdata", "--data.source=parquet", f"--data.path={tmp_path / 'train.parquet'}",
+        "--training.steps=20", "--parallelism.pp=1", "--parallelism.dp_shard=1", "--metrics.log_freq=5",
+        "--memory.breakdown_step=0",
+    ], tmp_path / "runs")
+    losses = np.array(run.step_column("step_loss"))
     assert run.errors == [] and len(losses) == 20 and np.isfinite(losses).all()
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5
 
@@ -133,15 +131,10 @@ def test_jobs_entry_point_joins_the_running_cluster(ray_cluster, tmp_path, corpu
     assert len(list(tmp_path.glob("debug_llama-*/metrics/steps.parquet"))) == 1
 
 
-def test_main_job_learns(ray_cluster, tmp_path, corpus_cache):
-    """The README's main job, unchanged but for where it writes and a console line never due
-    (log_freq larger than the run: nothing may accumulate when logging is rare, DESIGN.md lesson
-    1): 300 steps of pp=2 × dp_shard=2, its memory plan against the measured peaks, and its host
-    memory flat after warm-up."""
-    cfg = load_config(REPO / "configs" / "debug_llama.toml", [
-        f"--job.dump_folder={tmp_path}", f"--data.cache_dir={corpus_cache}", "--metrics.log_freq=1000",
-    ])
-    run = ray_titan.train(cfg)
+def test_main_job_learns(main_job):
+    """The main job: 300 steps of pp=2 × dp_shard=2, its memory plan against the measured peaks,
+    and its host memory flat after warm-up."""
+    run = main_job
     losses = np.array(run.losses())
     assert run.errors == [] and run.steps.num_rows == 300 * 4 and len(losses) == 300
     assert losses[0] == pytest.approx(np.log(258), abs=0.1)

@@ -1,5 +1,9 @@
 """The DeepSeek MoE through the driver and collector on the shared Ray cluster: parity of
-pp=2 × ep=2 and of ep=2 with one worker, flat host memory over 400 steps, and balanced experts."""
+pp=2 × ep=2 and of ep=2 with one worker, flat host memory over 400 steps, and balanced experts.
+
+The README's MoE job (pp=2 × ep=2 with the balance loss) runs once, for 400 steps: its first 10
+are the parity run's, since they fall in the LR warm-up (20 steps), whose rates do not depend on
+the run's length."""
 
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ pytestmark = pytest.mark.ray
 
 STEPS = 10
 MESHES = {
-    # The field's leaking configuration (DESIGN.md, lesson 2): configs/debug_deepseek.toml as is.
+    # The field's leaking configuration (DESIGN.md, lesson 2): configs/debug_deepseek.toml as is,
+    # the long run's first steps.
     "pp2_ep2": [],
     "ep2": ["--parallelism.pp=1", "--parallelism.dp_shard=2", "--parallelism.ep=2"],
     # Auxiliary-loss-free balancing: the router bias follows the all-reduced global load.
@@ -54,6 +59,8 @@ def moe_references(tmp_path_factory, corpus_cache):
 
 @pytest.fixture(scope="module", params=list(MESHES))
 def moe_run(request, ray_cluster, tmp_path_factory, corpus_cache):
+    if request.param == "pp2_ep2":
+        return request.param, request.getfixturevalue("long_moe_run")
     return request.param, _run(tmp_path_factory, corpus_cache, f"moe_{request.param}", *MESHES[request.param])
 
 
@@ -71,8 +78,9 @@ def test_moe_parity_with_one_worker(moe_run, moe_reference):
     assert run.errors == [] and moe_reference.errors == []
     ref = _col(moe_reference, "step_loss")
     assert len(ref) == STEPS
-    np.testing.assert_allclose(_col(run, "step_loss"), ref, rtol=1e-4, err_msg=name)
-    np.testing.assert_allclose(_col(run, "grad_norm"), _col(moe_reference, "grad_norm"), rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(_col(run, "step_loss")[:STEPS], ref, rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(_col(run, "grad_norm")[:STEPS], _col(moe_reference, "grad_norm"), rtol=1e-4,
+                               err_msg=name)
     # The same routing decisions on every mesh, and dropless: every token routed top-k times.
     for step in (1, STEPS):
         ref_load = _load(moe_reference, step)

@@ -1,7 +1,8 @@
-"""Tensor, sequence and loss parallel, HSDP and the zero-bubble / V-shaped pipeline schedules,
-each equal to one worker (fp32, gloo, no Ray): the step losses the collector assembles and the
-gradient norms, over 10 steps, within 1e-4 relative of one shared one-process run per model; a
-checkpoint resharded across tp and dp_replicate resumes the same curve.
+"""Tensor, sequence and loss parallel, HSDP, and the pipeline schedules (GPipe and Interleaved1F1B
+with FSDP, the zero-bubble and V-shaped ones; 1F1B is the main job's, on Ray, in
+tests/test_integration.py), each equal to one worker (fp32, gloo, no Ray): the step losses the
+collector assembles and the gradient norms, over 10 steps, within 1e-4 relative of one shared
+one-process run per model; a checkpoint resharded across tp and dp_replicate resumes the same curve.
 
 Each composition runs its ranks as processes of a forkserver that imported torch and ray_titan
 once (the train loop, its reporter and the collector are those ``python -m ray_titan.launch``
@@ -50,6 +51,11 @@ DENSE = {
     "tp2_pp2_1F1B": (4, ["--parallelism.tp=2", "--parallelism.pp=2", "--parallelism.microbatches=2"]),
     "tp2_dp_shard2": (4, ["--parallelism.tp=2", "--parallelism.dp_shard=2"]),
     "dp_replicate2_dp_shard2": (4, ["--parallelism.dp_replicate=2", "--parallelism.dp_shard=2"]),
+    "pp2_dp_shard2_GPipe": (4, ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.microbatches=2",
+                                "--parallelism.pipeline_schedule=GPipe"]),
+    "pp2_dp_shard2_Interleaved1F1B": (4, ["--parallelism.pp=2", "--parallelism.dp_shard=2",
+                                          "--parallelism.stages_per_rank=2", "--parallelism.microbatches=2",
+                                          "--parallelism.pipeline_schedule=Interleaved1F1B"]),
     "pp2_ZBVZeroBubble": (2, [*V_SHAPED, "--parallelism.pipeline_schedule=ZBVZeroBubble"]),
     "pp2_DualPipeV": (2, [*V_SHAPED, "--parallelism.pipeline_schedule=DualPipeV"]),
     "pp2_InterleavedZeroBubble": (2, ["--parallelism.pp=2", "--parallelism.stages_per_rank=2",
@@ -189,7 +195,7 @@ def test_dense_composition_matches_one_worker(name, corpus, dense_runs, referenc
         summaries = [json.loads(f.read_text()) for f in sorted((corpus / name).glob("run/memory/rank*-summary.json"))]
         assert [s["coords"] for s in summaries] == [{"pp": 0, "dp_shard": 0, "tp": t} for t in (0, 1)]
         assert all(s["peak_bytes"] > s["peak_above_step_start_bytes"] > 100_000 for s in summaries)
-    if name.startswith("pp2_") and stage_placement(name[4:]) == "v":
+    if name.startswith("pp2_") and stage_placement(name.rsplit("_", 1)[-1]) == "v":
         assert run[2].last_stage_ranks() == [0]  # V shape: the last stage is back on pp rank 0
 
 
