@@ -160,6 +160,7 @@ def test_ctrl_c_stops_workers_flushes_metrics_and_names_the_last_checkpoint(ray_
     with open(tmp_path / "stderr.txt", "w") as errfile:  # a file: Ray's log lines would fill a pipe
         proc = subprocess.Popen(
             [sys.executable, "-m", "ray_titan", "train", "--training.steps=1000", "--checkpoint.interval=3",
+             "--memory.breakdown_step=0",
              "--metrics.log_freq=1", "--metrics.flush_every_steps=1", "--parallelism.pp=1", "--parallelism.dp_shard=2",
              f"--job.dump_folder={dump}", f"--data.cache_dir={corpus_cache}"],
             env=env, stdout=subprocess.PIPE, stderr=errfile, text=True, cwd=tmp_path,
@@ -221,6 +222,7 @@ def test_a_full_disk_fails_the_run_cleanly_and_keeps_the_metrics(ray_cluster, tm
         with open(tmp_path / "out.txt", "w") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "ray_titan", "train", "--training.steps=20", "--checkpoint.interval=6",
+                 "--memory.breakdown_step=0",
                  "--metrics.flush_every_steps=4", "--parallelism.pp=1", "--parallelism.dp_shard=1",
                  "--parallelism.microbatches=1", "--training.global_batch_size=4", f"--job.dump_folder={disk}",
                  f"--data.cache_dir={corpus_cache}"],

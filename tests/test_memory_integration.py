@@ -22,7 +22,7 @@ LEAK_RANK, GC_FREQ = 1, 7
 def _cfg(tmp_path, corpus_cache, *overrides):
     return load_config(REPO / "configs" / "debug_llama.toml", [
         f"--job.dump_folder={tmp_path}", f"--data.cache_dir={corpus_cache}", "--metrics.log_freq=1000",
-        f"--training.gc_freq={GC_FREQ}", *overrides,
+        f"--training.gc_freq={GC_FREQ}", "--memory.breakdown_step=0", *overrides,
     ])
 
 
@@ -81,7 +81,7 @@ def test_on_leak_stop_ends_the_run_naming_rank_coordinates_and_rate(ray_cluster,
     # Default thresholds: a healthy rank's RSS once rose +0.68 MiB/step to warm-up's forced end in
     # CI, above the 0.5 default, but that was malloc's free space, which the host series leaves out.
     cfg = _cfg(tmp_path, corpus_cache, "--job.name=stop", "--training.steps=300", "--memory.on_leak=stop",
-               "--parallelism.pp=1", "--memory.breakdown_step=0")
+               "--parallelism.pp=1")
     with pytest.raises(MemoryLeakError,
                        match=r"rank 1 \(pp=0, dp_shard=1\): memory growing \+\d\.\d+ MiB/step "
                              r"\(host RSS - malloc free\)"):

@@ -32,7 +32,7 @@ STEPS, INTERVAL = 8, 3
 # pp=2 × dp_shard=2: two workers (0.5 CPU each) fill a worker node.
 JOB = ["--parallelism.pp=2", "--parallelism.dp_shard=2", f"--training.steps={STEPS}",
        f"--checkpoint.interval={INTERVAL}", "--metrics.log_freq=1", "--metrics.flush_every_steps=1",
-       "--ray.cpus_per_worker=0.5"]
+       "--ray.cpus_per_worker=0.5", "--memory.breakdown_step=0"]
 NODE_CPUS = 1
 
 _DRIVER = """

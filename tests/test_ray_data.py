@@ -46,7 +46,7 @@ def corpus(tmp_path_factory):
 def _cfg(dump, *extra):
     return load_config(REPO / "configs" / "debug_llama.toml", [
         f"--job.dump_folder={dump}", f"--training.steps={STEPS}", "--metrics.log_freq=1000",
-        "--checkpoint.enable=false", *extra])
+        "--checkpoint.enable=false", "--memory.breakdown_step=0", *extra])
 
 
 def test_ray_data_run_equals_the_parquet_source(ray_cluster, corpus, tmp_path):

@@ -54,6 +54,7 @@ def sft_data(tmp_path_factory):
 
 def _overrides(sft_data, dump, *extra):
     return [f"--job.dump_folder={dump}", f"--training.steps={STEPS}", "--metrics.log_freq=1",
+            "--memory.breakdown_step=0",
             "--data.source=parquet", f"--data.path={sft_data / 'train.parquet'}", "--data.format=prompt_response",
             "--training.document_mask=true", "--validation.source=parquet",
             f"--validation.path={sft_data / 'val.parquet'}", "--validation.freq=1", "--validation.steps=1", *extra]
