@@ -51,22 +51,18 @@ def hf_models(tmp_path_factory):
 
 
 class OneProcessRun:
-    """A job run without Ray (``python -m ray_titan.launch``, one process): the one-worker side
-    of a parity check where Ray is not the subject (DESIGN.md, Testing). ``steps`` and
-    ``step_column`` as :class:`ray_titan.driver.RunResult`'s; a failed run raises."""
+    """A job run without Ray (``python -m ray_titan.launch``, one process, from the session's
+    forkserver: ``tests/ranks.py``): the one-worker side of a parity check where Ray is not the
+    subject (DESIGN.md, Testing). ``steps`` and ``step_column`` as
+    :class:`ray_titan.driver.RunResult`'s; a failed run raises."""
 
     def __init__(self, config: str | Path, overrides: list[str], dump: Path):
-        import subprocess
-        import sys
-
         from ray_titan.config import merge_overrides
         from ray_titan.metrics.sinks import read_steps
+        from tests.ranks import launch
 
-        proc = subprocess.run(
-            [sys.executable, "-m", "ray_titan.launch", "--config", str(config),
-             *merge_overrides([f"--job.dump_folder={dump}"], overrides)],
-            cwd=REPO, capture_output=True, text=True,
-        )
+        dump.mkdir(parents=True, exist_ok=True)
+        proc = launch(["--config", str(config), *merge_overrides([f"--job.dump_folder={dump}"], overrides)], cwd=REPO)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         (run_dir,) = (p.parents[1] for p in dump.glob("*/metrics/steps.parquet"))
         self.run_dir = run_dir

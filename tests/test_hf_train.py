@@ -8,10 +8,7 @@ launcher under torchrun (4 gloo processes).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +25,7 @@ from ray_titan.models.registry import build_model
 from ray_titan.preflight import validate_job
 from ray_titan.trainer import train_loop
 from tests.hf_models import SEQ, VOCAB, corpus_lines
+from tests.ranks import launch
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,13 +72,8 @@ def _torchrun(root, data, family, dump, *extra):
 def _launch(nproc, dump, *overrides):
     """The launcher on ``nproc`` ranks (torchrun when more than one); returns (the first
     last-stage rank's step losses, run directory)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"] if nproc > 1 else [
-        sys.executable]
     dump.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run(
-        [*cmd, "-m", "ray_titan.launch", *overrides],
-        capture_output=True, text=True, timeout=600, cwd=dump.parent, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    out = launch(list(overrides), nproc, cwd=dump.parent)  # tests/ranks.py: torchrun's ranks, forked
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     (run_dir,) = dump.glob("*-*")
     steps = read_steps(run_dir)

@@ -5,9 +5,6 @@ against the profiler-measured peak of real steps (within 15 %), levers, and the 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -30,6 +27,7 @@ from ray_titan.metrics.report import LocalReporter
 from ray_titan.metrics.sinks import read_steps
 from ray_titan.models.registry import build_model
 from tests.conftest import REPO
+from tests.ranks import launch
 
 MiB = 2**20
 
@@ -182,10 +180,8 @@ def test_plan_is_within_15_percent_on_every_rank_of_pp_dp_ep(tmp_path, corpus_ca
     overrides = ["--training.steps=2", "--checkpoint.enable=false", "--metrics.enable_tensorboard=false",
                  f"--data.cache_dir={corpus_cache}", f"--job.dump_folder={tmp_path}", "--training.threads_per_worker=1",
                  "--profiling.trace_steps=[2]"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           "-m", "ray_titan.launch", "--config", str(REPO / "configs" / "debug_deepseek.toml"), *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    # torchrun's 4 ranks, forked from the session's forkserver (tests/ranks.py)
+    proc = launch(["--config", str(REPO / "configs" / "debug_deepseek.toml"), *overrides], 4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = tmp_path.glob("debug_deepseek-*")
     recorded = MemoryPlan.load(run_dir / "memory_plan.json")

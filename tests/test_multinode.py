@@ -26,7 +26,7 @@ import pytest
 from ray_titan.config import ConfigError, load_config, merge_overrides
 from ray_titan.parallel.elastic import fitting_worker_counts, mesh_for_workers
 from ray_titan.preflight import validate_job
-from tests.conftest import REPO
+from tests.conftest import REPO, OneProcessRun
 
 STEPS, INTERVAL = 8, 3
 # pp=2 × dp_shard=2: two workers (0.5 CPU each) fill a worker node.
@@ -121,14 +121,9 @@ def root(tmp_path_factory) -> Path:
 def one_process(root, corpus_cache):
     """The same model, seed and data on one process without Ray (pp = dp_shard = 1)."""
     dump = root / "one_process"
-    subprocess.run(
-        [sys.executable, "-m", "ray_titan.launch", "--config", str(REPO / "configs" / "debug_llama.toml"),
-         *merge_overrides(["--job.name=one", f"--job.dump_folder={dump}", f"--data.cache_dir={corpus_cache}", *JOB],
-                          ["--parallelism.pp=1", "--parallelism.dp_shard=1"])],
-        cwd=REPO, check=True, capture_output=True, env=os.environ.copy(),
-    )
-    (path,) = dump.glob("**/metrics/steps.parquet")
-    return pq.read_table(path)
+    flags = merge_overrides(["--job.name=one", f"--data.cache_dir={corpus_cache}", *JOB],
+                            ["--parallelism.pp=1", "--parallelism.dp_shard=1"])
+    return OneProcessRun(REPO / "configs" / "debug_llama.toml", flags, dump).steps
 
 
 @pytest.fixture(scope="module")

@@ -4,17 +4,16 @@ tests/test_integration.py), each equal to one worker (fp32, gloo, no Ray): the s
 collector assembles and the gradient norms, over 10 steps, within 1e-4 relative of one shared
 one-process run per model; a checkpoint resharded across tp and dp_replicate resumes the same curve.
 
-Each composition runs its ranks as processes of a forkserver that imported torch and ray_titan
-once (the train loop, its reporter and the collector are those ``python -m ray_titan.launch``
-runs under torchrun; only the per-process start-up is shared), at most 4 at a time.
+Each composition runs its ranks as processes of the session's forkserver (``tests/ranks.py``),
+which imported torch and ray_titan once (the train loop, its reporter and the collector are those
+``python -m ray_titan.launch`` runs under torchrun; only the per-process start-up is shared), at
+most 4 at a time.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-import socket
 import traceback
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from ray_titan.parallel.pipeline import SCHEDULES, stage_placement
 from ray_titan.preflight import validate_job
 from ray_titan.trainer.build import parallel_dims
 from tests.conftest import REPO
+from tests.ranks import forkserver, free_port
 
 STEPS = 10
 RTOL = 1e-4
@@ -72,12 +72,6 @@ MOE = {
 CONFIGS = {"llama": "debug_llama.toml", "deepseek_v2": "debug_deepseek.toml"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, nproc: int, port: int, config: str, overrides: list[str], run_dir: str,
                save: bool, env: dict[str, str] | None = None) -> None:
     """One rank of a composition: what ``ray_titan.launch`` does under torchrun, minus the CLI."""
@@ -103,14 +97,13 @@ def _run(tmp: Path, model: str, nproc: int, overrides: list[str], steps: int = S
          env: dict[str, str] | None = None):
     """Run one composition on ``nproc`` processes (``env`` added to each one's environment) and
     assemble its reports as the launcher does; returns ``(collector summary, steps table, ParallelDims)``."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["ray_titan.trainer", "tests.test_parallel_parity"])
+    ctx = forkserver()
     flags = merge_overrides(["--parallelism.ep=1"] if model == "deepseek_v2" else [], COMMON, [
         f"--training.steps={steps}", f"--data.cache_dir={tmp.parent / 'corpus'}",
         f"--checkpoint.enable={str(save).lower()}"], overrides)
     run_dir = tmp / "run"
     run_dir.mkdir(parents=True)
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, CONFIGS[model], flags, str(run_dir), save, env))
              for r in range(nproc)]
     for p in procs:

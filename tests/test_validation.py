@@ -13,10 +13,7 @@ Parquet, TensorBoard, the console and the report.
 from __future__ import annotations
 
 import math
-import os
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
@@ -30,6 +27,7 @@ from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.report import LocalReporter, Reporter
 from ray_titan.metrics.sinks import read_steps
 from tests.conftest import REPO
+from tests.ranks import launch
 
 STEPS = 2
 
@@ -61,11 +59,9 @@ def _overrides(sft_data, dump, *extra):
 
 
 def _torchrun(sft_data, dump, *extra):
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "-m", "ray_titan.launch",
-         "--config", str(REPO / "configs" / "debug_llama.toml"), *_overrides(sft_data, dump, *extra)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    # torchrun's 4 ranks, forked from the session's forkserver (tests/ranks.py)
+    out = launch(["--config", str(REPO / "configs" / "debug_llama.toml"), *_overrides(sft_data, dump, *extra)], 4,
+                 timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     (run_dir,) = dump.glob("debug_llama-*")
     return out.stdout, run_dir, read_steps(run_dir)
