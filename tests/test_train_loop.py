@@ -1,4 +1,6 @@
-"""The train loop without Ray: one process, and torchrun ranks (parity with one process)."""
+"""The train loop without Ray: one process, and torchrun ranks (parity with one process). The
+entry points run as a user runs them (``python -m ray_titan.launch``, ``torchrun``); the other
+meshes fork torchrun's ranks from the session's forkserver (``tests/ranks.py``)."""
 
 from __future__ import annotations
 
@@ -12,20 +14,23 @@ import pytest
 
 from ray_titan.metrics.sinks import read_steps
 from tests.conftest import REPO
+from tests.ranks import launch
 
 STEPS = 6
 
 
-def _launch(tmp_path, corpus_cache, nproc: int, *overrides: str):
+def _launch(tmp_path, corpus_cache, nproc: int, *overrides: str, entry_point: bool = True):
     dump = tmp_path / f"n{nproc}-{abs(hash(overrides))}"
     launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"] if nproc > 1
                 else [sys.executable])
-    out = subprocess.run(
-        [*launcher, "-m", "ray_titan.launch", "--config", str(REPO / "configs" / "debug_llama.toml"),
-         f"--training.steps={STEPS}", f"--job.dump_folder={dump}", f"--data.cache_dir={corpus_cache}",
-         "--metrics.log_freq=1", "--memory.breakdown_step=0", *overrides],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    argv = ["--config", str(REPO / "configs" / "debug_llama.toml"), f"--training.steps={STEPS}",
+            f"--job.dump_folder={dump}", f"--data.cache_dir={corpus_cache}", "--metrics.log_freq=1",
+            "--memory.breakdown_step=0", *overrides]
+    if entry_point:
+        out = subprocess.run([*launcher, "-m", "ray_titan.launch", *argv], capture_output=True, text=True,
+                             timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    else:
+        out = launch(argv, nproc, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     (run_dir,) = dump.glob("debug_llama-*")
     steps = read_steps(run_dir)
@@ -59,6 +64,8 @@ def test_single_process_prints_and_records_every_step(single):
     ids=["dp_shard2", "pp2_gpipe", "dp_shard2_cpu_offload"],
 )
 def test_torchrun_ranks_match_one_process(tmp_path, corpus_cache, single, overrides):
-    _, losses, steps = _launch(tmp_path, corpus_cache, 2, *overrides)
+    # torchrun itself once (the first mesh); the other meshes' ranks forked (tests/ranks.py)
+    torchrun = overrides == ("--parallelism.pp=1", "--parallelism.dp_shard=2")
+    _, losses, steps = _launch(tmp_path, corpus_cache, 2, *overrides, entry_point=torchrun)
     np.testing.assert_allclose(losses, single[1], rtol=1e-4)
     assert steps.num_rows == 2 * STEPS
