@@ -50,22 +50,25 @@ def hf_models(tmp_path_factory):
     return root, {f: make_hf_model(f, root / f) for f in ("llama", "qwen3", "deepseek_v2")}
 
 
-class OneProcessRun:
-    """A job run without Ray (``python -m ray_titan.launch``, one process, from the session's
-    forkserver: ``tests/ranks.py``): the one-worker side of a parity check where Ray is not the
-    subject (DESIGN.md, Testing). ``steps`` and ``step_column`` as
-    :class:`ray_titan.driver.RunResult`'s; a failed run raises."""
+class LaunchRun:
+    """A job run without Ray (``python -m ray_titan.launch`` on ``nproc`` ranks: one process, or
+    torchrun's ranks, forked from the session's forkserver: ``tests/ranks.py``): the one-worker
+    side of a parity check, or a mesh where Ray is not the subject (DESIGN.md, Testing).
+    ``steps``, ``step_column`` and ``tensorboard_dir`` as :class:`ray_titan.driver.RunResult`'s;
+    a failed run raises."""
 
-    def __init__(self, config: str | Path, overrides: list[str], dump: Path):
+    def __init__(self, config: str | Path, overrides: list[str], dump: Path, nproc: int = 1):
         from ray_titan.config import merge_overrides
         from ray_titan.metrics.sinks import read_steps
         from tests.ranks import launch
 
         dump.mkdir(parents=True, exist_ok=True)
-        proc = launch(["--config", str(config), *merge_overrides([f"--job.dump_folder={dump}"], overrides)], cwd=REPO)
+        proc = launch(["--config", str(config), *merge_overrides([f"--job.dump_folder={dump}"], overrides)], nproc,
+                      cwd=REPO)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         (run_dir,) = (p.parents[1] for p in dump.glob("*/metrics/steps.parquet"))
         self.run_dir = run_dir
+        self.tensorboard_dir = run_dir / "tb"
         self.errors = [line.removeprefix("metrics error: ") for line in proc.stdout.splitlines()
                        if line.startswith("metrics error: ")]
         self.steps = read_steps(run_dir)
@@ -74,3 +77,4 @@ class OneProcessRun:
         from ray_titan.driver import RunResult
 
         return RunResult.step_column(self, column)  # type: ignore[arg-type]
+

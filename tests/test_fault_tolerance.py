@@ -25,7 +25,7 @@ import ray_titan
 from ray_titan.checkpoint import find_latest
 from ray_titan.config import load_config, merge_overrides
 from ray_titan.metrics.sinks import read_steps
-from tests.conftest import REPO, OneProcessRun
+from tests.conftest import REPO, LaunchRun
 
 pytestmark = pytest.mark.ray
 
@@ -59,7 +59,7 @@ def case(request):
 @pytest.fixture(scope="module")
 def uninterrupted(case, tmp_path_factory, corpus_cache):
     """The job in one process (all experts local, no PP, no FSDP)."""
-    return OneProcessRun(REPO / "configs" / "debug_llama.toml", _flags(
+    return LaunchRun(REPO / "configs" / "debug_llama.toml", _flags(
         f"ref_{case}", corpus_cache, *RESUME_CASES[case], "--parallelism.pp=1", "--parallelism.dp_shard=1",
         "--parallelism.ep=1"), tmp_path_factory.mktemp(f"ref_{case}"))
 
@@ -110,18 +110,21 @@ def test_checkpoints_kept_and_named_by_step(faulty):
     assert faulty.checkpoint == faulty.run_dir / "checkpoints" / "step-00000012"
 
 
-def test_load_path_onto_another_mesh_continues_the_run(case, uninterrupted, faulty, ray_cluster, tmp_path_factory,
-                                                       corpus_cache):
+def test_load_path_onto_another_mesh_continues_the_run(case, uninterrupted, faulty, tmp_path_factory, corpus_cache):
     """pp=2 × dp_shard=2 → pp=1 × dp_shard=4: DCP reshards the model and optimizer state (for
-    the MoE job, experts split over ep=2 become also FSDP-sharded over dp_shard / ep = 2)."""
+    the MoE job, experts split over ep=2 become also FSDP-sharded over dp_shard / ep = 2). Through
+    the launcher (torchrun's 4 ranks, forked: ``tests/ranks.py``): the subject is the checkpoint."""
     ckpt = faulty.run_dir / "checkpoints" / "step-00000004"
     model = [o for o in RESUME_CASES[case] if not o.startswith("--parallelism.")]
     mesh = ["--parallelism.pp=1", "--parallelism.dp_shard=4"] + (["--parallelism.ep=2"] if model else [])
-    run = _run(tmp_path_factory, corpus_cache, f"reshard_{case}", *model, *mesh, f"--checkpoint.load_path={ckpt}")
+    run = LaunchRun(REPO / "configs" / "debug_llama.toml",
+                    _flags(f"reshard_{case}", corpus_cache, *model, *mesh, f"--checkpoint.load_path={ckpt}"),
+                    tmp_path_factory.mktemp(f"reshard_{case}"), nproc=4)
     assert run.errors == []
     assert sorted(set(run.steps["step"].to_pylist())) == list(range(INTERVAL + 1, STEPS + 1))
     # Another mesh sums in another order: equal to fp32 rounding, not bit for bit.
-    np.testing.assert_allclose(run.losses(), uninterrupted.step_column("step_loss")[INTERVAL:], rtol=1e-4)
+    np.testing.assert_allclose(run.step_column("step_loss"), uninterrupted.step_column("step_loss")[INTERVAL:],
+                               rtol=1e-4)
 
 
 def test_nonfinite_stop_ends_the_run_without_a_restart(ray_cluster, tmp_path_factory, corpus_cache):

@@ -18,7 +18,7 @@ import ray_titan
 from ray_titan.config import load_config
 from ray_titan.metrics.leak import theil_sen_slope
 from ray_titan.metrics.report import read_rank_reports
-from tests.conftest import REPO, OneProcessRun
+from tests.conftest import REPO, LaunchRun
 
 pytestmark = pytest.mark.ray
 
@@ -31,7 +31,7 @@ STEPS = 10
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus_cache):
     """One process without Ray, no PP, no FSDP: the same model, seed and data."""
-    return OneProcessRun(REPO / "configs" / "debug_llama.toml", [
+    return LaunchRun(REPO / "configs" / "debug_llama.toml", [
         "--job.name=ref", f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}", "--metrics.log_freq=1000",
         "--memory.breakdown_step=0", "--parallelism.pp=1", "--parallelism.dp_shard=1"], tmp_path_factory.mktemp("ref"))
 
@@ -106,7 +106,7 @@ def test_user_parquet_file_trains(tmp_path):
     # One process (python -m ray_titan.launch): the subject is the data source, not Ray.
     docs = [p.read_text() for p in sorted((REPO / "ray_titan").rglob("*.py"))]
     pq.write_table(pa.table({"text": docs * 20}), tmp_path / "train.parquet")
-    run = OneProcessRun(REPO / "configs" / "debug_llama.toml", [
+    run = LaunchRun(REPO / "configs" / "debug_llama.toml", [
         "--job.name=userdata", "--data.source=parquet", f"--data.path={tmp_path / 'train.parquet'}",
         "--training.steps=20", "--parallelism.pp=1", "--parallelism.dp_shard=1", "--metrics.log_freq=5",
         "--memory.breakdown_step=0",

@@ -1,9 +1,11 @@
 """The DeepSeek MoE through the driver and collector on the shared Ray cluster: parity of
 pp=2 × ep=2 and of ep=2 with one worker, flat host memory over 400 steps, and balanced experts.
 
-The README's MoE job (pp=2 × ep=2 with the balance loss) runs once, for 400 steps: its first 10
-are the parity run's, since they fall in the LR warm-up (20 steps), whose rates do not depend on
-the run's length."""
+The README's MoE job (pp=2 × ep=2 with the balance loss) runs once on Ray, for 400 steps: its
+first 10 are the parity run's, since they fall in the LR warm-up (20 steps), whose rates do not
+depend on the run's length. The other meshes, whose subject is the mesh and not Ray, run through
+the launcher (torchrun's ranks forked from the session's forkserver, ``tests/ranks.py``), whose
+collector writes the same Parquet rows and TensorBoard scalars."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from ray_titan.allocator import jemalloc_library
 from ray_titan.config import load_config
 from ray_titan.metrics.collector import expert_load
 from ray_titan.metrics.moe_stats import expert_shares, memory_slopes
-from tests.conftest import REPO, OneProcessRun
+from tests.conftest import REPO, LaunchRun
 
 pytestmark = pytest.mark.ray
 
@@ -48,7 +50,7 @@ def moe_references(tmp_path_factory, corpus_cache):
 
     def get(mode: str):
         if mode not in cache:
-            cache[mode] = OneProcessRun(REPO / "configs" / "debug_deepseek.toml", [
+            cache[mode] = LaunchRun(REPO / "configs" / "debug_deepseek.toml", [
                 f"--job.name=moe_ref_{mode}", f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}",
                 "--metrics.log_freq=1000", "--memory.breakdown_step=0", *ONE_WORKER, f"--model.load_balance={mode}",
             ], tmp_path_factory.mktemp(f"moe_ref_{mode}"))
@@ -58,10 +60,15 @@ def moe_references(tmp_path_factory, corpus_cache):
 
 
 @pytest.fixture(scope="module", params=list(MESHES))
-def moe_run(request, ray_cluster, tmp_path_factory, corpus_cache):
-    if request.param == "pp2_ep2":
-        return request.param, request.getfixturevalue("long_moe_run")
-    return request.param, _run(tmp_path_factory, corpus_cache, f"moe_{request.param}", *MESHES[request.param])
+def moe_run(request, tmp_path_factory, corpus_cache):
+    name = request.param
+    if name == "pp2_ep2":
+        return name, request.getfixturevalue("long_moe_run")
+    nproc = 2 if name == "ep2" else 4
+    return name, LaunchRun(REPO / "configs" / "debug_deepseek.toml", [
+        f"--job.name=moe_{name}", f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}",
+        "--metrics.log_freq=1000", "--memory.breakdown_step=0", *MESHES[name],
+    ], tmp_path_factory.mktemp(f"moe_{name}"), nproc)
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import pytest
 from ray_titan.config import ConfigError, load_config, merge_overrides
 from ray_titan.parallel.elastic import fitting_worker_counts, mesh_for_workers
 from ray_titan.preflight import validate_job
-from tests.conftest import REPO, OneProcessRun
+from tests.conftest import REPO, LaunchRun
 
 STEPS, INTERVAL = 8, 3
 # pp=2 × dp_shard=2: two workers (0.5 CPU each) fill a worker node.
@@ -123,7 +123,7 @@ def one_process(root, corpus_cache):
     dump = root / "one_process"
     flags = merge_overrides(["--job.name=one", f"--data.cache_dir={corpus_cache}", *JOB],
                             ["--parallelism.pp=1", "--parallelism.dp_shard=1"])
-    return OneProcessRun(REPO / "configs" / "debug_llama.toml", flags, dump).steps
+    return LaunchRun(REPO / "configs" / "debug_llama.toml", flags, dump).steps
 
 
 @pytest.fixture(scope="module")
