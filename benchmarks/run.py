@@ -97,11 +97,11 @@ class Bench:
 
     def ray(self) -> None:
         """One local Ray cluster for the whole invocation (started on first use)."""
-        import ray
 
-        if not self._ray:
-            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
-                     log_to_driver=False, _temp_dir=str(self.work / "ray"))
+        from ray_titan.driver import init_local_cluster
+
+        if not self._ray:  # as `ray-titan train` starts it (the dashboard included)
+            init_local_cluster(os.cpu_count() or 1, log_to_driver=False, _temp_dir=str(self.work / "ray"))
             self._ray = True
 
     def shutdown_ray(self) -> None:
@@ -173,9 +173,11 @@ def run_torchrun(bench: Bench, cfg) -> dict[str, Any]:
 
     dump = bench.work / "runs" / f"torchrun-{time.time_ns()}"
     env = {**baseline_env(cfg), "TORCHINDUCTOR_CACHE_DIR": str(dump.with_name(dump.name + "-inductor"))}
+    from ray_titan.config import merge_overrides
+
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.world_size}",
            "-m", "ray_titan.launch", "--config", str(REPO / "configs" / "debug_llama.toml"),
-           *_flags(cfg), f"--job.dump_folder={dump}"]
+           *merge_overrides(_flags(cfg), [f"--job.dump_folder={dump}"])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         raise RuntimeError(f"torchrun failed: {proc.stderr[-3000:]}")
