@@ -97,7 +97,6 @@ class Bench:
 
     def ray(self) -> None:
         """One local Ray cluster for the whole invocation (started on first use)."""
-
         from ray_titan.driver import init_local_cluster
 
         if not self._ray:  # as `ray-titan train` starts it (the dashboard included)
@@ -169,12 +168,11 @@ def baseline_env(cfg) -> dict[str, str]:
 def run_torchrun(bench: Bench, cfg) -> dict[str, Any]:
     """The train loop under ``torchrun --nproc-per-node=<mesh>`` (no Ray). With
     ``training.compile`` each run gets an empty inductor cache, so every run pays the compile."""
+    from ray_titan.config import merge_overrides
     from ray_titan.metrics.timing import read_timings
 
     dump = bench.work / "runs" / f"torchrun-{time.time_ns()}"
     env = {**baseline_env(cfg), "TORCHINDUCTOR_CACHE_DIR": str(dump.with_name(dump.name + "-inductor"))}
-    from ray_titan.config import merge_overrides
-
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.world_size}",
            "-m", "ray_titan.launch", "--config", str(REPO / "configs" / "debug_llama.toml"),
            *merge_overrides(_flags(cfg), [f"--job.dump_folder={dump}"])]

@@ -77,4 +77,3 @@ class LaunchRun:
         from ray_titan.driver import RunResult
 
         return RunResult.step_column(self, column)  # type: ignore[arg-type]
-

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import sys
+import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Launched", "forkserver", "launch"]
+__all__ = ["Launched", "forkserver", "free_port", "join_all", "launch"]
 
 _PRELOAD = ["ray_titan.launch", "ray_titan.trainer", "tests.ranks"]
 
@@ -33,9 +36,22 @@ def forkserver() -> mp.context.ForkServerContext:
 
 
 def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now (for a rendezvous or a server started a moment later)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def join_all(procs: list[mp.process.BaseProcess], timeout: float) -> None:
+    """Wait for every process, ``timeout`` seconds in all; kill those still running then (a hung
+    collective must fail the test, not leave its ranks behind)."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 @dataclass
@@ -85,9 +101,8 @@ def launch(argv: list[str], nproc: int = 1, cwd: str | Path = ".", env: dict[str
     seconds (then kill the ranks left)."""
     ctx = forkserver()
     port = free_port()
-    logs = Path(cwd).resolve()
-    outs = [(str(logs / f".launch-{port}-rank{r}.out"), str(logs / f".launch-{port}-rank{r}.err"))
-            for r in range(nproc)]
+    logs = Path(tempfile.mkdtemp(prefix="rt_launch_"))
+    outs = [(str(logs / f"rank{r}.out"), str(logs / f"rank{r}.err")) for r in range(nproc)]
     procs = []
     for r in range(nproc):
         rank_env = {"OMP_NUM_THREADS": "1", **(env or {})}
@@ -97,15 +112,10 @@ def launch(argv: list[str], nproc: int = 1, cwd: str | Path = ".", env: dict[str
         p = ctx.Process(target=_rank, args=(list(argv), rank_env, str(cwd), *outs[r]))
         p.start()
         procs.append(p)
-    for p in procs:
-        p.join(timeout=timeout)
-    for p in procs:
-        if p.is_alive():  # a hung launch: fail, do not leave its ranks behind
-            p.kill()
-            p.join()
-    texts = [(Path(o).read_text(), Path(e).read_text()) for o, e in outs]
-    for o, e in outs:
-        os.unlink(o)
-        os.unlink(e)
+    try:
+        join_all(procs, timeout)
+        texts = [(Path(o).read_text(), Path(e).read_text()) for o, e in outs]
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
     errs = "".join(f"[rank {r}] {e}" if nproc > 1 else e for r, (_, e) in enumerate(texts) if e)
     return Launched([p.exitcode for p in procs], texts[0][0], errs)

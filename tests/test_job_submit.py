@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.ranks import free_port
 
 pytestmark = pytest.mark.ray
 
@@ -34,12 +34,6 @@ RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]
 SMALL = ["--training.steps=6", "--parallelism.dp_shard=1", "--training.global_batch_size=4",
          "--metrics.log_freq=2", "--lr_scheduler.warmup_steps=2", "--ray.cpus_per_worker=0.5",
          "--memory.breakdown_step=0"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _base_env(home: Path) -> dict[str, str]:
@@ -86,12 +80,12 @@ def head(corpus_cache):
     token = (home / ".ray" / "auth_token").read_text().strip()
     assert token and token in gen.stdout  # the command prints the token it saved
 
-    gcs_port, dash_port = _free_port(), _free_port()
+    gcs_port, dash_port = free_port(), free_port()
     log = open(base / "head.log", "w")
     proc = subprocess.Popen(
         [*RAY_CLI, "start", "--head", "--block", f"--port={gcs_port}", "--node-ip-address=127.0.0.1",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
-         f"--dashboard-agent-listen-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
+         f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
          "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from ray_titan.models.deepseek_v2.model import (
 )
 from ray_titan.models.registry import build_model, get_model_args
 from ray_titan.parallel.expert import MoEStepState
+from tests.ranks import free_port
 
 DEBUG = get_model_args("deepseek_v2", "debug")
 
@@ -136,12 +136,6 @@ def test_aux_free_bias_moves_toward_balance():
 
 # -- expert parallelism over 2 gloo ranks -------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # Each case: (top_k, expert bias forcing the routing or None, tokens on rank 0, tokens on rank 1)
 EP_CASES = {
     "random routing": (2, None, 24, 24),
@@ -211,7 +205,7 @@ def ep_results(tmp_path_factory):
     # which may hold a Ray driver (the shared test cluster), and a forked Ray client broke
     # the next Ray Train run (its controller hung before starting workers).
     out = tmp_path_factory.mktemp("ep")
-    mp.spawn(_ep_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_ep_worker, args=(free_port(), str(out)), nprocs=2, join=True)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
 
 

@@ -33,7 +33,7 @@ from ray_titan.parallel.pipeline import SCHEDULES, stage_placement
 from ray_titan.preflight import validate_job
 from ray_titan.trainer.build import parallel_dims
 from tests.conftest import REPO
-from tests.ranks import forkserver, free_port
+from tests.ranks import forkserver, free_port, join_all
 
 STEPS = 10
 RTOL = 1e-4
@@ -108,11 +108,7 @@ def _run(tmp: Path, model: str, nproc: int, overrides: list[str], steps: int = S
              for r in range(nproc)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=300)
-    for p in procs:
-        if p.is_alive():  # a hung composition: fail, do not leave its ranks behind
-            p.kill()
+    join_all(procs, 300)
     errors = [f.read_text() for f in sorted(run_dir.glob("error-rank*.txt"))]
     assert all(p.exitcode == 0 for p in procs), errors[0][-3000:] if errors else [p.exitcode for p in procs]
     cfg = load_config(REPO / "configs" / CONFIGS[model], flags)
