@@ -146,12 +146,15 @@ def test_main_job_learns(main_job):
     for rank, (predicted, measured) in peaks.items():
         assert measured == pytest.approx(predicted, rel=0.15), rank
     assert (run.run_dir / "memory_plan.json").is_file()
-    # Flat host memory by default: every rank's RSS and malloc in-use over the last 100 steps,
-    # past warm-up and the first checkpoints (Theil–Sen, per 100 steps; the memory benchmark
-    # measures steps 101-600 of a 600-step run: docs/benchmarks.md).
+    # Flat host memory by default: every rank's RSS and malloc in-use over the last 150 steps,
+    # past warm-up and the first checkpoint (Theil–Sen, per 100 steps; the memory benchmark
+    # measures steps 101-600 of a 600-step run: docs/benchmarks.md). Not fewer steps: RSS moves
+    # by whole pages the allocator takes at steps of its own choosing (a rank gained 1.4 MiB in
+    # three such steps between steps 240 and 297 of one run, malloc's in-use bytes flat), and
+    # over only 100 steps three steps set the slope.
     for rank in range(4):
         rows = run.steps.filter(pa.compute.equal(run.steps["rank"], rank)).sort_by("step").to_pylist()
-        rows = [r for r in rows if r["step"] > 200]
+        rows = [r for r in rows if r["step"] > 150]
         steps = [r["step"] for r in rows]
         rss = theil_sen_slope(steps, [r["host_rss_bytes"] for r in rows]) * 100 / 2**20
         in_use = theil_sen_slope(steps, [r["host_heap_in_use_bytes"] for r in rows]) * 100 / 2**20

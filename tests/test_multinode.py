@@ -95,9 +95,13 @@ class Run:
 @pytest.fixture(scope="module")
 def cluster():
     """Head (no CPUs: drivers, the collector and Ray Train's controller only) + nodes a and b."""
+    from ray._common.utils import get_default_ray_temp_dir
     from ray.cluster_utils import Cluster
 
     temp_dir = tempfile.mkdtemp(prefix="rt_mn_", dir="/tmp")
+    # Cluster records its head's address in Ray's default temp dir (/tmp/ray) whatever temp_dir
+    # says, and fails where no Ray node has ever made that directory (a fresh machine).
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "resources": {"node_head": 1}, "temp_dir": temp_dir,
         # A killed raylet is declared dead after ~3 s instead of ~15 s.
