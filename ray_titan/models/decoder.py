@@ -78,15 +78,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate ``x`` ``(batch, seq, heads, head_dim)`` pairwise (interleaved pairs, as Meta's
     reference) by ``cos``/``sin`` ``(>= seq, head_dim // 2)``, whose first ``seq`` rows are used
     (positions ``0 .. seq - 1``), or ``(batch, seq, head_dim // 2)`` when each sequence has its
-    own positions (documents packed in one sequence)."""
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    own positions (documents packed in one sequence).
+
+    Each pair ``(x1, x2)`` is multiplied as the complex number ``x1 + i x2`` by ``cos + i sin``
+    (fp32), and its gradient by ``cos - i sin``: the products and sums of the real form
+    ``(x1 cos - x2 sin, x1 sin + x2 cos)``, bitwise equal to it here, in a quarter of its CPU
+    time (a dozen small ops forward and more backward dominated at small head dims). Only the
+    ``cos``/``sin`` views are kept for backward, as before (:class:`_Rotate`)."""
     if cos.dim() == 3:
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     else:
         seq = x.shape[1]
         cos, sin = cos[None, :seq, None, :], sin[None, :seq, None, :]
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    return out.type_as(x)
+    return _Rotate.apply(x, cos, sin)
+
+
+class _Rotate(torch.autograd.Function):
+    """Rotary rotation as a complex multiply that saves only ``cos`` and ``sin`` (views of the
+    model's tables): autograd's own complex multiply would keep a new ``cos + i sin`` per call."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _complex_rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _complex_rotate(grad, cos, -sin), None, None
+
+
+def _complex_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # contiguous(): a slice of a wider projection (DeepSeek's rotary part) has no complex view.
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+    return torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2).type_as(x)
 
 
 class FeedForward(nn.Module):
