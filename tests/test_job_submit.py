@@ -151,6 +151,10 @@ def test_submitted_job_trains_and_writes_metrics(head):
     job_id = _job_id(head, out)
     status, logs = _status_and_logs(head, job_id)
     assert out.returncode == 0 and status.endswith("SUCCEEDED"), logs[-4000:] + out.stderr[-2000:]
+    # jobs/train.py joined the head's cluster (RAY_ADDRESS, its GCS port), not a local one of its own.
+    assert "Started a local Ray instance" not in logs
+    assert re.search(rf"Connect\w* to existing Ray cluster at address: \S+:{head['gcs'].rsplit(':', 1)[1]}\b", logs), \
+        logs[:3000]
     # The driver's lines, plain (not a TTY under ray job submit): the last stage's loss at the
     # first step, every log_freq steps and the last.
     for step in (1, 2, 4, 6):
