@@ -1,7 +1,8 @@
 """End to end on the shared local Ray cluster: the README's main job (300 steps of pp=2 ×
-dp_shard=2, 1F1B) against one worker, the collector's record, TensorBoard and user data. The other pipeline
-schedules' parity with one worker runs without Ray (tests/test_parallel_parity.py), where Ray is
-not the subject; ``jobs/train.py`` joining a running cluster, in ``tests/test_job_submit.py``."""
+dp_shard=2, 1F1B) against one worker, the collector's record, TensorBoard and user data. The
+other pipeline schedules' parity with one worker runs without Ray (tests/test_parallel_parity.py),
+where Ray is not the subject; ``jobs/train.py`` joining a running cluster is checked in
+``tests/test_job_submit.py``."""
 
 from __future__ import annotations
 
