@@ -192,7 +192,9 @@ def run_torchtitan(bench: Bench, cfg) -> dict[str, Any]:
            "-m", "benchmarks.torchtitan_cpu", "--config-json", cfg.model_dump_json(), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=baseline_env(cfg))
     if proc.returncode:
-        raise RuntimeError(f"torchtitan failed: {proc.stderr[-3000:]}")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "stderr.txt").write_text(proc.stderr)  # a rank's fatal error is far above the tail
+        raise RuntimeError(f"torchtitan failed (whole stderr in {out / 'stderr.txt'}): {proc.stderr[-3000:]}")
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     return {"tokens_per_s": tokens_per_s(cfg, ranks), "rss_bytes": [r["host_rss_bytes"] for r in ranks],
             "logged_losses": {r["rank"]: r["logged_losses"] for r in ranks}}
