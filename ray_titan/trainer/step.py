@@ -20,7 +20,7 @@ from torch.profiler import record_function
 
 from ray_titan.data.loader import IGNORE_INDEX
 from ray_titan.parallel import local_tensor
-from ray_titan.parallel.grad_norm import clip_grad_norm_, grads_are_disjoint
+from ray_titan.parallel.grad_norm import clip_grad_norm_
 from ray_titan.trainer.build import TrainParts
 
 if TYPE_CHECKING:
@@ -181,8 +181,7 @@ def _update(parts: TrainParts, step: int, loss: float | None, max_norm: float, t
         exclude = parts.tied.norm_exclude
     t2 = time.perf_counter()
     with record_function("ray_titan/optimizer"):
-        disjoint = grads_are_disjoint(parts.dims.tp, parts.dims.dp_replicate)
-        grad_norm = clip_grad_norm_(parts.params, max_norm, parts.pp_group, exclude, disjoint).item()
+        grad_norm = clip_grad_norm_(parts.params, max_norm, parts.pp_group, exclude).item()
         lr = float(parts.scheduler.get_last_lr()[0])  # typed float | Tensor; a float here
         skipped = parts.faults.check(step, loss, grad_norm, parts.params)  # training.on_nonfinite
         if not skipped:
