@@ -271,8 +271,10 @@ def test_a_run_completes_on_a_saturated_machine(ray_cluster, tmp_path_factory, c
     nothing of Ray's (start-up timeouts, health checks, the placement-group cleaner) may kill it.
     The same run ends on a non-finite loss (the last step's, its update skipped): it trains to the
     end but is not a success (RunResult.errors, exit status 1)."""
-    busy = [subprocess.Popen([sys.executable, "-c", "import os\nos.nice(19)\nwhile True: pass"])
-            for _ in range(8)]
+    # Each spins until its parent is gone: a test process killed from outside must not leave
+    # them busy (they once slowed a whole later suite run by ~40 %, failing its memory slopes).
+    hog = "import os\nos.nice(19)\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(8)]
     runnable: list[int] = []
     done = threading.Event()
 
