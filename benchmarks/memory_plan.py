@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--filter", default="", help="only configurations whose name contains this")
     ap.add_argument("--json", type=Path, default=None, help="where to write the results")
     args = ap.parse_args(argv)
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     work = Path(tempfile.mkdtemp(prefix="rt_plan_", dir="/tmp"))
     results, worst = [], 0.0
     print("| configuration | rank | coords | predicted MiB | measured MiB | error |")

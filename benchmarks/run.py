@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -658,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="rt_bench_", dir="/tmp"))
     bench = Bench(work, repeats, args.quick)
     bench.user_env = user_env
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     info = {"started_utc": started.isoformat(timespec="seconds"), "machine": machine(),
             "repeats": repeats, "quick": args.quick, "steps": {n: bench.steps(n) for n in names}}
     rows: list[Row] = []
@@ -684,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     if cpu_runs:
         measure_cpu_peak()
         add_mfu(rows)
-    info["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    info["finished_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
     info["load_average_end"] = os.getloadavg()
     m = info["machine"]
     print(f"\nMachine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; Python {m['python']}, "

@@ -9,7 +9,7 @@ directory). What lives in it: ``config.json``, ``metrics/``, ``tb/``, ``checkpoi
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from ray_titan import storage
@@ -30,7 +30,7 @@ def under(run_dir: Path | str, *parts: str) -> Path | str:
 def make_run_dir(cfg: JobConfig) -> Path | str:
     """``<dump_folder>/<job.name>-<UTC timestamp>``, created: an absolute local path (also for a
     ``file://`` dump folder), or a URI string for remote storage (:mod:`ray_titan.storage`)."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-%f")
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S-%f")
     name = f"{cfg.job.name}-{stamp}"
     local = storage.local_path(cfg.job.dump_folder)
     if local is None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
+import tomllib
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import tomllib
 
 import ray_titan.driver as driver
 from ray_titan.config import ConfigError, JobConfig, load_config

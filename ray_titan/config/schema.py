@@ -12,10 +12,10 @@ Every error names the setting, its value and what would be valid, and is a :clas
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = ["ConfigError", "JobConfig", "apply_overrides", "load_config", "merge_overrides"]
