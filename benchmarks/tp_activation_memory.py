@@ -1,17 +1,17 @@
-"""Does tensor parallel split the activations at batch size 1? (DESIGN.md, lesson 3)
+"""Does tensor parallel split the activations at batch size 1? (docs/design.md, lesson 3)
 
 Trains the debug Llama on one sequence of ``--seq-len`` tokens per step (global batch 1, one
 microbatch, no PP, no FSDP) with ``python -m ray_titan.launch`` under ``torchrun``, once per
 variant: ``tp = 1``, ``tp = 2`` with sequence parallel, ``tp = 2`` without it (both with loss
 parallel), and ``tp = 2`` with neither. Each rank profiles step 2 with the torch profiler
-(``memory.snapshot_steps = [2]``, as the activation-checkpointing figures in the README) and the
+(``memory.snapshot_steps = [2]``, as the activation-checkpointing figures in docs/memory.md) and the
 table gives, per variant and rank, in MiB:
 
 - ``peak above step start``: the highest net allocation during the step over what was alive
   when it began (``ray_titan.metrics.profiling.allocation_peak``, from the profiler's allocation
   events): the activations kept for backward, plus gradients and temporaries at that moment.
   The parameters and optimizer state are excluded, so with a long sequence at batch size 1 this
-  is the activation memory (the profiler's categorised timeline, which the README's ``total``
+  is the activation memory (the profiler's categorised timeline, which docs/memory.md's ``total``
   figures for activation checkpointing come from, cannot be had here: its data-flow analysis
   does not follow DTensor's ops);
 

@@ -1,4 +1,4 @@
-"""Synchronized garbage collection (DESIGN.md, lesson 5).
+"""Synchronized garbage collection (docs/design.md, lesson 5).
 
 Automatic GC is turned off for the run; every rank collects at the same steps, so no rank stalls
 the others' next collective by collecting at its own moment. Each collection is timed and

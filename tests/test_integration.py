@@ -36,7 +36,7 @@ def reference(tmp_path_factory, corpus_cache):
 @pytest.fixture(scope="module")
 def main_job(ray_cluster, tmp_path_factory, corpus_cache):
     """The README's main job, unchanged but for where it writes, a console line never due
-    (log_freq larger than the run: nothing may accumulate when logging is rare, DESIGN.md lesson
+    (log_freq larger than the run: nothing may accumulate when logging is rare, docs/design.md, lesson
     1) and each rank's own record of its reports (``metrics.save_rank_reports``)."""
     cfg = load_config(REPO / "configs" / "debug_llama.toml", [
         f"--job.dump_folder={tmp_path_factory.mktemp('main')}", f"--data.cache_dir={corpus_cache}",

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.ray
 
 STEPS = 10
 MESHES = {
-    # The field's leaking configuration (DESIGN.md, lesson 2): configs/debug_deepseek.toml as is,
+    # The field's leaking configuration (docs/design.md, lesson 2): configs/debug_deepseek.toml as is,
     # the long run's first steps.
     "pp2_ep2": [],
     "ep2": ["--parallelism.pp=1", "--parallelism.dp_shard=2", "--parallelism.ep=2"],

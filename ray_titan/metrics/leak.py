@@ -1,4 +1,4 @@
-"""The memory verdict of each rank: ``warming_up``, ``stable`` or ``growing`` (DESIGN.md, lesson 4).
+"""The memory verdict of each rank: ``warming_up``, ``stable`` or ``growing`` (docs/design.md, lesson 4).
 
 A rank's memory rises over the first steps (optimizer state, allocator pools, autograd caches)
 and then flattens; a leak keeps rising. :class:`LeakDetector` tells them apart from one series

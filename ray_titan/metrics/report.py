@@ -1,6 +1,6 @@
 """The worker side of metrics: :class:`StepReport` and the reporters that deliver it.
 
-A report holds host scalars only, never tensors (DESIGN.md, Contracts). :class:`CollectorReporter`
+A report holds host scalars only, never tensors (docs/design.md, Contracts). :class:`CollectorReporter`
 sends to the collector actor without waiting and is bounded: at most ``max_inflight`` calls in
 flight and at most ``max_buffered`` reports held until the collector has them on disk, so a slow,
 stuck or restarting collector can neither stall nor grow a worker, and a killed one loses

@@ -1,4 +1,4 @@
-"""Activation checkpointing of transformer blocks (DESIGN.md, lesson 3).
+"""Activation checkpointing of transformer blocks (docs/design.md, lesson 3).
 
 Modes (``[activation_checkpoint]``):
 

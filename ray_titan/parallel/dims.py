@@ -1,6 +1,6 @@
 """Parallel dimensions and the device mesh.
 
-The mesh is ``(pp, dp_replicate, dp_shard, tp)`` with those axis names (DESIGN.md, Contracts),
+The mesh is ``(pp, dp_replicate, dp_shard, tp)`` with those axis names (docs/design.md, Contracts),
 row-major, so global rank ``r`` has coordinates
 ``tp = r % tp``, ``dp_shard = (r // tp) % dp_shard``, ``dp_replicate = (r // (tp·dp_shard)) %
 dp_replicate`` and ``pp = r // (tp·dp_shard·dp_replicate)``: the ranks of one tensor-parallel

@@ -3,7 +3,7 @@
 Token dispatch and combine use ``all_to_all_single_autograd`` from
 ``torch.distributed._functional_collectives``: each forward all-to-all records its backward
 all-to-all in the autograd graph, so the gradients of tokens that visited another rank's
-experts come back, and nothing a step sent outlives its backward (DESIGN.md, lesson 2: a token
+experts come back, and nothing a step sent outlives its backward (docs/design.md, lesson 2: a token
 all-to-all whose backward never ran grew device memory every step until OOM).
 
 Per MoE layer and forward, on each rank of an ``ep`` group of size ``E`` holding ``N / E``

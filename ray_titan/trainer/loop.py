@@ -8,7 +8,7 @@ Per step: data → :func:`~ray_titan.trainer.step.train_step` (forward/backward,
 LR; the loss becomes a host float on last-stage ranks) → synchronized GC → the validation loss
 when due (:mod:`~ray_titan.trainer.evaluate`, outside the step time) → memory sample → one
 StepReport, sent without waiting → checkpoint when due. Nothing from a step outlives it on the
-device (DESIGN.md, lesson 1).
+device (docs/design.md, lesson 1).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Under PP the pipeline schedule runs the microbatches through this rank's stages; without it the
 microbatches are accumulated. Either way the gradients are of the mean loss over this rank's
 batch, the norm is that of the whole model (every stage and shard), and the loss leaves the
-step as a host float on last-stage ranks (DESIGN.md, lesson 1): nothing of the step outlives it
+step as a host float on last-stage ranks (docs/design.md, lesson 1): nothing of the step outlives it
 on the device.
 """
 
