@@ -1,4 +1,4 @@
-"""Shared fixtures: one local Ray cluster for the whole session (DESIGN.md, Testing)."""
+"""Shared fixtures: one local Ray cluster for the whole session (docs/design.md, Testing)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def hf_models(tmp_path_factory):
 class LaunchRun:
     """A job run without Ray (``python -m ray_titan.launch`` on ``nproc`` ranks: one process, or
     torchrun's ranks, forked from the session's forkserver: ``tests/ranks.py``): the one-worker
-    side of a parity check, or a mesh where Ray is not the subject (DESIGN.md, Testing).
+    side of a parity check, or a mesh where Ray is not the subject (docs/design.md, Testing).
     ``steps``, ``step_column`` and ``tensorboard_dir`` as :class:`ray_titan.driver.RunResult`'s;
     a failed run raises."""
 
@@ -77,3 +77,35 @@ class LaunchRun:
         from ray_titan.driver import RunResult
 
         return RunResult.step_column(self, column)  # type: ignore[arg-type]
+
+
+def _tier(item: pytest.Item) -> int:
+    """0: the static checks (seconds), 1: the unit tier, 2: integration (processes, Ray)."""
+    if item.get_closest_marker("static"):
+        return 0
+    return 2 if "integration" in item.path.parts or item.get_closest_marker("ray") else 1
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The README's one test command runs the tiers in order, so a lint error fails in seconds.
+    items.sort(key=_tier)  # stable: each tier keeps its files' order
+
+
+_STATIC_FAILED = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.failed and _tier(item) == 0:
+        item.session.stash[_STATIC_FAILED] = item.name
+    return report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    # Every static check runs; the first test after them stops the run if one failed.
+    if _tier(item) > 0 and (failed := item.session.stash.get(_STATIC_FAILED, None)):
+        item.session.shouldstop = f"a static check failed ({failed}): fix it before the tests run"
+        return True
+    return None
