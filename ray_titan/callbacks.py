@@ -3,8 +3,10 @@
 A callback is an object with any of the methods below (subclass :class:`Callback` and override
 what you need). It reaches the workers in one of two ways:
 
-- the config: a ``[[callbacks]]`` table with ``target = "package.module:name"`` (a class or a
-  factory, importable on every worker) and optional ``kwargs``;
+- the config: a ``[[callbacks]]`` table with ``target = "package.module:name"`` (a class with at
+  least one of the event methods, importable on every worker) and optional ``kwargs``. The driver
+  imports the target (running the module's code) and checks it without calling it; every worker
+  imports and instantiates it: a config is code, treat it like a script;
 - the driver API: ``ray_titan.train(cfg, callbacks=[MyCallback(...)])``: objects are pickled
   (cloudpickle) to every worker, so each worker gets its own copy.
 
@@ -28,6 +30,7 @@ and the out-of-memory handling on a real cluster (the tests use them).
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +41,8 @@ if TYPE_CHECKING:
     from ray_titan.config.schema import JobConfig
     from ray_titan.metrics.report import StepReport
 
-__all__ = ["Callback", "CallbackContext", "CallbackList", "InjectLeak", "InjectOOM", "load_callback"]
+__all__ = ["EVENTS", "Callback", "CallbackContext", "CallbackList", "InjectLeak", "InjectOOM", "load_callback",
+           "resolve_callback"]
 
 
 @dataclass
@@ -70,9 +74,18 @@ class Callback:
         pass
 
 
-def load_callback(target: str, kwargs: dict[str, Any] | None = None) -> Any:
-    """Import ``"package.module:name"`` and call it with ``kwargs``. Raises ``ValueError`` naming
-    the target for a malformed target, a failed import, a missing name or a failed call."""
+EVENTS = ("on_train_start", "on_step_begin", "on_step_end", "on_train_end")
+"""The callback events; a callback class must define at least one."""
+
+
+def resolve_callback(target: str, kwargs: dict[str, Any] | None = None) -> type:
+    """Import ``"package.module:name"`` and check, without calling anything, that it names a
+    class with at least one of the :data:`EVENTS` methods that accepts ``kwargs``.
+
+    Importing runs the module's top-level code (a config is code: treat it like a script), but a
+    function such as ``os:system`` is refused here, never called. Raises ``ValueError`` naming the
+    target for a malformed target, a failed import, a missing name, a target that is not such a
+    class, or ``kwargs`` its constructor does not accept."""
     module, sep, name = target.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"callback target {target!r} is not of the form 'package.module:name'")
@@ -84,10 +97,39 @@ def load_callback(target: str, kwargs: dict[str, Any] | None = None) -> Any:
         if not hasattr(obj, part):
             raise ValueError(f"callback target {target!r}: {module!r} has no {name!r}")
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"callback target {target!r} is not a class or a factory")
+    if not isinstance(obj, type) or not any(callable(getattr(obj, e, None)) for e in EVENTS):
+        what = "a class with no callback event" if isinstance(obj, type) else f"a {type(obj).__name__}, not a class"
+        raise ValueError(
+            f"callback target {target!r} is {what} (it is not called): give a class (e.g. a "
+            f"ray_titan.callbacks.Callback subclass) defining at least one of {', '.join(EVENTS)}"
+        )
     try:
-        return obj(**(kwargs or {}))
+        sig = inspect.signature(obj)
+    except ValueError:  # no signature to inspect (a class implemented in C): the call checks the kwargs
+        return obj
+    params = sig.parameters
+    unknown = [k for k in kwargs or {} if k not in params]
+    problem = ""
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        problem = (f"unexpected keyword argument {', '.join(map(repr, unknown))}; it takes "
+                   f"{', '.join(params) or 'no arguments'}")
+    else:
+        try:
+            sig.bind(**(kwargs or {}))
+        except TypeError as e:
+            problem = str(e)
+    if problem:
+        raise ValueError(f"callback target {target!r} with kwargs {kwargs or {}}: TypeError: {problem}")
+    return obj
+
+
+def load_callback(target: str, kwargs: dict[str, Any] | None = None) -> Any:
+    """Check ``target`` (:func:`resolve_callback`) and instantiate it with ``kwargs``: what each
+    worker does. Raises ``ValueError`` naming the target for every refusal of
+    :func:`resolve_callback` and for a constructor that fails."""
+    cls = resolve_callback(target, kwargs)
+    try:
+        return cls(**(kwargs or {}))
     except Exception as e:
         raise ValueError(f"callback target {target!r} with kwargs {kwargs or {}}: {type(e).__name__}: {e}") from None
 

@@ -11,9 +11,16 @@ A checkpoint is a directory ``step-NNNNNNNN`` holding:
   ``rng.rank<r>.*`` (each rank's torch RNG state);
 - ``reports/rank<r>.json``: the metric reports rank ``r`` had not yet seen on disk at the collector
   (resent after a restart, so a worker crash loses no metrics);
+- ``hf/`` (``HF_DIR``), written by rank 0: the job's Hugging Face tokenizer files
+  (``data.tokenizer_path`` as ``tokenizer.json``, and ``TOKENIZER_FILES`` beside it) and
+  ``checkpoint.initial_load_hf``'s ``config.json``, read once when the job starts: what
+  ``ray-titan export`` writes beside the weights, so that it reads nothing outside the checkpoint;
 - ``ray_titan_checkpoint.json`` (the manifest), written last: step, mesh, model, optimizer, data
   settings, and every file's size and CRC-32. A directory without a valid manifest, or whose
   files do not match it, is incomplete or corrupt and is never loaded or picked as the latest.
+  Every name the manifest lists, and every file DCP's ``.metadata`` points into, must be a
+  relative path inside the directory (no absolute path, ``..`` or symbolic link): a checkpoint
+  cannot make ray_titan stat, read or copy a file elsewhere.
 
 Under Ray every rank writes its share to a local staging directory and hands it to
 ``ray.train.report(checkpoint=...)``, which copies all ranks' files into one directory under the
@@ -33,11 +40,12 @@ import json
 import os
 import pickle
 import shutil
+import stat
 import tempfile
 import time
 import zlib
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
 import numpy as np
@@ -45,7 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -61,7 +69,9 @@ from ray_titan.fault import all_finite
 
 __all__ = [
     "ALLOWED_GLOBALS",
+    "HF_DIR",
     "MANIFEST",
+    "TOKENIZER_FILES",
     "CheckpointError",
     "Checkpointer",
     "LocalCheckpointStorage",
@@ -84,6 +94,12 @@ __all__ = [
 ]
 
 MANIFEST = "ray_titan_checkpoint.json"
+HF_DIR = "hf"
+"""The checkpoint's subdirectory holding the job's Hugging Face tokenizer files and the imported
+``config.json`` (what ``ray-titan export`` writes beside the weights)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+"""The tokenizer files kept in a checkpoint's ``hf/`` and copied beside an export: the job's
+``data.tokenizer_path`` (as ``tokenizer.json``) and those of the others beside it."""
 FORMAT = 2
 """2: the data position is (epoch, document, offset); 1 saved the loader's unread tokens."""
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -97,6 +113,43 @@ class CheckpointError(RuntimeError):
 def step_dir_name(step: int) -> str:
     """``step-NNNNNNNN``: sorts by step."""
     return f"step-{step:08d}"
+
+
+def _outside(name: Any) -> str | None:
+    """Why ``name`` (a file a checkpoint's manifest or ``.metadata`` names) could be outside the
+    checkpoint directory, from the name alone; None for a relative path without ``..``."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        return "not a file name"
+    if PurePosixPath(name).is_absolute():
+        return "an absolute path"
+    if ".." in PurePosixPath(name).parts:
+        return "a path with '..'"
+    return None
+
+
+def _inside(path: Path, name: Any) -> Path:
+    """``path / name`` for a file the manifest of checkpoint ``path`` lists, after checking, before
+    anything outside the checkpoint is opened or stat'ed, that it stays inside: a relative path
+    without ``..`` through no symbolic link (ray_titan writes none; one could point anywhere), each
+    component ``lstat``-ed from the top. Raises :class:`CheckpointError` naming the checkpoint, the
+    entry and why; a missing component is left to the caller's "missing" check."""
+    why = _outside(name)
+    if why is None:
+        at = path
+        for part in PurePosixPath(name).parts:
+            at = at / part
+            try:
+                if stat.S_ISLNK(os.lstat(at).st_mode):
+                    why = f"a path through the symbolic link {at.relative_to(path).as_posix()}"
+                    break
+            except OSError:
+                break
+    if why is not None:
+        raise CheckpointError(
+            f"checkpoint {path}: {MANIFEST} lists {name!r}, {why}; a checkpoint's files are relative paths "
+            "inside its directory, without '..' or symbolic links; not a checkpoint this ray_titan wrote"
+        )
+    return path / name
 
 
 # -- reading without unrestricted pickle ------------------------------------------------------
@@ -198,7 +251,10 @@ def check_metadata(metadata: Metadata, path: str | Path, files: dict[str, Any]) 
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             raise bad(f"has a storage entry {type(index).__name__} -> {type(info).__name__}")
         name, offset, length = info.relative_path, info.offset, info.length
-        entry = files.get(name) if isinstance(name, str) else None
+        why = _outside(name)
+        if why is not None:
+            raise bad(f"points {index.fqn!r} to {name!r}, {why} (outside the checkpoint)")
+        entry = files.get(name)
         if entry is None:
             raise bad(f"points {index.fqn!r} to {name!r}, which the manifest does not list")
         if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
@@ -213,6 +269,12 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = load_metadata(str(self.path))
+        # DCP opens <path>/<relative_path> for each storage entry: none may lead outside.
+        for index, info in getattr(metadata, "storage_data", {}).items():
+            why = _outside(getattr(info, "relative_path", None))
+            if why is not None:
+                raise CheckpointError(f"checkpoint {self.path}: .metadata points {getattr(index, 'fqn', index)!r} "
+                                      f"to {getattr(info, 'relative_path', None)!r}, {why} (outside the checkpoint)")
         storage_meta = getattr(metadata, "storage_meta", None)
         if storage_meta is None:
             storage_meta = metadata.storage_meta = StorageMeta()
@@ -253,8 +315,10 @@ def _file_entries(directory: Path) -> dict[str, dict[str, int]]:
 
 def read_manifest(path: str | Path, verify_checksums: bool = False) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path`` after checking that it is complete: the manifest
-    exists and parses, and every file it lists exists with its size (and CRC-32 when
-    ``verify_checksums``). Raises :class:`CheckpointError` naming the path and the problem."""
+    exists and parses, every name it lists is a file inside ``path`` (relative, without ``..``, through
+    no symbolic link: checked for all before any is stat'ed), and each exists with its size (and
+    CRC-32 when ``verify_checksums``). Raises :class:`CheckpointError` naming the path and the
+    problem."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -271,10 +335,16 @@ def read_manifest(path: str | Path, verify_checksums: bool = False) -> dict[str,
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt: {type(e).__name__}: {e}") from None
     if manifest.get("format") not in (1, FORMAT):
         raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}; this ray_titan reads 1, {FORMAT}")
-    if ".metadata" not in files:
+    if not isinstance(files, dict) or ".metadata" not in files:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} lists no DCP .metadata")
+    # Every name first: nothing outside the checkpoint is stat'ed (its size would be disclosed) or read.
+    checked = {name: _inside(path, name) for name in files}
     for name, entry in files.items():
-        f = path / name
+        if not (isinstance(entry, dict) and all(isinstance(entry.get(k), int) for k in ("bytes", "crc32"))):
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt: the entry of {name} is {entry!r}, "
+                                  "not {'bytes': <int>, 'crc32': <int>}")
+    for name, entry in files.items():
+        f = checked[name]
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
         if f.stat().st_size != entry["bytes"]:
@@ -344,6 +414,34 @@ def resolve_checkpoint(path: str | Path, setting: str = "checkpoint.load_path") 
     complete checkpoint in it or in its ``checkpoints/``. Raises :class:`CheckpointError` naming
     ``setting`` (where the path came from) and the path."""
     return checkpoint_candidates(path, setting)[0]
+
+
+def _hf_files(cfg) -> dict[str, bytes]:
+    """What a checkpoint of job ``cfg`` keeps in ``hf/`` for an export, by file name: the job's
+    Hugging Face tokenizer (``data.tokenizer_path``, as ``tokenizer.json``) and the other
+    :data:`TOKENIZER_FILES` beside it, and ``checkpoint.initial_load_hf``'s ``config.json``. Small
+    files (kilobytes to tens of MB). Raises :class:`CheckpointError` naming the setting and the
+    file that cannot be read."""
+    from ray_titan import storage
+
+    wanted: list[tuple[str, str, str, bool]] = []  # (name in hf/, file, setting, required)
+    tokenizer = cfg.data.tokenizer_path if cfg.data.tokenizer == "huggingface" else None
+    if tokenizer:
+        wanted.append((TOKENIZER_FILES[0], tokenizer, "data.tokenizer_path", True))
+        here = str(tokenizer).rsplit("/", 1)[0]
+        wanted += [(n, storage.join(here, n), "data.tokenizer_path", False) for n in TOKENIZER_FILES[1:]]
+    if cfg.checkpoint.initial_load_hf:
+        wanted.append(("config.json", storage.join(cfg.checkpoint.initial_load_hf, "config.json"),
+                       "checkpoint.initial_load_hf", True))
+    out = {}
+    for name, file, setting, required in wanted:
+        try:
+            if required or storage.exists(file):
+                out[name] = storage.read_bytes(file)
+        except Exception as e:
+            raise CheckpointError(f"{setting}: cannot read {file} to keep it in the checkpoints (for "
+                                  f"ray-titan export): {type(e).__name__}: {e}") from None
+    return out
 
 
 def _job_manifest(cfg, vocab_size: int) -> dict[str, Any]:
@@ -498,17 +596,33 @@ class RayTrainCheckpointStorage:
             shutil.rmtree(write_dir, ignore_errors=True)
 
 
-def _write_failure(step: int, write_dir: Path, e: BaseException) -> str:
-    """Why writing checkpoint files failed, in words: torch's zip writer reports a full disk as
-    "unexpected pos", so the free space is measured and said."""
-    cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[-1]
+def _write_failure(step: int, write_dir: Path, e: BaseException, rank: int = 0) -> str:
+    """Why writing checkpoint files failed, in words, for ``rank``'s message.
+
+    ``e`` may be DCP's :class:`CheckpointException`, which collects every failed rank's error:
+    this rank's own is reported if it has one, else the lowest failed rank's (named). torch's zip
+    writer reports a full disk as "unexpected pos" (the ``OSError`` with ``ENOSPC`` is only its
+    ``__context__``, and lost when DCP sends it to another rank), so the error chain is searched
+    for an ``OSError`` and the free space at ``write_dir`` is measured and said."""
+    where = ""
+    if isinstance(e, CheckpointException) and e.failures:
+        failed = rank if rank in e.failures else min(e.failures)
+        where = "" if failed == rank else f" on rank {failed}"
+        e = e.failures[failed][0]
+    seen: list[BaseException] = []
+    link: BaseException | None = e
+    while link is not None and link not in seen:  # __cause__/__context__ may form a cycle
+        seen.append(link)
+        link = link.__cause__ or link.__context__
+    e = next((x for x in seen if isinstance(x, OSError) and x.strerror), e)
+    cause = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).strip().splitlines() or [""])[-1]
+    head = f"step {step}: writing the checkpoint to {write_dir} failed{where}: {type(e).__name__}: {cause}"
     try:
         free = shutil.disk_usage(next(p for p in (write_dir, *write_dir.parents) if p.exists())).free
     except (OSError, StopIteration):
-        return f"step {step}: writing the checkpoint to {write_dir} failed: {type(e).__name__}: {cause}"
+        return head
     full = "; the filesystem is full" if free < (1 << 20) else ""
-    return (f"step {step}: writing the checkpoint to {write_dir} failed: {type(e).__name__}: {cause} "
-            f"({free / 2**20:.1f} MiB free there{full})")
+    return f"{head} ({free / 2**20:.1f} MiB free there{full})"
 
 
 STAGING = ".checkpoint_staging"
@@ -583,6 +697,8 @@ class Checkpointer:
             self.job["model_args"] = dataclasses.asdict(args)
         self.job["tokenizer_path"] = cfg.data.tokenizer_path
         self.job["initial_load_hf"] = cfg.checkpoint.initial_load_hf
+        # Read once, here: each checkpoint keeps a copy (export takes nothing from outside it).
+        self.hf_files = _hf_files(cfg) if rank == 0 and storage is not None and cfg.checkpoint.enable else {}
         self.resumed_from: str | None = None
         self.restarted = False
         """True when this worker group resumed its own run's checkpoint (a restart)."""
@@ -620,7 +736,9 @@ class Checkpointer:
     def save(self, step: int) -> None:
         """Write the state after ``step`` (every rank calls this at the same step). Raises
         :class:`CheckpointError`, writing nothing, if a parameter or optimizer state is not finite
-        on some rank: such a checkpoint could only resume a broken run."""
+        on some rank: such a checkpoint could only resume a broken run. Raises
+        :class:`CheckpointError` on every rank, after removing this rank's files, when writing fails
+        on any rank (the message names the directory, the cause and the MiB free there)."""
         state = self._state(step, False, True)
         if not all_finite([v for k, v in state.items() if k.startswith(("model.", "optimizer.state."))
                            and isinstance(v, torch.Tensor)], self.device):
@@ -628,13 +746,22 @@ class Checkpointer:
         write_dir = self.storage.begin(step, self.rank)
         try:
             dcp.save(state, storage_writer=FileSystemWriter(str(write_dir)), no_dist=not dist.is_initialized())
-        except Exception as err:
+        except (Exception, CheckpointException) as err:
+            # DCP raises CheckpointException (a BaseException) on every rank when any rank fails.
+            own = err.failures.get(self.rank) if isinstance(err, CheckpointException) else None
+            interrupted = own is not None and not isinstance(own[0], Exception)
+            why = "" if interrupted else _write_failure(step, write_dir, err, self.rank)  # free space before removal
             shutil.rmtree(write_dir, ignore_errors=True)  # its space goes back to the metrics
-            raise CheckpointError(_write_failure(step, write_dir, err)) from err
+            if own is not None and interrupted:
+                raise own[0] from err  # this rank was interrupted (KeyboardInterrupt, SystemExit)
+            raise CheckpointError(why) from err
         reports = self.reporter.unacknowledged() if hasattr(self.reporter, "unacknowledged") else []
         rdir = write_dir / "reports"
         rdir.mkdir(parents=True, exist_ok=True)
         (rdir / f"rank{self.rank}.json").write_text(json.dumps(reports))
+        for name, data in self.hf_files.items():  # rank 0's only; listed in the manifest like the rest
+            (write_dir / HF_DIR).mkdir(exist_ok=True)
+            (write_dir / HF_DIR / name).write_bytes(data)
         entries = {} if self.storage.shared else _file_entries(write_dir)
         gathered: list[Any] | None = [entries]
         if self.world > 1:

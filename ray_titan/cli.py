@@ -4,15 +4,17 @@
 (:func:`ray_titan.driver.train`): on the cluster named by ``RAY_ADDRESS``, or on a local Ray
 cluster it starts. Without ``--config`` the built-in defaults are used, which are
 ``configs/debug_llama.toml``. Exit status: 0 for a complete run, 2 for a config error (before
-any worker starts), 1 for a failed run or one whose metrics have errors (a non-finite final loss
-included), 130 when interrupted by Ctrl-C and 143 by SIGTERM (either way the workers are stopped,
+any worker starts), 1 for a failed run, one whose metrics have errors (a non-finite final loss
+included) or one that applied no update (every step's update skipped, ``training.on_nonfinite =
+"skip"``), 130 when interrupted by Ctrl-C and 143 by SIGTERM (either way the workers are stopped,
 the metrics flushed, and the last checkpoint named).
 
 ``ray-titan config show [X.toml] [--section.key=value ...]`` prints the resolved config, every
 default included, as TOML; ``ray-titan config docs`` prints (or writes, ``--output``) the
 configuration reference ``docs/configuration.md``.
 ``ray-titan export CHECKPOINT_OR_RUN_DIR --to hf OUT_DIR [--dtype bf16|fp32]`` writes a ray_titan
-checkpoint as a Hugging Face model directory (``ray_titan.hf.export_hf``).
+checkpoint as a Hugging Face model directory (``ray_titan.hf.export_hf``), whole or not at all.
+Every command stops on Ctrl-C (exit 130) or SIGTERM (143) as ``train`` does.
 ``ray-titan memory plan [--config X.toml] [--device-memory 80GiB] [--section.key=value ...]``
 prints every rank's predicted memory, whether the job fits, and the levers that would make it
 fit (``ray_titan.memory_planner``), without starting anything.
@@ -89,7 +91,9 @@ def _parser() -> argparse.ArgumentParser:
         "directory or its checkpoints/, whose latest complete checkpoint is taken) as a Hugging Face "
         "model directory that transformers' from_pretrained and vLLM load: config.json, safetensors "
         "shards with model.safetensors.index.json, and the run's tokenizer files. Streams one shard "
-        "at a time. Exit status 2 for a missing or incomplete checkpoint.",
+        "at a time into a staging directory that becomes OUT_DIR only when complete (an interrupted or "
+        "failed export leaves no OUT_DIR). Exit status 2 for a missing or incomplete checkpoint, an OUT_DIR that "
+        "exists and is not empty, or storage that does not answer; 130 Ctrl-C, 143 SIGTERM.",
     )
     ex.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN_DIR",
                     help="a step-NNNNNNNN checkpoint, or a run directory (its latest complete checkpoint)")
@@ -98,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="weights dtype (default bf16)")
     ex.add_argument("--max-shard-size", type=float, default=5.0, metavar="GiB",
                     help="largest safetensors shard, GiB (default 5)")
+    ex.add_argument("--storage-timeout", type=float, default=30.0, metavar="SECONDS",
+                    help="seconds a remote OUT_DIR may take to accept a probe file before the export is "
+                    "refused (default 30, as job.storage_timeout_s)")
     mem = sub.add_parser("memory", help="plan a job's memory before running it",
                          description="Memory tools. 'memory plan' predicts every rank's memory.")
     msub = mem.add_subparsers(dest="memory_command", required=True, metavar="SUBCOMMAND")
@@ -149,7 +156,8 @@ def _train(args, overrides: list[str]) -> int:
     except Exception as e:  # Ray's error carries the failing worker's traceback
         print(f"ray-titan: training failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    return 1 if result.errors else 0
+    # A run that applied no update learned nothing: a failure, said by the driver's last line.
+    return 1 if result.errors or result.no_update_applied else 0
 
 
 def _config(args, overrides: list[str]) -> int:
@@ -184,15 +192,23 @@ def _config(args, overrides: list[str]) -> int:
 def _export(args, overrides: list[str]) -> int:
     from ray_titan.checkpoint import CheckpointError
     from ray_titan.hf import export_hf
+    from ray_titan.storage import StorageError
 
     if overrides:
         print(f"ray-titan export: unexpected arguments {overrides}", file=sys.stderr)
         return 2
+    if not args.storage_timeout > 0:
+        print(f"ray-titan export: --storage-timeout {args.storage_timeout:g}: give a positive number of seconds",
+              file=sys.stderr)
+        return 2
     try:
-        result = export_hf(args.checkpoint, args.out_dir, args.dtype, int(args.max_shard_size * 2**30))
-    except (CheckpointError, ValueError) as e:
+        result = export_hf(args.checkpoint, args.out_dir, args.dtype, int(args.max_shard_size * 2**30),
+                           storage_timeout_s=args.storage_timeout)
+    except (CheckpointError, ValueError, StorageError) as e:  # StorageError: OUT_DIR exists, or no answer
         print(f"ray-titan export: {e}", file=sys.stderr)
         return 2
+    for note in result.notes:
+        print(f"ray-titan export: note: {note}", file=sys.stderr)
     print(f"wrote {result.out_dir}: {', '.join(result.files)} ({result.tensors} tensors, "
           f"{result.total_bytes / 2**20:.1f} MiB, {args.dtype})")
     return 0
@@ -215,8 +231,26 @@ def _memory(args, overrides: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``ray-titan``; returns the exit status."""
+    """Entry point of ``ray-titan``; returns the exit status. Ctrl-C and SIGTERM stop every
+    command the same way (:class:`~ray_titan.interrupts.SignalGuard`): exit 130 or 143, at the
+    latest 30 s after the signal (at once on a second one), whatever the command waits on."""
     args, overrides = _parser().parse_known_args(argv)
+    if args.command == "train":
+        return _train(args, overrides)  # the driver guards its own run (and names its run directory)
+    from ray_titan.interrupts import SignalGuard
+
+    note = f"{args.out_dir} was not written (a .partial-* directory beside it may remain)" \
+        if args.command == "export" else ""
+    with SignalGuard(note=note) as signals:
+        try:
+            return _command(args, overrides)
+        except KeyboardInterrupt:
+            signum = signals.signum or signal.SIGINT
+            print(f"ray-titan {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+            return 128 + signum
+
+
+def _command(args, overrides: list[str]) -> int:
     if args.command == "report":
         from ray_titan.run_report import format_memory_table, format_table, memory_rows, write_report
 

@@ -73,6 +73,9 @@ class RunResult:
     """The latest complete checkpoint (``<run_dir>/checkpoints/step-NNNNNNNN``), None if none."""
     skipped_steps: int = 0
     """Steps whose update was dropped (``training.on_nonfinite = "skip"``)."""
+    steps_run: int = 0
+    """Steps this run trained, each one optimizer update (a step a restart ran again counts once;
+    a run resumed at step k runs steps k+1 .. ``training.steps``)."""
     restarts: int = 0
     """Worker-group restarts during the run."""
     collector_restarted: bool = False
@@ -97,6 +100,17 @@ class RunResult:
         planned = {r["rank"]: r["peak"] for r in (self.memory_plan or {}).get("ranks", [])}
         ranks = sorted(set(planned) | set(self.memory_breakdown))
         return {r: (planned.get(r), self.memory_breakdown.get(r, {}).get("peak_bytes")) for r in ranks}
+
+    @property
+    def no_update_applied(self) -> bool:
+        """Every step of the run had its update skipped: the weights are those it started from.
+        ``ray-titan train`` exits 1 for such a run."""
+        return self.steps_run > 0 and self.skipped_steps >= self.steps_run
+
+    @property
+    def skipped_note(self) -> str:
+        """``"N of M updates skipped"``, or ``""`` when none was."""
+        return f"{self.skipped_steps} of {self.steps_run} updates skipped" if self.skipped_steps else ""
 
     @property
     def metrics_path(self) -> Path | str:
@@ -377,13 +391,16 @@ def train(
     when a non-finite loss stopped it, and :class:`Interrupted` (a ``KeyboardInterrupt``) after
     Ctrl-C or SIGTERM, which stop the workers and end the call within seconds (``SignalGuard``).
     """
-    with SignalGuard() as signals:
+    with SignalGuard(note="no run directory was made yet") as signals:
         try:
             return _train(config, overrides, progress, callbacks, signals, dataset)
         except KeyboardInterrupt as e:  # before the workers started, or a plain Ctrl-C
             if isinstance(e, Interrupted):
                 raise
-            raise Interrupted(str(e), signals.signum or signal.SIGINT) from None
+            signum = signals.signum or signal.SIGINT
+            message = f"ray_titan: interrupted ({signal.Signals(signum).name}); {signals.note}"
+            print(message, file=sys.stderr, flush=True)
+            raise Interrupted(message, signum) from None
 
 
 def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress: str, callbacks: list | None,
@@ -441,6 +458,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
         cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
             update={"threads_per_worker": max(1, int(cpus + 0.999))})})
     run_dir = make_run_dir(cfg)
+    signals.note = f"the metrics flushed so far are in {run_dir}"
     storage.write_text(under(run_dir, "config.json"), cfg.model_dump_json(indent=2))
     plan = record_memory_plan(cfg, run_dir)
     counts = fitting_worker_counts(cfg)
@@ -564,7 +582,8 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     result = RunResult(
         run_dir=run_dir, steps=read_steps(run_dir), final_loss=summary["final_loss"],
         errors=summary["errors"], config=cfg, checkpoint=latest,
-        skipped_steps=summary.get("skipped_steps", 0), restarts=summary.get("restarts", 0),
+        skipped_steps=summary.get("skipped_steps", 0), steps_run=summary.get("steps_run", 0),
+        restarts=summary.get("restarts", 0),
         collector_restarted=summary.get("collector_restarted", False),
         memory_verdicts=summary.get("memory_verdicts", {}),
         memory_snapshots=sorted((run_dir / "memory").glob("*"))
@@ -575,9 +594,23 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
         profiler_traces=sorted((run_dir / "profile").glob("*.json"))
         if isinstance(run_dir, Path) and (run_dir / "profile").is_dir() else [],
     )
-    print(f"ray_titan: done: final loss {result.final_loss}, metrics {result.metrics_path}, "
-          f"{where}", flush=True)
+    say_outcome(result, where)
     return result
+
+
+def say_outcome(result: RunResult, where: str) -> None:
+    """Print a finished run's last line: ``ray_titan: done: final loss …`` (with ``(N of M updates
+    skipped)`` when any was), or, on stderr, ``ray_titan: no update was applied: …`` for a run
+    whose every update was skipped (``ray-titan train`` exits 1 for it). ``where``: the last
+    checkpoint, in words."""
+    if result.no_update_applied:
+        print(f"ray_titan: no update was applied: {result.skipped_note} (training.on_nonfinite = 'skip' "
+              f"dropped every one; the weights are those the run started from); final loss {result.final_loss}, "
+              f"metrics {result.metrics_path}, {where}", file=sys.stderr, flush=True)
+        return
+    skipped = f" ({result.skipped_note})" if result.skipped_note else ""
+    print(f"ray_titan: done: final loss {result.final_loss}{skipped}, metrics {result.metrics_path}, "
+          f"{where}", flush=True)
 
 
 class _Poller:

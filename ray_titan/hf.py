@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,7 +49,17 @@ import torch
 from torch import nn
 
 from ray_titan import storage
-from ray_titan.checkpoint import SafeFileSystemReader, SafeLoadPlanner, read_manifest, resolve_checkpoint
+from ray_titan.checkpoint import (
+    HF_DIR,
+    TOKENIZER_FILES,
+    CheckpointError,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    check_metadata,
+    load_metadata,
+    read_manifest,
+    resolve_checkpoint,
+)
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.models.registry import ModelSpec, build_model, get_model_args, get_spec, spec_for_hf
 from ray_titan.models.rope import RopeScaling
@@ -75,8 +86,12 @@ __all__ = [
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-"""Files copied beside an export when the run's tokenizer directory has them."""
+
+MAX_HEADER_BYTES = 100_000_000
+"""The largest safetensors header (and ``model.safetensors.index.json``) read, in bytes: the
+``safetensors`` library's own limit (its ``MAX_HEADER_SIZE``). Real headers are kilobytes to a
+few megabytes (about 100 bytes per tensor); the length is checked before anything is read, so a
+damaged or hostile length is refused without reading or allocating it."""
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -112,7 +127,13 @@ def read_hf_config(path: str) -> dict[str, Any]:
 def hf_model(path: str) -> tuple[ModelSpec, Any]:
     """The family (its :class:`ModelSpec`) and model arguments ``path``'s ``config.json``
     describes. Raises :class:`HFCheckpointError` naming the file: no or an unsupported
-    ``model_type`` (listing the supported ones), or a field the family cannot build."""
+    ``model_type`` (listing the supported ones), or a field the family cannot build, among them
+    a size outside its bounds (``ray_titan.models.state_dict_adapter.SIZE_FIELDS``: checked
+    before anything is sized by it)."""
+    return _hf_model(path)[:2]
+
+
+def _hf_model(path: str) -> tuple[ModelSpec, Any, dict[str, Any]]:
     config = read_hf_config(path)
     file = storage.join(path, CONFIG)
     try:
@@ -120,7 +141,7 @@ def hf_model(path: str) -> tuple[ModelSpec, Any]:
     except KeyError as e:
         raise HFCheckpointError(f"{file}: {e.args[0]}") from None
     try:
-        return spec, spec.hf.args_from_hf(config)
+        return spec, spec.hf.args_from_hf(config), config
     except HFConfigError as e:
         raise HFCheckpointError(f"{file}: {e}") from None
 
@@ -144,6 +165,7 @@ def resolve_hf_job(cfg: JobConfig) -> JobConfig:
     if not src:
         return cfg
     src = _absolute(src)
+    storage.probe_location("checkpoint.initial_load_hf", src, cfg.job.storage_timeout_s)
     try:
         spec, args = hf_model(src)
     except HFCheckpointError as e:
@@ -203,11 +225,15 @@ class SafetensorsFiles:
     """The tensors of a Hugging Face checkpoint, by name, read from their safetensors headers.
 
     Files: those ``model.safetensors.index.json`` names, else ``model.safetensors``; ``extra``:
-    side files read too when present (the router bias). Only headers are read at construction
-    (8-byte length + JSON per file); :meth:`read_rows` reads one contiguous byte range. Works on
-    a local directory or any URI pyarrow's filesystems read. Raises :class:`HFCheckpointError`
-    naming the file: no weights file, an unreadable or malformed header or index, a tensor the
-    index places in a file that lacks it.
+    side files read too when present (the router bias; :meth:`read_extra` adds more later).
+    Only headers are read at construction (8-byte length + JSON per file, at most
+    :data:`MAX_HEADER_BYTES`); :meth:`read_rows` reads one contiguous byte range. Works on a
+    local directory or any URI pyarrow's filesystems read. Raises :class:`HFCheckpointError`
+    naming the file: no weights file, an unreadable, malformed or oversized header or index, a
+    tensor the index places in a file that lacks it.
+
+    Own parsing rather than ``safetensors.safe_open``: that opens local paths only, and the
+    same code must read object storage; the header length is capped at the library's limit.
     """
 
     def __init__(self, path: str, extra: tuple[str, ...] = ()):
@@ -217,7 +243,14 @@ class SafetensorsFiles:
         index_file = storage.join(path, INDEX)
         if storage.exists(index_file):
             try:
-                weight_map = json.loads(storage.read_text(index_file))["weight_map"]
+                fs, p = storage.resolve(index_file)
+                with fs.open_input_file(p) as f:
+                    if f.size() > MAX_HEADER_BYTES:
+                        raise ValueError(f"{f.size()} bytes; valid: at most {MAX_HEADER_BYTES} (MAX_HEADER_BYTES)")
+                    weight_map = json.loads(f.read())["weight_map"]
+                if not (isinstance(weight_map, dict)
+                        and all(isinstance(v, str) for v in weight_map.values())):
+                    raise ValueError("weight_map is not an object of tensor name -> file name")
             except Exception as e:
                 raise HFCheckpointError(f"{index_file} is unreadable: {type(e).__name__}: {e}") from None
             for name in sorted(set(weight_map.values())):
@@ -230,8 +263,12 @@ class SafetensorsFiles:
         else:
             raise HFCheckpointError(f"{path} has neither {INDEX} nor {SINGLE}")
         self.model_keys = set(self.entries)
-        for name in extra:
-            if storage.exists(storage.join(path, name)):
+        self.read_extra(extra)
+
+    def read_extra(self, names: tuple[str, ...]) -> None:
+        """Read the headers of the side files ``names`` that exist (the router bias)."""
+        for name in names:
+            if name not in self._files and storage.exists(storage.join(self.path, name)):
                 self._read_header(name)
 
     def _open(self, name: str):
@@ -246,22 +283,36 @@ class SafetensorsFiles:
             f = self._open(name)
             size = f.size()
             (n,) = struct.unpack("<Q", f.read_at(8, 0))
+            # Checked before the read: a damaged length is refused without reading it.
             if n > size - 8:
                 raise ValueError(f"header length {n} exceeds the file's {size} bytes")
+            if n > MAX_HEADER_BYTES:
+                raise ValueError(f"header length {n} exceeds {MAX_HEADER_BYTES} bytes (MAX_HEADER_BYTES; real "
+                                 "headers are kilobytes to a few megabytes)")
             header = json.loads(f.read_at(n, 8))
+            if not isinstance(header, dict):
+                raise ValueError(f"the header holds a {type(header).__name__}, not a JSON object")
         except FileNotFoundError:
             raise HFCheckpointError(f"{file} does not exist") from None
         except Exception as e:
             raise HFCheckpointError(f"{file} is not a readable safetensors file: {type(e).__name__}: {e}") from None
         header.pop("__metadata__", None)
         for key, h in header.items():
-            begin, end = h["data_offsets"]
-            entry = _Entry(name, h["dtype"], tuple(h["shape"]), 8 + n + begin, end - begin)
+            try:
+                begin, end = h["data_offsets"]
+                shape = tuple(h["shape"])
+                if not all(type(x) is int for x in (begin, end, *shape)):
+                    raise TypeError("data_offsets and shape must be integers")
+                entry = _Entry(name, str(h["dtype"]), shape, 8 + n + begin, end - begin)
+            except Exception as e:
+                raise HFCheckpointError(f"{file}: tensor {key}'s header entry is malformed: "
+                                        f"{type(e).__name__}: {e}") from None
             if entry.dtype not in _DTYPES:
                 raise HFCheckpointError(
                     f"{file}: tensor {key} has dtype {entry.dtype}; supported: {sorted(_DTYPES)}"
                 )
-            if entry.nbytes != math.prod(entry.shape) * _DTYPES[entry.dtype].itemsize or 8 + n + end > size:
+            if (min(entry.shape, default=0) < 0 or begin < 0 or entry.nbytes != math.prod(entry.shape)
+                    * _DTYPES[entry.dtype].itemsize or 8 + n + end > size):
                 raise HFCheckpointError(f"{file}: tensor {key}'s bytes do not match its shape {list(entry.shape)}")
             self.entries[key] = entry
 
@@ -311,18 +362,46 @@ def _expected_shapes(spec: ModelSpec, args: Any) -> tuple[dict[str, tuple[int, .
     return want, sources
 
 
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT_KEY = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+
+
+def _check_sizes_against_headers(config_file: str, config: dict[str, Any], spec: ModelSpec, args: Any,
+                                 files: SafetensorsFiles, where: str) -> None:
+    """The ``config.json`` sizes that the safetensors headers bound (``where``: the index or
+    the single file): layers and routed experts at most as many as the tensor names hold, the
+    vocabulary and width at most the embedding's. Checked before the model is built from
+    ``config.json``, whose cost grows with them (SIZE_FIELDS' maxima bound it only loosely)."""
+    layers = {int(m[1]) for k in files.model_keys if (m := _LAYER_KEY.match(k))}
+    bounds = {"num_hidden_layers": (len(layers), "layers (model.layers.N)")}
+    if spec.moe and args.moe_layers:
+        experts = {int(m[1]) for k in files.model_keys if (m := _EXPERT_KEY.match(k))}
+        bounds["n_routed_experts"] = (len(experts), "routed experts (model.layers.N.mlp.experts.E)")
+    embed = files.entries.get("model.embed_tokens.weight")
+    if embed is not None and len(embed.shape) == 2:
+        bounds |= {"vocab_size": (embed.shape[0], "rows of model.embed_tokens.weight"),
+                   "hidden_size": (embed.shape[1], "columns of model.embed_tokens.weight")}
+    for field, (bound, what) in bounds.items():
+        value = config.get(field)
+        if value is not None and value > bound:  # an int or integral float: size_field checked it
+            raise HFCheckpointError(f"{config_file}: {field} = {value!r} but {where} holds {bound} {what}; "
+                                    f"valid: at most {bound}")
+
+
 def check_hf_checkpoint(path: str) -> tuple[ModelSpec, Any]:
     """Check a Hugging Face model directory against the model its ``config.json`` describes,
     from the safetensors headers only: every tensor present, none unexpected, each of the right
     shape and a floating dtype. Returns ``(spec, args)``. Raises :class:`HFCheckpointError`
-    naming the file and the problem (the tensor, both shapes)."""
-    spec, args = hf_model(path)
-    want, sources = _expected_shapes(spec, args)
-    extra = tuple(sorted({s.file for s in sources.values() if s.file}))
-    files = SafetensorsFiles(path, extra)
+    naming the file and the problem (the tensor, both shapes; a ``config.json`` size beyond
+    what the headers hold, checked before the model is built from it)."""
+    spec, args, config = _hf_model(path)
+    files = SafetensorsFiles(path)
     try:
-        optional = {k for s in sources.values() if s.optional for k in s.keys}
         where = storage.join(path, INDEX if storage.exists(storage.join(path, INDEX)) else SINGLE)
+        _check_sizes_against_headers(storage.join(path, CONFIG), config, spec, args, files, where)
+        want, sources = _expected_shapes(spec, args)
+        files.read_extra(tuple(sorted({s.file for s in sources.values() if s.file})))
+        optional = {k for s in sources.values() if s.optional for k in s.keys}
         missing = sorted(k for k in want if k not in files.entries and k not in optional)
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
@@ -396,12 +475,14 @@ def load_hf_weights(module: nn.Module, path: str, spec: ModelSpec, args: Any,
 @dataclass
 class ExportResult:
     """What :func:`export_hf` wrote: the directory, its weights files (side files included),
-    the number of tensors and their bytes."""
+    the number of tensors and their bytes; ``notes``: one line each for what the export lacks
+    (an older checkpoint without its tokenizer files or imported ``config.json``)."""
 
     out_dir: str
     files: list[str]
     tensors: int
     total_bytes: int
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def _args_of(manifest: dict[str, Any], spec: ModelSpec) -> Any:
@@ -446,7 +527,8 @@ def _to_hf(src: Source, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]
 
 
 def export_hf(checkpoint: str | Path, out_dir: str, dtype: str = "bf16",
-              max_shard_bytes: int = 5 * 2**30, source_config: dict[str, Any] | None = None) -> ExportResult:
+              max_shard_bytes: int = 5 * 2**30, source_config: dict[str, Any] | None = None,
+              storage_timeout_s: float = storage.DEFAULT_TIMEOUT_S) -> ExportResult:
     """Write the model of a ray_titan checkpoint (a ``step-NNNNNNNN`` directory, a run directory
     or its ``checkpoints/``: the latest complete one) as a Hugging Face model directory
     ``out_dir`` (local path or URI): ``config.json``, safetensors shards of at most
@@ -454,8 +536,34 @@ def export_hf(checkpoint: str | Path, out_dir: str, dtype: str = "bf16",
     files. ``dtype``: ``bf16`` or ``fp32`` (weights; the router bias stays fp32).
     ``source_config``: a ``config.json`` whose other fields (token ids, ...) are kept; by default
     that of the checkpoint the run imported, if any. Streams: one shard in memory at a time.
-    Raises ``CheckpointError`` for a missing or incomplete checkpoint, ``ValueError`` for an
-    unknown ``dtype``."""
+
+    Nothing outside the checkpoint is read because the checkpoint names it: the tokenizer files
+    and the imported ``config.json`` come from the checkpoint's own ``hf/`` (each checkpoint keeps
+    a copy, listed in its manifest with its CRC-32), not from the ``tokenizer_path`` or
+    ``initial_load_hf`` its manifest records. A checkpoint saved before it kept them exports
+    without them (no tokenizer files; a ``config.json`` of the model's own fields) and
+    :attr:`ExportResult.notes` says so.
+
+    The checkpoint is verified as a resume verifies it, before anything is written: every file's
+    size and CRC-32, the DCP metadata, and each tensor's finiteness as its shard is loaded.
+    Raises ``CheckpointError`` for a missing, incomplete or corrupt checkpoint (naming the file)
+    or non-finite weights (naming the tensor), ``ValueError`` for an unknown ``dtype``.
+
+    Written whole (:func:`ray_titan.storage.staged_output`): into a staging directory beside
+    ``out_dir`` (a remote ``out_dir``: a local one, uploaded with ``config.json`` last) that
+    becomes ``out_dir`` only when complete, so an interrupted or failed export (Ctrl-C, a damaged
+    tensor found at the last shard) leaves no half-written model directory. Raises
+    :class:`~ray_titan.storage.StorageError` before reading the checkpoint when ``out_dir`` exists
+    and is not an empty directory, or, remote, does not take a file within ``storage_timeout_s``
+    seconds."""
+    with storage.staged_output(out_dir, storage_timeout_s, last=(CONFIG,)) as staging:
+        result = _export_into(checkpoint, staging, dtype, max_shard_bytes, source_config)
+    return dataclasses.replace(result, out_dir=str(out_dir))
+
+
+def _export_into(checkpoint: str | Path, out_dir: str, dtype: str, max_shard_bytes: int,
+                 source_config: dict[str, Any] | None) -> ExportResult:
+    """:func:`export_hf`'s work, into the directory ``out_dir`` (its staging directory)."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save
 
@@ -463,7 +571,8 @@ def export_hf(checkpoint: str | Path, out_dir: str, dtype: str = "bf16",
         raise ValueError(f"dtype = {dtype!r}; valid: {sorted(_EXPORT_DTYPES)}")
     torch_dtype = _EXPORT_DTYPES[dtype]
     path = resolve_checkpoint(checkpoint, "CHECKPOINT_OR_RUN_DIR")
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, verify_checksums=True)  # as resume does: sizes, CRC-32s, metadata
+    check_metadata(load_metadata(path), path, manifest["files"])
     spec = get_spec(manifest["model"]["name"])
     args = _args_of(manifest, spec)
     want, sources = _expected_shapes(spec, args)
@@ -491,6 +600,14 @@ def export_hf(checkpoint: str | Path, out_dir: str, dtype: str = "bf16",
         sd = {f"model.{name}": torch.empty(shape, dtype=saved[f"model.{name}"].properties.dtype)  # type: ignore[union-attr]
               for name, _, shape in group}
         dcp.load(sd, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
+        # As resume refuses them: a max-abs per tensor (NaN propagates; no tensor-sized temporary).
+        names = [k for k, t in sd.items() if t.is_floating_point() and t.numel()]
+        norms = torch._foreach_norm([sd[k] for k in names], float("inf")) if names else []
+        for key, norm in zip(names, norms):
+            if not math.isfinite(float(norm)):
+                hf_key = sources[key.removeprefix("model.")].keys[0]
+                raise CheckpointError(f"checkpoint {path} holds non-finite model weights: {key} (Hugging Face "
+                                      f"{hf_key}) has NaN or infinite values; export an earlier checkpoint")
         return sd
 
     for i, group in enumerate(shards, start=1):
@@ -515,35 +632,45 @@ def export_hf(checkpoint: str | Path, out_dir: str, dtype: str = "bf16",
             written.append(file)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     storage.write_text(storage.join(out_dir, INDEX), json.dumps(index, indent=2) + "\n")
-    hf_src = manifest.get("initial_load_hf")
-    if source_config is None and hf_src:
+    kept = {name.removeprefix(HF_DIR + "/") for name in manifest["files"] if name.startswith(HF_DIR + "/")}
+    notes = []
+    if source_config is None and "config.json" in kept:
         try:
-            source_config = read_hf_config(hf_src)
-        except HFCheckpointError:
-            source_config = None
+            source_config = json.loads((path / HF_DIR / "config.json").read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"checkpoint {path}: {HF_DIR}/config.json is not valid JSON: {e}") from None
+        if not isinstance(source_config, dict):
+            raise CheckpointError(f"checkpoint {path}: {HF_DIR}/config.json holds a "
+                                  f"{type(source_config).__name__}, not a JSON object")
+    elif source_config is None and manifest.get("initial_load_hf"):
+        notes.append(f"checkpoint {path} was saved before checkpoints kept the imported config.json: "
+                     f"config.json has the model's own fields only (not those of {manifest['initial_load_hf']})")
     config = {**(source_config or {}), **spec.hf.hf_config(args), "model_type": spec.hf.model_type,
               "architectures": list(spec.hf.architectures), "torch_dtype": str(torch_dtype).removeprefix("torch."),
               "dtype": str(torch_dtype).removeprefix("torch.")}
     config.pop("rope_parameters", None)  # rope_to_hf's rope_theta / rope_scaling say it
-    config |= _copy_tokenizer(manifest.get("tokenizer_path"), out_dir, config)
+    if TOKENIZER_FILES[0] in kept:
+        config |= _copy_tokenizer(path / HF_DIR, kept, out_dir, config)
+    elif manifest.get("data", {}).get("tokenizer") == "huggingface":
+        notes.append(f"checkpoint {path} was saved before checkpoints kept their tokenizer files: the export has "
+                     f"no tokenizer files; copy those of data.tokenizer_path ({manifest.get('tokenizer_path')}) "
+                     "beside it yourself")
     storage.write_text(storage.join(out_dir, CONFIG), json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return ExportResult(out_dir, written, count, total)
+    return ExportResult(out_dir, written, count, total, notes)
 
 
-def _copy_tokenizer(tokenizer_path: str | None, out_dir: str, config: dict[str, Any]) -> dict[str, Any]:
-    """Copy the run's tokenizer files beside the export; the token ids config.json needs."""
-    if not tokenizer_path:
-        return {}
-    src_dir = tokenizer_path.rsplit("/", 1)[0]
+def _copy_tokenizer(src_dir: Path, kept: set[str], out_dir: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Copy the tokenizer files a checkpoint keeps (``src_dir``: its ``hf/``, whose files
+    ``kept`` the manifest lists and verified) beside the export; the token ids config.json
+    needs."""
     for name in TOKENIZER_FILES:
-        f = storage.join(src_dir, name)
-        if storage.exists(f):
-            storage.write_bytes(storage.join(out_dir, name), storage.read_bytes(f))
+        if name in kept:
+            storage.write_bytes(storage.join(out_dir, name), (src_dir / name).read_bytes())
     if "bos_token_id" in config and "eos_token_id" in config:
         return {}
     from ray_titan.data.tokenizer import HFTokenizer
 
-    tok = HFTokenizer(tokenizer_path)
+    tok = HFTokenizer(src_dir / TOKENIZER_FILES[0])
     return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
 
 
@@ -559,7 +686,10 @@ def save_last_hf(cfg: JobConfig, checkpoint: Path | None, run_dir: Path | str) -
               "'ray-titan export CHECKPOINT --to hf OUT_DIR'", flush=True)
         return None
     out = run_dir / "hf"
-    result = export_hf(checkpoint, str(out), cfg.checkpoint.last_save_hf_dtype)
+    result = export_hf(checkpoint, str(out), cfg.checkpoint.last_save_hf_dtype,
+                       storage_timeout_s=cfg.job.storage_timeout_s)
+    for note in result.notes:
+        print(f"ray_titan: checkpoint.last_save_hf: {note}", flush=True)
     print(f"ray_titan: Hugging Face model of {checkpoint.name} in {out} ({result.tensors} tensors, "
           f"{result.total_bytes / 2**20:.1f} MiB)", flush=True)
     return out

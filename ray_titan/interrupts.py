@@ -35,10 +35,12 @@ class SignalGuard:
     and the process ends within ``grace_s`` seconds of the first signal, or at once on a second,
     whatever the main thread is blocked in: the C-level handler writes to a wakeup pipe
     (``signal.set_wakeup_fd``) that a watchdog thread reads, so a call that never returns to
-    Python (a pyarrow request to storage that stopped answering) cannot hold it."""
+    Python (a pyarrow request to storage that stopped answering) cannot hold it. ``note`` ends
+    the watchdog's message: what was kept and where (the caller may change it as it goes on)."""
 
-    def __init__(self, grace_s: float = 30.0):
+    def __init__(self, grace_s: float = 30.0, note: str = ""):
         self.grace_s = grace_s
+        self.note = note
         self.signum: int | None = None
         self._r = self._w = -1
 
@@ -85,7 +87,7 @@ class SignalGuard:
             self.signum = self.signum or signums[0]
         signum = self.signum or signal.SIGINT
         print(f"ray_titan: still stopping {self.grace_s:g} s after {signal.Signals(signum).name} (or signalled "
-              "again): exiting now; the metrics flushed so far are in the run directory", file=sys.stderr, flush=True)
+              "again): exiting now" + (f"; {self.note}" if self.note else ""), file=sys.stderr, flush=True)
         os._exit(128 + signum)
 
     def __exit__(self, *exc) -> None:

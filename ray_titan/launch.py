@@ -125,10 +125,14 @@ def main(argv: list[str] | None = None) -> None:
             print(line, flush=True)
         for err in summary["errors"]:
             print(f"metrics error: {err}", flush=True)
-        print(f"run dir: {run_dir}  final loss: {summary['final_loss']}", flush=True)
+        skipped, run = summary["skipped_steps"], summary["steps_run"]
+        note = f"  ({skipped} of {run} updates skipped)" if skipped else ""
+        print(f"run dir: {run_dir}  final loss: {summary['final_loss']}{note}", flush=True)
         save_last_hf(cfg, find_latest(run_dir / "checkpoints"), run_dir)
         if summary["final_loss"] is not None and not math.isfinite(summary["final_loss"]):
             raise SystemExit(f"the final loss is {summary['final_loss']}, not finite")
+        if run and skipped >= run:  # as ray-titan train: a run that applied no update learned nothing
+            raise SystemExit(f"no update was applied: {skipped} of {run} updates skipped")
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ray_titan import storage
 from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides
 
 __all__ = [
@@ -643,6 +644,8 @@ def _vocab_size(cfg: JobConfig, args: Any) -> int:
     from ray_titan.data.tokenizer import build_tokenizer
 
     try:
+        if cfg.data.tokenizer_path:  # a bucket that does not answer must not hang the plan
+            storage.check_reachable(cfg.data.tokenizer_path, cfg.job.storage_timeout_s)
         return build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path).vocab_size
     except Exception:  # a tokenizer.json that is not here: plan with the flavor's vocabulary
         return args.vocab_size

@@ -19,7 +19,7 @@ from typing import Any
 
 from ray_titan import storage
 from ray_titan.allocator import worker_env_vars
-from ray_titan.callbacks import load_callback
+from ray_titan.callbacks import resolve_callback
 from ray_titan.checkpoint import (
     CheckpointError,
     check_compatible,
@@ -72,6 +72,23 @@ def _check_dump_folder(cfg: JobConfig) -> None:
         ) from None
 
 
+def _probe_locations(cfg: JobConfig, check_data: bool) -> None:
+    """Every remote location the job reads answers within ``job.storage_timeout_s``
+    (:func:`ray_titan.storage.probe_location`: a child process, so an unreachable bucket cannot
+    hang pre-flight): ``checkpoint.initial_load_hf`` always (the model's sizes come from it), and
+    with ``check_data`` the data, tokenizer, validation and checkpoint paths. Local paths cost
+    nothing here. Raises :class:`ConfigError` naming the setting and the location."""
+    named: list[tuple[str, str | None]] = [("checkpoint.initial_load_hf", cfg.checkpoint.initial_load_hf)]
+    if check_data:
+        named += [("checkpoint.load_path", cfg.checkpoint.load_path), ("data.path", cfg.data.path),
+                  *((f"data.sources[{i}].path", s.path) for i, s in enumerate(cfg.data.sources)),
+                  ("data.tokenizer_path", cfg.data.tokenizer_path),
+                  ("validation.path", cfg.validation.path if cfg.validation.enable else None)]
+    for setting, location in named:
+        if location:
+            storage.probe_location(setting, location, cfg.job.storage_timeout_s)
+
+
 def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = False) -> JobConfig:
     """Cross-field checks the driver runs before any worker starts.
 
@@ -110,6 +127,7 @@ def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = Fa
         raise ConfigError(
             f"debug.kill_rank = {cfg.debug.kill_rank} but the mesh has ranks 0..{cfg.world_size - 1}"
         )
+    _probe_locations(cfg, check_data)
     if check_data:
         _check_dump_folder(cfg)
     if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
@@ -424,7 +442,7 @@ def _validate_memory(cfg: JobConfig) -> None:
             )
     for i, cb in enumerate(cfg.callbacks):
         try:
-            load_callback(cb.target, cb.kwargs)
+            resolve_callback(cb.target, cb.kwargs)  # imports, calls nothing: workers instantiate it
         except ValueError as e:
             raise ConfigError(f"callbacks[{i}].target = {cb.target!r}: {e}") from None
 

@@ -43,9 +43,10 @@ def make_run_dir(cfg: JobConfig) -> Path | str:
 
 
 def resolve_paths(cfg: JobConfig) -> JobConfig:
-    """A copy with every user path made absolute: Ray Train changes a worker's working directory."""
+    """A copy with every user path made absolute: Ray Train changes a worker's working directory.
+    A URI stays as it is (``file://`` becomes its local path)."""
     data = cfg.data.model_copy(update={
-        k: str(Path(v).expanduser().resolve())
+        k: str(storage.local_path(v) or v)
         for k in ("path", "tokenizer_path", "cache_dir")
         if (v := getattr(cfg.data, k))
     })

@@ -14,28 +14,36 @@ most one flush behind, as the local one is.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "Mirror",
     "StorageError",
+    "check_reachable",
     "check_writable",
     "exists",
     "is_remote",
     "join",
     "local_path",
     "makedirs",
+    "probe_location",
     "read_bytes",
     "read_text",
     "resolve",
+    "staged_output",
     "staging_dir",
     "write_bytes",
     "write_text",
@@ -74,11 +82,14 @@ def resolve(uri: str | Path) -> tuple[pafs.FileSystem, str]:
 
 
 def join(uri: str | Path, *parts: str) -> str:
-    """``uri/part/...``: a local path stays a path, a URI stays a URI (``s3://b/runs`` + ``x``)."""
+    """``uri/part/...``: a local path stays a path, a URI stays a URI (``s3://b/runs`` + ``x``);
+    a URI's options stay at its end (``s3://b/m?endpoint_override=h`` + ``x``:
+    ``s3://b/m/x?endpoint_override=h``)."""
     local = local_path(uri)
     if local is not None:
         return str(local.joinpath(*parts))
-    return "/".join([str(uri).rstrip("/"), *parts])
+    base, sep, options = str(uri).partition("?")
+    return "/".join([base.rstrip("/"), *parts]) + sep + options
 
 
 def makedirs(uri: str | Path) -> None:
@@ -194,13 +205,161 @@ def check_writable(uri: str | Path, timeout_s: float) -> None:
     except OSError as e:
         where = str(e.filename or local)
         named = where != str(local) and PROBE_NAME not in where  # a parent directory that failed
-        raise StorageError(local, f"{doing}: {e.strerror or e}" + (f" ({where})" if named else "")) from None
+        cause = e.strerror or str(e)
+        if e.errno == errno.ENOENT and Path(where).parent.is_dir():
+            # procfs, sysfs and the like answer "No such file or directory" to any new name in a
+            # directory that exists: say what refused it.
+            kind = _filesystem_type(Path(where).parent)
+            cause = (f"it is on a {kind} filesystem, which takes no new files (a kernel interface, not storage)"
+                     if kind else "its filesystem takes no new files (a special filesystem such as /proc?)")
+        raise StorageError(local, f"{doing}: {cause}" + (f" ({where})" if named else "")) from None
     finally:
         for d in reversed(created):
             try:
                 d.rmdir()
             except OSError:
                 pass
+
+
+def _filesystem_type(path: Path) -> str:
+    """The type of the filesystem ``path`` is on (``proc``, ``sysfs``, ``ext4``, ...), from the
+    mount table of Linux (``/proc/self/mountinfo``); ``""`` where there is none."""
+    best, kind = "", ""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    target = str(path.resolve())
+    for line in lines:
+        fields, _, tail = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not tail:
+            continue
+        mount = parts[4].replace("\\040", " ")
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, tail.split()[0]
+    return kind
+
+
+DEFAULT_TIMEOUT_S = 30.0
+"""Seconds a storage probe waits for an answer unless told otherwise (``job.storage_timeout_s``'s
+default, and ``ray-titan export --storage-timeout``'s)."""
+
+# Run in a child process, as _REMOTE_PROBE: asks for one file's information, which needs the
+# endpoint, the bucket and the credentials, and reads nothing.
+_REMOTE_READ_PROBE = """
+import sys
+import pyarrow.fs as pafs
+try:
+    fs, path = pafs.FileSystem.from_uri(sys.argv[1])
+except Exception as e:
+    sys.exit("pyarrow cannot open it: " + str(e))
+fs.get_file_info(path)
+"""
+
+_ANSWERED: set[str] = set()  # the storages (scheme, bucket, options) that answered a probe here
+
+
+def check_reachable(uri: str | Path, timeout_s: float) -> None:
+    """Prove that the storage holding ``uri`` answers before this process reads from it. A local
+    path or ``file://`` URI: nothing to prove, returns at once (whether the file exists is for the
+    reader to say). A remote URI: a child process asks pyarrow for ``uri``'s file information
+    and is stopped after ``timeout_s`` seconds, as :func:`check_writable` does, so an unreachable
+    endpoint or bucket cannot block this process (a pyarrow call can block for minutes, deaf to
+    Ctrl-C); a storage (scheme, bucket and options) that answered once is not asked again.
+    Raises :class:`StorageError` naming ``uri`` and the cause (no answer within ``timeout_s``, a
+    scheme pyarrow cannot open, the storage's own error such as access denied)."""
+    if not is_remote(uri):
+        return
+    parsed = urlparse(str(uri))
+    key = f"{parsed.scheme}://{parsed.netloc}?{parsed.query}"
+    if key in _ANSWERED:
+        return
+    try:
+        out = subprocess.run([sys.executable, "-c", _REMOTE_READ_PROBE, str(uri)],
+                             capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise StorageError(uri, f"no answer from its storage within {timeout_s:g} s "
+                                "(unreachable endpoint or bucket, or missing credentials?)") from None
+    if out.returncode:
+        last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+        raise StorageError(uri, last if last.startswith("pyarrow cannot") else f"cannot read it: {last}")
+    _ANSWERED.add(key)
+
+
+def probe_location(setting: str, uri: str | Path, timeout_s: float,
+                   timeout_setting: str = "job.storage_timeout_s") -> None:
+    """The one probe before reading a location a user named (``setting``: where it came from,
+    such as ``checkpoint.initial_load_hf``): :func:`check_reachable` within ``timeout_s`` seconds.
+    Raises :class:`~ray_titan.config.schema.ConfigError` naming the setting, the location and the
+    cause, and ``timeout_setting``, the setting that gives the wait."""
+    from ray_titan.config.schema import ConfigError
+
+    try:
+        check_reachable(uri, timeout_s)
+    except StorageError as e:
+        raise ConfigError(
+            f"{setting} = {str(uri)!r}: {e.cause}; use a local path or a URI of a filesystem pyarrow supports "
+            f"that is reachable from here, with credentials in the environment ({timeout_setting} = {timeout_s:g} s "
+            "is the wait)"
+        ) from None
+
+
+@contextlib.contextmanager
+def staged_output(uri: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S, last: tuple[str, ...] = ()) -> Iterator[str]:
+    """Write the directory ``uri`` whole: the block writes into the local directory this yields,
+    which becomes ``uri`` only when the block ends without an exception; an exception (Ctrl-C
+    included) removes it and leaves ``uri`` as it was, so no reader sees a half-written directory.
+
+    A local ``uri``: the staging directory is ``.<name>.partial-<random>`` beside it (the same
+    filesystem), renamed into place at the end. A remote one: probed first (:func:`check_writable`
+    within ``timeout_s`` seconds), staged in the local temporary directory and uploaded at the
+    end, the files named in ``last`` after all others (the file whose presence marks the directory
+    complete, such as a model's ``config.json``); a failed upload removes what it sent.
+    Raises :class:`StorageError` naming ``uri`` before the block runs when it exists and is not an
+    empty directory (nothing is overwritten), cannot be created, or does not answer."""
+    local = local_path(uri)
+    if local is not None:
+        if local.exists() and (not local.is_dir() or any(local.iterdir())):
+            raise StorageError(local, "already exists and is not an empty directory; remove it or choose another")
+        try:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            staging = local.parent / f".{local.name}.partial-{uuid.uuid4().hex[:8]}"
+            staging.mkdir()
+        except OSError as e:
+            raise StorageError(local, f"cannot create it: {e.strerror or e}") from None
+        try:
+            yield str(staging)
+            if local.exists():
+                local.rmdir()  # the empty directory it replaces
+            os.rename(staging, local)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return
+    check_writable(uri, timeout_s)
+    fs, path = resolve(uri)
+    root = path.rstrip("/")
+    if fs.get_file_info(pafs.FileSelector(root, allow_not_found=True, recursive=False)):
+        raise StorageError(uri, "already exists and is not empty; remove it or choose another")
+    staging = Path(tempfile.mkdtemp(prefix="ray_titan_output-"))
+    sent: list[str] = []
+    try:
+        yield str(staging)
+        files = sorted((p for p in staging.rglob("*") if p.is_file()), key=lambda p: (p.name in last, str(p)))
+        for p in files:
+            target = f"{root}/{p.relative_to(staging).as_posix()}"
+            fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+            pafs.copy_files(str(p), target, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+            sent.append(target)
+    except BaseException:
+        for target in sent:
+            with contextlib.suppress(Exception):
+                fs.delete_file(target)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def staging_dir(uri: str) -> Path:

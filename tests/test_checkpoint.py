@@ -188,8 +188,8 @@ def test_metadata_that_points_outside_the_checkpoint_is_refused(saved, tmp_path,
     metadata.storage_data[index].relative_path = "../../../etc/passwd"
     _craft_metadata(ckpt, pickle.dumps(metadata, protocol=4))
     cfg = _cfg(tmp_path / "run", corpus_cache, f"--checkpoint.load_path={ckpt}")
-    with pytest.raises(ConfigError, match=r"\.metadata points .* to '\.\./\.\./\.\./etc/passwd', which the manifest "
-                                          r"does not list; not a checkpoint this ray_titan wrote"):
+    with pytest.raises(ConfigError, match=r"\.metadata points .* to '\.\./\.\./\.\./etc/passwd', a path with '\.\.' "
+                                          r"\(outside the checkpoint\); not a checkpoint this ray_titan wrote"):
         validate_job(cfg)
 
 
@@ -257,7 +257,8 @@ def test_an_update_that_makes_weights_nonfinite_stops_or_is_undone(tmp_path, cor
     cfg = _cfg(tmp_path / "skip", corpus_cache, "--optimizer.lr=1e300", "--lr_scheduler.warmup_steps=0",
                "--training.on_nonfinite=skip")
     losses, skipped, _, summary = _train(tmp_path / "skip", cfg)
-    assert skipped == [True] * 4 and summary["skipped_steps"] == 4
+    # No update applied: RunResult.no_update_applied, `ray-titan train` exits 1 (issue 33, probe 8).
+    assert skipped == [True] * 4 and summary["skipped_steps"] == 4 and summary["steps_run"] == 4
     assert losses[0] == good_losses[0] and all(math.isfinite(x) for x in losses)
     # Every update was undone: the weights stay the initial ones, and the checkpoints hold them.
     ckpt = find_latest(tmp_path / "skip" / "checkpoints")
@@ -306,3 +307,255 @@ def test_nonfinite_weights_are_never_saved_or_loaded(saved, tmp_path):
     cfg = _cfg(tmp_path / "run", str(cfg.data.cache_dir), f"--checkpoint.load_path={damaged}")
     with pytest.raises(CheckpointError, match=f"checkpoint {damaged} holds non-finite model weights"):
         _train(tmp_path / "run", cfg, save=False)
+
+
+def _tiny_checkpointer(tmp_path, rank=0):
+    """A Checkpointer of a one-layer model saving to ``tmp_path / "checkpoints"``, no Ray."""
+    import torch
+    from torch import nn
+
+    from ray_titan.checkpoint import Checkpointer
+    from ray_titan.metrics.report import Reporter
+
+    cfg = _cfg(tmp_path, str(tmp_path / "cache"))
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = type("Position", (), {"state_dict": lambda self: {"epoch": 0, "doc_pos": 0, "offset": 0}})()
+    storage = LocalCheckpointStorage(tmp_path / "checkpoints", 0)
+    return Checkpointer(cfg, rank, [model], opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0), loader,
+                        Reporter(), storage, 258, torch.device("cpu"))
+
+
+def _disk_full(monkeypatch, free=4096):
+    """Writing a checkpoint file fails as torch's zip writer fails on a full disk: a RuntimeError
+    ("unexpected pos") whose context is the OSError ENOSPC; the filesystem has ``free`` bytes."""
+    import errno
+    import shutil as _shutil
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def write_data(self, plan, planner):
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904
+
+    real = _shutil.disk_usage
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+    monkeypatch.setattr(_shutil, "disk_usage", lambda p: real(p)._replace(free=free))
+
+
+def test_a_full_disk_gives_the_documented_message_and_removes_the_files(tmp_path, monkeypatch):
+    """DCP raises its CheckpointException (a BaseException, not an Exception) for a failed write;
+    the save removes this rank's files and says the documented message (issue 33, probe 6)."""
+    import shutil as _shutil
+
+    _disk_full(monkeypatch)
+    write_dir = tmp_path / "checkpoints" / "step-00000003"
+    real = _shutil.disk_usage  # the half-written files hold the space until they are removed
+    monkeypatch.setattr(_shutil, "disk_usage", lambda p: real(p)._replace(free=0 if write_dir.exists() else 8 << 20))
+    ckpt = _tiny_checkpointer(tmp_path)
+    with pytest.raises(CheckpointError) as e:
+        ckpt.save(3)
+    assert str(e.value) == (f"step 3: writing the checkpoint to {write_dir} failed: OSError: No space left on device "
+                            "(0.0 MiB free there; the filesystem is full)")
+    assert not write_dir.exists()
+
+
+def test_a_full_disk_on_another_rank_gives_every_rank_the_message(tmp_path, monkeypatch):
+    """What DCP hands a rank whose own write succeeded: rank 1's error, sent over the process
+    group (so without its context); the message names rank 1 and still measures the free space."""
+    from torch.distributed.checkpoint import CheckpointException
+    from torch.distributed.checkpoint.api import _wrap_exception
+
+    import ray_titan.checkpoint as checkpoint
+
+    def save(*args, **kwargs):
+        raise CheckpointException("write", {1: _wrap_exception(RuntimeError("unexpected pos 704 vs 598"))})
+
+    _disk_full(monkeypatch, free=0)
+    monkeypatch.setattr(checkpoint.dcp, "save", save)
+    with pytest.raises(CheckpointError, match=r"^step 3: writing the checkpoint to .* failed on rank 1: RuntimeError: "
+                                              r"unexpected pos 704 vs 598 \(0\.0 MiB free there; the filesystem is "
+                                              r"full\)$"):
+        _tiny_checkpointer(tmp_path).save(3)
+
+    def interrupted(*args, **kwargs):  # DCP wraps this rank's KeyboardInterrupt too: it must still stop the rank
+        raise CheckpointException("write", {0: _wrap_exception(KeyboardInterrupt())})
+
+    monkeypatch.setattr(checkpoint.dcp, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _tiny_checkpointer(tmp_path).save(4)
+    assert not (tmp_path / "checkpoints" / "step-00000004").exists()
+
+
+# -- issue 33: paths outside the checkpoint (probe 5) and export of a damaged one (probe 3) ---------
+
+def _touches(monkeypatch, target):
+    """Record every os.stat / open of a path under ``target`` (what would size or read it)."""
+    import builtins
+
+    seen = []
+    real_stat, real_open = os.stat, builtins.open
+
+    def stat(p, *args, **kwargs):
+        if str(target) in os.path.abspath(os.fspath(p)) if isinstance(p, (str, os.PathLike)) else False:
+            seen.append(("stat", str(p)))
+        return real_stat(p, *args, **kwargs)
+
+    def open_(p, *args, **kwargs):
+        if isinstance(p, (str, os.PathLike)) and str(target) in os.path.abspath(os.fspath(p)):
+            seen.append(("open", str(p)))
+        return real_open(p, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(io, "open", open_)
+    return seen
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("absolute", "an absolute path"),
+    ("dotdot", "a path with '..'"),
+    ("symlink", "a path through the symbolic link"),
+])
+def test_manifest_names_outside_the_checkpoint_are_refused_before_they_are_touched(
+        saved, tmp_path, monkeypatch, kind, why):
+    run_dir, _, _ = saved
+    ckpt = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
+    secret = tmp_path / "outside" / "secret"
+    secret.parent.mkdir()
+    secret.write_bytes(b"not yours\n")
+    if kind == "absolute":
+        name = str(secret)
+    elif kind == "dotdot":
+        name = os.path.relpath(secret, ckpt)
+    else:
+        (ckpt / "reports" / "link").symlink_to(secret.parent)
+        name = "reports/link/secret"
+    m = json.loads((ckpt / MANIFEST).read_text())
+    m["files"][name] = {"bytes": secret.stat().st_size, "crc32": zlib.crc32(secret.read_bytes())}  # true size, CRC
+    (ckpt / MANIFEST).write_text(json.dumps(m))
+    touched = _touches(monkeypatch, secret)
+    with pytest.raises(CheckpointError, match=rf"checkpoint {ckpt}: {MANIFEST} lists '{name}', {why}"):
+        read_manifest(ckpt, verify_checksums=True)
+    with pytest.raises(CheckpointError, match=why):
+        resolve_checkpoint(ckpt)
+    assert touched == []
+
+
+def test_metadata_storage_paths_outside_the_checkpoint_are_refused_before_they_are_opened(
+        saved, tmp_path, monkeypatch):
+    """A manifest that lists the escaping name too (what check_metadata trusted before): both
+    pre-flight's check and the reader every DCP load goes through refuse it."""
+    from ray_titan.checkpoint import SafeFileSystemReader, check_metadata, load_metadata
+
+    run_dir, _, _ = saved
+    ckpt = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
+    shard = ckpt / "__0_0.distcp"
+    secret = tmp_path / "outside" / "__0_0.distcp"
+    secret.parent.mkdir()
+    shutil.copy(shard, secret)
+    name = os.path.relpath(secret, ckpt)
+    metadata = load_metadata(ckpt)
+    for info in metadata.storage_data.values():
+        info.relative_path = name
+    _craft_metadata(ckpt, pickle.dumps(metadata, protocol=4))
+    files = json.loads((ckpt / MANIFEST).read_text())["files"] | {name: {"bytes": secret.stat().st_size, "crc32": 0}}
+    touched = _touches(monkeypatch, secret)
+    with pytest.raises(CheckpointError, match=rf"\.metadata points '.*' to '{name}', a path with '\.\.' "
+                                              r"\(outside the checkpoint\)"):
+        check_metadata(load_metadata(ckpt), ckpt, files)
+    with pytest.raises(CheckpointError, match=rf"\.metadata points '.*' to '{name}', a path with '\.\.'"):
+        SafeFileSystemReader(str(ckpt)).read_metadata()
+    assert touched == []
+
+
+def _export(ckpt, out, *extra):
+    from ray_titan.cli import main
+
+    return main(["export", str(ckpt), "--to", "hf", str(out), "--dtype", "fp32", *extra])
+
+
+def test_export_of_a_checkpoint_that_fails_its_crc_is_refused(saved, tmp_path, capsys):
+    run_dir, _, _ = saved
+    ckpt = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
+    shard = ckpt / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert _export(ckpt, tmp_path / "out") == 2
+    assert f"ray-titan export: checkpoint {ckpt} is corrupt: __0_0.distcp fails its CRC-32 check" \
+        in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoints"]  # no OUT_DIR, no staging left
+
+
+def _poison(ckpt, key, nbytes=8):
+    """``nbytes`` of 0xFF (NaN in fp32) into tensor ``key``'s data, the manifest's CRC-32
+    recomputed: only a finiteness check sees it."""
+    from ray_titan.checkpoint import load_metadata
+
+    info = next(v for k, v in load_metadata(ckpt).storage_data.items() if k.fqn == key)
+    shard = ckpt / info.relative_path
+    data = bytearray(shard.read_bytes())
+    blob = bytes(data[info.offset:info.offset + info.length])
+    raw = torch_load_bytes(blob)
+    at = info.offset + blob.index(raw) + len(raw) // 2
+    data[at:at + nbytes] = b"\xff" * nbytes
+    shard.write_bytes(bytes(data))
+    m = json.loads((ckpt / MANIFEST).read_text())
+    m["files"][info.relative_path]["crc32"] = zlib.crc32(bytes(data))
+    (ckpt / MANIFEST).write_text(json.dumps(m))
+
+
+def torch_load_bytes(blob):
+    import torch
+
+    return torch.load(io.BytesIO(blob), weights_only=True).numpy().tobytes()
+
+
+@pytest.mark.parametrize("key, hf_key, shard_gib", [
+    ("model.tok_embeddings.weight", "model.embed_tokens.weight", 5.0),  # the first shard
+    ("model.output.weight", "lm_head.weight", 2e-5),  # a later shard of several
+])
+def test_export_of_nonfinite_weights_is_refused_naming_the_tensor(saved, tmp_path, capsys, key, hf_key, shard_gib):
+    run_dir, _, _ = saved
+    ckpt = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
+    _poison(ckpt, key)
+    read_manifest(ckpt, verify_checksums=True)  # the CRC-32s match: only finiteness tells
+    assert _export(ckpt, tmp_path / "out", f"--max-shard-size={shard_gib}") == 2
+    assert (f"ray-titan export: checkpoint {ckpt} holds non-finite model weights: {key} (Hugging Face {hf_key}) "
+            "has NaN or infinite values; export an earlier checkpoint") in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoints"]  # no OUT_DIR, no staging left
+
+
+def test_export_takes_the_tokenizer_only_from_inside_the_checkpoint(saved, tmp_path, capsys):
+    """An older checkpoint (no hf/) whose manifest names a tokenizer elsewhere: nothing is copied
+    from there, and one line says the export has no tokenizer files. A checkpoint's own hf/
+    files (listed in its manifest) are copied."""
+    run_dir, _, _ = saved
+    ckpt = _copy(run_dir / "checkpoints" / "step-00000002", tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "tokenizer.json").write_text("not a tokenizer: must not be read")
+    (elsewhere / "tokenizer_config.json").write_text("{}")
+    m = json.loads((ckpt / MANIFEST).read_text())
+    m["data"]["tokenizer"], m["tokenizer_path"] = "huggingface", str(elsewhere / "tokenizer.json")
+    (ckpt / MANIFEST).write_text(json.dumps(m))
+    assert _export(ckpt, tmp_path / "out") == 0
+    assert not any((tmp_path / "out" / n).exists() for n in ("tokenizer.json", "tokenizer_config.json"))
+    err = capsys.readouterr().err
+    assert f"ray-titan export: note: checkpoint {ckpt} was saved before checkpoints kept their tokenizer files: " \
+           "the export has no tokenizer files" in err
+
+    from tests.hf_models import write_tokenizer
+
+    write_tokenizer(ckpt / "hf")  # what a checkpoint keeps now: its tokenizer files in hf/
+    kept = {p.name: p.read_bytes() for p in (ckpt / "hf").iterdir()}
+    m["files"] |= {f"hf/{n}": {"bytes": len(d), "crc32": zlib.crc32(d)} for n, d in kept.items()}
+    (ckpt / MANIFEST).write_text(json.dumps(m))
+    assert _export(ckpt, tmp_path / "out2") == 0
+    assert {n: (tmp_path / "out2" / n).read_bytes() for n in kept} == kept
+    config = json.loads((tmp_path / "out2" / "config.json").read_text())
+    assert config["bos_token_id"] == config["eos_token_id"] == 0  # <|endoftext|>, from the kept files
+    assert "note" not in capsys.readouterr().err

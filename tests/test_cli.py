@@ -138,3 +138,103 @@ def test_a_signal_ends_the_driver_within_its_grace_period_whatever_it_waits_on(t
         assert proc.returncode == 128 + signals[0], err
         assert within[0] <= elapsed <= within[1], elapsed
         assert f"still stopping 1.5 s after {signals[0].name} (or signalled again): exiting now" in err
+
+
+@pytest.mark.parametrize("skipped, status, line", [
+    (3, 1, r"^ray_titan: no update was applied: 3 of 3 updates skipped \(training\.on_nonfinite = 'skip' dropped "
+           r"every one; the weights are those the run started from\); final loss 5\.538, metrics .*, no checkpoint"),
+    (1, 0, r"^ray_titan: done: final loss 5\.538 \(1 of 3 updates skipped\), metrics .*, no checkpoint was saved$"),
+    (0, 0, r"^ray_titan: done: final loss 5\.538, metrics .*, no checkpoint was saved$"),
+])
+def test_a_run_that_applied_no_update_exits_1_and_its_last_line_counts_the_skipped(
+        skipped, status, line, monkeypatch, capsys, tmp_path):
+    """Issue 33, probe 8: `--optimizer.lr=1e300 --training.on_nonfinite=skip` undid 3 of 3
+    updates and exited 0 with `done: final loss 5.5380`."""
+    import re
+
+    import pyarrow as pa
+
+    import ray_titan.driver as driver
+    from ray_titan.cli import main
+
+    def train(*args, **kwargs):
+        result = driver.RunResult(run_dir=tmp_path, steps=pa.table({}), final_loss=5.538, skipped_steps=skipped,
+                                  steps_run=3)
+        driver.say_outcome(result, "no checkpoint was saved")
+        return result
+
+    monkeypatch.setattr(driver, "train", train)
+    assert main(["train"]) == status
+    out = capsys.readouterr()
+    last = (out.err if status else out.out).strip().splitlines()[-1]
+    assert re.search(line, last), last
+
+
+def test_an_interrupted_or_failed_export_leaves_no_model_directory(tmp_path, monkeypatch, capsys):
+    """Issue 33, probe 2: an export stopped half-way left shards and an index, no config.json.
+    The export writes a staging directory beside OUT_DIR that becomes it only when complete."""
+    import ray_titan.hf as hf
+    from ray_titan.checkpoint import CheckpointError
+    from ray_titan.cli import main
+
+    def export_into(stop):
+        def run(checkpoint, out_dir, *args):
+            (tmp_path / "staging").write_text(out_dir)
+            with open(os.path.join(out_dir, "model-00001-of-00002.safetensors"), "wb") as f:
+                f.write(b"half")
+            raise stop
+        return run
+
+    out = tmp_path / "out"
+    for stop, status in ((KeyboardInterrupt(), 130), (CheckpointError("checkpoint c holds non-finite weights"), 2)):
+        monkeypatch.setattr(hf, "_export_into", export_into(stop))
+        assert main(["export", str(tmp_path / "ckpt"), "--to", "hf", str(out)]) == status
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["staging"]  # no OUT_DIR, no .out.partial-*
+        assert os.path.dirname((tmp_path / "staging").read_text()) == str(tmp_path)
+    assert "ray-titan export: interrupted (SIGINT)" in capsys.readouterr().err
+    (out / "keep").mkdir(parents=True)
+    assert main(["export", str(tmp_path / "ckpt"), "--to", "hf", str(out)]) == 2
+    assert f"{out}: already exists and is not an empty directory" in capsys.readouterr().err
+    assert (out / "keep").is_dir()
+
+
+def test_export_refuses_a_remote_out_dir_that_does_not_answer_within_its_timeout(tmp_path, capsys):
+    import time
+
+    from ray_titan.cli import main
+
+    out = "s3://bucket/model?endpoint_override=127.0.0.1:1&scheme=http"  # a closed port: the client retries ~15 s
+    started = time.monotonic()
+    assert main(["export", str(tmp_path / "ckpt"), "--to", "hf", out, "--storage-timeout", "1"]) == 2
+    assert time.monotonic() - started < 1 + 5
+    assert f"ray-titan export: {out}: no answer from its storage within 1 s" in capsys.readouterr().err
+
+
+def test_sigterm_stops_an_export_like_train_and_leaves_no_model_directory(tmp_path):
+    """Issue 33, probe 2: SIGINT did nothing for 90 s during an export. Every command now runs
+    under SignalGuard: SIGTERM ends it with 143 and the staging directory is removed."""
+    import signal
+    import time
+
+    code = (
+        "import os, sys, time\n"
+        "import ray_titan.hf as hf\n"
+        "from ray_titan.cli import main\n"
+        "def export_into(checkpoint, out_dir, *args):\n"
+        "    open(os.path.join(out_dir, 'model-00001-of-00002.safetensors'), 'wb').close()\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "hf._export_into = export_into\n"
+        "sys.exit(main(['export', sys.argv[1], '--to', 'hf', sys.argv[2]]))\n"
+    )
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "ckpt"), str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline() == "ready\n"
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    # At once, not through SignalGuard's forced exit 30 s later (a loaded machine: a margin).
+    assert proc.returncode == 143 and time.monotonic() - started < 20, (proc.returncode, err)
+    assert "ray-titan export: interrupted (SIGTERM)" in err and "still stopping" not in err
+    assert list(tmp_path.iterdir()) == []

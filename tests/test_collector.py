@@ -166,16 +166,22 @@ def _attempt(rep, start):
 def test_replayed_steps_replace_the_lost_ones_and_the_restart_is_marked(tmp_path):
     dims = ParallelDims(pp=1, dp_shard=2)
     c = _collector(tmp_path, dims, steps=6, flush_every_steps=1)
-    for step in (1, 2, 3):
-        c.report([_attempt(_report(step, r, dims, loss=1.0), 100.0) for r in range(2)])
+    def skipped(rep, skip):
+        rep["skipped_update"] = skip
+        return rep
+
+    for step in (1, 2, 3):  # step 3's update skipped in the first attempt, applied in the replay
+        c.report([skipped(_attempt(_report(step, r, dims, loss=1.0), 100.0), step == 3) for r in range(2)])
     c.report([_attempt(_report(4, 0, dims, loss=9.0), 100.0)])  # rank 1 died during step 4
     # The restarted group resumes from the checkpoint of step 2 and replays 3 and 4.
     for step in (3, 4, 5, 6):
-        answer = c.report([_attempt(_report(step, r, dims, loss=2.0), 200.0) for r in range(2)])
+        answer = c.report([skipped(_attempt(_report(step, r, dims, loss=2.0), 200.0), step == 5) for r in range(2)])
     c.report([_attempt(_report(2, 0, dims, loss=1.0), 100.0)])  # resent from the checkpoint: known
     assert answer["durable"] == {100.0: 3, 200.0: 6}
     summary = c.finish()
     assert summary["errors"] == [] and summary["restarts"] == 1 and summary["final_loss"] == 2.0
+    # Each step counts once, as its newest attempt ran it (RunResult.skipped_steps, steps_run).
+    assert summary["skipped_steps"] == 1 and summary["steps_run"] == 6
     t = read_steps(tmp_path)
     rows = list(zip(t["step"].to_pylist(), t["rank"].to_pylist(), t["attempt"].to_pylist(), t["loss"].to_pylist()))
     assert rows == [(s, r, int(s >= 3), 1.0 if s < 3 else 2.0) for s in range(1, 7) for r in range(2)]

@@ -210,6 +210,41 @@ def test_bad_callback_is_refused_before_workers(callback, message, monkeypatch):
         driver.train(cfg)
 
 
+def test_a_callback_target_is_imported_but_never_called_before_workers(tmp_path, capsys, monkeypatch):
+    """A config is code (issue 33, probe 7): `os:system` with a command once ran the command on
+    `config show --validate` and on the driver of `train`; now a target that is not a callback
+    class is refused without being called, and a callback class is imported, not instantiated."""
+    from ray_titan.cli import main
+
+    ran = tmp_path / "ran"
+    job = tmp_path / "job.toml"
+    job.write_text(f'[[callbacks]]\ntarget = "os:system"\nkwargs = {{ command = "touch {ran}" }}\n')
+    monkeypatch.setattr(driver, "_connect", lambda cfg: pytest.fail("connected to Ray"))
+    assert main(["config", "show", "--validate", str(job), f"--job.dump_folder={tmp_path}"]) == 2
+    assert re.search(r"callbacks\[0\]\.target = 'os:system': .* is a builtin_function_or_method, not a class "
+                     r"\(it is not called\): give a class .*defining at least one of on_train_start",
+                     capsys.readouterr().err)
+    with pytest.raises(ConfigError, match=r"callbacks\[0\]\.target = 'os:system'"):
+        driver.train(load_config(job, [f"--job.dump_folder={tmp_path}"]))
+    assert not ran.exists()
+    job.write_text(f'[[callbacks]]\ntarget = "subprocess:Popen"\nkwargs = {{ args = ["touch", "{ran}"] }}\n')
+    assert main(["config", "show", "--validate", str(job), f"--job.dump_folder={tmp_path}"]) == 2
+    assert "is a class with no callback event (it is not called)" in capsys.readouterr().err and not ran.exists()
+    job.write_text(f'[[callbacks]]\ntarget = "tests.test_config:Recorder"\nkwargs = {{ path = "{ran}" }}\n')
+    assert main(["config", "show", "--validate", str(job), f"--job.dump_folder={tmp_path}"]) == 0
+    assert not ran.exists()  # validated, not instantiated: only the workers do that
+
+
+class Recorder:
+    """A callback whose construction leaves a file."""
+
+    def __init__(self, path: str):
+        open(path, "w").close()
+
+    def on_train_start(self, ctx) -> None:
+        pass
+
+
 def test_callbacks_and_memory_sections_load_from_toml(tmp_path):
     (tmp_path / "c.toml").write_text(
         '[memory]\non_leak = "stop"\nsnapshot_steps = [3]\n'

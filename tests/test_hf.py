@@ -8,15 +8,21 @@ before any worker starts, naming the file and the problem.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import resource
 import shutil
+import signal
+import struct
+import time
+import tracemalloc
 
 import pytest
 import torch
 
 from ray_titan.config import ConfigError, load_config
-from ray_titan.hf import check_hf_checkpoint, load_hf_weights, resolve_hf_job
+from ray_titan.hf import HFCheckpointError, check_hf_checkpoint, load_hf_weights, resolve_hf_job
 from ray_titan.models.decoder import count_parameters
 from ray_titan.models.registry import build_model, get_model_args
 from ray_titan.models.rope import inv_frequencies, softmax_scale_factor
@@ -273,6 +279,115 @@ def test_bad_hf_directory_is_refused(llama_copy, tmp_path, damage, message):
         (llama_copy / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match=rf"checkpoint\.initial_load_hf = '{llama_copy}': .*{message}"):
         validate_job(_job(tmp_path, llama_copy))
+
+
+@contextlib.contextmanager
+def _deadline(seconds):
+    """Raise TimeoutError in the test after ``seconds``: without the bounds, a config.json size
+    of 1e9 builds Python lists for minutes (and GBs) instead of failing."""
+    def stop(*_):
+        raise TimeoutError(f"no refusal within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _refused_fast(call, match):
+    """``call()`` raises HFCheckpointError matching ``match`` within a second and a few MB."""
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with _deadline(10), pytest.raises(HFCheckpointError, match=match):
+            call()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - t0 < 2.0 and peak < 10 * 2**20
+
+
+@pytest.mark.parametrize("family, change, message", [
+    # the probes: the rotary permutation of 1e9 rows; 1e8 layers built on meta
+    ("llama", {"hidden_size": 1e9, "head_dim": None}, r"hidden_size = 1000000000\.0 is not valid; valid: an "
+                                                      r"integer from 1 to 65536"),
+    ("llama", {"num_hidden_layers": 1e8}, r"num_hidden_layers = 100000000\.0 is not valid; valid: an integer from 1 "
+                                          r"to 256"),
+    ("llama", {"num_hidden_layers": 200}, r"num_hidden_layers = 200 but .*model\.safetensors holds 2 layers "
+                                           r"\(model\.layers\.N\); valid: at most 2"),
+    ("llama", {"vocab_size": 10**6}, r"vocab_size = 1000000 but .*model\.safetensors holds 320 rows of "
+                                     r"model\.embed_tokens\.weight; valid: at most 320"),
+    ("llama", {"num_attention_heads": True}, r"num_attention_heads = True is not valid"),
+    ("llama", {"intermediate_size": 96.5}, r"intermediate_size = 96\.5 is not valid"),
+    ("llama", {"max_position_embeddings": "512"}, r"max_position_embeddings = '512' is not valid"),
+    ("llama", {"num_key_value_heads": 0}, r"num_key_value_heads = 0 is not valid; valid: an integer from 1"),
+    ("llama", {"num_key_value_heads": 3}, r"num_attention_heads = 4 is not a multiple of num_key_value_heads = 3"),
+    ("llama", {"hidden_size": 66, "head_dim": None}, r"hidden_size = 66 is not divisible by num_attention_heads = 4"),
+    ("llama", {"num_attention_heads": 1024, "num_key_value_heads": 1, "head_dim": 1024},
+     r"num_attention_heads × head_dim = 1024 × 1024 exceeds 65536"),
+    ("qwen3", {"head_dim": 10**9}, r"head_dim = 1000000000 is not valid; valid: an integer from 2 to 1024"),
+    ("qwen3", {"head_dim": 31}, r"the head size is 31 .*valid: an even size"),
+    ("deepseek_v2", {"n_routed_experts": 1e9}, r"n_routed_experts = 1000000000\.0 is not valid"),
+    ("deepseek_v2", {"n_routed_experts": 4000}, r"n_routed_experts = 4000 but .*model\.safetensors holds 8 routed "
+                                                r"experts"),
+    ("deepseek_v2", {"num_experts_per_tok": 9}, r"num_experts_per_tok = 9 exceeds n_routed_experts = 8"),
+    ("deepseek_v2", {"first_k_dense_replace": 4}, r"first_k_dense_replace = 4 exceeds num_hidden_layers = 3"),
+    ("deepseek_v2", {"kv_lora_rank": -16}, r"kv_lora_rank = -16 is not valid"),
+    ("deepseek_v2", {"qk_rope_head_dim": 7}, r"qk_rope_head_dim = 7 is odd"),
+    ("deepseek_v2", {"rope_parameters.original_max_position_embeddings": 1e12},
+     r"rope_parameters\.original_max_position_embeddings = 1000000000000\.0 is not valid"),
+])
+def test_config_json_sizes_are_bounded(hf_dirs, tmp_path, family, change, message):
+    """Every size field of config.json is an integer within SIZE_FIELDS and, for the layers,
+    experts and embedding, within what the safetensors headers hold: refused at once, naming
+    the file, the field and the value, before anything is sized by it."""
+    path = tmp_path / family
+    shutil.copytree(hf_dirs[family][0], path)
+    config = json.loads((path / "config.json").read_text())
+    for key, value in change.items():
+        *outer, field = key.split(".")
+        target = config[outer[0]] if outer else config
+        if value is None:
+            target.pop(field, None)
+        else:
+            target[field] = value
+    (path / "config.json").write_text(json.dumps(config))
+    _refused_fast(lambda: check_hf_checkpoint(str(path)), rf"{path}/config\.json: .*{message}")
+
+
+def test_huge_hidden_size_is_a_config_error_at_once(llama_copy, tmp_path):
+    """The probe's path: checkpoint.initial_load_hf to a config.json with hidden_size = 1e9 and
+    no head_dim (6 GB of RSS in 19 s before the bounds) is a ConfigError when the job loads."""
+    config = json.loads((llama_copy / "config.json").read_text())
+    config.pop("head_dim", None)
+    (llama_copy / "config.json").write_text(json.dumps({**config, "hidden_size": 1e9}))
+    t0 = time.perf_counter()
+    with _deadline(10), pytest.raises(ConfigError, match=rf"checkpoint\.initial_load_hf = '{llama_copy}': "
+                                                        rf"{llama_copy}/config\.json: .*hidden_size = 1000000000\.0"):
+        _job(tmp_path, llama_copy)
+    assert time.perf_counter() - t0 < 2.0
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.safetensors.index.json"])
+def test_oversized_safetensors_header_is_not_read(llama_copy, name):
+    """A sparse 1 GiB file whose header length claims all of it (before the cap: read whole,
+    then a JSONDecodeError) and an index of 1 GiB are refused from their size, naming the file."""
+    big = llama_copy / name
+    with open(big, "wb") as f:
+        f.write(struct.pack("<Q", 2**30 - 8))
+        f.truncate(2**30)
+    match = (rf"{big} is not a readable safetensors file: ValueError: header length 1073741816 exceeds "
+             r"100000000 bytes" if name == "model.safetensors" else
+             rf"{big} is unreadable: ValueError: 1073741824 bytes; valid: at most 100000000")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    with _deadline(10), pytest.raises(HFCheckpointError, match=match):
+        check_hf_checkpoint(str(llama_copy))
+    assert time.perf_counter() - t0 < 2.0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50 * 1024  # KiB
 
 
 def test_tokenizer_that_does_not_fit_is_refused(llama_copy, tmp_path):

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ray_titan.checkpoint import LocalCheckpointStorage, find_latest
+from ray_titan.checkpoint import LocalCheckpointStorage, find_latest, read_manifest
 from ray_titan.config import load_config, merge_overrides
 from ray_titan.hf import check_hf_checkpoint, export_hf, load_hf_weights, resolve_hf_job
 from ray_titan.metrics.collector import MetricsCollector
@@ -128,6 +128,11 @@ def test_finetune_trains_and_its_export_loads_in_transformers(finetune, tmp_path
     assert config["model_type"] == "qwen3" and config["tie_word_embeddings"] is True
     assert "lm_head.weight" not in index["weight_map"]  # tied: the embedding once
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+    # ... copied from the checkpoint, which keeps them and the imported config.json (issue 33)
+    manifest = read_manifest(find_latest(run_dir / "checkpoints"))
+    assert {"hf/tokenizer.json", "hf/tokenizer_config.json", "hf/config.json"} <= set(manifest["files"])
+    assert (out / "tokenizer.json").read_bytes() == (find_latest(run_dir / "checkpoints") / "hf" /
+                                                      "tokenizer.json").read_bytes()
     # Export -> import is bitwise the trained weights; transformers computes the same logits.
     mine = _ray_titan_load(out)
     trained = _dcp_model_state(find_latest(run_dir / "checkpoints"), mine)

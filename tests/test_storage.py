@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +27,7 @@ def test_local_paths_and_file_uris_are_local(tmp_path):
             and not storage.is_remote("rel/x"))
     assert storage.join("s3://bucket/runs/", "a", "b.parquet") == "s3://bucket/runs/a/b.parquet"
     assert storage.join(f"file://{tmp_path}", "a") == str(tmp_path / "a")
+    assert storage.join("s3://b/m?endpoint_override=h:1", "config.json") == "s3://b/m/config.json?endpoint_override=h:1"
 
 
 def test_write_read_and_makedirs_through_pyarrow(tmp_path):
@@ -107,7 +110,11 @@ def test_read_steps_from_a_uri(tmp_path, monkeypatch):
      r"job.dump_folder = 'gs://ray-titan-unreachable/runs': no answer from its storage within 2 s"),
     (['--job.dump_folder="s3://bucket/runs?endpoint_override=127.0.0.1:1&scheme=http"', "--job.storage_timeout_s=2"],
      r"no answer from its storage within 2 s \(unreachable endpoint or bucket"),
-    (["--job.dump_folder=/proc/ray_titan_runs"], r"dump_folder = '/proc/ray_titan_runs': cannot create it: No such"),
+    # procfs answers "No such file or directory" to any new name: say what refused it.
+    (["--job.dump_folder=/proc/ray_titan_runs"],
+     r"dump_folder = '/proc/ray_titan_runs': cannot create it: it is on a proc filesystem, which takes no new files"),
+    (["--job.dump_folder=/proc"],
+     r"dump_folder = '/proc': cannot write there: it is on a proc filesystem, which takes no new files \(a kernel"),
     (["--job.dump_folder=/dev/null"], r"job.dump_folder = '/dev/null': cannot write there: Not a directory"),
 ])
 def test_unusable_dump_folder_is_refused_before_workers(overrides, message, monkeypatch):
@@ -143,3 +150,126 @@ def test_rank_reports_need_a_local_dump_folder(monkeypatch):
     cfg = load_config(None, ['--job.dump_folder="s3://bucket/runs"', "--metrics.save_rank_reports=true"])
     with pytest.raises(ConfigError, match=r"metrics.save_rank_reports = true writes local files .* is remote"):
         validate_job(cfg)
+
+
+# An S3 endpoint on a closed local port: pyarrow's client retries for ~15 s, so without the probe's
+# deadline each of these blocks (a gs:// bucket without network blocked for minutes, deaf to Ctrl-C).
+_UNREACHABLE = "s3://bucket/{}?endpoint_override=127.0.0.1:1&scheme=http"
+
+
+@pytest.mark.parametrize("setting, overrides", [
+    ("checkpoint.initial_load_hf", []),
+    ("checkpoint.load_path", []),
+    ("data.path", ["--data.source=parquet"]),
+    ("data.tokenizer_path", ["--data.tokenizer=huggingface"]),
+    ("validation.path", ["--validation.enable=true", "--validation.source=parquet"]),
+])
+def test_an_unreachable_location_is_refused_within_the_storage_timeout(setting, overrides, monkeypatch):
+    """Every location a job reads goes through the one probe (storage.probe_location): a child
+    process stopped at job.storage_timeout_s, and an error naming the setting and the location."""
+    monkeypatch.setattr(driver, "_connect", lambda cfg: pytest.fail("the driver started Ray for an invalid config"))
+    uri = _UNREACHABLE.format("x") if setting != "checkpoint.initial_load_hf" else "gs://ray-titan-unreachable/model"
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"^{setting} = '{re.escape(uri)}': no answer from its storage within 1 s "
+                       r".*\(job.storage_timeout_s = 1 s is the wait\)"):
+        driver.train(load_config(None, [f'--{setting}="{uri}"', "--job.storage_timeout_s=1", *overrides]))
+    assert time.monotonic() - started < 1 + 8  # the deadline, a child's start and the driver's imports
+
+
+def test_local_locations_are_not_probed_in_a_child(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage.subprocess, "run", lambda *a, **k: pytest.fail("a child process for a local path"))
+    storage.check_reachable(tmp_path / "model", 1)
+    storage.check_reachable(f"file://{tmp_path}/model", 1)
+
+
+def test_a_storage_that_answered_is_not_probed_again(monkeypatch):
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append(cmd[-1])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(storage, "_ANSWERED", set())
+    monkeypatch.setattr(storage.subprocess, "run", run)
+    storage.check_reachable("s3://bucket/model/config.json", 5)
+    storage.check_reachable("s3://bucket/model/tokenizer.json", 5)
+    storage.check_reachable("s3://other/model", 5)
+    assert calls == ["s3://bucket/model/config.json", "s3://other/model"]
+
+
+def test_staged_output_uploads_a_remote_directory_whole_with_the_marker_last(tmp_path, monkeypatch):
+    """A remote directory is staged locally and uploaded at the end, config.json last; a failure
+    inside the block uploads nothing and leaves no staging behind. The 'remote' is a local dir."""
+    remote = tmp_path / "bucket"
+    monkeypatch.setattr(storage, "check_writable", lambda uri, timeout_s: None)
+    monkeypatch.setattr(storage, "resolve", lambda uri: (storage.pafs.LocalFileSystem(), str(remote / "out")))
+    sent = []
+    copy = storage.pafs.copy_files
+    monkeypatch.setattr(storage.pafs, "copy_files", lambda src, dst, **kw: (sent.append(dst), copy(src, dst, **kw)))
+    with pytest.raises(KeyboardInterrupt):
+        with storage.staged_output("mem://bucket/out", last=("config.json",)) as staging:
+            (Path(staging) / "a.safetensors").write_bytes(b"x")
+            raise KeyboardInterrupt
+    assert sent == [] and not Path(staging).exists()
+    with storage.staged_output("mem://bucket/out", last=("config.json",)) as staging:
+        for name in ("config.json", "b.safetensors", "a.safetensors"):
+            (Path(staging) / name).write_text(name)
+    assert [s.rsplit("/", 1)[-1] for s in sent] == ["a.safetensors", "b.safetensors", "config.json"]
+    assert (remote / "out" / "config.json").read_text() == "config.json" and not Path(staging).exists()
+    with pytest.raises(storage.StorageError, match="already exists and is not empty"):
+        with storage.staged_output("mem://bucket/out"):
+            pass
+
+
+def test_staged_output_replaces_an_empty_directory_and_refuses_a_full_one(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with storage.staged_output(out) as staging:
+        assert Path(staging).parent == tmp_path and Path(staging).name.startswith(".out.partial-")
+        (Path(staging) / "config.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (out / "config.json").is_file()
+    with pytest.raises(storage.StorageError, match=r"out: already exists and is not an empty directory"):
+        with storage.staged_output(out):
+            pytest.fail("the block ran")
+    with pytest.raises(RuntimeError):
+        with storage.staged_output(tmp_path / "deep" / "other") as staging:
+            (Path(staging) / "x").write_text("x")
+            raise RuntimeError("a damaged tensor at the last shard")
+    assert sorted(p.name for p in (tmp_path / "deep").iterdir()) == []
+
+
+def test_sigterm_while_a_location_is_probed_ends_train_at_once(tmp_path):
+    """Issue 33, probe 1: SIGTERM to a driver blocked reading an unreachable initial_load_hf went
+    through the forced exit 30 s later, naming a run directory that did not exist yet. The probe
+    runs in a child process: the driver acts on the signal at once and says what was made."""
+    import os
+    import signal
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ray_titan", "train", "--checkpoint.initial_load_hf=gs://ray-titan-unreachable/model",
+         "--job.storage_timeout_s=120", f"--job.dump_folder={tmp_path}"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    def probing() -> bool:  # the probe's child process has started
+        for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+            try:
+                if b"get_file_info" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return True
+            except OSError:
+                pass
+        return False
+
+    deadline = time.monotonic() + 120
+    while not probing():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no probe in a child process within 120 s: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.2)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and time.monotonic() - started < 15, (proc.returncode, err)
+    assert "ray_titan: interrupted (SIGTERM); no run directory was made yet" in err and "still stopping" not in err
+    assert list(tmp_path.iterdir()) == []

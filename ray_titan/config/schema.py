@@ -49,8 +49,12 @@ class Job(_Section):
     description: str = ""
     """Free text kept with the run (``config.json``); not used by training."""
     storage_timeout_s: float = Field(30.0, gt=0)
-    """Seconds pre-flight waits for ``dump_folder``'s storage to take a probe file (written and
-    removed before any worker starts); an unreachable bucket or endpoint is refused after this."""
+    """Seconds pre-flight waits for the storage of each location the job names to answer, before
+    any worker starts: ``dump_folder`` takes a probe file (written and removed); a remote
+    ``checkpoint.initial_load_hf``, ``checkpoint.load_path``, ``data.path``, ``data.sources``' paths,
+    ``data.tokenizer_path`` and ``validation.path`` are asked for one file's information
+    (``ray_titan.storage.probe_location``). An unreachable bucket or endpoint is refused after this,
+    naming the setting."""
 
 
 class Model(_Section):
@@ -496,8 +500,10 @@ class Callback(_Section):
     """One worker-side callback (a ``[[callbacks]]`` table)."""
 
     target: str
-    """``"package.module:name"``: a :class:`ray_titan.callbacks.Callback` subclass or a factory,
-    importable on every worker."""
+    """``"package.module:name"``: a class defining at least one callback event (e.g. a
+    :class:`ray_titan.callbacks.Callback` subclass), importable on every worker. The driver imports
+    it (running the module's code) without calling it; every worker imports and instantiates it:
+    a config is code, treat it like a script."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments it is called with."""
 

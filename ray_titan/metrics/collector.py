@@ -300,9 +300,11 @@ class MetricsCollector:
         (``shown_step``: as for :meth:`drain_lines`).
 
         Returns ``{"steps": n, "last_step", "final_loss", "errors": [...], "lines": [...],
-        "steps_path", "skipped_steps", "restarts", "memory_verdicts", "memory_breakdown"}``
-        (``restarts``: worker-group restarts seen in the table; ``memory_breakdown``: ``{rank:
-        breakdown}``). Idempotent.
+        "steps_path", "skipped_steps", "steps_run", "restarts", "memory_verdicts", "memory_breakdown"}``
+        (``steps_run``: the distinct steps in the table, each one optimizer update;
+        ``skipped_steps``: those whose update was dropped, by their newest attempt; ``restarts``:
+        worker-group restarts seen in the table; ``memory_breakdown``: ``{rank: breakdown}``).
+        Idempotent.
         """
         if not self._closed:
             for step in sorted(self._pending):
@@ -311,7 +313,7 @@ class MetricsCollector:
             self._pending.clear()
             for rank, n in sorted(self.dropped.items()):
                 self._error(f"rank {rank} dropped {n} report(s): the collector was too slow")
-            self._skipped_steps = self._restarts = 0
+            self._skipped_steps = self._restarts = self._steps_run = 0
             try:
                 steps_path: Path = self.parquet.close()
                 self._check_complete(steps_path)
@@ -352,6 +354,7 @@ class MetricsCollector:
             "memory_breakdown": dict(sorted(self.breakdowns.items())),
             "stop": self.stop_reason,
             "skipped_steps": self._skipped_steps,
+            "steps_run": self._steps_run,
             "restarts": self._restarts,
             "collector_restarted": self.restarted,
             "stop_reason": next((e[len(_STOPPED):] for e in self.errors if e.startswith(_STOPPED)), None),
@@ -424,7 +427,9 @@ class MetricsCollector:
         import pyarrow.parquet as pq
 
         t = pq.read_table(steps_path, columns=["step", "rank", "skipped_update", "attempt", "world_size"])
+        # One row per step and rank, the newest attempt's: a step a restart ran again counts once.
         self._skipped_steps = len({s for s, k in zip(t["step"].to_pylist(), t["skipped_update"].to_pylist()) if k})
+        self._steps_run = len(set(t["step"].to_pylist()))
         self._restarts = max(t["attempt"].to_pylist(), default=0)
         if t.num_rows == 0:
             return

@@ -19,7 +19,8 @@ from typing import Any
 
 from ray_titan.models.rope import RopeScaling
 
-__all__ = ["HFConfigError", "Source", "StateDictAdapter", "required", "rope_from_hf", "rope_to_hf", "rotary_rows"]
+__all__ = ["SIZE_FIELDS", "HFConfigError", "Source", "StateDictAdapter", "required", "rope_from_hf", "rope_to_hf",
+           "rotary_rows", "size_field"]
 
 
 class HFConfigError(ValueError):
@@ -63,6 +64,78 @@ def required(config: dict[str, Any], name: str) -> Any:
     return config[name]
 
 
+# Bounds of the config.json fields that size the model. Each maximum is far above the largest
+# released model (so no real checkpoint is refused) and small enough that what ray_titan derives
+# from a config before reading any weight (the model on the meta device, the adapters' tensor
+# lists, rotary_rows' permutation) takes milliseconds: a hostile or mistyped value such as 1e9
+# is refused here, before it sizes anything. ray_titan.hf bounds the layer and expert counts and
+# the embedding further by what the safetensors headers hold.
+MAX_WIDTH = 2**16
+"""hidden_size, and a query projection's heads × head_dim (Llama 3.1 405B: 16,384)."""
+MAX_FFN = 2**18
+"""intermediate_size, moe_intermediate_size (Llama 3.1 405B: 53,248)."""
+MAX_LAYERS = 256
+"""num_hidden_layers (Llama 3.1 405B: 126). Lower than the others: building the model on the
+meta device takes about 10 ms a layer, so 256 layers already take seconds."""
+MAX_HEADS = 1024
+"""num_attention_heads, num_key_value_heads (Llama 3.1 405B, DeepSeek-V3: 128)."""
+MAX_HEAD_DIM = 1024
+"""head_dim and DeepSeek's per-head q/k/v sizes (Gemma: 256; DeepSeek-V3's q/k: 192)."""
+MAX_VOCAB = 2**22
+"""vocab_size (Gemma 3: 262,144)."""
+MAX_EXPERTS = 4096
+"""n_routed_experts and the experts per token (Kimi K2: 384; Qwen3-Next: 512)."""
+MAX_LORA_RANK = 2**16
+"""DeepSeek's q_lora_rank, kv_lora_rank (DeepSeek-V3: 1536, 512)."""
+MAX_POSITIONS = 2**24
+"""max_position_embeddings (Llama 4 Scout: 10,485,760); each worker holds rotary tables of
+positions × head_dim / 2 fp32 values."""
+
+SIZE_FIELDS: dict[str, tuple[int, int]] = {
+    "hidden_size": (1, MAX_WIDTH),
+    "intermediate_size": (1, MAX_FFN),
+    "moe_intermediate_size": (1, MAX_FFN),
+    "num_hidden_layers": (1, MAX_LAYERS),
+    "first_k_dense_replace": (0, MAX_LAYERS),
+    "num_attention_heads": (1, MAX_HEADS),
+    "num_key_value_heads": (1, MAX_HEADS),
+    "head_dim": (2, MAX_HEAD_DIM),
+    "vocab_size": (1, MAX_VOCAB),
+    "n_routed_experts": (1, MAX_EXPERTS),
+    "num_experts_per_tok": (1, MAX_EXPERTS),
+    "n_shared_experts": (0, MAX_EXPERTS),
+    "q_lora_rank": (0, MAX_LORA_RANK),
+    "kv_lora_rank": (1, MAX_LORA_RANK),
+    "qk_nope_head_dim": (1, MAX_HEAD_DIM),
+    "qk_rope_head_dim": (2, MAX_HEAD_DIM),
+    "v_head_dim": (1, MAX_HEAD_DIM),
+    "max_position_embeddings": (1, MAX_POSITIONS),
+    "original_max_position_embeddings": (1, MAX_POSITIONS),
+}
+"""config.json field -> (smallest, largest) valid value: every integer field a family reads
+that sizes a tensor, a table or a list. Read them with :func:`size_field`."""
+
+
+def size_field(config: dict[str, Any], name: str, default: int | None = None, *, where: str = "") -> int:
+    """``config[name]`` as an int within ``SIZE_FIELDS[name]``; an absent or null field is
+    ``default`` (None: required). An integral float (``4096.0``, ``1e3``) counts as its integer;
+    a bool, a fraction, a string or anything else is refused. ``where``: the field's path in
+    the message (``"rope_scaling."``). Raises :class:`HFConfigError` naming the field, its value
+    and the valid range; checks only, so it costs nothing whatever the value."""
+    low, high = SIZE_FIELDS[name]
+    value = config.get(name)
+    if value is None:
+        if default is None:
+            raise HFConfigError(f"config.json has no {where}{name!r}")
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise HFConfigError(f"config.json {where}{name} = {config[name]!r} is not valid; valid: an integer from "
+                            f"{low} to {high}")
+    return value
+
+
 def rope_from_hf(config: dict[str, Any], kinds: tuple[str, ...],
                  default_theta: float) -> tuple[float, RopeScaling | None]:
     """``(rope_theta, rope_scaling)`` from a ``config.json``: ``rope_scaling`` (the hub files'
@@ -81,14 +154,18 @@ def rope_from_hf(config: dict[str, Any], kinds: tuple[str, ...],
         )
     if params.get("attention_factor") is not None:
         raise HFConfigError(f"config.json {field}.attention_factor is not supported (it is inferred from mscale)")
-    original = params.get("original_max_position_embeddings", config.get("max_position_embeddings"))
-    if params.get("factor") is None or original is None:
+    if params.get("factor") is None or (params.get("original_max_position_embeddings") is None
+                                        and config.get("max_position_embeddings") is None):
         raise HFConfigError(f"config.json {field} ({kind}) needs factor and original_max_position_embeddings")
+    if params.get("original_max_position_embeddings") is not None:
+        original = size_field(params, "original_max_position_embeddings", where=f"{field}.")
+    else:
+        original = size_field(config, "max_position_embeddings")
     if kind == "yarn" and params.get("truncate", True) is not True:
         raise HFConfigError(f"config.json {field}.truncate = {params['truncate']!r} is not supported; valid: true")
     defaults = RopeScaling(kind, 1.0, 1)
     return theta, RopeScaling(
-        kind, factor=float(params["factor"]), original_max_position_embeddings=int(original),
+        kind, factor=float(params["factor"]), original_max_position_embeddings=original,
         low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
         high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
         beta_fast=float(params.get("beta_fast") or defaults.beta_fast),

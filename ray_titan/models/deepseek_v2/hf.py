@@ -24,9 +24,9 @@ from ray_titan.models.state_dict_adapter import (
     HFConfigError,
     Source,
     StateDictAdapter,
-    required,
     rope_from_hf,
     rope_to_hf,
+    size_field,
 )
 
 __all__ = ["ROUTER_BIAS_FILE", "DeepSeekV2Adapter"]
@@ -42,27 +42,41 @@ class DeepSeekV2Adapter(StateDictAdapter):
     training_fields = frozenset({"init_std", "load_balance", "aux_loss_coeff", "bias_update_rate"})
 
     def args_from_hf(self, config: dict[str, Any]) -> DeepSeekV2Args:
-        def need(name: str) -> Any:
-            return required(config, name)
+        def need(name: str, default: int | None = None) -> int:
+            return size_field(config, name, default)
 
         for name, valid in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
                             ("topk_method", "greedy"), ("moe_layer_freq", 1), ("scoring_func", "softmax")):
             if config.get(name, valid) != valid:
                 raise HFConfigError(f"config.json {name} = {config[name]!r} is not supported; valid: {valid!r}")
+        n_layers, n_dense = need("num_hidden_layers"), need("first_k_dense_replace", 0)
+        n_experts, top_k = need("n_routed_experts"), need("num_experts_per_tok")
+        rope_dim = need("qk_rope_head_dim")
+        # The shapes the model derives from these: dense layers among the layers, the top-k among
+        # the experts, rotary pairs.
+        if n_dense > n_layers:
+            raise HFConfigError(f"config.json first_k_dense_replace = {n_dense} exceeds num_hidden_layers = "
+                                f"{n_layers}; valid: 0 to {n_layers}")
+        if top_k > n_experts:
+            raise HFConfigError(f"config.json num_experts_per_tok = {top_k} exceeds n_routed_experts = "
+                                f"{n_experts}; valid: 1 to {n_experts}")
+        if rope_dim % 2:
+            raise HFConfigError(f"config.json qk_rope_head_dim = {rope_dim} is odd; valid: an even size "
+                                "(rotary embeddings rotate pairs)")
         theta, scaling = rope_from_hf(config, ("yarn",), 10_000.0)
         return DeepSeekV2Args(
-            dim=int(need("hidden_size")), n_layers=int(need("num_hidden_layers")),
-            n_dense_layers=int(config.get("first_k_dense_replace", 0)), n_heads=int(need("num_attention_heads")),
-            vocab_size=int(need("vocab_size")), inter_dim=int(need("intermediate_size")),
-            moe_inter_dim=int(need("moe_intermediate_size")), n_routed_experts=int(need("n_routed_experts")),
-            n_shared_experts=int(config.get("n_shared_experts") or 0),
-            n_activated_experts=int(need("num_experts_per_tok")),
+            dim=need("hidden_size"), n_layers=n_layers,
+            n_dense_layers=n_dense, n_heads=need("num_attention_heads"),
+            vocab_size=need("vocab_size"), inter_dim=need("intermediate_size"),
+            moe_inter_dim=need("moe_intermediate_size"), n_routed_experts=n_experts,
+            n_shared_experts=need("n_shared_experts", 0),
+            n_activated_experts=top_k,
             route_scale=float(config.get("routed_scaling_factor", 1.0)),
             norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-            q_lora_rank=int(config.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
-            qk_nope_head_dim=int(need("qk_nope_head_dim")), qk_rope_head_dim=int(need("qk_rope_head_dim")),
-            v_head_dim=int(need("v_head_dim")), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta, max_seq_len=int(need("max_position_embeddings")), rope_scaling=scaling,
+            q_lora_rank=need("q_lora_rank", 0), kv_lora_rank=need("kv_lora_rank"),
+            qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=rope_dim,
+            v_head_dim=need("v_head_dim"), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta, max_seq_len=need("max_position_embeddings"), rope_scaling=scaling,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
 

@@ -15,13 +15,14 @@ from typing import Any
 
 from ray_titan.models.llama.args import LlamaArgs
 from ray_titan.models.state_dict_adapter import (
+    MAX_WIDTH,
     HFConfigError,
     Source,
     StateDictAdapter,
-    required,
     rope_from_hf,
     rope_to_hf,
     rotary_rows,
+    size_field,
 )
 
 __all__ = ["LlamaAdapter"]
@@ -35,22 +36,37 @@ class LlamaAdapter(StateDictAdapter):
     qk_norm = False
 
     def args_from_hf(self, config: dict[str, Any]) -> LlamaArgs:
-        def need(name: str) -> Any:
-            return required(config, name)
+        def need(name: str, default: int | None = None) -> int:
+            return size_field(config, name, default)
 
         for name, valid in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
                             ("use_sliding_window", False)):
             if config.get(name, valid) != valid:
                 raise HFConfigError(f"config.json {name} = {config[name]!r} is not supported; valid: {valid!r}")
-        dim, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        head_dim = config.get("head_dim") or dim // n_heads
+        dim, n_heads = need("hidden_size"), need("num_attention_heads")
+        n_kv_heads, head_dim = need("num_key_value_heads", n_heads), need("head_dim", 0)
+        # The shapes the model derives from these: heads of dim // n_heads without head_dim,
+        # rotary pairs, grouped-query attention's repeat of each key/value head.
+        if not head_dim and dim % n_heads:
+            raise HFConfigError(f"config.json hidden_size = {dim} is not divisible by num_attention_heads = "
+                                f"{n_heads} and there is no head_dim; valid: a multiple of {n_heads}, or a head_dim")
+        head_dim = head_dim or dim // n_heads
+        if head_dim % 2:
+            raise HFConfigError(f"config.json: the head size is {head_dim} (head_dim, or hidden_size / "
+                                "num_attention_heads); valid: an even size (rotary embeddings rotate pairs)")
+        if n_heads % n_kv_heads:
+            raise HFConfigError(f"config.json num_attention_heads = {n_heads} is not a multiple of "
+                                f"num_key_value_heads = {n_kv_heads}; valid: a divisor of {n_heads}")
+        if n_heads * head_dim > MAX_WIDTH:
+            raise HFConfigError(f"config.json num_attention_heads × head_dim = {n_heads} × {head_dim} exceeds "
+                                f"{MAX_WIDTH}; valid: at most {MAX_WIDTH}")
         theta, scaling = rope_from_hf(config, ("llama3",), 10_000.0)
         return LlamaArgs(
-            dim=dim, n_layers=int(need("num_hidden_layers")), n_heads=n_heads,
-            n_kv_heads=int(config.get("num_key_value_heads") or n_heads), vocab_size=int(need("vocab_size")),
-            ffn_dim=int(need("intermediate_size")), attn_head_dim=None if head_dim == dim // n_heads else int(head_dim),
+            dim=dim, n_layers=need("num_hidden_layers"), n_heads=n_heads,
+            n_kv_heads=n_kv_heads, vocab_size=need("vocab_size"),
+            ffn_dim=need("intermediate_size"), attn_head_dim=None if head_dim == dim // n_heads else head_dim,
             norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-            max_seq_len=int(need("max_position_embeddings")), qk_norm=self.qk_norm,
+            max_seq_len=need("max_position_embeddings"), qk_norm=self.qk_norm,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), rope_scaling=scaling,
             multiple_of=1, ffn_dim_multiplier=None,
         )
