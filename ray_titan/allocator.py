@@ -54,9 +54,16 @@ def libc_function(name: str, restype: Any = ctypes.c_int) -> Any:
     """The C library's function ``name`` (ctypes, returning ``restype``), looked up once; None
     where the C library has no such function (``malloc_trim`` and ``mallinfo2`` are glibc's:
     not on musl or macOS)."""
+    try:  # glibc's soname first: find_library runs `ldconfig -p`, a process, in every worker
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        except OSError:
+            return None
     try:
-        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
-    except (OSError, AttributeError):
+        fn = getattr(libc, name)
+    except AttributeError:
         return None
     fn.restype = restype
     return fn

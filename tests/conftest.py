@@ -42,9 +42,9 @@ def corpus_cache(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
-    """Tiny random Hugging Face models of every family (``tests/hf_models.py``), saved once per
+    """Tiny random Hugging Face models of every family (``tests/support/hf_models.py``), saved once per
     session: ``(root, {family: transformers model})``, each in ``root / family``."""
-    from tests.hf_models import make_hf_model
+    from tests.support.hf_models import make_hf_model
 
     root = tmp_path_factory.mktemp("hf_models")
     return root, {f: make_hf_model(f, root / f) for f in ("llama", "qwen3", "deepseek_v2")}
@@ -52,7 +52,7 @@ def hf_models(tmp_path_factory):
 
 class LaunchRun:
     """A job run without Ray (``python -m ray_titan.launch`` on ``nproc`` ranks: one process, or
-    torchrun's ranks, forked from the session's forkserver: ``tests/ranks.py``): the one-worker
+    torchrun's ranks, forked from the session's forkserver: ``tests/support/ranks.py``): the one-worker
     side of a parity check, or a mesh where Ray is not the subject (docs/design.md, Testing).
     ``steps``, ``step_column`` and ``tensorboard_dir`` as :class:`ray_titan.driver.RunResult`'s;
     a failed run raises."""
@@ -60,7 +60,7 @@ class LaunchRun:
     def __init__(self, config: str | Path, overrides: list[str], dump: Path, nproc: int = 1):
         from ray_titan.config import merge_overrides
         from ray_titan.metrics.sinks import read_steps
-        from tests.ranks import launch
+        from tests.support.ranks import launch
 
         dump.mkdir(parents=True, exist_ok=True)
         proc = launch(["--config", str(config), *merge_overrides([f"--job.dump_folder={dump}"], overrides)], nproc,

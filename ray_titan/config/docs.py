@@ -95,7 +95,7 @@ def reference_markdown() -> str:
         "# Configuration reference",
         "",
         f"Generated from `ray_titan/config/schema.py` by `{REGENERATE}`; do not edit by hand",
-        "(`tests/test_cli.py` fails when this file and the config classes disagree).",
+        "(`tests/integration/test_cli.py` fails when this file and the config classes disagree).",
         "",
         "A job config is a TOML file with one table per section below; any setting can be",
         "overridden on the command line as `--section.key=value` (the value is read as TOML).",

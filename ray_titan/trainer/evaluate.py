@@ -5,7 +5,7 @@ pipeline schedule's forward-only evaluation (``schedule.eval``) through this ran
 the microbatches one by one; every rank of the mesh takes part (pipeline sends, FSDP gathers,
 expert all-to-alls). Nothing it does reaches training: no gradient is made, no optimizer, LR or
 data state moves, and the MoE routers' counts of the evaluated tokens are dropped, so the
-training losses are bit-identical with validation on or off (``tests/test_validation.py``).
+training losses are bit-identical with validation on or off (``tests/integration/test_validation.py``).
 
 :class:`Validator` decides when to evaluate and reads the same validation batches every time.
 """

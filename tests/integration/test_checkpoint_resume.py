@@ -1,0 +1,15 @@
+"""A resumed run continues the loss curve exactly: one-process references through the launcher."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.unit.test_checkpoint import _cfg, _train
+
+
+def test_resume_continues_the_loss_curve_exactly(saved, tmp_path, corpus_cache):
+    run_dir, _, losses = saved
+    cfg = _cfg(tmp_path, corpus_cache, f"--checkpoint.load_path={run_dir / 'checkpoints' / 'step-00000002'}")
+    resumed, *_ = _train(tmp_path, cfg, save=False)
+    assert len(resumed) == 2
+    np.testing.assert_allclose(resumed, losses[2:], rtol=1e-6)

@@ -1,0 +1,61 @@
+"""``ray-titan report RUN_DIR``: PNG plots and the per-rank summary table (no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_titan.cli import main
+from ray_titan.metrics.collector import MetricsCollector
+from ray_titan.parallel.dims import ParallelDims
+from tests.unit.test_leak import MiB, _rep
+
+
+def _run_dir(tmp_path, steps=80):
+    dims = ParallelDims(pp=2, dp_shard=2)
+    c = MetricsCollector(str(tmp_path), 4, dims.last_stage_ranks(), steps, enable_tensorboard=False)
+    for step in range(1, steps + 1):
+        reps = [_rep(step, r, dims, 500 * MiB + (2 * step * MiB if r == 1 else 0)) for r in range(4)]
+        for r, rep in enumerate(reps):  # rank r's metrics path: (r + 1) % of its 0.1 s steps
+            rep["metrics_time_s"] = None if step == 1 else 0.001 * (r + 1)
+        c.report(reps)
+    c.finish()
+    return tmp_path
+
+
+def test_report_writes_plots_and_prints_each_ranks_verdict(tmp_path, capsys):
+    run_dir = _run_dir(tmp_path)
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    for name in ("loss.png", "memory.png"):
+        png = run_dir / "report" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+        assert f"wrote {png}" in out
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["rank", "coords", "verdict"]
+    by_rank = {line.split()[0]: line for line in lines[1:5]}
+    assert "pp=0, dp_shard=1  growing  +2.000" in by_rank["1"]
+    assert all("stable" in by_rank[r] for r in ("0", "2", "3"))
+    assert by_rank["0"].split()[-3:-1] == ["16", "0.000"]  # GC every 5 of 80 steps, 0 s in these reports
+    assert [by_rank[r].split()[-1] for r in "0123"] == ["1.00", "2.00", "3.00", "4.00"]
+
+
+def test_report_of_a_directory_without_metrics_is_an_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no metrics" in capsys.readouterr().err
+
+
+def test_report_of_a_read_only_run_directory_says_so_and_writes_with_out(tmp_path, capsys):
+    import subprocess
+
+    run_dir = _run_dir(tmp_path / "run", steps=10)
+    if subprocess.run(["mount", "--bind", "-o", "ro", str(run_dir), str(run_dir)], capture_output=True).returncode:
+        pytest.skip("a read-only bind mount needs root")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(run_dir)], check=True)
+        assert main(["report", str(run_dir)]) == 2
+        assert f"ray-titan report: cannot write {run_dir / 'report'}: Read-only file system; write the plots " \
+               "elsewhere with --out DIR" in capsys.readouterr().err
+        assert main(["report", str(run_dir), "--out", str(tmp_path / "plots")]) == 0
+        assert (tmp_path / "plots" / "loss.png").is_file()
+    finally:
+        subprocess.run(["umount", str(run_dir)], check=True)

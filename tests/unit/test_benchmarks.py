@@ -1,0 +1,110 @@
+"""The benchmark runner's statistics and table, and the FLOPs-per-token formula (no timing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.stats import Row, alternate, format_table, ratio_stats, slope
+from ray_titan.metrics.flops import (
+    gpu_peak_flops,
+    llama_flops_per_token,
+    llama_non_embedding_params,
+    mfu,
+    transformer_flops_per_token,
+)
+from ray_titan.models.llama import Llama, LlamaArgs
+from ray_titan.models.registry import build_model
+
+
+def test_ratio_stats_median_min_max_of_paired_ratios():
+    st = ratio_stats([90.0, 100.0, 99.0], [100.0, 100.0, 90.0])  # ratios 0.9, 1.0, 1.1
+    assert (st.median, st.min, st.max, st.n) == pytest.approx((1.0, 0.9, 1.1, 3))
+    assert (st.median_a, st.median_b) == (99.0, 100.0)
+    with pytest.raises(ValueError, match="equal"):
+        ratio_stats([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="zero"):
+        ratio_stats([1.0], [0.0])
+
+
+def test_alternate_runs_sides_in_abba_order_and_table_shows_ratio():
+    order = []
+    a, b = alternate(lambda: order.append("A") or len(order), lambda: order.append("B") or len(order), 3)
+    assert order == ["A", "B", "B", "A", "A", "B"]
+    assert a == [1, 4, 5] and b == [2, 3, 6]
+    table = format_table([Row("x", "A", "1", "B", "2", ratio_stats([1.0, 3.0], [2.0, 2.0]), "≥ 0.97", "a|b")])
+    assert "| 1.000 [0.500, 1.500] n=2 |" in table and "a/b" in table
+
+
+def test_slope_recovers_a_linear_trend():
+    assert slope([1, 2, 3, 4], [10, 12, 14, 16]) == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        slope([1, 1], [2, 3])
+
+
+def test_dense_flops_match_a_hand_count():
+    # 2 layers, dim 8, 2 heads of 4, 1 kv head, SwiGLU hidden 32, vocab 10, no tied head.
+    args = LlamaArgs(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=10, multiple_of=32,
+                     ffn_dim_multiplier=None, max_seq_len=16)
+    assert args.ffn_hidden_dim == 32
+    per_layer = 8 * 8 + 8 * 4 + 8 * 4 + 8 * 8 + 3 * 8 * 32 + 2 * 8  # wq wk wv wo, w1 w2 w3, norms
+    n = 2 * per_layer + 8 + 8 * 10  # final norm, output head
+    assert llama_non_embedding_params(args) == n == 2040
+    # PaLM appendix B: 6N + 12·L·H·Q·T with T = 16.
+    assert llama_flops_per_token(args, 16) == 6 * 2040 + 12 * 2 * 2 * 4 * 16 == 15_312
+
+
+@pytest.mark.parametrize("flavor", ["debug", "8B"])
+def test_non_embedding_count_matches_the_model(flavor):
+    import torch
+
+    with torch.device("meta"):
+        model = build_model("llama", flavor)
+    assert isinstance(model, Llama)
+    total = sum(p.numel() for p in model.parameters())
+    assert llama_non_embedding_params(model.args) == total - model.tok_embeddings.weight.numel()
+
+
+def test_moe_is_one_call_with_activated_parameters_and_mfu():
+    # A MoE layer stack with 1e9 activated non-embedding parameters, 27 layers, attention width
+    # 16 heads × 192, 4096 tokens of context.
+    assert transformer_flops_per_token(10**9, 27, 16 * 192, 4096) == 6 * 10**9 + 12 * 27 * 3072 * 4096
+    with pytest.raises(ValueError, match="seq_len"):
+        transformer_flops_per_token(1, 1, 1, -1)
+    assert mfu(1000.0, 6e9, 1e13) == pytest.approx(0.6)
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert gpu_peak_flops("NVIDIA H100 NVL") == 835.5e12
+    assert gpu_peak_flops("Tesla T4") is None
+
+
+def test_subprocess_flags_reproduce_the_config():
+    """The torchrun comparison passes the job to its ranks as flags: every section, scalars,
+    lists and strings, must come back equal (the [[callbacks]] array has no flag form)."""
+    from benchmarks.run import _flags
+    from ray_titan.config.schema import Callback, load_config
+    from tests.conftest import REPO
+
+    cfg = load_config(REPO / "configs" / "debug_deepseek.toml", ["--training.steps=7", "--memory.snapshot_steps=[3]"])
+    assert load_config(None, _flags(cfg)) == cfg
+    with_cb = cfg.model_copy(update={"callbacks": [Callback(target="a.b:c")]})
+    with pytest.raises(ValueError, match="callbacks: 1 entries"):
+        _flags(with_cb)
+
+
+
+
+def test_worker_side_cost_reads_the_runs_own_metrics_time():
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+
+    from benchmarks.run import worker_side_cost
+
+    def run(costs, step_s):
+        t = pa.table({"rank": [0, 1] * len(costs), "metrics_time_s": [c for c in costs for _ in (0, 1)],
+                      "step_time_s": [step_s] * 2 * len(costs)})
+        return {"result": SimpleNamespace(steps=t)}
+
+    c = worker_side_cost([run([None, 0.001, 0.001], 0.2), run([None, 0.001, 0.005], 0.2)])
+    # The first step of a run has no figure; a cost is a mean, the rare dear step included.
+    assert c["per_step_us"] == pytest.approx(2000) and c["median_us"] == pytest.approx(1000)
+    assert c["fraction_of_step"] == pytest.approx(0.01)

@@ -1,0 +1,253 @@
+"""The metrics collector as a plain object (no Ray): assembly, errors, sinks, crash safety."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute
+import pytest
+
+from ray_titan.metrics.collector import MetricsCollector
+from ray_titan.metrics.memory import MEMORY_FIELDS, host_memory, sample_memory
+from ray_titan.metrics.report import StepReport
+from ray_titan.metrics.sinks import read_steps
+from ray_titan.parallel.dims import ParallelDims
+
+
+def _report(step, rank, dims, loss=None, tokens=256, step_time=0.5, rss=100 << 20):
+    mem = dict.fromkeys(MEMORY_FIELDS)
+    mem.update(host_rss_bytes=rss + rank, host_peak_rss_bytes=rss + rank + 1)
+    return StepReport(
+        step=step, rank=rank, coords=dims.coords(rank), is_last_stage=dims.is_last_stage_rank(rank),
+        loss=loss, tokens=tokens, step_time_s=step_time, data_time_s=0.01, fwd_bwd_time_s=0.3,
+        optim_time_s=0.1, grad_norm=1.5, lr=1e-3, memory=mem, gc_pause_s=0.0, time=1000.0 + step,
+    ).to_dict()
+
+
+def _collector(tmp_path, dims, steps=10, **kw):
+    return MetricsCollector(str(tmp_path), dims.world_size, dims.last_stage_ranks(), steps, **kw)
+
+
+def test_loss_is_the_token_weighted_mean_of_the_last_stage(tmp_path):
+    dims = ParallelDims(pp=2, dp_shard=2)
+    c = _collector(tmp_path, dims, steps=1, log_freq=1)
+    # Ranks report in any order and in separate batches.
+    c.report([_report(1, 3, dims, loss=3.0, tokens=300, step_time=0.6)])
+    c.report([_report(1, 0, dims)])
+    c.report([_report(1, 2, dims, loss=2.0, tokens=100)])
+    assert c.assembled == 0  # rank 1 has not reported
+    c.report([_report(1, 1, dims)])
+    summary = c.finish()
+    assert summary["errors"] == []
+    assert summary["final_loss"] == pytest.approx((2.0 * 100 + 3.0 * 300) / 400)
+    t = read_steps(tmp_path)
+    assert t.num_rows == 4 and t["rank"].to_pylist() == [0, 1, 2, 3]
+    assert t["loss"].to_pylist() == [None, None, 2.0, 3.0]
+    assert t["pp"].to_pylist() == [0, 0, 1, 1] and t["dp_shard"].to_pylist() == [0, 1, 0, 1]
+    assert set(t["step_loss_max"].to_pylist()) == {3.0}
+    assert t["step_tokens_per_s"].to_pylist() == pytest.approx([400 / 0.6] * 4)
+    line = summary["lines"][0]
+    assert "loss   2.7500" in line and "r0:100 r1:100 r2:100 r3:100" in line
+
+
+def test_missing_or_misplaced_loss_is_an_error_not_a_gap(tmp_path):
+    dims = ParallelDims(pp=2, dp_shard=1)
+    c = _collector(tmp_path, dims, steps=3)
+    c.report([_report(1, 0, dims), _report(1, 1, dims, loss=None)])  # last stage without loss
+    c.report([_report(2, 0, dims, loss=1.0), _report(2, 1, dims, loss=2.0)])  # placeholder on stage 0
+    c.report([_report(3, 0, dims)])  # rank 1 never reports step 3
+    summary = c.finish()
+    errors = summary["errors"]
+    assert summary["final_loss"] == 2.0  # the newest assembled step; step 3 never completed
+    assert "step 1: last-stage rank 1 reported no loss" in errors
+    assert "step 2: rank 0 is not on the last stage but reported a loss" in errors
+    assert "step 3: no report from rank(s) [1]" in errors
+    t = read_steps(tmp_path)
+    assert t.filter(t["step"].to_numpy() == 2)["step_loss"].to_pylist() == [2.0, 2.0]
+
+
+def test_every_step_recorded_whatever_log_freq(tmp_path):
+    dims = ParallelDims(pp=1, dp_shard=2)
+    c = _collector(tmp_path, dims, steps=25, log_freq=1000, flush_every_steps=7)
+    for step in range(1, 26):
+        c.report([_report(step, r, dims, loss=1.0) for r in range(2)])
+    summary = c.finish()
+    assert [ln.split("|")[0].split()[1] for ln in summary["lines"] if ln.startswith("step")] == ["1/25", "25/25"]
+    t = read_steps(tmp_path)
+    assert t.num_rows == 50 and sorted(set(t["step"].to_pylist())) == list(range(1, 26))
+
+
+def test_flushed_parts_survive_a_crash(tmp_path):
+    dims = ParallelDims(pp=1, dp_shard=1)
+    c = _collector(tmp_path, dims, steps=100, flush_every_steps=10)
+    for step in range(1, 26):
+        c.report([_report(step, 0, dims, loss=1.0)])
+    # No finish(): the collector died. Every flushed step is readable, the tail (21..25) is lost.
+    t = read_steps(tmp_path)
+    assert t["step"].to_pylist() == list(range(1, 21))
+    assert not (tmp_path / "metrics" / "steps.parquet").exists()
+
+
+def test_memory_sample_reads_proc():
+    rss, peak = host_memory()
+    assert 10 << 20 < rss <= peak
+    import torch
+
+    s = sample_memory(torch.device("cpu"))
+    assert set(s) == set(MEMORY_FIELDS)
+    assert s["host_rss_bytes"] > 0 and s["device_allocated_bytes"] is None
+    before = host_memory()[0]
+    block = bytearray(64 << 20)
+    block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page
+    assert host_memory()[0] - before > 48 << 20
+    del block
+
+
+def test_memory_sampler_reads_rss_every_step_and_slow_fields_per_interval(monkeypatch):
+    import torch
+
+    import ray_titan.metrics.memory as memory
+
+    reads = []
+    monkeypatch.setattr(memory, "host_heap", lambda: (reads.append(1), (len(reads), 7))[1])
+    slow = memory.MemorySampler(torch.device("cpu"), slow_interval_s=3600)
+    first = slow.sample()
+    block = bytearray(64 << 20)
+    block[:: 4096] = b"x" * len(block[:: 4096])
+    second = slow.sample()
+    # RSS is read afresh (the held /proc fd is re-read), malloc's figures carried from the first read.
+    assert second["host_rss_bytes"] - first["host_rss_bytes"] > 48 << 20
+    assert second["host_peak_rss_bytes"] >= second["host_rss_bytes"]
+    assert len(reads) == 1 and second["host_heap_in_use_bytes"] == first["host_heap_in_use_bytes"] == 1
+    assert second["host_available_bytes"] == first["host_available_bytes"]
+    every = memory.MemorySampler(torch.device("cpu"), slow_interval_s=0)
+    assert [every.sample()["host_heap_in_use_bytes"] for _ in range(2)] == [2, 3]
+    slow.close(), every.close()
+    del block
+
+
+def test_finish_is_idempotent_and_parts_never_overwritten(tmp_path):
+    dims = ParallelDims(pp=1, dp_shard=1)
+    parts = tmp_path / "metrics" / "parts"
+    parts.mkdir(parents=True)
+    (parts / "part-00003.parquet.tmp").write_bytes(b"torn write from a crash")
+    c = _collector(tmp_path, dims, steps=4, flush_every_steps=2)
+    for step in range(1, 5):
+        c.report([_report(step, 0, dims, loss=float(step))])
+    assert sorted(p.name for p in parts.glob("*.parquet")) == ["part-00000.parquet", "part-00001.parquet"]
+    first = c.finish()
+    again = c.finish()
+    assert first["final_loss"] == again["final_loss"] == 4.0
+    assert read_steps(tmp_path)["step"].to_pylist() == [1, 2, 3, 4]
+    assert not parts.exists()
+
+
+def test_errors_are_bounded(tmp_path):
+    dims = ParallelDims(pp=2, dp_shard=1)
+    c = _collector(tmp_path, dims, steps=3000, flush_every_steps=1000)
+    for step in range(1, 1201):
+        c.report([_report(step, 0, dims), _report(step, 1, dims)])  # the last stage never has a loss
+    summary = c.finish()
+    assert c.errors_total == 1200 and len(summary["errors"]) == MetricsCollector.MAX_ERRORS + 1
+
+
+def test_final_loss_is_never_stale(tmp_path):
+    dims = ParallelDims(pp=1, dp_shard=1)
+    c = _collector(tmp_path, dims, steps=2)
+    c.report([_report(1, 0, dims, loss=3.0), _report(2, 0, dims, loss=None)])
+    summary = c.finish()
+    assert summary["final_loss"] is None and "step 2: last-stage rank 0 reported no loss" in summary["errors"]
+
+
+def _attempt(rep, start):
+    rep["attempt_start_time"] = start
+    return rep
+
+
+def test_replayed_steps_replace_the_lost_ones_and_the_restart_is_marked(tmp_path):
+    dims = ParallelDims(pp=1, dp_shard=2)
+    c = _collector(tmp_path, dims, steps=6, flush_every_steps=1)
+    def skipped(rep, skip):
+        rep["skipped_update"] = skip
+        return rep
+
+    for step in (1, 2, 3):  # step 3's update skipped in the first attempt, applied in the replay
+        c.report([skipped(_attempt(_report(step, r, dims, loss=1.0), 100.0), step == 3) for r in range(2)])
+    c.report([_attempt(_report(4, 0, dims, loss=9.0), 100.0)])  # rank 1 died during step 4
+    # The restarted group resumes from the checkpoint of step 2 and replays 3 and 4.
+    for step in (3, 4, 5, 6):
+        answer = c.report([skipped(_attempt(_report(step, r, dims, loss=2.0), 200.0), step == 5) for r in range(2)])
+    c.report([_attempt(_report(2, 0, dims, loss=1.0), 100.0)])  # resent from the checkpoint: known
+    assert answer["durable"] == {100.0: 3, 200.0: 6}
+    summary = c.finish()
+    assert summary["errors"] == [] and summary["restarts"] == 1 and summary["final_loss"] == 2.0
+    # Each step counts once, as its newest attempt ran it (RunResult.skipped_steps, steps_run).
+    assert summary["skipped_steps"] == 1 and summary["steps_run"] == 6
+    t = read_steps(tmp_path)
+    rows = list(zip(t["step"].to_pylist(), t["rank"].to_pylist(), t["attempt"].to_pylist(), t["loss"].to_pylist()))
+    assert rows == [(s, r, int(s >= 3), 1.0 if s < 3 else 2.0) for s in range(1, 7) for r in range(2)]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()  # the restart purged step 3 of the first attempt
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [
+        (1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0), (6, 2.0)]
+
+
+def test_restarted_collector_resumes_from_its_flushed_parts(tmp_path, monkeypatch):
+    import ray_titan.metrics.collector as collector_module
+
+    dims = ParallelDims(pp=1, dp_shard=1)
+    c = _collector(tmp_path, dims, steps=6, flush_every_steps=2, log_freq=1)
+    for step in (1, 2, 3):
+        first = c.report([_report(step, 0, dims, loss=float(step))])
+    assert first["durable"] == {0.0: 2}
+    shown = c.poll()
+    assert [line.split("|")[0].strip() for line in shown["lines"] if line.startswith("step")] == \
+        ["step 1/6", "step 2/6", "step 3/6"] and "warming_up at step 1" in shown["lines"][1]
+    del c  # killed: step 3 was assembled but not flushed
+    monkeypatch.setattr(collector_module, "_reconstructed", lambda: True)  # Ray restarted the actor
+    again = _collector(tmp_path, dims, steps=6, flush_every_steps=2, log_freq=1)
+    assert again.incarnation != first["incarnation"] and again.last_step == 2 and again.final_loss == 2.0
+    answer = again.report([_report(s, 0, dims, loss=float(s)) for s in (1, 2, 3, 4, 5, 6)])  # the worker resends
+    assert answer["durable"] == {0.0: 6}  # 6 assembled and flushed; 1 and 2 were ignored
+    # The console goes on where it was: step 3 is not shown again, the verdict does not warm up again.
+    lines = again.poll(shown_step=shown["latest"]["step"])["lines"]
+    assert lines[0].startswith("ray_titan: metrics collector restarted; 2 steps were on disk")
+    assert [line.split("|")[0].strip() for line in lines[1:]] == ["step 4/6", "step 5/6", "step 6/6"]
+    summary = again.finish()
+    assert summary["errors"] == [] and summary["final_loss"] == 6.0
+    assert read_steps(tmp_path)["step"].to_pylist() == [1, 2, 3, 4, 5, 6]
+
+
+
+
+
+
+def test_per_step_bookkeeping_stays_as_small_as_the_unflushed_steps(tmp_path):
+    dims = ParallelDims(pp=1, dp_shard=2)
+    c = _collector(tmp_path, dims, steps=2000, flush_every_steps=10, enable_tensorboard=False)
+    for step in range(1, 2001):
+        answer = c.report([_report(step, 0, dims, loss=1.0), _report(step, 1, dims, loss=1.0)])
+    assert answer["durable"] == {0.0: 2000}
+    assert len(c._done) == 0 and sum(map(len, c._flushed.values())) == 0 and len(c._pending) == 0
+    # A late resend of a long-flushed step is still recognised and ignored.
+    c.report([_report(7, 0, dims, loss=9.0), _report(7, 1, dims, loss=9.0)])
+    assert c.finish()["errors"] == []
+    t = read_steps(tmp_path)
+    assert t.num_rows == 4000 and set(t.filter(pa.compute.equal(t["step"], 7))["loss"].to_pylist()) == {1.0}
+
+
+def test_tensor_parallel_ranks_count_their_loss_and_tokens_once(tmp_path):
+    # pp=2 × dp_shard=2 × tp=2: ranks 4..7 hold the last stage; (4, 5) and (6, 7) are tp pairs
+    # of one DP rank each, holding the same loss and batch.
+    dims = ParallelDims(pp=2, dp_shard=2, tp=2)
+    assert dims.last_stage_ranks() == [4, 5, 6, 7]
+    c = _collector(tmp_path, dims, steps=1, log_freq=1)
+    losses = {4: (2.0, 100), 5: (2.0, 100), 6: (3.0, 300), 7: (3.0, 300)}
+    c.report([_report(1, r, dims, *losses.get(r, (None, 256))) for r in range(8)])
+    summary = c.finish()
+    assert summary["errors"] == []
+    assert summary["final_loss"] == pytest.approx((2.0 * 100 + 3.0 * 300) / 400)
+    t = read_steps(tmp_path)
+    assert t["step_tokens"].to_pylist() == [400] * 8  # not 800: each DP rank's batch once
+    assert t["tp"].to_pylist() == [0, 1] * 4 and t["dp_shard"].to_pylist() == [0, 0, 1, 1] * 2
