@@ -184,16 +184,65 @@ class InjectLeak(Callback):
 
 
 class InjectOOM(Callback):
-    """Raises ``torch.OutOfMemoryError`` on ``rank`` at the start of step ``step``: a simulated
-    allocation failure, for checking that an OOM leaves a snapshot and a clear error."""
+    """Raises a simulated allocation failure on ``rank`` at step ``step``, for checking that an
+    OOM leaves a snapshot and a clear error: ``torch.OutOfMemoryError``, or ``MemoryError`` (what
+    a host allocation raises) with ``host=True``.
 
-    def __init__(self, rank: int, step: int):
-        self.rank, self.step = rank, step
+    ``where``: ``"step_begin"``, at the start of the step, outside the model; ``"forward"``, in the
+    forward of the first decoder block (a module of a class named in :attr:`BLOCKS`) the rank
+    runs in that step, so under PP inside the pipeline schedule; ``"backward"``, in the backward
+    of that block's output. Raises ``ValueError`` for another ``where``.
+    """
+
+    BLOCKS = ("TransformerBlock", "MoEBlock")
+    WHERE = ("step_begin", "forward", "backward")
+
+    def __init__(self, rank: int, step: int, where: str = "step_begin", host: bool = False):
+        if where not in self.WHERE:
+            raise ValueError(f"InjectOOM: where = {where!r}; valid: {', '.join(map(repr, self.WHERE))}")
+        self.rank, self.step, self.where, self.host = rank, step, where, host
+        self._handle: Any = None
+
+    def _error(self, rank: int) -> BaseException:
+        import torch
+
+        msg = f"simulated allocation failure: tried to allocate 2.00 GiB on rank {rank}"
+        return MemoryError(msg) if self.host else torch.OutOfMemoryError(msg)
+
+    def _remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
     def on_step_begin(self, ctx: CallbackContext, step: int) -> None:
-        if ctx.rank == self.rank and step == self.step:
-            import torch
+        if ctx.rank != self.rank or step != self.step:
+            return
+        if self.where == "step_begin":
+            raise self._error(ctx.rank)
+        import torch
+        from torch.nn.modules.module import register_module_forward_hook
 
-            raise torch.OutOfMemoryError(
-                f"simulated allocation failure: tried to allocate 2.00 GiB on rank {ctx.rank}"
-            )
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            # A global hook (the callback has no handle on the model): blocks by class name, which
+            # FSDP's dynamic subclass keeps in its MRO.
+            if not any(c.__name__ in self.BLOCKS for c in type(module).__mro__):
+                return
+            out = output[0] if isinstance(output, tuple) else output
+            if self.where == "forward":
+                self._remove()
+                raise self._error(ctx.rank)
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                self._remove()
+
+                def fail(grad: torch.Tensor) -> None:
+                    raise self._error(ctx.rank)
+
+                out.register_hook(fail)
+
+        self._handle = register_module_forward_hook(hook)
+
+    def on_step_end(self, ctx: CallbackContext, step: int, report: StepReport) -> None:
+        self._remove()
+
+    def on_train_end(self, ctx: CallbackContext, error: BaseException | None = None) -> None:
+        self._remove()

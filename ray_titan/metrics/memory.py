@@ -51,7 +51,8 @@ reporting is in its ``metrics_time_s`` column.
 history (``torch.cuda.memory._record_memory_history``, pickled with ``_dump_snapshot``, viewable
 at https://pytorch.org/memory_viz); on CPU the torch profiler's memory timeline of the step
 (written by :class:`ray_titan.metrics.profiling.StepProfiler`). An out-of-memory error on a
-rank leaves a snapshot and becomes :class:`RankOutOfMemoryError`.
+rank leaves a snapshot and becomes :class:`RankOutOfMemoryError`, also one that a pipeline
+schedule re-raised wrapped in its own ``RuntimeError`` (:func:`find_oom`).
 """
 
 from __future__ import annotations
@@ -60,10 +61,11 @@ import gc
 import json
 import math
 import os
+import re
 import resource
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +80,13 @@ __all__ = [
     "MemorySampler",
     "MemorySnapshots",
     "RankOutOfMemoryError",
+    "find_oom",
     "host_available",
     "host_heap",
     "host_memory",
     "live_storages",
     "live_tensors",
+    "oom_site",
     "sample_memory",
     "timeline_breakdown",
     "timeline_peaks",
@@ -273,6 +277,58 @@ class RankOutOfMemoryError(RuntimeError):
     its peak memory and where the snapshot was written."""
 
 
+def find_oom(error: BaseException) -> BaseException | None:
+    """The out-of-memory error behind ``error``: ``error`` itself when it is a
+    ``torch.OutOfMemoryError`` or ``MemoryError``, else the first one found through its
+    ``__cause__`` / ``__context__`` chains (and the members of an exception group); None when
+    there is none.
+
+    Needed because ``torch.distributed.pipelining`` re-raises any exception of a stage's forward
+    as ``RuntimeError("[Stage s] failed to run forward ...") from e`` (``stage.py``) and of its
+    backward as ``RuntimeError("Failed to run stage backward ...") from e`` (``_backward.py``).
+    """
+    return next((e for e in _chain(error) if isinstance(e, (torch.OutOfMemoryError, MemoryError))), None)
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and every exception behind it (``__cause__``, ``__context__``, an exception
+    group's members), breadth first, each once (chains can loop)."""
+    todo: list[BaseException | None] = [error]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, BaseExceptionGroup):
+            todo += list(e.exceptions)
+
+
+_STAGE_FORWARD = re.compile(r"\[Stage (\d+)\] failed to run forward")
+_STAGE_BACKWARD = re.compile(r"Failed to run stage backward")
+
+
+def oom_site(error: BaseException, stages: Iterable[int] = ()) -> str | None:
+    """Where in the pipeline schedule the out-of-memory error behind ``error`` was raised, as
+    the pipelining wrappers of its chain tell (see :func:`find_oom`): ``"in the forward of
+    pipeline stage 1"``, ``"in the backward of pipeline stage 1"`` (the backward wrapper names no
+    stage: ``stages``, this rank's stage indices, name it when the rank holds one, else all are
+    listed), or None outside a schedule's forward and backward."""
+    stages = sorted(stages)
+    for e in _chain(error):
+        if isinstance(e, RuntimeError):
+            if m := _STAGE_FORWARD.search(str(e)):
+                return f"in the forward of pipeline stage {m.group(1)}"
+            if _STAGE_BACKWARD.search(str(e)):
+                if len(stages) == 1:
+                    return f"in the backward of pipeline stage {stages[0]}"
+                which = f" of one of pipeline stages {', '.join(map(str, stages))}" if stages else ""
+                return f"in the backward{which}"
+    return None
+
+
 def live_storages() -> dict[int, dict[str, Any]]:
     """Every tensor storage alive in this process (found through the garbage collector), by its
     data pointer: ``{"shape", "dtype", "device", "bytes", "grad"}`` of a tensor viewing it
@@ -377,9 +433,16 @@ class MemorySnapshots:
         rank, coords: this rank and its mesh coordinates (named in file names and errors).
         device: where the rank computes.
         steps: steps after which to write a snapshot.
-        on_oom: on CUDA, record the allocation history from the start so that an OOM can be
-            dumped (``torch.cuda.memory._record_memory_history``).
-        max_entries: allocation events the CUDA history keeps.
+        on_oom: on CUDA, record from the start where each live allocation was made, so that an
+            OOM can be dumped (``torch.cuda.memory._record_memory_history("state")``).
+        max_entries: allocation events the CUDA history of a requested step keeps.
+
+    What is recorded on CUDA, and what it costs on the host (docs/memory.md): from the start,
+    with ``on_oom``, only the Python stack of each live allocation (``enabled="state"``,
+    ``stacks="python"``): bounded by the live blocks, it flattens with device memory, so the leak
+    verdict does not read it as growth. The event history (``enabled="all"``, a ring of
+    ``max_entries`` events with their Python stacks) only during the ``steps`` asked for, from
+    the step's start to its snapshot, then dropped.
 
     Use: :meth:`start` once, :meth:`before_step` / :meth:`after_step` around every step,
     :meth:`oom` when a step raised an out-of-memory error, :meth:`close` at the end.
@@ -392,8 +455,9 @@ class MemorySnapshots:
         self.rank, self.coords, self.device = rank, coords, device
         self.steps = set(steps) if self.dir is not None else set()
         self.cuda = device.type == "cuda"
-        self.record = self.cuda and self.dir is not None and (bool(self.steps) or on_oom)
+        self.on_oom = self.cuda and self.dir is not None and on_oom
         self.max_entries = max_entries
+        self._history = False  # the event ring is on (a requested step is running)
         self.paths: list[Path] = []
 
     def _path(self, what: str) -> Path:
@@ -401,25 +465,47 @@ class MemorySnapshots:
         self.dir.mkdir(parents=True, exist_ok=True)
         return self.dir / f"rank{self.rank}-{what}"
 
+    def _record(self, mode: str | None) -> None:
+        """Switch the CUDA recorder: ``"state"`` (live allocations' stacks), ``"all"`` (and the
+        event ring) or None (off; drops what was recorded)."""
+        record = torch.cuda.memory._record_memory_history
+        if mode == "all":
+            record("all", context="all", stacks="python", max_entries=self.max_entries)
+        elif mode == "state":  # torch keeps a ring of one event in this mode
+            record("state", context="state", stacks="python")
+        else:
+            record(None)
+
     def start(self) -> None:
-        if self.record:
-            torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
+        """Start recording the live allocations' stacks on CUDA when OOM snapshots are wanted."""
+        if self.on_oom:
+            self._record("state")
 
     def before_step(self, step: int) -> None:
-        """Nothing yet: CUDA records from :meth:`start`; CPU steps are the profiler's."""
+        """Start the CUDA event history for a requested step (CPU steps are the profiler's)."""
+        if self.cuda and step in self.steps:
+            self._record("all")
+            self._history = True
 
     def after_step(self, step: int) -> list[Path]:
-        """Write the CUDA snapshot of ``step`` if one was requested; returns the files written."""
+        """Write the CUDA snapshot of ``step`` if one was requested, then drop its history;
+        returns the files written."""
         if step not in self.steps or not self.cuda:
             return []
         written = [self._path(f"step{step}.pickle")]
         torch.cuda.memory._dump_snapshot(str(written[0]))
         self.paths += written
+        if self._history:
+            self._record(None)  # frees the ring: turning modes alone would keep its entries
+            self._history = False
+            if self.on_oom:
+                self._record("state")
         return written
 
-    def oom(self, step: int, error: BaseException) -> RankOutOfMemoryError:
+    def oom(self, step: int, error: BaseException, site: str | None = None) -> RankOutOfMemoryError:
         """Write the out-of-memory snapshot and return the error to raise (the caller raises it
-        ``from error``)."""
+        ``from error``). ``error``: the out-of-memory error itself (:func:`find_oom`); ``site``:
+        the place in the step it was raised, named in the message (:func:`oom_site`)."""
         from ray_titan.metrics.leak import describe_coords
 
         _, peak_rss = host_memory()
@@ -432,7 +518,7 @@ class MemorySnapshots:
                 parts.insert(0, f"peak device allocated {s.get('allocated_bytes.all.peak', 0) / MiB:.0f} MiB, "
                                 f"reserved {s.get('reserved_bytes.all.peak', 0) / MiB:.0f} MiB of "
                                 f"{cap / MiB:.0f} MiB")
-                if self.record:
+                if self.on_oom or self._history:
                     path = self._path(f"oom-step{step}.pickle")
                     torch.cuda.memory._dump_snapshot(str(path))
             elif self.dir is not None:
@@ -447,10 +533,12 @@ class MemorySnapshots:
             self.paths.append(path)
         where = f"; memory snapshot: {path}" if path else ""
         return RankOutOfMemoryError(
-            f"{describe_coords(self.rank, self.coords)} ran out of memory at step {step}: "
+            f"{describe_coords(self.rank, self.coords)} ran out of memory at step {step}"
+            f"{' ' + site if site else ''}: "
             f"{', '.join(parts)}{where} ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
         )
 
     def close(self) -> None:
-        if self.record:
-            torch.cuda.memory._record_memory_history(enabled=None)
+        if self.on_oom or self._history:
+            self._record(None)
+            self._history = False

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import cast
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-__all__ = ["apply_fsdp", "offload_policy", "resolve_reshard_after_forward"]
+__all__ = ["apply_fsdp", "fsdp_managed_names", "materialize", "offload_policy", "resolve_reshard_after_forward"]
 
 
 def resolve_reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
@@ -70,3 +71,43 @@ def apply_fsdp(
                     offload_policy=policy, ignored_params=ignored or None)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, offload_policy=policy,
                 ignored_params=ignored or None)
+
+
+def fsdp_managed_names(model: nn.Module) -> set[str]:
+    """Names (as ``model.named_parameters`` gives them) of the parameters FSDP2 shards in
+    ``model``: those of every ``fully_shard``-ed submodule's parameter group, not the ones it was
+    told to ignore (routed experts that expert parallelism alone holds, :func:`apply_fsdp`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    managed: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            # No public accessor lists a group's parameters; this private one is what FSDP2's own
+            # tests use, and is checked by tests/unit/test_memory_levers.py.
+            group = m._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                managed |= {id(fp.sharded_param) for fp in group.fsdp_params}
+    return {name for name, p in model.named_parameters() if id(p) in managed}
+
+
+def materialize(model: nn.Module, device: torch.device, cpu_offload: bool) -> None:
+    """Allocate ``model``'s parameters and buffers (built on the meta device) with
+    ``to_empty``, uninitialised: on ``device``; with ``cpu_offload`` on an accelerator, the
+    parameters FSDP2 shards on the host (its ``CPUOffloadPolicy`` refuses others at the first
+    forward: "FSDP parameters should be materialized on CPU when enabling CPU offloading", and
+    copies them to the device itself) and buffers and the parameters FSDP2 leaves out on
+    ``device``, where the forward computes with them: torchtitan's order (``init_device`` CPU,
+    ``buffer_device`` the accelerator)."""
+    if not cpu_offload or device.type == "cpu":
+        model.to_empty(device=device)
+        return
+    managed = fsdp_managed_names(model)
+    model.to_empty(device=torch.device("cpu"))
+    for prefix, m in model.named_modules():
+        for key, buf in m._buffers.items():
+            if buf is not None:
+                m._buffers[key] = torch.empty_like(buf, device=device)
+        for key, param in m._parameters.items():
+            if param is not None and f"{prefix}.{key}".lstrip(".") not in managed:
+                m._parameters[key] = nn.Parameter(torch.empty_like(param, device=device),
+                                                  requires_grad=param.requires_grad)

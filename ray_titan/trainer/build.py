@@ -28,6 +28,7 @@ from ray_titan.hf import hf_model, load_hf_weights
 from ray_titan.models.registry import build_model, get_spec
 from ray_titan.parallel.dims import Meshes, ParallelDims
 from ray_titan.parallel.expert import MoEStepState
+from ray_titan.parallel.fsdp import materialize
 from ray_titan.parallel.pipeline import build_pipeline_schedule, build_stage_module, split_layers, stage_placement
 from ray_titan.parallel.tied import TiedEmbeddings
 
@@ -150,7 +151,9 @@ def build_stages(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, pp_r
 
     The whole model is built on the meta device (nothing allocated), split into
     ``dims.num_stages`` stages by layers, and the stages of ``pp_rank`` are kept; each goes
-    through its family's ``parallelize`` step before its weights exist, then ``to_empty`` and
+    through its family's ``parallelize`` step before its weights exist, then ``to_empty``
+    (:func:`~ray_titan.parallel.fsdp.materialize`: with ``memory.cpu_offload`` on an
+    accelerator, FSDP2's parameters on the host, buffers on the device) and
     ``init_weights(training.seed)`` (each parameter seeded by its name, so the weights do not
     depend on the mesh), or, with ``checkpoint.initial_load_hf``, the Hugging Face checkpoint's
     weights, each rank reading its own shards only (``ray_titan.hf``; the model's sizes and
@@ -166,7 +169,7 @@ def build_stages(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, pp_r
     for s in dims.stages_on_pp_rank(pp_rank):
         mod = build_stage_module(whole, split[s], first=s == 0, last=s == dims.num_stages - 1)
         spec.parallelize(mod, dims, meshes, cfg)
-        mod.to_empty(device=device)
+        materialize(mod, device, cfg.memory.cpu_offload)
         if hf:
             mod.init_buffers()
             load_hf_weights(mod, hf, spec, whole.args)

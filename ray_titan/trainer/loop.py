@@ -30,7 +30,7 @@ from ray_titan.data.build import build_loader
 from ray_titan.data.documents import document_positions
 from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.gc import GarbageCollection
-from ray_titan.metrics.memory import MemorySampler, MemorySnapshots, host_memory
+from ray_titan.metrics.memory import MemorySampler, MemorySnapshots, find_oom, host_memory, oom_site
 from ray_titan.metrics.profiling import StepProfiler
 from ray_titan.metrics.report import Reporter, StepReport
 from ray_titan.metrics.timing import StepClock
@@ -164,12 +164,15 @@ def train_loop(
             tokens_per_step = labels.numel()
             del inputs, labels, positions
             snapshots.after_step(step)
-    except (torch.OutOfMemoryError, MemoryError) as e:
-        error = snapshots.oom(step, e)
-        raise error from e
     except BaseException as e:
-        error = e
-        raise
+        # An OOM of a pipeline stage's forward or backward arrives wrapped in the schedule's
+        # RuntimeError: look through the chain, not at the type.
+        oom = find_oom(e)
+        if oom is None:
+            error = e
+            raise
+        error = snapshots.oom(step, oom, oom_site(e, parts.stages) if parts.schedule is not None else None)
+        raise error from e
     finally:
         profiler.close()
         snapshots.close()
