@@ -9,7 +9,8 @@ family's name; adding a family is adding a package under ``ray_titan/models/`` a
 Flavors: ``debug`` is tiny and CPU-friendly in each family; ``llama/3-8B`` (also ``8B``),
 ``3.1-8B``, ``3.1-70B``, ``3.2-1B`` and ``3.2-3B`` have the dimensions of Meta's Llama 3.x
 models, ``qwen3/0.6B`` ... ``8B`` those of Qwen3 dense, ``deepseek_v2/V2-Lite`` those of
-DeepSeek-V2-Lite (15.7 B total, 2.4 B activated), its YaRN rope included. Every flavor is
+DeepSeek-V2-Lite (15.7 B total, 2.4 B activated), its YaRN rope included, and ``deepseek_v2/V2``
+those of DeepSeek-V2 (236 B, 21 B; group-limited routing). Every flavor is
 constructible on the meta device. Each family's ``hf`` adapter maps it to and from Hugging
 Face checkpoints (``ray_titan.models.state_dict_adapter``).
 """

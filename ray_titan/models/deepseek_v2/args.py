@@ -19,7 +19,10 @@ class DeepSeekV2Args:
     ``moe_inter_dim`` each expert's; the shared experts form one SwiGLU of
     ``n_shared_experts × moe_inter_dim``.
 
-    Routing as DeepSeek's reference ``MoEGate``: the selected experts' softmax scores are
+    Routing as DeepSeek's reference ``MoEGate``: ``topk_method`` names the function of
+    ``ray_titan.models.routing.ROUTERS`` that chooses the experts (``greedy``: the top-k of all;
+    ``group_limited_greedy``: the top-k within the ``topk_group`` best of ``n_group`` equal
+    expert groups, DeepSeek-V2's device-limited routing); the selected experts' softmax scores are
     renormalised to sum to 1 when ``norm_topk_prob`` (and ``n_activated_experts > 1``), and
     otherwise multiplied by ``route_scale`` (``routed_scaling_factor``). ``rope_scaling``: the
     YaRN scaling of the released checkpoints (V2-Lite: factor 40 over 4096 positions), or None.
@@ -37,6 +40,9 @@ class DeepSeekV2Args:
     n_activated_experts: int = 6
     route_scale: float = 1.0
     norm_topk_prob: bool = False
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
     q_lora_rank: int = 0
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
@@ -75,6 +81,17 @@ FLAVORS: dict[str, DeepSeekV2Args] = {
     # DeepSeek-V2-Lite (huggingface.co/deepseek-ai/DeepSeek-V2-Lite, config.json): 15.7 B total,
     # 2.4 B activated parameters; YaRN rope at every sequence length.
     "V2-Lite": DeepSeekV2Args(
+        max_seq_len=163_840,
+        rope_scaling=RopeScaling("yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                                 beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707),
+    ),
+    # DeepSeek-V2 (huggingface.co/deepseek-ai/DeepSeek-V2, config.json): 236 B total, 21 B
+    # activated; q-LoRA, 160 routed experts in 8 groups of which a token uses 3 (top-6), routed
+    # scaling factor 16, the same YaRN as V2-Lite.
+    "V2": DeepSeekV2Args(
+        dim=5120, n_layers=60, n_dense_layers=1, n_heads=128, inter_dim=12_288, moe_inter_dim=1536,
+        n_routed_experts=160, n_shared_experts=2, n_activated_experts=6, route_scale=16.0,
+        topk_method="group_limited_greedy", n_group=8, topk_group=3, q_lora_rank=1536, kv_lora_rank=512,
         max_seq_len=163_840,
         rope_scaling=RopeScaling("yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
                                  beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707),

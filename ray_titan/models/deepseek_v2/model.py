@@ -8,8 +8,10 @@ Architecture after DeepSeek-V2 (DeepSeek-AI 2024, arXiv:2405.04434) and its V2-L
   (``q_lora_rank``; 0 = a plain projection, as in V2-Lite). Rotary embeddings go on a decoupled
   part of each head (``qk_rope_head_dim``), the rotary key being shared by all heads.
 - **DeepSeekMoE feed-forward** (Dai et al. 2024, arXiv:2401.06066): ``n_routed_experts`` small
-  SwiGLU experts of which a softmax router activates the top ``n_activated_experts`` per token,
-  plus ``n_shared_experts`` always-on experts; the first ``n_dense_layers`` layers are dense.
+  SwiGLU experts of which a softmax router activates the top ``n_activated_experts`` per token
+  (``topk_method``: ``greedy``, or V2's ``group_limited_greedy`` within the ``topk_group`` best of
+  ``n_group`` expert groups; the functions of ``ray_titan.models.routing``), plus
+  ``n_shared_experts`` always-on experts; the first ``n_dense_layers`` layers are dense.
 - **Load balancing**, chosen by ``load_balance``:
   ``"aux_loss"``: the expert-level balance loss of DeepSeek-V2 (§2.2.3, ``α Σ_i f_i P_i``),
   computed per sequence as DeepSeek-V3's complementary sequence-wise loss (arXiv:2412.19437,
@@ -40,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from ray_titan.models.decoder import Decoder, FeedForward, RMSNorm, apply_rope
 from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
 from ray_titan.models.rope import softmax_scale_factor
+from ray_titan.models.routing import ROUTERS, check_routing
 
 __all__ = [
     "MLA", "DeepSeekV2", "GroupedExperts", "MoE", "Router", "activated_parameters", "route_tokens",
@@ -101,13 +104,16 @@ class MLA(nn.Module):
 
 
 class Router(nn.Module):
-    """Softmax top-k router with optional auxiliary-loss-free bias.
+    """Top-k router with optional auxiliary-loss-free bias; the routing method is the function
+    ``ROUTERS[args.topk_method]`` (``ray_titan.models.routing``: ``greedy``,
+    ``group_limited_greedy``).
 
     ``forward(x (tokens, dim))`` returns ``(weights (tokens, k) fp32, indices (tokens, k) int64,
     scores (tokens, n_experts) fp32)``. Scores are the softmax over all experts; the weights are
     the selected experts' scores, renormalised to sum to 1 if ``norm_topk_prob`` (and top-k > 1),
     otherwise times ``route_scale`` (DeepSeek-V2's ``MoEGate``: the scaling factor applies only
-    when not normalising).
+    when not normalising). Raises ``ValueError`` at construction for arguments the method cannot
+    route (:func:`ray_titan.models.routing.check_routing`).
 
     Buffers: ``expert_bias (n_experts,)`` fp32, persistent (checkpointed), added to the scores
     for selection only; ``tokens_per_expert (n_experts,)`` int64, the tokens routed to each
@@ -120,8 +126,10 @@ class Router(nn.Module):
 
     def __init__(self, args: DeepSeekV2Args):
         super().__init__()
-        self.top_k, self.route_scale = args.n_activated_experts, args.route_scale
-        self.norm_topk_prob = args.norm_topk_prob
+        check_routing(args)
+        self.args = args
+        self.route = ROUTERS[args.topk_method]
+        self.top_k = args.n_activated_experts
         self.use_bias = args.load_balance == "aux_free"
         self.bias_update_rate = args.bias_update_rate
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim))
@@ -131,14 +139,8 @@ class Router(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight.float()).softmax(dim=-1)
-        select = scores + self.expert_bias if self.use_bias else scores
-        indices = select.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(-1, indices)
-        if self.norm_topk_prob and self.top_k > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        elif self.route_scale != 1.0:
-            weights = weights * self.route_scale
+        logits = F.linear(x.float(), self.weight.float())
+        weights, indices, scores = self.route(logits, self.expert_bias if self.use_bias else None, self.args)
         if not _recomputing():
             with torch.no_grad():
                 self.tokens_per_expert += _count_per_expert(indices.flatten(), scores.shape[-1])
