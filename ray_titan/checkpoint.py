@@ -41,6 +41,7 @@ import os
 import pickle
 import shutil
 import stat
+import sys
 import tempfile
 import time
 import zlib
@@ -71,6 +72,8 @@ __all__ = [
     "ALLOWED_GLOBALS",
     "HF_DIR",
     "MANIFEST",
+    "MAX_MANIFEST_BYTES",
+    "MAX_METADATA_BYTES",
     "TOKENIZER_FILES",
     "CheckpointError",
     "Checkpointer",
@@ -98,6 +101,17 @@ HF_DIR = "hf"
 """The checkpoint's subdirectory holding the job's Hugging Face tokenizer files and the imported
 ``config.json`` (what ``ray-titan export`` writes beside the weights)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+# Files read whole are size-checked first against these bounds, so a huge or sparse file where a
+# small one belongs is refused at once instead of read into memory; each is far above real sizes.
+# (A Hugging Face config.json's and tokenizer.json's: storage.MAX_CONFIG_BYTES, MAX_TOKENIZER_BYTES.)
+MAX_MANIFEST_BYTES = 64 * 2**20
+"""A checkpoint's manifest: about 100 bytes per file it lists (a ``.distcp`` and a metrics report
+per rank), so about 1 MB at 10,000 ranks."""
+MAX_METADATA_BYTES = 2 * 2**30
+"""DCP's ``.metadata``: about 150 bytes per saved chunk (tensors × shards): tens of MB for a
+405B model on hundreds of ranks, hundreds of MB at tens of thousands of shards. DCP itself
+unpickles it whole on every rank."""
 """The tokenizer files kept in a checkpoint's ``hf/`` and copied beside an export: the job's
 ``data.tokenizer_path`` (as ``tokenizer.json``) and those of the others beside it."""
 FORMAT = 2
@@ -216,7 +230,14 @@ def load_metadata(path: str | Path) -> Metadata:
     path = Path(path)
     try:
         with open(path / ".metadata", "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_METADATA_BYTES:
+                raise CheckpointError(f"checkpoint {path}: .metadata has {size} bytes; valid: at most "
+                                      f"{MAX_METADATA_BYTES} (MAX_METADATA_BYTES); not a checkpoint this "
+                                      "ray_titan wrote")
             metadata = MetadataUnpickler(f).load()
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path}: DCP metadata file .metadata is missing") from None
     except Exception as e:
@@ -328,6 +349,10 @@ def read_manifest(path: str | Path, verify_checksums: bool = False) -> dict[str,
             f"checkpoint {path} is incomplete: it has no {MANIFEST} (a save that did not finish, "
             "or not a ray_titan checkpoint)"
         )
+    size = mpath.stat().st_size
+    if size > MAX_MANIFEST_BYTES:  # checked before the read: a huge file is not read into memory
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} has {size} bytes; valid: at most {MAX_MANIFEST_BYTES} "
+                              "(MAX_MANIFEST_BYTES); not a checkpoint this ray_titan wrote")
     try:
         manifest = json.loads(mpath.read_text())
         files, step = manifest["files"], int(manifest["step"])
@@ -428,16 +453,17 @@ def _hf_files(cfg) -> dict[str, bytes]:
     tokenizer = cfg.data.tokenizer_path if cfg.data.tokenizer == "huggingface" else None
     if tokenizer:
         wanted.append((TOKENIZER_FILES[0], tokenizer, "data.tokenizer_path", True))
-        here = str(tokenizer).rsplit("/", 1)[0]
-        wanted += [(n, storage.join(here, n), "data.tokenizer_path", False) for n in TOKENIZER_FILES[1:]]
+        wanted += [(n, storage.sibling(tokenizer, n), "data.tokenizer_path", False) for n in TOKENIZER_FILES[1:]]
     if cfg.checkpoint.initial_load_hf:
         wanted.append(("config.json", storage.join(cfg.checkpoint.initial_load_hf, "config.json"),
                        "checkpoint.initial_load_hf", True))
     out = {}
     for name, file, setting, required in wanted:
+        bound, what = ((storage.MAX_TOKENIZER_BYTES, "MAX_TOKENIZER_BYTES") if name == TOKENIZER_FILES[0]
+                       else (storage.MAX_CONFIG_BYTES, "MAX_CONFIG_BYTES"))
         try:
             if required or storage.exists(file):
-                out[name] = storage.read_bytes(file)
+                out[name] = storage.read_bytes(file, bound, what)
         except Exception as e:
             raise CheckpointError(f"{setting}: cannot read {file} to keep it in the checkpoints (for "
                                   f"ray-titan export): {type(e).__name__}: {e}") from None
@@ -722,9 +748,7 @@ class Checkpointer:
             sd[key] = v
         sd["train.step"] = step
         if same_mesh:
-            sd[f"rng.rank{self.rank}.cpu"] = torch.get_rng_state()
-            if self.device.type == "cuda":
-                sd[f"rng.rank{self.rank}.cuda"] = torch.cuda.get_rng_state(self.device)
+            sd.update(_rng_state(self.rank, self.device))
         return sd
 
     # -- save ------------------------------------------------------------------------------------
@@ -819,6 +843,8 @@ class Checkpointer:
         reader = SafeFileSystemReader(str(path))
         metadata = reader.read_metadata()
         sd = self._state(0, model_only, same_mesh, metadata)
+        # A checkpoint saved on CPU holds no CUDA generator state: not a reason to refuse it.
+        reseed = _drop_missing_device_rng(sd, metadata.state_dict_metadata, self.rank)
         # A tied model's last-stage head copy, saved without pipeline stages as the embedding only.
         head, emb = "model.output.weight", "model.tok_embeddings.weight"
         tied_copy = head in sd and head not in metadata.state_dict_metadata and emb not in sd
@@ -850,9 +876,11 @@ class Checkpointer:
         self.loader.load_state_dict({k[len("dataloader."):]: v.numpy() if isinstance(v, torch.Tensor) else v
                                      for k, v in sd.items() if k.startswith("dataloader.")})
         if same_mesh:
-            torch.set_rng_state(sd[f"rng.rank{self.rank}.cpu"])
-            if f"rng.rank{self.rank}.cuda" in sd:
-                torch.cuda.set_rng_state(sd[f"rng.rank{self.rank}.cuda"], self.device)
+            _restore_rng(sd, self.rank, self.device, self.cfg.training.seed, int(sd["train.step"]))
+            if reseed and self.rank == 0:
+                print(f"ray_titan: checkpoint {path} was saved on CPU and holds no CUDA generator state: each "
+                      "rank's CUDA generator is seeded from training.seed, the step and the rank (random ops on "
+                      "the GPU, e.g. dropout, do not continue the saved run's stream)", file=sys.stderr, flush=True)
         if own and hasattr(self.reporter, "resend"):  # same run: metrics not yet on disk at the save
             world = dist.get_world_size() if dist.is_initialized() else 1
             saved = saved_reports(path)
@@ -862,6 +890,48 @@ class Checkpointer:
                 if saved.get(r):
                     self.reporter.resend(saved[r])
         return int(sd["train.step"])
+
+
+def _rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's random generator states as a checkpoint keeps them: ``rng.rank<r>.cpu``
+    (``torch.get_rng_state``), and ``rng.rank<r>.cuda`` when ``device`` is a CUDA device."""
+    sd = {f"rng.rank{rank}.cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        sd[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state(device)
+    return sd
+
+
+def _drop_missing_device_rng(sd: dict[str, Any], saved: Any, rank: int) -> bool:
+    """Remove the CUDA generator key from the state ``sd`` to load when the checkpoint (whose
+    keys are ``saved``) lacks it, as one saved on CPU does; True if removed. The opposite case
+    needs nothing: a CUDA checkpoint loaded on CPU has a key ``sd`` does not ask for, and DCP
+    loads only the keys asked for."""
+    key = f"rng.rank{rank}.cuda"
+    if key in sd and key not in saved:
+        del sd[key]
+        return True
+    return False
+
+
+def _device_rng_seed(seed: int, step: int, rank: int) -> int:
+    """The CUDA generator seed of ``rank`` resuming at ``step`` from a checkpoint that holds no
+    CUDA generator state: deterministic in (``training.seed``, step, rank), distinct per rank."""
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, np.uint64)[0])
+
+
+def _restore_rng(sd: dict[str, Any], rank: int, device: torch.device, seed: int, step: int) -> None:
+    """Set this rank's generators from a loaded state (:func:`_rng_state`'s keys): the CPU one
+    always; on CUDA the CUDA one from its saved state, or, when the checkpoint has none (saved
+    on CPU), seeded with :func:`_device_rng_seed`."""
+    torch.set_rng_state(sd[f"rng.rank{rank}.cpu"])
+    if device.type != "cuda":
+        return
+    key = f"rng.rank{rank}.cuda"
+    if key in sd:
+        torch.cuda.set_rng_state(sd[key], device)
+    else:
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(_device_rng_seed(seed, step, rank))
 
 
 def _check_keys(sd: dict[str, Any], metadata: Metadata, path: Path) -> None:

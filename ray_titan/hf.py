@@ -55,6 +55,7 @@ from ray_titan.checkpoint import (
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
+    _outside,
     check_metadata,
     load_metadata,
     read_manifest,
@@ -107,10 +108,14 @@ class HFCheckpointError(ValueError):
 
 def read_hf_config(path: str) -> dict[str, Any]:
     """``<path>/config.json`` as a dict (``path``: a local directory or a URI pyarrow reads).
-    Raises :class:`HFCheckpointError` when it is missing, unreadable or not a JSON object."""
+    Raises :class:`HFCheckpointError` when it is missing, unreadable, larger than
+    :data:`~ray_titan.storage.MAX_CONFIG_BYTES` (checked before it is read) or not a JSON
+    object."""
     file = storage.join(path, CONFIG)
     try:
-        text = storage.read_text(file)
+        text = storage.read_text(file, storage.MAX_CONFIG_BYTES, "MAX_CONFIG_BYTES; a config.json is kilobytes")
+    except storage.FileTooLargeError as e:
+        raise HFCheckpointError(str(e)) from None
     except FileNotFoundError:
         raise HFCheckpointError(f"{file} does not exist (a Hugging Face model directory has a config.json)") from None
     except Exception as e:
@@ -253,6 +258,13 @@ class SafetensorsFiles:
                     raise ValueError("weight_map is not an object of tensor name -> file name")
             except Exception as e:
                 raise HFCheckpointError(f"{index_file} is unreadable: {type(e).__name__}: {e}") from None
+            # The checkpoint manifest's rule (name only: a Hugging Face cache's snapshot files are
+            # symbolic links into its blobs), for every file before any is opened.
+            for key, name in weight_map.items():
+                if (why := _outside(name)) is not None:
+                    raise HFCheckpointError(
+                        f"{index_file}: weight_map places {key} in {name!r}, {why}; valid: a file name relative "
+                        f"to {path}, without '..'")
             for name in sorted(set(weight_map.values())):
                 self._read_header(name)
             for key, name in weight_map.items():
@@ -485,19 +497,36 @@ class ExportResult:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
-def _args_of(manifest: dict[str, Any], spec: ModelSpec) -> Any:
-    """The model arguments a checkpoint manifest records (``model_args``, written since Hugging
-    Face export exists), else its flavor's with its vocabulary."""
+def _args_of(manifest: dict[str, Any], spec: ModelSpec, path: Path) -> Any:
+    """The model arguments the manifest of checkpoint ``path`` records (``model_args``, written
+    since Hugging Face export exists), else its flavor's with its vocabulary; checked, before
+    anything is sized by them, as a ``config.json`` of the family is (the bounds of
+    ``state_dict_adapter.SIZE_FIELDS`` and ``FLOAT_FIELDS``, the family's relations): the model
+    is built from them on the meta device, whose cost grows with the sizes. Raises
+    :class:`CheckpointError` naming the checkpoint, the field and the value."""
     recorded = manifest.get("model_args")
     args_cls = type(next(iter(spec.flavors.values())))
-    if recorded is None:
-        args = get_model_args(spec.name, manifest["model"]["flavor"])
-        return dataclasses.replace(args, vocab_size=manifest["model"]["vocab_size"])
-    fields = {f.name for f in dataclasses.fields(args_cls)}
-    values = {k: v for k, v in recorded.items() if k in fields}
-    if values.get("rope_scaling") is not None:
-        values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
-    return args_cls(**values)
+    try:
+        if recorded is None:
+            args = get_model_args(spec.name, manifest["model"]["flavor"])
+            args = dataclasses.replace(args, vocab_size=manifest["model"]["vocab_size"])
+        else:
+            if not isinstance(recorded, dict):
+                raise TypeError(f"model_args is a {type(recorded).__name__}, not an object")
+            fields = {f.name for f in dataclasses.fields(args_cls)}
+            values = {k: v for k, v in recorded.items() if k in fields}
+            if values.get("rope_scaling") is not None:
+                values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+            args = args_cls(**values)
+        spec.hf.args_from_hf({**spec.hf.hf_config(args), "model_type": spec.hf.model_type})
+    except HFConfigError as e:  # its message names a config.json field: the manifest's, written as one
+        raise CheckpointError(f"checkpoint {path}: the model arguments its manifest records, as the fields of a "
+                              f"config.json, are not valid: {str(e).removeprefix('config.json ')}; not a "
+                              "checkpoint this ray_titan wrote") from None
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: the model arguments its manifest records are not valid: "
+                              f"{type(e).__name__}: {e}; not a checkpoint this ray_titan wrote") from None
+    return args
 
 
 def _plan_shards(items: list[tuple[str, Source, tuple[int, ...]]], itemsize: int,
@@ -574,7 +603,7 @@ def _export_into(checkpoint: str | Path, out_dir: str, dtype: str, max_shard_byt
     manifest = read_manifest(path, verify_checksums=True)  # as resume does: sizes, CRC-32s, metadata
     check_metadata(load_metadata(path), path, manifest["files"])
     spec = get_spec(manifest["model"]["name"])
-    args = _args_of(manifest, spec)
+    args = _args_of(manifest, spec, path)
     want, sources = _expected_shapes(spec, args)
     reader = SafeFileSystemReader(str(path))
     saved = reader.read_metadata().state_dict_metadata
@@ -636,7 +665,10 @@ def _export_into(checkpoint: str | Path, out_dir: str, dtype: str, max_shard_byt
     notes = []
     if source_config is None and "config.json" in kept:
         try:
-            source_config = json.loads((path / HF_DIR / "config.json").read_text())
+            source_config = json.loads(storage.read_text(path / HF_DIR / "config.json", storage.MAX_CONFIG_BYTES,
+                                                         "MAX_CONFIG_BYTES; a config.json is kilobytes"))
+        except storage.FileTooLargeError as e:
+            raise CheckpointError(f"checkpoint {path}: {e}") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"checkpoint {path}: {HF_DIR}/config.json is not valid JSON: {e}") from None
         if not isinstance(source_config, dict):

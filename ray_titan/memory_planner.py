@@ -75,7 +75,7 @@ the microbatches whose forward ran and whose backward (the weight-gradient half,
 schedules) has not, at a rank's peak, per local stage, as a function of ``pp``, stages per rank
 ``v``, microbatches ``n`` and the pp rank ``r``; and how many are in flight once gradients exist.
 They are read from the schedules of ``torch.distributed.pipelining.schedules`` (the warm-up
-counts of each; ``tests/test_memory_plan.py`` checks every rule against the action lists torch
+counts of each; ``tests/integration/test_memory_plan.py`` checks every rule against the action lists torch
 builds). GPipe keeps ``n`` (Huang et al. 2019), 1F1B ``min(n, pp − r)`` (Narayanan et al. 2021,
 PipeDream-Flush), interleaved 1F1B its warm-up ``(v − 1)·n_round + 2·(pp − 1 − r)`` plus one,
 the zero-bubble schedules (Qi et al. 2023, arXiv:2401.10241) and DualPipeV (DeepSeek-V3,
@@ -84,7 +84,7 @@ arXiv:2412.19437) theirs.
 **Checked against measurement.** On CPU (fp32) the plan's peak is compared with the torch
 profiler's peak of all tensors during step 2 (the run's memory breakdown,
 ``memory.breakdown_step``) for the debug Llama and DeepSeek over pp, dp_shard, ep, schedules and
-AC modes: ``tests/test_memory_plan.py`` (a handful) and ``python -m benchmarks.memory_plan`` (the
+AC modes: ``tests/integration/test_memory_plan.py`` (a handful) and ``python -m benchmarks.memory_plan`` (the
 full table), within 15 %. On GPUs the caching allocator adds its own reserve and fragmentation
 on top (``device_reserved`` − ``device_allocated``); bf16 figures are estimates.
 
@@ -375,7 +375,7 @@ def _deepseek_block(a: Any, layer: int, e: int, seq: int, device: str, rho: floa
 
 def _block_activations() -> dict[type, Callable[..., _BlockActivations]]:
     """Each model family's per-block formula, by its arguments class: adding a family is adding
-    its formula here (and checking it against autograd: tests/test_memory_plan.py)."""
+    its formula here (and checking it against autograd: tests/integration/test_memory_plan.py)."""
     from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
     from ray_titan.models.llama.args import LlamaArgs
 

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel
 
 from ray_titan import storage
 from ray_titan.config.schema import JobConfig
 
 __all__ = ["STOP_REASON_FILE", "make_run_dir", "resolve_paths", "under"]
+
+_S = TypeVar("_S", bound=BaseModel)
 
 STOP_REASON_FILE = "stop_reason.txt"
 """Without a collector, why the workers ended the run early (``training.on_nonfinite = "stop"``)."""
@@ -43,13 +48,21 @@ def make_run_dir(cfg: JobConfig) -> Path | str:
 
 
 def resolve_paths(cfg: JobConfig) -> JobConfig:
-    """A copy with every user path made absolute: Ray Train changes a worker's working directory.
-    A URI stays as it is (``file://`` becomes its local path)."""
-    data = cfg.data.model_copy(update={
-        k: str(storage.local_path(v) or v)
-        for k in ("path", "tokenizer_path", "cache_dir")
-        if (v := getattr(cfg.data, k))
+    """A copy with every user path made absolute: Ray Train changes a worker's working directory,
+    where a relative path would mean another place. ``data.path``, ``data.tokenizer_path``,
+    ``data.cache_dir``, ``data.chat_template_path``, ``data.sources``' paths,
+    ``validation.path``, ``checkpoint.load_path``, ``checkpoint.initial_load_hf`` and
+    ``job.dump_folder``; a URI stays as it is (``file://`` becomes its local path)."""
+
+    def absolute(section: _S, keys: tuple[str, ...]) -> _S:
+        return section.model_copy(update={k: str(storage.local_path(v) or v) for k in keys
+                                          if (v := getattr(section, k))})
+
+    data = absolute(cfg.data, ("path", "tokenizer_path", "cache_dir", "chat_template_path"))
+    if data.sources:
+        data = data.model_copy(update={"sources": [absolute(s, ("path",)) for s in data.sources]})
+    return cfg.model_copy(update={
+        "data": data, "job": absolute(cfg.job, ("dump_folder",)),
+        "validation": absolute(cfg.validation, ("path",)),
+        "checkpoint": absolute(cfg.checkpoint, ("load_path", "initial_load_hf")),
     })
-    dump = cfg.job.dump_folder
-    job = cfg.job.model_copy(update={"dump_folder": str(storage.local_path(dump) or dump)})
-    return cfg.model_copy(update={"data": data, "job": job})

@@ -30,6 +30,9 @@ import pyarrow.fs as pafs
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "MAX_CONFIG_BYTES",
+    "MAX_TOKENIZER_BYTES",
+    "FileTooLargeError",
     "Mirror",
     "StorageError",
     "check_reachable",
@@ -43,6 +46,7 @@ __all__ = [
     "read_bytes",
     "read_text",
     "resolve",
+    "sibling",
     "staged_output",
     "staging_dir",
     "write_bytes",
@@ -92,6 +96,18 @@ def join(uri: str | Path, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *parts]) + sep + options
 
 
+def sibling(uri: str | Path, name: str) -> str:
+    """The file ``name`` in the directory holding ``uri`` (``.../tokenizer.json`` ->
+    ``.../tokenizer_config.json``): a local path stays a path; a URI's options stay at its end
+    (``s3://b/m/tokenizer.json?endpoint_override=h`` -> ``s3://b/m/tokenizer_config.json?endpoint_override=h``),
+    where cutting at the last ``/`` would drop them."""
+    local = local_path(uri)
+    if local is not None:
+        return str(local.parent / name)
+    base, sep, options = str(uri).partition("?")
+    return base.rstrip("/").rsplit("/", 1)[0] + "/" + name + sep + options
+
+
 def makedirs(uri: str | Path) -> None:
     """Create the directory (and parents); object stores without directories accept this too."""
     fs, path = resolve(uri)
@@ -109,9 +125,9 @@ def write_text(uri: str | Path, text: str) -> None:
     write_bytes(uri, text.encode())
 
 
-def read_text(uri: str | Path) -> str:
-    """Read a small UTF-8 file."""
-    return read_bytes(uri).decode()
+def read_text(uri: str | Path, max_bytes: int | None = None, what: str = "") -> str:
+    """Read a small UTF-8 file (``max_bytes``, ``what``: as :func:`read_bytes`)."""
+    return read_bytes(uri, max_bytes, what).decode()
 
 
 def write_bytes(uri: str | Path, data: bytes) -> None:
@@ -136,10 +152,39 @@ def write_bytes(uri: str | Path, data: bytes) -> None:
         raise StorageError(uri, f"cannot write it: {e.strerror or e}") from None
 
 
-def read_bytes(uri: str | Path) -> bytes:
-    """Read a whole file. Raises ``FileNotFoundError`` when it does not exist."""
+# Small files read whole are size-checked first against these bounds (read_bytes' max_bytes), so
+# a huge or sparse file where a small one belongs is refused at once instead of read into memory;
+# each is far above the real sizes.
+MAX_CONFIG_BYTES = 16 * 2**20
+"""A Hugging Face ``config.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` or
+``generation_config.json``: kilobytes in released models (a ``tokenizer_config.json`` with a
+long chat template and many added tokens: a few hundred KB)."""
+MAX_TOKENIZER_BYTES = 256 * 2**20
+"""A ``tokenizer.json``: Llama 3's is 9 MB, Gemma 3's (262k tokens) 33 MB."""
+
+
+class FileTooLargeError(ValueError):
+    """A file read whole is larger than its bound: ``file``, its ``size`` and the bound
+    ``max_bytes`` (bytes); the message names all three and ``what`` the bound is."""
+
+    def __init__(self, file: str | Path, size: int, max_bytes: int, what: str = ""):
+        super().__init__(f"{file} has {size} bytes; valid: at most {max_bytes}{f' ({what})' if what else ''}")
+        self.file, self.size, self.max_bytes = str(file), size, max_bytes
+
+
+def read_bytes(uri: str | Path, max_bytes: int | None = None, what: str = "") -> bytes:
+    """Read a whole file. ``max_bytes``: its size is checked first and a larger file refused
+    with :class:`FileTooLargeError` (``what``: the bound's name or reason, for the message)
+    before anything is read, so a huge or sparse file named where a small one belongs costs
+    neither time nor memory. Raises ``FileNotFoundError`` when it does not exist."""
     fs, path = resolve(uri)
-    with fs.open_input_stream(path) as f:
+    if max_bytes is None:
+        with fs.open_input_stream(path) as f:
+            return f.read()
+    with fs.open_input_file(path) as f:  # random access: its size without reading it
+        size = f.size()
+        if size > max_bytes:
+            raise FileTooLargeError(uri, size, max_bytes, what)
         return f.read()
 
 

@@ -66,8 +66,8 @@ class Model(_Section):
     the checkpoint's ``config.json`` (set here, it must agree)."""
     flavor: str = "debug"
     """Size within the family: ``debug``, ``3-8B`` (= ``8B``), ``3.1-8B``, ``3.1-70B``, ``3.2-1B``,
-    ``3.2-3B`` (llama); ``debug``, ``0.6B``, ``1.7B``, ``4B``, ``8B`` (qwen3); ``debug``, ``V2-Lite``
-    (deepseek_v2). With ``checkpoint.initial_load_hf`` the checkpoint's ``config.json`` gives the
+    ``3.2-3B`` (llama); ``debug``, ``0.6B``, ``1.7B``, ``4B``, ``8B`` (qwen3); ``debug``, ``V2-Lite``,
+    ``V2`` (deepseek_v2). With ``checkpoint.initial_load_hf`` the checkpoint's ``config.json`` gives the
     sizes (a flavor set here must agree with it) and this reads ``hf``."""
     load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
     """MoE only: expert load balancing. ``aux_loss``: DeepSeek-V2's balance loss (per sequence);
@@ -400,7 +400,7 @@ class Memory(_Section):
     shrugs off up to 8 outlying samples (breakdown point 29%: an allocator returning a block, a GC
     round); its quarters have 7 samples, an odd count, so each quarter's median is a sample and
     never the mean of two on either side of a jump; with them 0.5 MiB of jitter per sample and an
-    8 MiB one-time jump are not read as growth (tests/test_leak.py), and a new leak of 1 MiB/step
+    8 MiB one-time jump are not read as growth (tests/unit/test_leak.py), and a new leak of 1 MiB/step
     is seen ~17 steps after it starts."""
     leak_threshold_mib_per_step: float = Field(0.1, gt=0)
     """Rate of device allocated memory at which a rank counts as ``growing``. The caching
@@ -415,7 +415,7 @@ class Memory(_Section):
     by the trainer (tensors, buffers, Python objects) still counts. On recorded healthy ranks of
     the main job (glibc and jemalloc, 600 steps) the verdict's rate stays below 0.05 MiB/step, so
     0.2 catches a leak of 0.25 MiB/step (2.5 GiB per 10,000 steps) with room to spare
-    (tests/test_leak.py: leaks of 0.25-4 MiB/step on those recordings)."""
+    (tests/unit/test_leak.py: leaks of 0.25-4 MiB/step on those recordings)."""
     warmup_max_steps: int = Field(40, ge=1)
     """Warm-up (``warming_up``) lasts until the window is full (a verdict needs
     ``leak_window_steps`` samples) and the newest quarter of it rises over the one before by less
@@ -425,7 +425,8 @@ class Memory(_Section):
     snapshot_steps: list[int] = Field(default_factory=list)
     """Steps after which every rank writes a memory snapshot to ``<run_dir>/memory/``: on CUDA a
     pickled ``torch.cuda.memory`` snapshot (view at pytorch.org/memory_viz), on CPU the torch
-    profiler's memory timeline of that step. Recording on CUDA starts at step 1."""
+    profiler's memory timeline of that step. On CUDA the allocator's event history is recorded
+    from the start of each of these steps to its snapshot, then dropped."""
     breakdown_step: int = Field(2, ge=0)
     """The step whose memory every rank measures by category (parameters, gradients, optimizer
     state, activations, temporaries) at its peak, with the torch profiler's memory timeline
@@ -434,10 +435,13 @@ class Memory(_Section):
     2: the first step with optimizer state. That step runs slower (profiled) and its analysis
     takes ~0.5-3 s on the debug model, left out of ``step_time_s``; 0: none."""
     snapshot_on_oom: bool = True
-    """On CUDA, record the allocation history from step 1 so that an out-of-memory error leaves a
-    snapshot (costs a few percent of step time); on CPU an OOM writes the live tensors instead."""
+    """On CUDA, record from step 1 where each live allocation was made (its Python stack) so that
+    an out-of-memory error leaves a snapshot of what held the memory; the host memory this takes
+    follows the live allocations and stays flat with them (docs/memory.md). On CPU an OOM writes
+    the live tensors instead."""
     history_max_entries: int = Field(100_000, gt=0)
-    """Allocation events kept by ``torch.cuda.memory._record_memory_history``."""
+    """Allocation events the CUDA event history of a ``snapshot_steps`` step keeps (a ring, with
+    each event's Python stack: roughly 1 KB of host memory per event, docs/memory.md)."""
     gc_full_every: int = Field(10, ge=0)
     """Every this many synchronized collections is a full one (generation 2); 0: never, except at
     checkpoint boundaries. Generation 1 every ``gc_freq`` steps frees a step's young cycles
@@ -452,7 +456,7 @@ class Memory(_Section):
     ``jemalloc``: the one Ray ships (``ray/core/libjemalloc.so``, Linux wheels), preloaded into
     the workers; host RSS stays flat where glibc's malloc fragments (1-6 MiB per 100 steps on the
     debug MoE, which sets it: ``configs/debug_deepseek.toml``). The leak verdict is right under
-    both (tests/test_leak.py, on recorded series of each). ``auto``: jemalloc where Ray ships
+    both (tests/unit/test_leak.py, on recorded series of each). ``auto``: jemalloc where Ray ships
     it, else the system's. Applies to workers the driver starts; under ``torchrun`` the launching
     shell's ``LD_PRELOAD`` decides (``ray_titan.allocator``)."""
     malloc_trim: bool = False

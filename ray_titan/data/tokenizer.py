@@ -58,7 +58,8 @@ class HFTokenizer(Tokenizer):
     BOS/EOS are the ``bos_token`` / ``eos_token`` of a ``tokenizer_config.json`` beside it (a
     Hugging Face model directory's), else the first of the usual special-token names the file
     defines. Raises ``FileNotFoundError`` for a missing file and ``ValueError`` when no BOS/EOS
-    token is found.
+    token is found or a file is larger than its bound (``storage.FileTooLargeError``, naming it:
+    ``MAX_TOKENIZER_BYTES``, ``MAX_CONFIG_BYTES``; checked before it is read).
     """
 
     def __init__(self, path: str | Path):
@@ -69,10 +70,10 @@ class HFTokenizer(Tokenizer):
         path = str(path)
         if not storage.exists(path):
             raise FileNotFoundError(f"data.tokenizer_path = {path!r} does not exist")
-        self._tok = _Tok.from_str(storage.read_text(path))
+        self._tok = _Tok.from_str(storage.read_text(path, storage.MAX_TOKENIZER_BYTES, "MAX_TOKENIZER_BYTES"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.max_id = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
-        declared = _declared_special_tokens(path.rsplit("/", 1)[0] + "/tokenizer_config.json")
+        declared = _declared_special_tokens(storage.sibling(path, "tokenizer_config.json"))
         self.bos_id = self._find((*declared[:1], *_BOS_NAMES), "BOS", path)
         self.eos_id = self._find((*declared[1:], *_EOS_NAMES), "EOS", path)
 
@@ -98,7 +99,9 @@ def _declared_special_tokens(config_path: str) -> tuple[str, ...]:
     from ray_titan import storage
 
     try:
-        config = json.loads(storage.read_text(config_path))
+        config = json.loads(storage.read_text(config_path, storage.MAX_CONFIG_BYTES, "MAX_CONFIG_BYTES"))
+    except storage.FileTooLargeError:
+        raise  # a huge file where a small one belongs: say so rather than ignore it
     except Exception:  # no file (a bare tokenizer.json) or not one we can read: use the usual names
         return ()
     names: list[str] = []

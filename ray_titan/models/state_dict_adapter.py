@@ -14,13 +14,14 @@ permutation between Meta's interleaved rotary layout and Hugging Face's ``rotate
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from ray_titan.models.rope import RopeScaling
 
-__all__ = ["SIZE_FIELDS", "HFConfigError", "Source", "StateDictAdapter", "required", "rope_from_hf", "rope_to_hf",
-           "rotary_rows", "size_field"]
+__all__ = ["FLOAT_FIELDS", "SIZE_FIELDS", "HFConfigError", "Source", "StateDictAdapter", "float_field", "required",
+           "rope_from_hf", "rope_to_hf", "rotary_rows", "size_field"]
 
 
 class HFConfigError(ValueError):
@@ -84,7 +85,7 @@ MAX_HEAD_DIM = 1024
 MAX_VOCAB = 2**22
 """vocab_size (Gemma 3: 262,144)."""
 MAX_EXPERTS = 4096
-"""n_routed_experts and the experts per token (Kimi K2: 384; Qwen3-Next: 512)."""
+"""n_routed_experts, the experts per token and the expert groups (Kimi K2: 384; Qwen3-Next: 512)."""
 MAX_LORA_RANK = 2**16
 """DeepSeek's q_lora_rank, kv_lora_rank (DeepSeek-V3: 1536, 512)."""
 MAX_POSITIONS = 2**24
@@ -104,6 +105,8 @@ SIZE_FIELDS: dict[str, tuple[int, int]] = {
     "n_routed_experts": (1, MAX_EXPERTS),
     "num_experts_per_tok": (1, MAX_EXPERTS),
     "n_shared_experts": (0, MAX_EXPERTS),
+    "n_group": (1, MAX_EXPERTS),
+    "topk_group": (1, MAX_EXPERTS),
     "q_lora_rank": (0, MAX_LORA_RANK),
     "kv_lora_rank": (1, MAX_LORA_RANK),
     "qk_nope_head_dim": (1, MAX_HEAD_DIM),
@@ -136,6 +139,42 @@ def size_field(config: dict[str, Any], name: str, default: int | None = None, *,
     return value
 
 
+FLOAT_FIELDS: dict[str, tuple[float, float, bool]] = {
+    "rope_theta": (0.0, math.inf, False),
+    "rms_norm_eps": (0.0, 1.0, False),
+    "routed_scaling_factor": (0.0, math.inf, False),
+    "factor": (0.0, math.inf, False),
+    "low_freq_factor": (0.0, math.inf, False),
+    "high_freq_factor": (0.0, math.inf, False),
+    "beta_fast": (0.0, math.inf, False),
+    "beta_slow": (0.0, math.inf, False),
+    "mscale": (0.0, math.inf, True),
+    "mscale_all_dim": (0.0, math.inf, True),
+}
+"""config.json field -> (low, high, low allowed): the floats a family reads that size nothing but
+enter the model's arithmetic (rope frequencies, norms, router scale): a NaN, an infinity, a zero
+or a negative value there would poison every step without an error (rope_theta 0 or a beta of 0
+divides by zero; rms_norm_eps 0 divides a zero row by zero). Each must be finite and above
+``low`` (or equal to it where allowed), at most ``high``. Read them with :func:`float_field`."""
+
+
+def float_field(config: dict[str, Any], name: str, default: float, *, where: str = "") -> float:
+    """``config[name]`` as a float within ``FLOAT_FIELDS[name]``; an absent or null field is
+    ``default``. An int counts as its float; a bool, a string or anything else is refused, as
+    are NaN and infinities. ``where``: the field's path in the message (``"rope_scaling."``).
+    Raises :class:`HFConfigError` naming the field, its value and the valid range."""
+    low, high, low_ok = FLOAT_FIELDS[name]
+    value = config.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not (low <= value if low_ok else low < value) or value > high:
+        upper = "" if math.isinf(high) else f" and at most {high:g}"
+        raise HFConfigError(f"config.json {where}{name} = {value!r} is not valid; valid: a finite number "
+                            f"{'>=' if low_ok else '>'} {low:g}{upper}")
+    return float(value)
+
+
 def rope_from_hf(config: dict[str, Any], kinds: tuple[str, ...],
                  default_theta: float) -> tuple[float, RopeScaling | None]:
     """``(rope_theta, rope_scaling)`` from a ``config.json``: ``rope_scaling`` (the hub files'
@@ -143,7 +182,8 @@ def rope_from_hf(config: dict[str, Any], kinds: tuple[str, ...],
     scaling kinds the family supports. Raises :class:`HFConfigError` naming the field."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     field = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-    theta = float(params.get("rope_theta", config.get("rope_theta", default_theta)))
+    theta = (float_field(params, "rope_theta", default_theta, where=f"{field}.") if "rope_theta" in params
+             else float_field(config, "rope_theta", default_theta))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
@@ -164,13 +204,20 @@ def rope_from_hf(config: dict[str, Any], kinds: tuple[str, ...],
     if kind == "yarn" and params.get("truncate", True) is not True:
         raise HFConfigError(f"config.json {field}.truncate = {params['truncate']!r} is not supported; valid: true")
     defaults = RopeScaling(kind, 1.0, 1)
+
+    def number(name: str, default: float) -> float:
+        return float_field(params, name, default, where=f"{field}.")
+
+    low = number("low_freq_factor", defaults.low_freq_factor)
+    high = number("high_freq_factor", defaults.high_freq_factor)
+    if kind == "llama3" and high <= low:  # the smoothing divides by their difference
+        raise HFConfigError(f"config.json {field}.high_freq_factor = {high:g} is not above low_freq_factor = {low:g}; "
+                            "valid: high_freq_factor > low_freq_factor")
     return theta, RopeScaling(
-        kind, factor=float(params["factor"]), original_max_position_embeddings=original,
-        low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
-        high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
-        beta_fast=float(params.get("beta_fast") or defaults.beta_fast),
-        beta_slow=float(params.get("beta_slow") or defaults.beta_slow),
-        mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        kind, factor=number("factor", 1.0), original_max_position_embeddings=original,
+        low_freq_factor=low, high_freq_factor=high,
+        beta_fast=number("beta_fast", defaults.beta_fast), beta_slow=number("beta_slow", defaults.beta_slow),
+        mscale=number("mscale", 0.0), mscale_all_dim=number("mscale_all_dim", 0.0),
     )
 
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
+from ray_titan.models.routing import GROUPED, ROUTERS, group_problem
 from ray_titan.models.state_dict_adapter import (
     HFConfigError,
     Source,
     StateDictAdapter,
+    float_field,
     rope_from_hf,
     rope_to_hf,
     size_field,
@@ -35,7 +37,8 @@ ROUTER_BIAS_FILE = "router_bias.safetensors"
 
 
 class DeepSeekV2Adapter(StateDictAdapter):
-    """DeepSeek-V2 and V2-Lite: greedy top-k softmax routing, YaRN rope."""
+    """DeepSeek-V2 and V2-Lite: softmax routing (``topk_method``: any key of
+    ``ray_titan.models.routing.ROUTERS``; V2's ``group_limited_greedy``), YaRN rope."""
 
     model_type = "deepseek_v2"
     architectures = ("DeepseekV2ForCausalLM",)
@@ -46,9 +49,12 @@ class DeepSeekV2Adapter(StateDictAdapter):
             return size_field(config, name, default)
 
         for name, valid in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                            ("topk_method", "greedy"), ("moe_layer_freq", 1), ("scoring_func", "softmax")):
+                            ("moe_layer_freq", 1), ("scoring_func", "softmax")):
             if config.get(name, valid) != valid:
                 raise HFConfigError(f"config.json {name} = {config[name]!r} is not supported; valid: {valid!r}")
+        method = config.get("topk_method") or "greedy"
+        if not isinstance(method, str) or method not in ROUTERS:
+            raise HFConfigError(f"config.json topk_method = {method!r} is not supported; valid: {sorted(ROUTERS)}")
         n_layers, n_dense = need("num_hidden_layers"), need("first_k_dense_replace", 0)
         n_experts, top_k = need("n_routed_experts"), need("num_experts_per_tok")
         rope_dim = need("qk_rope_head_dim")
@@ -60,6 +66,15 @@ class DeepSeekV2Adapter(StateDictAdapter):
         if top_k > n_experts:
             raise HFConfigError(f"config.json num_experts_per_tok = {top_k} exceeds n_routed_experts = "
                                 f"{n_experts}; valid: 1 to {n_experts}")
+        # Group-limited routing: the groups split the experts evenly and hold the top-k. Other
+        # methods ignore the groups (as transformers does): they are kept as 1.
+        n_group = topk_group = 1
+        if method in GROUPED:
+            n_group, topk_group = need("n_group"), need("topk_group")
+            problem = group_problem(n_experts, top_k, n_group, topk_group,
+                                    ("n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"))
+            if problem:
+                raise HFConfigError(f"config.json {problem} (topk_method = {method!r})")
         if rope_dim % 2:
             raise HFConfigError(f"config.json qk_rope_head_dim = {rope_dim} is odd; valid: an even size "
                                 "(rotary embeddings rotate pairs)")
@@ -71,11 +86,12 @@ class DeepSeekV2Adapter(StateDictAdapter):
             moe_inter_dim=need("moe_intermediate_size"), n_routed_experts=n_experts,
             n_shared_experts=need("n_shared_experts", 0),
             n_activated_experts=top_k,
-            route_scale=float(config.get("routed_scaling_factor", 1.0)),
+            route_scale=float_field(config, "routed_scaling_factor", 1.0),
             norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+            topk_method=method, n_group=n_group, topk_group=topk_group,
             q_lora_rank=need("q_lora_rank", 0), kv_lora_rank=need("kv_lora_rank"),
             qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=rope_dim,
-            v_head_dim=need("v_head_dim"), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            v_head_dim=need("v_head_dim"), norm_eps=float_field(config, "rms_norm_eps", 1e-6),
             rope_theta=theta, max_seq_len=need("max_position_embeddings"), rope_scaling=scaling,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
@@ -87,7 +103,8 @@ class DeepSeekV2Adapter(StateDictAdapter):
             "intermediate_size": args.inter_dim, "moe_intermediate_size": args.moe_inter_dim,
             "n_routed_experts": args.n_routed_experts, "n_shared_experts": args.n_shared_experts,
             "num_experts_per_tok": args.n_activated_experts, "routed_scaling_factor": args.route_scale,
-            "norm_topk_prob": args.norm_topk_prob, "topk_method": "greedy", "moe_layer_freq": 1,
+            "norm_topk_prob": args.norm_topk_prob, "topk_method": args.topk_method,
+            "n_group": args.n_group, "topk_group": args.topk_group, "moe_layer_freq": 1,
             "q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
             "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
             "v_head_dim": args.v_head_dim, "rms_norm_eps": args.norm_eps,
