@@ -102,6 +102,8 @@ def resolve_callback(target: str, kwargs: dict[str, Any] | None = None) -> type:
         raise ValueError(
             f"callback target {target!r} is {what} (it is not called): give a class (e.g. a "
             f"ray_titan.callbacks.Callback subclass) defining at least one of {', '.join(EVENTS)}"
+            + ("; factory functions are no longer accepted: wrap one in a class"
+               if callable(obj) and not isinstance(obj, type) else "")
         )
     try:
         sig = inspect.signature(obj)

@@ -101,6 +101,8 @@ HF_DIR = "hf"
 """The checkpoint's subdirectory holding the job's Hugging Face tokenizer files and the imported
 ``config.json`` (what ``ray-titan export`` writes beside the weights)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+"""The tokenizer files kept in a checkpoint's ``hf/`` and copied beside an export: the job's
+``data.tokenizer_path`` (as ``tokenizer.json``) and those of the others beside it."""
 
 # Files read whole are size-checked first against these bounds, so a huge or sparse file where a
 # small one belongs is refused at once instead of read into memory; each is far above real sizes.
@@ -112,8 +114,6 @@ MAX_METADATA_BYTES = 2 * 2**30
 """DCP's ``.metadata``: about 150 bytes per saved chunk (tensors × shards): tens of MB for a
 405B model on hundreds of ranks, hundreds of MB at tens of thousands of shards. DCP itself
 unpickles it whole on every rank."""
-"""The tokenizer files kept in a checkpoint's ``hf/`` and copied beside an export: the job's
-``data.tokenizer_path`` (as ``tokenizer.json``) and those of the others beside it."""
 FORMAT = 2
 """2: the data position is (epoch, document, offset); 1 saved the loader's unread tokens."""
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -724,7 +724,13 @@ class Checkpointer:
         self.job["tokenizer_path"] = cfg.data.tokenizer_path
         self.job["initial_load_hf"] = cfg.checkpoint.initial_load_hf
         # Read once, here: each checkpoint keeps a copy (export takes nothing from outside it).
-        self.hf_files = _hf_files(cfg) if rank == 0 and storage is not None and cfg.checkpoint.enable else {}
+        self.hf_files: dict[str, bytes] = {}
+        if rank == 0 and storage is not None and cfg.checkpoint.enable:
+            try:  # rank 0 alone reads them: raising here would leave the other ranks waiting
+                self.hf_files = _hf_files(cfg)
+            except CheckpointError as e:
+                print(f"ray_titan: warning: {e}; the checkpoints carry no hf/ files, and an export of "
+                      "them has no tokenizer", flush=True)
         self.resumed_from: str | None = None
         self.restarted = False
         """True when this worker group resumed its own run's checkpoint (a restart)."""
@@ -780,12 +786,24 @@ class Checkpointer:
                 raise own[0] from err  # this rank was interrupted (KeyboardInterrupt, SystemExit)
             raise CheckpointError(why) from err
         reports = self.reporter.unacknowledged() if hasattr(self.reporter, "unacknowledged") else []
-        rdir = write_dir / "reports"
-        rdir.mkdir(parents=True, exist_ok=True)
-        (rdir / f"rank{self.rank}.json").write_text(json.dumps(reports))
-        for name, data in self.hf_files.items():  # rank 0's only; listed in the manifest like the rest
-            (write_dir / HF_DIR).mkdir(exist_ok=True)
-            (write_dir / HF_DIR / name).write_bytes(data)
+        why = ""
+        try:
+            rdir = write_dir / "reports"
+            rdir.mkdir(parents=True, exist_ok=True)
+            (rdir / f"rank{self.rank}.json").write_text(json.dumps(reports))
+            for name, data in self.hf_files.items():  # rank 0's only; listed in the manifest like the rest
+                (write_dir / HF_DIR).mkdir(exist_ok=True)
+                (write_dir / HF_DIR / name).write_bytes(data)
+        except OSError as err:
+            why = _write_failure(step, write_dir, err, self.rank)
+        if self.world > 1:  # every rank learns of a failed write, or the others would wait in the gather
+            failed = torch.tensor([1.0 if why else 0.0], device=self.device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if failed.item() and not why:
+                why = f"step {step}: another rank could not write its files of this checkpoint; nothing kept"
+        if why:
+            shutil.rmtree(write_dir, ignore_errors=True)
+            raise CheckpointError(why)
         entries = {} if self.storage.shared else _file_entries(write_dir)
         gathered: list[Any] | None = [entries]
         if self.world > 1:

@@ -358,7 +358,9 @@ def staged_output(uri: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S, last: t
     included) removes it and leaves ``uri`` as it was, so no reader sees a half-written directory.
 
     A local ``uri``: the staging directory is ``.<name>.partial-<random>`` beside it (the same
-    filesystem), renamed into place at the end. A remote one: probed first (:func:`check_writable`
+    filesystem), renamed into place at the end; where ``uri`` is an empty directory already (a
+    mount point, or one whose parent the user cannot write), ``.partial-<random>`` inside it, whose
+    files are moved up at the end (a failure leaves it empty again). A remote one: probed first (:func:`check_writable`
     within ``timeout_s`` seconds), staged in the local temporary directory and uploaded at the
     end, the files named in ``last`` after all others (the file whose presence marks the directory
     complete, such as a model's ``config.json``); a failed upload removes what it sent.
@@ -368,19 +370,36 @@ def staged_output(uri: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S, last: t
     if local is not None:
         if local.exists() and (not local.is_dir() or any(local.iterdir())):
             raise StorageError(local, "already exists and is not an empty directory; remove it or choose another")
+        # An empty directory that exists (a mount point, or one the user may write only inside)
+        # is filled in place from a staging directory inside it; a new one is renamed into place.
+        inside = local.is_dir()
         try:
-            local.parent.mkdir(parents=True, exist_ok=True)
-            staging = local.parent / f".{local.name}.partial-{uuid.uuid4().hex[:8]}"
+            if not inside:
+                local.parent.mkdir(parents=True, exist_ok=True)
+            staging = (local / f".partial-{uuid.uuid4().hex[:8]}" if inside
+                       else local.parent / f".{local.name}.partial-{uuid.uuid4().hex[:8]}")
             staging.mkdir()
         except OSError as e:
-            raise StorageError(local, f"cannot create it: {e.strerror or e}") from None
+            raise StorageError(local, f"cannot create {e.filename or local}: {e.strerror or e}") from None
         try:
             yield str(staging)
-            if local.exists():
-                local.rmdir()  # the empty directory it replaces
-            os.rename(staging, local)
+            try:
+                if inside:
+                    for child in sorted(staging.iterdir(), key=lambda c: c.name in last):  # the marker last
+                        os.rename(child, local / child.name)
+                    staging.rmdir()
+                else:
+                    os.rename(staging, local)
+            except OSError as e:
+                raise StorageError(local, f"cannot put the finished files in place: {e.strerror or e}") from None
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
+            if inside:  # files already moved up: leave the directory empty, as it was
+                for child in local.iterdir():
+                    if child.is_dir():
+                        shutil.rmtree(child, ignore_errors=True)
+                    else:
+                        child.unlink(missing_ok=True)
             raise
         return
     check_writable(uri, timeout_s)

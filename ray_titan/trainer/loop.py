@@ -167,7 +167,7 @@ def train_loop(
     except BaseException as e:
         # An OOM of a pipeline stage's forward or backward arrives wrapped in the schedule's
         # RuntimeError: look through the chain, not at the type.
-        oom = find_oom(e)
+        oom = find_oom(e) if isinstance(e, Exception) else None  # Ctrl-C during an OOM stays Ctrl-C
         if oom is None:
             error = e
             raise

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from tests.unit.test_checkpoint import _cfg, _train
+from tests.unit.test_checkpoint import _cfg, _saved_run, _train
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, corpus_cache):
+    return _saved_run(tmp_path_factory, corpus_cache)
 
 
 def test_resume_continues_the_loss_curve_exactly(saved, tmp_path, corpus_cache):

@@ -221,13 +221,20 @@ def test_staged_output_uploads_a_remote_directory_whole_with_the_marker_last(tmp
             pass
 
 
-def test_staged_output_replaces_an_empty_directory_and_refuses_a_full_one(tmp_path):
+def test_staged_output_fills_an_empty_directory_and_refuses_a_full_one(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    with storage.staged_output(out) as staging:
-        assert Path(staging).parent == tmp_path and Path(staging).name.startswith(".out.partial-")
+    # An empty directory that exists (a mount point, say) is staged inside, never beside it.
+    with pytest.raises(RuntimeError), storage.staged_output(out) as staging:
+        assert Path(staging).parent == out and Path(staging).name.startswith(".partial-")
+        (Path(staging) / "model.safetensors").write_text("x")
+        raise RuntimeError("a damaged tensor at the last shard")
+    assert list(out.iterdir()) == []
+    with storage.staged_output(out, last=("config.json",)) as staging:
         (Path(staging) / "config.json").write_text("{}")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (out / "config.json").is_file()
+        (Path(staging) / "model.safetensors").write_text("x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     with pytest.raises(storage.StorageError, match=r"out: already exists and is not an empty directory"):
         with storage.staged_output(out):
             pytest.fail("the block ran")

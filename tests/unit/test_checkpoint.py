@@ -50,13 +50,17 @@ def _train(run_dir, cfg, save=True):
     return t["step_loss"].to_pylist(), t["skipped_update"].to_pylist(), t["grad_norm"].to_pylist(), summary
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory, corpus_cache):
-    """4 steps with checkpoints at steps 2 and 4."""
+def _saved_run(tmp_path_factory, corpus_cache):
+    """4 steps with checkpoints at steps 2 and 4: (run directory, config, step losses)."""
     run_dir = tmp_path_factory.mktemp("saved")
     cfg = _cfg(run_dir, corpus_cache)
     losses, *_ = _train(run_dir, cfg)
     return run_dir, cfg, losses
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, corpus_cache):
+    return _saved_run(tmp_path_factory, corpus_cache)
 
 
 def _copy(src, tmp_path):
@@ -684,3 +688,28 @@ def test_a_huge_manifest_or_metadata_is_refused_from_its_size(saved, tmp_path):
     with pytest.raises(CheckpointError, match=rf"checkpoint {ckpt}: {MANIFEST} has {MAX_MANIFEST_BYTES + 1} bytes; "
                                               rf"valid: at most {MAX_MANIFEST_BYTES} \(MAX_MANIFEST_BYTES\)"):
         read_manifest(ckpt)
+
+
+def test_a_failed_write_of_the_side_files_fails_the_save_cleanly(tmp_path, monkeypatch):
+    """The metrics reports and hf/ files are written after DCP's shards, by this process alone: a
+    failure there (disk full) is the same CheckpointError with the documented message, and the
+    rank's files are removed (on several ranks a flag all-reduce tells every rank)."""
+    import errno
+    import shutil as _shutil
+    from pathlib import Path as _Path
+
+    real_usage = _shutil.disk_usage
+    monkeypatch.setattr(_shutil, "disk_usage", lambda p: real_usage(p)._replace(free=0))
+    real = _Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if self.parent.name == "reports":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(_Path, "write_text", write_text)
+    write_dir = tmp_path / "checkpoints" / "step-00000003"
+    with pytest.raises(CheckpointError, match=r"^step 3: writing the checkpoint to .* No space left on device.*"
+                                              r"the filesystem is full\)$"):
+        _tiny_checkpointer(tmp_path).save(3)
+    assert not write_dir.exists()
