@@ -216,6 +216,22 @@ fs.delete_file(probe)
 """
 
 
+def _probe_in_child(uri: str | Path, timeout_s: float, doing: str, script: str, *args: str) -> None:
+    """Run ``script`` on ``uri`` in a child process stopped after ``timeout_s`` seconds (a pyarrow
+    call to an unreachable bucket can block for minutes, deaf to Ctrl-C). Raises
+    :class:`StorageError` naming ``uri``: no answer in time, or the child's last line of error
+    (prefixed with ``doing`` unless pyarrow could not open the URI at all)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", script, str(uri), *args],
+                             capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise StorageError(uri, f"no answer from its storage within {timeout_s:g} s "
+                                "(unreachable endpoint or bucket, or missing credentials?)") from None
+    if out.returncode:
+        last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+        raise StorageError(uri, last if last.startswith("pyarrow cannot") else f"{doing}: {last}")
+
+
 def check_writable(uri: str | Path, timeout_s: float) -> None:
     """Prove that files can be written in the directory ``uri`` by writing and removing a small
     probe file there (creating the directory if needed; directories created only for the probe
@@ -224,15 +240,7 @@ def check_writable(uri: str | Path, timeout_s: float) -> None:
     filesystem, not a directory, permission, no answer within ``timeout_s``, ...)."""
     local = local_path(uri)
     if local is None:
-        try:
-            out = subprocess.run([sys.executable, "-c", _REMOTE_PROBE, str(uri), PROBE_NAME],
-                                 capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise StorageError(uri, f"no answer from its storage within {timeout_s:g} s "
-                                    "(unreachable endpoint or bucket, or missing credentials?)") from None
-        if out.returncode:
-            last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
-            raise StorageError(uri, last if last.startswith("pyarrow cannot") else f"cannot write there: {last}")
+        _probe_in_child(uri, timeout_s, "cannot write there", _REMOTE_PROBE, PROBE_NAME)
         return
     created, doing = [], "cannot create it"
     try:
@@ -321,15 +329,7 @@ def check_reachable(uri: str | Path, timeout_s: float) -> None:
     key = f"{parsed.scheme}://{parsed.netloc}?{parsed.query}"
     if key in _ANSWERED:
         return
-    try:
-        out = subprocess.run([sys.executable, "-c", _REMOTE_READ_PROBE, str(uri)],
-                             capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise StorageError(uri, f"no answer from its storage within {timeout_s:g} s "
-                                "(unreachable endpoint or bucket, or missing credentials?)") from None
-    if out.returncode:
-        last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
-        raise StorageError(uri, last if last.startswith("pyarrow cannot") else f"cannot read it: {last}")
+    _probe_in_child(uri, timeout_s, "cannot read it", _REMOTE_READ_PROBE)
     _ANSWERED.add(key)
 
 
