@@ -33,7 +33,7 @@ from ray_titan.parallel.pipeline import SCHEDULES, stage_placement
 from ray_titan.preflight import validate_job
 from ray_titan.trainer.build import parallel_dims
 from tests.conftest import REPO
-from tests.support.ranks import forkserver, free_port, join_all
+from tests.support.ranks import forkserver, join_all, rendezvous_store
 
 STEPS = 10
 RTOL = 1e-4
@@ -72,7 +72,7 @@ MOE = {
 CONFIGS = {"llama": "debug_llama.toml", "deepseek_v2": "debug_deepseek.toml"}
 
 
-def _rank_main(rank: int, nproc: int, port: int, config: str, overrides: list[str], run_dir: str,
+def _rank_main(rank: int, nproc: int, config: str, overrides: list[str], run_dir: str,
                save: bool, env: dict[str, str] | None = None) -> None:
     """One rank of a composition: what ``ray_titan.launch`` does under torchrun, minus the CLI."""
     from ray_titan.checkpoint import LocalCheckpointStorage
@@ -81,7 +81,7 @@ def _rank_main(rank: int, nproc: int, port: int, config: str, overrides: list[st
     os.environ.update(env or {})  # the forkserver's environment is that of its first use
     try:
         if nproc > 1:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
+            dist.init_process_group("gloo", rank=rank, world_size=nproc)  # env:// on rendezvous_store's
         cfg = load_config(REPO / "configs" / config, overrides)
         storage = LocalCheckpointStorage(Path(run_dir) / "checkpoints", 0) if save else None
         train_loop(cfg, JsonlReporter(rank_reports_path(run_dir, rank)), torch.device("cpu"), run_dir,
@@ -103,12 +103,13 @@ def _run(tmp: Path, model: str, nproc: int, overrides: list[str], steps: int = S
         f"--checkpoint.enable={str(save).lower()}"], overrides)
     run_dir = tmp / "run"
     run_dir.mkdir(parents=True)
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, CONFIGS[model], flags, str(run_dir), save, env))
-             for r in range(nproc)]
-    for p in procs:
-        p.start()
-    join_all(procs, 300)
+    with rendezvous_store() as store_env:
+        procs = [ctx.Process(target=_rank_main, args=(r, nproc, CONFIGS[model], flags, str(run_dir), save,
+                                                      {**store_env, **(env or {})}))
+                 for r in range(nproc)]
+        for p in procs:
+            p.start()
+        join_all(procs, 300)
     errors = [f.read_text() for f in sorted(run_dir.glob("error-rank*.txt"))]
     assert all(p.exitcode == 0 for p in procs), errors[0][-3000:] if errors else [p.exitcode for p in procs]
     cfg = load_config(REPO / "configs" / CONFIGS[model], flags)

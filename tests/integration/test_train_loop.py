@@ -87,7 +87,8 @@ def test_an_oom_inside_a_pipeline_stage_forward_reaches_the_oom_path(tmp_path, c
                   f"--job.dump_folder={dump}", f"--data.cache_dir={corpus_cache}", "--memory.breakdown_step=0"],
                  4, cwd=tmp_path, timeout=240)
     assert out.returncodes[2] == 1, out.stderr[-3000:]
-    (run_dir,) = dump.glob("debug_llama-*")
+    (run_dir,) = dump.glob("debug_llama-*") or [None]
+    assert run_dir is not None, (out.returncodes, out.stderr[-3000:])
     snapshot = run_dir / "memory" / "rank2-oom-step3.json"
     assert ("RankOutOfMemoryError: rank 2 (pp=1, dp_shard=0) ran out of memory at step 3 in the forward of "
             "pipeline stage 1: peak host RSS ") in out.stderr, out.stderr[-3000:]

@@ -19,10 +19,12 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Launched", "forkserver", "free_port", "join_all", "launch"]
+__all__ = ["Launched", "forkserver", "free_port", "join_all", "launch", "rendezvous_store"]
 
 _PRELOAD = ["ray_titan.launch", "ray_titan.trainer", "tests.support.ranks"]
 
@@ -40,6 +42,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def rendezvous_store() -> Iterator[dict[str, str]]:
+    """A TCPStore hosted by this process on a port the OS picks, as torchrun's agent hosts it;
+    yields the environment (``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE``)
+    that makes every rank's ``env://`` or ``tcp://`` rendezvous a client of it. No rank binds a
+    port, so none picked earlier by :func:`free_port` can be taken by another process meanwhile
+    (a Ray node starting beside the test) and hang the launch."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    finally:
+        del store
 
 
 def join_all(procs: list[mp.process.BaseProcess], timeout: float) -> None:
@@ -100,20 +118,20 @@ def launch(argv: list[str], nproc: int = 1, cwd: str | Path = ".", env: dict[str
     ``OMP_NUM_THREADS=1`` and ``env`` added to each one's environment; wait at most ``timeout``
     seconds (then kill the ranks left)."""
     ctx = forkserver()
-    port = free_port()
     logs = Path(tempfile.mkdtemp(prefix="rt_launch_"))
     outs = [(str(logs / f"rank{r}.out"), str(logs / f"rank{r}.err")) for r in range(nproc)]
     procs = []
-    for r in range(nproc):
-        rank_env = {"OMP_NUM_THREADS": "1", **(env or {})}
-        if nproc > 1:
-            rank_env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        p = ctx.Process(target=_rank, args=(list(argv), rank_env, str(cwd), *outs[r]))
-        p.start()
-        procs.append(p)
     try:
-        join_all(procs, timeout)
+        with rendezvous_store() as store_env:
+            for r in range(nproc):
+                rank_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+                if nproc > 1:
+                    rank_env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
+                                    LOCAL_WORLD_SIZE=str(nproc), **store_env)
+                p = ctx.Process(target=_rank, args=(list(argv), rank_env, str(cwd), *outs[r]))
+                p.start()
+                procs.append(p)
+            join_all(procs, timeout)
         texts = [(Path(o).read_text(), Path(e).read_text()) for o, e in outs]
     finally:
         shutil.rmtree(logs, ignore_errors=True)
