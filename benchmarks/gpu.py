@@ -3,9 +3,9 @@ benchmarks.run gpu``).
 
 Two jobs, each one process, one rank, in this process: the debug Llama in fp32, and a ~1 B
 Llama with the shape of Llama 3.2 1B (dim 2048, 16 layers, 32 heads, 8 KV heads, SwiGLU hidden
-8192; 0.97 B non-embedding parameters with the byte vocabulary) with ``training.autocast =
-"bfloat16"`` (fp32 weights and optimizer state, bf16 matmuls). Reports tokens/s, MFU against the GPU's
-datasheet dense bf16 peak (or the measured bf16 matmul peak for a GPU not in
+8192; 0.97 B non-embedding parameters with the byte vocabulary) with ``training.mixed_precision =
+"bf16"`` (one rank, no FSDP: ``torch.autocast``; fp32 weights and optimizer state, bf16 matmuls).
+Reports tokens/s, MFU against the GPU's datasheet dense bf16 peak (or the measured bf16 matmul peak for a GPU not in
 ``ray_titan.metrics.flops.GPU_PEAK_FLOPS``), and the peak memory the caching allocator reserved.
 """
 
@@ -49,7 +49,7 @@ def _run(bench, flavor: str, batch: int, seq_len: int, bf16: bool, device=None) 
     cfg = bench.job("gpu", f"--model.flavor={flavor}", "--parallelism.pp=1", "--parallelism.dp_shard=1",
                     "--parallelism.microbatches=1", f"--training.global_batch_size={batch}",
                     f"--training.seq_len={seq_len}", f"--training.steps={steps}",
-                    "--metrics.enable_tensorboard=false", f"--training.autocast={'bfloat16' if bf16 else 'none'}")
+                    "--metrics.enable_tensorboard=false", f"--training.mixed_precision={'bf16' if bf16 else 'fp32'}")
     validate_job(cfg)
     run_dir = make_run_dir(cfg)
     collector = MetricsCollector(str(run_dir), 1, [0], steps, 10**9, 20, False)
@@ -75,14 +75,14 @@ def _run(bench, flavor: str, batch: int, seq_len: int, bf16: bool, device=None) 
 
 
 def gpu_rows(bench) -> list[Row]:
-    """Rows for the debug model (fp32, 64 × 512 tokens per step) and the ~1 B model (bf16
-    autocast, 4 × 2048 tokens per step) on CUDA device 0."""
+    """Rows for the debug model (fp32, 64 × 512 tokens per step) and the ~1 B model (bf16,
+    4 × 2048 tokens per step) on CUDA device 0."""
     from ray_titan.models.registry import MODELS
 
     MODELS["llama"].flavors.setdefault(LLAMA_1B, _llama_1b())  # a benchmark-only flavor, this process only
     out = []
     for label, flavor, batch, seq, bf16 in (("debug Llama, fp32", "debug", 64, 512, False),
-                                            ("~1 B Llama (Llama 3.2 1B shape), bf16 autocast", LLAMA_1B, 4, 2048,
+                                            ("~1 B Llama (Llama 3.2 1B shape), bf16", LLAMA_1B, 4, 2048,
                                              True)):
         try:
             r = _run(bench, flavor, batch, seq, bf16)

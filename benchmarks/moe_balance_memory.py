@@ -1,6 +1,7 @@
 """MoE benchmark: expert-load balance with each balancing mode, and host-memory flatness.
 
-Runs ``configs/debug_deepseek.toml`` (pp=2 × dp_shard=2, ep=2, 4 workers on a local Ray cluster)
+Runs ``configs/debug_deepseek.toml`` (pp=2 × dp_shard=2, ep=2, 4 workers on a local Ray cluster;
+``--config configs/debug_deepseek_v3.toml``: its DeepSeek-V3 twin)
 for ``--steps`` steps with ``metrics.log_freq`` larger than the run, once per
 ``model.load_balance`` mode, and prints per mode:
 
@@ -15,7 +16,7 @@ for ``--steps`` steps with ``metrics.log_freq`` larger than the run, once per
   ``--allocator`` to compare);
 - median tokens/s and the mean loss of the last 20 steps.
 
-``python benchmarks/moe_balance_memory.py [--steps 300] [--modes aux_loss aux_free none] [--allocator auto] [--json out.json]``
+``python benchmarks/moe_balance_memory.py [--config configs/debug_deepseek.toml] [--steps 300] [--modes aux_loss aux_free none] [--allocator auto] [--json out.json]``
 """  # noqa: E501
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def run_mode(mode: str, steps: int, warmup: int, dump: str, allocator: str = "auto") -> dict:
+def run_mode(mode: str, steps: int, warmup: int, dump: str, allocator: str = "auto",
+             config: str = "configs/debug_deepseek.toml") -> dict:
     import ray_titan
     from ray_titan.config import load_config
     from ray_titan.metrics.moe_stats import expert_shares, memory_slopes
 
-    cfg = load_config(REPO / "configs" / "debug_deepseek.toml", [
+    cfg = load_config(REPO / config, [
         f"--job.name=bench_moe_{mode}", f"--job.dump_folder={dump}", f"--training.steps={steps}",
         f"--metrics.log_freq={steps + 1}", f"--model.load_balance={mode}", f"--memory.allocator={allocator}",
     ])
@@ -66,6 +68,8 @@ def run_mode(mode: str, steps: int, warmup: int, dump: str, allocator: str = "au
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/debug_deepseek.toml",
+                    help="the MoE job (relative to the repository; configs/debug_deepseek_v3.toml: the V3 twin)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--modes", nargs="+", default=["aux_loss", "aux_free", "none"])
@@ -77,8 +81,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as dump:
         for mode in args.modes:
-            rows.append(run_mode(mode, args.steps, args.warmup, dump, args.allocator))
-    print(f"\nDeepSeek-V2 debug MoE, pp=2 × dp_shard=2 × ep=2, {args.steps} steps; balance over the last 50 steps; "
+            rows.append(run_mode(mode, args.steps, args.warmup, dump, args.allocator, args.config))
+    print(f"\n{args.config}, pp=2 × dp_shard=2 × ep=2, {args.steps} steps; balance over the last 50 steps; "
           f"workers' malloc: {', '.join(sorted({a for r in rows for a in r['allocator']}))}")
     print(f"{'load_balance':<12} {'min share':>10} {'max share':>10} {'rss KiB/100 steps (r0..r3)':>34} "
           f"{'malloc in-use KiB/100 steps':>34} {'tok/s':>8} {'loss':>7}")

@@ -18,7 +18,7 @@ Names (default: every CPU benchmark, in this order):
   LR schedule, batch, microbatches and mesh (pp=2 × dp_shard=2, 1F1B), and on one process
   (``benchmarks/torchtitan_cpu.py``; needs the ``bench`` extra). Not in the default set.
 - ``gpu``: the train loop without Ray on one CUDA GPU, debug model (fp32) and a ~1 B Llama
-  (``training.autocast = "bfloat16"``): tokens/s, MFU, peak memory. Not in the default set; needs a GPU.
+  (``training.mixed_precision = "bf16"``): tokens/s, MFU, peak memory. Not in the default set; needs a GPU.
 
 Every comparison runs both sides alternately in this one invocation (A B, B A, ...) and reports
 the median of the paired ratios with min and max (``benchmarks/stats.py``). Tokens/s is measured
@@ -599,7 +599,7 @@ def bench_gpu(bench: Bench) -> list[Row]:
 
     if not torch.cuda.is_available():
         return [Row(f"GPU: {m}", "tokens/s, MFU, peak memory", "unmeasured", note="no CUDA device here")
-                for m in ("debug Llama, fp32", "~1 B Llama (Llama 3.2 1B shape), bf16 autocast")]
+                for m in ("debug Llama, fp32", "~1 B Llama (Llama 3.2 1B shape), bf16")]
     from benchmarks.gpu import gpu_rows
 
     return gpu_rows(bench)

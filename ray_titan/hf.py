@@ -62,6 +62,7 @@ from ray_titan.checkpoint import (
     resolve_checkpoint,
 )
 from ray_titan.config.schema import ConfigError, JobConfig
+from ray_titan.models.gpt_oss.mxfp4 import dequantize_mxfp4, packed_shapes
 from ray_titan.models.registry import ModelSpec, build_model, get_model_args, get_spec, spec_for_hf
 from ray_titan.models.rope import RopeScaling
 from ray_titan.models.state_dict_adapter import HFConfigError, Source
@@ -94,8 +95,12 @@ MAX_HEADER_BYTES = 100_000_000
 few megabytes (about 100 bytes per tensor); the length is checked before anything is read, so a
 damaged or hostile length is refused without reading or allocating it."""
 
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+           "U8": torch.uint8}
 _NAMES = {v: k for k, v in _DTYPES.items()}
+_PACKED = ("_blocks", "_scales")
+"""Suffixes of an MXFP4-packed tensor's two parts (gpt-oss's expert weights; uint8, the only
+tensors of that dtype a checkpoint may hold: ``ray_titan.models.gpt_oss.mxfp4``)."""
 _EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -328,9 +333,21 @@ class SafetensorsFiles:
                 raise HFCheckpointError(f"{file}: tensor {key}'s bytes do not match its shape {list(entry.shape)}")
             self.entries[key] = entry
 
+    def packed(self, key: str) -> tuple[_Entry, _Entry] | None:
+        """The MXFP4 ``(blocks, scales)`` entries that hold ``key`` when the files have those
+        instead of ``key`` itself (gpt-oss's released expert weights), else None."""
+        if key in self.entries:
+            return None
+        parts = tuple(self.entries.get(key + suffix) for suffix in _PACKED)
+        return (parts[0], parts[1]) if parts[0] is not None and parts[1] is not None else None
+
     def read_rows(self, key: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows ``[start, stop)`` of dim 0 of tensor ``key`` (all of it by default), in the
-        file's dtype, as a new CPU tensor."""
+        file's dtype, as a new CPU tensor; an MXFP4-packed ``key`` (:meth:`packed`) is
+        dequantised to fp32 as transformers does (``ray_titan.models.gpt_oss.mxfp4``)."""
+        if self.packed(key) is not None:
+            blocks, scales = (self.read_rows(key + suffix, start, stop) for suffix in _PACKED)
+            return dequantize_mxfp4(blocks, scales)
         e = self.entries[key]
         if not e.shape:
             start, stop, row_bytes = 0, 1, e.nbytes
@@ -348,13 +365,32 @@ class SafetensorsFiles:
         self._files.clear()
 
 
+def _from_hf_layout(src: Source, t: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face tensor (or a run of its rows) in ray_titan's layout: ``src.cols``'s part of
+    the last dim, then the last two dims swapped when ``src.transpose`` (:class:`Source`)."""
+    if src.cols is not None:
+        t = t[..., src.cols[0]::src.cols[1]]
+    if src.transpose:
+        t = t.transpose(-1, -2)
+    return t.contiguous()
+
+
+def _hf_shape(src: Source, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The Hugging Face tensor's shape for a ray_titan tensor of ``shape`` (:func:`_from_hf_layout`'s inverse)."""
+    if src.transpose:
+        shape = (*shape[:-2], shape[-1], shape[-2])
+    if src.cols is not None:
+        shape = (*shape[:-1], shape[-1] * src.cols[1])
+    return shape
+
+
 def _read_source(files: SafetensorsFiles, src: Source, start: int, stop: int) -> torch.Tensor:
     """Rows ``[start, stop)`` of dim 0 of the ray_titan tensor ``src`` describes."""
     if src.stacked:
         return torch.stack([files.read_rows(k) for k in src.keys[start:stop]])
     (key,) = src.keys
     if src.rows is None:
-        return files.read_rows(key, start, stop)
+        return _from_hf_layout(src, files.read_rows(key, start, stop))
     rows = torch.tensor(src.rows[start:stop])
     lo, hi = int(rows.min()), int(rows.max()) + 1  # a head's rows: a short covering range
     return files.read_rows(key, lo, hi)[rows - lo]
@@ -370,12 +406,13 @@ def _expected_shapes(spec: ModelSpec, args: Any) -> tuple[dict[str, tuple[int, .
     for name, shape in shapes.items():
         src = sources[name]
         for key in src.keys:
-            want[key] = shape[1:] if src.stacked else shape
+            want[key] = shape[1:] if src.stacked else _hf_shape(src, shape)
     return want, sources
 
 
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 _EXPERT_KEY = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+_FUSED_EXPERTS_KEY = re.compile(r"model\.layers\.\d+\.mlp\.experts\.[a-z_]+$")  # gpt-oss: (experts, ...)
 
 
 def _check_sizes_against_headers(config_file: str, config: dict[str, Any], spec: ModelSpec, args: Any,
@@ -388,7 +425,12 @@ def _check_sizes_against_headers(config_file: str, config: dict[str, Any], spec:
     bounds = {"num_hidden_layers": (len(layers), "layers (model.layers.N)")}
     if spec.moe and args.moe_layers:
         experts = {int(m[1]) for k in files.model_keys if (m := _EXPERT_KEY.match(k))}
-        bounds["n_routed_experts"] = (len(experts), "routed experts (model.layers.N.mlp.experts.E)")
+        fused = [files.entries[k].shape[0] for k in files.model_keys
+                 if _FUSED_EXPERTS_KEY.match(k) and files.entries[k].shape]
+        # DeepSeek's name, Qwen3-MoE's, and Qwen3-MoE's as transformers 5 writes it (gpt-oss's too).
+        for field in ("n_routed_experts", "num_experts", "num_local_experts"):
+            bounds[field] = (max([len(experts), *fused]), "routed experts (model.layers.N.mlp.experts.E, or dim 0 "
+                             "of the fused model.layers.N.mlp.experts.* tensors)")
     embed = files.entries.get("model.embed_tokens.weight")
     if embed is not None and len(embed.shape) == 2:
         bounds |= {"vocab_size": (embed.shape[0], "rows of model.embed_tokens.weight"),
@@ -403,9 +445,11 @@ def _check_sizes_against_headers(config_file: str, config: dict[str, Any], spec:
 def check_hf_checkpoint(path: str) -> tuple[ModelSpec, Any]:
     """Check a Hugging Face model directory against the model its ``config.json`` describes,
     from the safetensors headers only: every tensor present, none unexpected, each of the right
-    shape and a floating dtype. Returns ``(spec, args)``. Raises :class:`HFCheckpointError`
-    naming the file and the problem (the tensor, both shapes; a ``config.json`` size beyond
-    what the headers hold, checked before the model is built from it)."""
+    shape and a floating dtype; tensors of parts the model does not build (the adapter's
+    ``skipped_prefixes``) are skipped with one printed line each. Returns ``(spec, args)``.
+    Raises :class:`HFCheckpointError` naming the file and the problem (the tensor, both shapes;
+    a ``config.json`` size beyond what the headers hold, checked before the model is built from
+    it)."""
     spec, args, config = _hf_model(path)
     files = SafetensorsFiles(path)
     try:
@@ -414,16 +458,38 @@ def check_hf_checkpoint(path: str) -> tuple[ModelSpec, Any]:
         want, sources = _expected_shapes(spec, args)
         files.read_extra(tuple(sorted({s.file for s in sources.values() if s.file})))
         optional = {k for s in sources.values() if s.optional for k in s.keys}
-        missing = sorted(k for k in want if k not in files.entries and k not in optional)
+        packed = {k: p for k in want if (p := files.packed(k)) is not None}
+        missing = sorted(k for k in want if k not in files.entries and k not in packed and k not in optional)
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise HFCheckpointError(f"{where}: missing tensor(s) {', '.join(missing[:3])}{more}")
-        unexpected = sorted(k for k in files.entries if k not in want and k not in spec.hf.ignored_keys(args))
+        prefixes = spec.hf.skipped_prefixes(args)
+        skipped = {p: sum(k.startswith(p) for k in files.entries) for p in prefixes}
+        for prefix, count in skipped.items():
+            if count:
+                print(f"ray_titan: {path}: skipping {count} tensor(s) {prefix}*: {prefixes[prefix]}", flush=True)
+        ignored = spec.hf.ignored_keys(args)
+        in_packed = {k + suffix for k in packed for suffix in _PACKED}
+        unexpected = sorted(k for k in files.entries if k not in want and k not in ignored and k not in in_packed
+                            and not any(k.startswith(p) for p in prefixes))
         if unexpected:
             more = f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
             file = storage.join(path, files.entries[unexpected[0]].file)
             raise HFCheckpointError(f"{file}: unexpected tensor(s) {', '.join(unexpected[:3])}{more} "
                                     f"for a {spec.hf.model_type} model of this config.json")
+        for key, entry in files.entries.items():
+            if entry.dtype == "U8" and key not in in_packed:
+                raise HFCheckpointError(f"{storage.join(path, entry.file)}: tensor {key} has dtype U8; supported: "
+                                        f"{sorted(set(_DTYPES) - {'U8'})} (U8: only an MXFP4 expert weight's "
+                                        f"{' and '.join(_PACKED)})")
+        for key, (blocks, scales) in packed.items():
+            shapes = packed_shapes(want[key])
+            if (blocks.dtype, scales.dtype) != ("U8", "U8") or shapes != (blocks.shape, scales.shape):
+                raise HFCheckpointError(
+                    f"{storage.join(path, blocks.file)}: MXFP4 tensors {key}_blocks {blocks.dtype} "
+                    f"{list(blocks.shape)} and {key}_scales {scales.dtype} {list(scales.shape)} do not hold "
+                    f"{list(want[key])}; valid: U8 {list(shapes[0]) if shapes else 'n/a'} and U8 "
+                    f"{list(shapes[1]) if shapes else 'n/a'}")
         for key, shape in want.items():
             e = files.entries.get(key)
             if e is not None and e.shape != shape:
@@ -535,7 +601,8 @@ def _plan_shards(items: list[tuple[str, Source, tuple[int, ...]]], itemsize: int
     size = 0
     for item in items:
         nbytes = math.prod(item[2]) * itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
+        # The interleaved parts of one tensor (Source.cols) stay in one shard: they are written as one.
+        if shards[-1] and size + nbytes > max_shard_bytes and item[1].keys[0] != shards[-1][-1][1].keys[0]:
             shards.append([])
             size = 0
         shards[-1].append(item)
@@ -552,7 +619,19 @@ def _to_hf(src: Source, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]
         out[torch.tensor(src.rows)] = full
         yield src.keys[0], out
     else:
-        yield src.keys[0], full
+        yield src.keys[0], full.transpose(-1, -2) if src.transpose else full
+
+
+def _put(tensors: dict[str, torch.Tensor], src: Source, key: str, t: torch.Tensor) -> None:
+    """``tensors[key] = t``, or, for one part of an interleaved tensor (``src.cols``), ``t`` into
+    its columns of ``tensors[key]`` (made when its first part comes)."""
+    if src.cols is None:
+        tensors[key] = t.contiguous().clone()
+        return
+    i, n = src.cols
+    if key not in tensors:
+        tensors[key] = torch.empty((*t.shape[:-1], t.shape[-1] * n), dtype=t.dtype)
+    tensors[key][..., i::n] = t
 
 
 def export_hf(checkpoint: str | Path, out_dir: str, dtype: str = "bf16",
@@ -611,7 +690,7 @@ def _export_into(checkpoint: str | Path, out_dir: str, dtype: str, max_shard_byt
     items: list[tuple[str, Source, tuple[int, ...]]] = []
     seen: set[str] = set()
     for name, src in sources.items():
-        if src.keys[0] in seen or f"model.{name}" not in saved:
+        if (src.keys[0] in seen and src.cols is None) or f"model.{name}" not in saved:
             continue
         seen.update(src.keys)
         items.append((name, src, tuple(saved[f"model.{name}"].size)))  # type: ignore[union-attr]
@@ -642,8 +721,10 @@ def _export_into(checkpoint: str | Path, out_dir: str, dtype: str, max_shard_byt
     for i, group in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         sd = load(group)
-        tensors = {key: t.to(torch_dtype).contiguous().clone() for n, src, _ in group
-                   for key, t in _to_hf(src, sd.pop(f"model.{n}"))}
+        tensors: dict[str, torch.Tensor] = {}
+        for n, src, _ in group:
+            for key, t in _to_hf(src, sd.pop(f"model.{n}")):
+                _put(tensors, src, key, t.to(torch_dtype))
         data = save(tensors, metadata={"format": "pt"})
         storage.write_bytes(storage.join(out_dir, name), data)
         weight_map |= dict.fromkeys(tensors, name)

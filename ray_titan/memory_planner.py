@@ -23,7 +23,10 @@ FSDP unsharded        while a stage computes, FSDP2 holds the all-gathered param
                       root group plus two blocks (the current and the prefetched one) with
                       ``reshard_after_forward`` and every block without it; and, with more than
                       one microbatch, the stage's unsharded gradients, accumulated without
-                      reduce-scatter until the last microbatch's backward.
+                      reduce-scatter until the last microbatch's backward. Under
+                      ``training.mixed_precision = "bf16"`` the gathered parameters are bf16
+                      (2 bytes) and the gradients are accumulated and reduced in fp32; without
+                      FSDP, ``torch.autocast`` caches a bf16 copy of every weight (2 bytes).
 activations           per microbatch of ``T = (global batch / dp / microbatches) × seq_len``
                       tokens, the tensors autograd saves for backward (below), times the
                       microbatches the pipeline schedule keeps in flight on the stage
@@ -43,8 +46,10 @@ Activation Recomputation in Large Transformer Models", arXiv:2205.05198, §4.1: 
 tensors each operation saves for backward, per token), applied to this trainer's exact blocks;
 ``d`` model width, ``h`` heads, ``kv`` the key/value width, ``f`` SwiGLU hidden size, ``s``
 sequence length, bytes per token with ``e`` the activation element size (4 in fp32, 2 under
-bf16 autocast) and fp32 (4) for the residual stream, norm statistics, router scores and the
-loss's log-softmax:
+``training.mixed_precision = "bf16"``) and fp32 (4) for the residual stream, norm statistics,
+router scores and the loss's log-softmax (under FSDP2's bf16 policy the residual stream is bf16,
+yet the Llama formula with ``e = 2`` equals what autograd saves on CPU, torch 2.13: ``rms_norm``
+saves its input and normalised output upcast to fp32):
 
 - Llama block: residual and norm inputs ``4·(2d + 2d + 2)`` (x, x̂ and the RMS of both norms),
   the two norm outputs ``2e·d``, the rotated queries, keys and values ``e·(d + 2kv)``, the
@@ -360,28 +365,75 @@ def _deepseek_block(a: Any, layer: int, e: int, seq: int, device: str, rho: floa
         ffn_op = e * (2 * a.inter_dim + d)
         backward = e * 2 * a.inter_dim
     else:
-        k, m, ns, n_exp = a.n_activated_experts, a.moe_inter_dim, a.n_shared_experts, a.n_routed_experts
-        routed = rho * k if ep > 1 else k  # copies this rank's experts process per token
-        route = _F32 * n_exp + 3 * _I64 * k + _F32 * k
-        dispatched = e * (routed * d + 2 * k * d) + (_I64 * routed if ep > 1 else 0)
-        experts_none = dispatched + e * 4 * m * routed
-        experts_op = e * routed * (2 * m + d)
-        ffn = norm_in + route + experts_none + e * 4 * ns * m
-        ffn_op = _F32 * n_exp + experts_op + e * (2 * ns * m + d)
-        backward = e * (routed * (2 * m + 2 * d) + 2 * ns * m)
-        return _BlockActivations(attention + ffn, attention_op + ffn_op, _F32 * d, backward, experts_none, experts_op)
+        moe = _moe_ffn(a, e, rho, ep, norm_in)
+        return _BlockActivations(attention + moe.none, attention_op + moe.op, _F32 * d, moe.backward,
+                                 moe.experts_none, moe.experts_op)
     return _BlockActivations(attention + ffn, attention_op + ffn_op, _F32 * d, backward)
+
+
+def _moe_ffn(a: Any, e: int, rho: float, ep: int, norm_in: float) -> _BlockActivations:
+    """Bytes per token an MoE feed-forward (``ray_titan.models.deepseek_v2.model.MoE``: router,
+    dispatch, ``top_k`` routed experts, ``n_shared_experts`` shared) saves, ``norm_in`` (its input
+    norm's) included: ``none``, ``op``, ``backward`` and the experts' parts (``input`` unused)."""
+    d = a.dim
+    k, m, ns, n_exp = a.n_activated_experts, a.moe_inter_dim, a.n_shared_experts, a.n_routed_experts
+    routed = rho * k if ep > 1 else k  # copies this rank's experts process per token
+    route = _F32 * n_exp + 3 * _I64 * k + _F32 * k
+    dispatched = e * (routed * d + 2 * k * d) + (_I64 * routed if ep > 1 else 0)
+    experts_none = dispatched + e * 4 * m * routed
+    experts_op = e * routed * (2 * m + d)
+    none = norm_in + route + experts_none + e * 4 * ns * m
+    op = _F32 * n_exp + experts_op + e * (2 * ns * m + d)
+    backward = e * (routed * (2 * m + 2 * d) + 2 * ns * m)
+    return _BlockActivations(none, op, 0.0, backward, experts_none, experts_op)
+
+
+def _qwen3_moe_block(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
+                     ep: int) -> _BlockActivations:
+    """Qwen3-MoE: a dense layer is Qwen3's (Llama's formula); an MoE layer is Llama's attention
+    and norms (its formula with no feed-forward) plus :func:`_moe_ffn`."""
+    attn = a.attention_args()
+    if layer not in a.moe_layers:
+        return _llama_block(attn, e, seq, device, rho, ep)
+    base = _llama_block(dataclasses.replace(attn, ffn_dim=0), e, seq, device, rho, ep)
+    moe = _moe_ffn(a, e, rho, ep, 0.0)  # the norms are in Llama's formula
+    return _BlockActivations(base.none + moe.none, base.op + moe.op, base.input, base.backward + moe.backward,
+                             moe.experts_none, moe.experts_op)
+
+
+def _gpt_oss_block(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
+                   ep: int) -> _BlockActivations:
+    """gpt-oss (``ray_titan.models.gpt_oss``): Llama's attention and norms (the q/k/v/o biases
+    save nothing more) plus what its sinks add, the zero key and value row and the additive
+    mask ``(heads, seq + 1)`` per query that SDPA saves (and whose gradient backward makes), and
+    :func:`_moe_ffn` with the clamped SwiGLU's four more hidden-sized tensors per routed copy
+    (the clamped gate and up, the sigmoid, ``up + 1``) than SwiGLU's."""
+    from ray_titan.models.llama.args import LlamaArgs
+
+    attn = LlamaArgs(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
+                     attn_head_dim=a.head_dim, ffn_dim=0, multiple_of=1, ffn_dim_multiplier=None)
+    base = _llama_block(attn, e, seq, device, rho, ep)
+    mask = e * a.n_heads * (seq + 1) + e * 2 * a.n_kv_heads * a.head_dim
+    moe = _moe_ffn(a, e, rho, ep, 0.0)
+    clamp = e * 4 * a.moe_inter_dim * (rho * a.n_activated_experts if ep > 1 else a.n_activated_experts)
+    return _BlockActivations(base.none + mask + moe.none + clamp, base.op + mask + moe.op, base.input,
+                             base.backward + moe.backward + e * a.n_heads * (seq + 1),
+                             moe.experts_none + clamp, moe.experts_op)
 
 
 def _block_activations() -> dict[type, Callable[..., _BlockActivations]]:
     """Each model family's per-block formula, by its arguments class: adding a family is adding
     its formula here (and checking it against autograd: tests/integration/test_memory_plan.py)."""
     from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
+    from ray_titan.models.gpt_oss.args import GptOssArgs
     from ray_titan.models.llama.args import LlamaArgs
+    from ray_titan.models.qwen3_moe.args import Qwen3MoeArgs
 
     return {
         LlamaArgs: lambda a, layer, *rest: _llama_block(a, *rest),
         DeepSeekV2Args: _deepseek_block,
+        Qwen3MoeArgs: _qwen3_moe_block,
+        GptOssArgs: _gpt_oss_block,
     }
 
 
@@ -665,7 +717,7 @@ def _meta_model(name: str, flavor: str, vocab: int, extra: tuple[tuple[str, Any]
 def _plan_ranks(cfg: JobConfig, device: str, rho: float,
                 vocab_size: int | None) -> tuple[dict[str, Any], list[RankPlan]]:
     from ray_titan.models.registry import get_model_args, get_spec
-    from ray_titan.parallel.fsdp import resolve_reshard_after_forward
+    from ray_titan.parallel.fsdp import resolve_mixed_precision, resolve_reshard_after_forward
     from ray_titan.parallel.pipeline import split_layers
     from ray_titan.trainer.build import parallel_dims
 
@@ -679,7 +731,11 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
     vocab = vocab_size or _vocab_size(cfg, args)
     whole = _meta_model(cfg.model.name, cfg.model.flavor, vocab, tuple(sorted(spec.config_args(cfg.model).items())))
     args = whole.args
-    e = 2 if tr.autocast == "bfloat16" else _F32
+    # training.mixed_precision: bf16 activations; under FSDP2 the parameters are gathered in bf16
+    # (pe = 2 bytes), without it autocast keeps a bf16 copy of the stage's weights (autocast_copy).
+    bf16 = resolve_mixed_precision(tr.mixed_precision, device) == "bf16"
+    e = 2 if bf16 else _F32
+    r = 2 if bf16 and dims.fsdp else _F32  # a stage's output (the residual stream): fp32 under autocast
     mb = tr.global_batch_size // dp_total // n
     tokens = mb * tr.seq_len  # per microbatch
     rule = SCHEDULE_IN_FLIGHT.get(par.pipeline_schedule)
@@ -698,7 +754,9 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
         "stages_per_rank": v, "microbatches": n, "microbatch_size": mb, "seq_len": tr.seq_len,
         "ac": cfg.activation_checkpoint.mode + (f"/{cfg.activation_checkpoint.selective_option}"
                                                 if cfg.activation_checkpoint.mode == "selective" else ""),
-        "dtype": "bf16 autocast" if e == 2 else "fp32", "optimizer": cfg.optimizer.name,
+        "dtype": ("fp32" if not bf16 else "bf16 (FSDP2 mixed precision: bf16 params, fp32 reduce and master weights)"
+                  if dims.fsdp else "bf16 (autocast, fp32 weights)"),
+        "optimizer": cfg.optimizer.name,
         "device": device, "moe": hasattr(args, "n_routed_experts"), "routing_imbalance": rho,
         "reshard_after_forward": reshard, "cpu_offload": cfg.memory.cpu_offload,
     }
@@ -729,7 +787,7 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
                 how = _checkpointed(cfg, layer)
                 kept = blk.kept(how)
                 if i == 0 and not first:
-                    kept -= _F32 * args.dim  # its input is the pipeline's receive buffer
+                    kept -= r * args.dim  # its input is the pipeline's receive buffer
                 kept_so_far += kept
                 backward_peak = max(backward_peak, kept_so_far + blk.recompute(how) + blk.backward)
                 moe_part += blk.experts(how)
@@ -746,7 +804,7 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
                 # The loss's backward: the gradient of the log-softmax and of the logits.
                 backward_peak = max(backward_peak, kept_so_far + head + (_F32 + e) * vocab)
             elif pp > 1:
-                head = _F32 * args.dim  # the stage's output waits for its backward
+                head = r * args.dim  # the stage's output waits for its backward
             for key in act_modes:
                 act_modes[key] += head
             per_token = kept_so_far + head + (_I64 if first else 0)
@@ -754,7 +812,7 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
             expert_act[s] = moe_part * tokens / tp
             stage_transient[s] = max(0.0, backward_peak - per_token) * tokens / tp
             if pp > 1:
-                pipe += _F32 * args.dim * tokens * n * ((0 if first else 1) + (0 if last else 1))
+                pipe += r * args.dim * tokens * n * ((0 if first else 1) + (0 if last else 1))
         # Model states and FSDP.
         local = sum(p.local for p in params.values())
         full = sum(p.full for p in params.values())
@@ -764,16 +822,20 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
         grads_after = _F32 * local
         gathered: float
         grads_during: float
+        pe = e  # bytes of a gathered parameter: bf16 under FSDP2's MixedPrecisionPolicy
         if sharded:
             biggest = max((g.full for p in params.values() for g in [*p.blocks.values(), *p.experts.values()]),
                           default=0)
             if pp > 1 or not reshard:
-                gathered = _F32 * full
+                gathered = pe * full
             else:
-                gathered = _F32 * (sum(p.root.full for p in params.values()) + 2 * biggest)
-            grads_during = _F32 * full if n > 1 else _F32 * (local + 2 * biggest)
+                gathered = pe * (sum(p.root.full for p in params.values()) + 2 * biggest)
+            # Accumulated unsharded gradients are kept in the reduce dtype (fp32); one microbatch:
+            # a block's gradient in the parameter dtype and its fp32 copy for the reduce-scatter.
+            grads_during = _F32 * full if n > 1 else _F32 * local + (pe + _F32) * biggest
         else:
-            gathered, grads_during = 0.0, float(grads_after)
+            # Autocast's cache: a bf16 copy of every weight, alive until the step's region ends.
+            gathered, grads_during = (2.0 * local if bf16 and not dims.fsdp else 0.0), float(grads_after)
         buffers = sum(p.buffers for p in params.values()) + batch_bytes
         a_peak = sum(c * act[s] for c, s in zip(flight.peak, stage_ids))
         a_grads = sum(c * act[s] for c, s in zip(flight.with_grads, stage_ids))
@@ -978,8 +1040,11 @@ def memory_plan(
     if not 0 <= margin < 1:
         raise ConfigError(f"margin = {margin}: a share of the device memory in [0, 1)")
     plan = MemoryPlan(job=job, ranks=ranks, device_memory=capacity, device_memory_source=source, margin=margin)
-    if job["dtype"] != "fp32":
-        plan.notes.append("bf16 activations are estimated (the formulas are checked against fp32 runs)")
+    if job["dtype"] != "fp32" and (job["model"] != "llama" or not job["dtype"].startswith("bf16 (FSDP2")):
+        # Checked against what autograd saves: fp32 blocks of every family, and bf16 Llama blocks
+        # with bf16 weights (tests/integration/test_memory_plan.py).
+        plan.notes.append("bf16 activations are estimated (the formulas are checked against fp32 runs, "
+                          "and bf16 Llama blocks under FSDP2 mixed precision)")
     if levers and plan.fits is False:
         _add_levers(plan, cfg, device, routing_imbalance, job["vocab_size"])
     return plan

@@ -35,7 +35,7 @@ from ray_titan.data.ray_data import dataset_format
 from ray_titan.data.sft import ChatTemplate, find_chat_template
 from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.hf import HFCheckpointError, check_hf_checkpoint, job_model_args
-from ray_titan.models.registry import is_moe
+from ray_titan.models.registry import MODELS, is_moe
 from ray_titan.parallel.elastic import fitting_worker_counts, is_elastic, mesh_for_workers
 from ray_titan.parallel.pipeline import stage_placement
 
@@ -145,7 +145,7 @@ def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = Fa
         if not is_moe(cfg.model.name):
             raise ConfigError(
                 f"parallelism.ep = {par.ep} but model.name = {cfg.model.name!r} has no experts; "
-                "use ep = 1 or a mixture-of-experts model (deepseek_v2)"
+                f"use ep = 1 or a mixture-of-experts model ({', '.join(n for n in MODELS if is_moe(n))})"
             )
         if par.dp_shard % par.ep:
             raise ConfigError(
@@ -369,10 +369,15 @@ def _check_tensor_parallel(cfg: JobConfig, margs: Any) -> None:
     if tp == 1:
         return
     model = f"{cfg.model.name}/{cfg.model.flavor}"
+    if (why := getattr(margs, "tp_unsupported", None)) is not None:  # gpt-oss
+        raise ConfigError(f"parallelism.tp = {tp} is not supported for {model}: {why}; use parallelism.tp = 1 "
+                          "(dp_shard, ep and pp split it instead)")
     sizes = {"n_heads": margs.n_heads}
-    if hasattr(margs, "n_kv_heads"):
-        sizes.update(n_kv_heads=margs.n_kv_heads, ffn_hidden_dim=margs.ffn_hidden_dim)
-    else:
+    if hasattr(margs, "n_kv_heads"):  # Llama, Qwen3, Qwen3-MoE
+        sizes.update(n_kv_heads=margs.n_kv_heads)
+    if hasattr(margs, "ffn_hidden_dim"):  # dense Llama / Qwen3
+        sizes.update(ffn_hidden_dim=margs.ffn_hidden_dim)
+    if hasattr(margs, "n_routed_experts"):  # DeepSeek, Qwen3-MoE
         sizes.update(inter_dim=margs.inter_dim, moe_inter_dim=margs.moe_inter_dim,
                      shared_experts_hidden=margs.n_shared_experts * margs.moe_inter_dim)
     for name, n in sizes.items():

@@ -60,18 +60,24 @@ class Job(_Section):
 class Model(_Section):
     """Which model: family and flavor from ``ray_titan.models.registry``."""
 
-    name: Literal["llama", "qwen3", "deepseek_v2"] = "llama"
+    name: Literal["llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss"] = "llama"
     """Model family in the registry (``ray_titan.models.registry``): dense ``llama`` or ``qwen3``,
-    or the mixture-of-experts ``deepseek_v2``. With ``checkpoint.initial_load_hf`` it comes from
-    the checkpoint's ``config.json`` (set here, it must agree)."""
+    or the mixture-of-experts ``deepseek_v2``, ``deepseek_v3`` (Kimi K2 included), ``qwen3_moe`` or
+    ``gpt_oss``. With
+    ``checkpoint.initial_load_hf`` it comes from the checkpoint's ``config.json`` (set here, it
+    must agree)."""
     flavor: str = "debug"
     """Size within the family: ``debug``, ``3-8B`` (= ``8B``), ``3.1-8B``, ``3.1-70B``, ``3.2-1B``,
     ``3.2-3B`` (llama); ``debug``, ``0.6B``, ``1.7B``, ``4B``, ``8B`` (qwen3); ``debug``, ``V2-Lite``,
-    ``V2`` (deepseek_v2). With ``checkpoint.initial_load_hf`` the checkpoint's ``config.json`` gives the
-    sizes (a flavor set here must agree with it) and this reads ``hf``."""
-    load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
+    ``V2`` (deepseek_v2); ``debug``, ``16B``, ``671B``, ``kimi_k2`` (deepseek_v3); ``debug``,
+    ``30B-A3B``, ``235B-A22B`` (qwen3_moe); ``debug``, ``20B``, ``120B`` (gpt_oss). With
+    ``checkpoint.initial_load_hf`` the checkpoint's ``config.json`` gives the sizes (a flavor set
+    here must agree with it) and this reads ``hf``."""
+    load_balance: Literal["aux_loss", "aux_free", "none"] | None = None
     """MoE only: expert load balancing. ``aux_loss``: DeepSeek-V2's balance loss (per sequence);
-    ``aux_free``: DeepSeek-V3's auxiliary-loss-free router bias; ``none``."""
+    ``aux_free``: DeepSeek-V3's auxiliary-loss-free router bias; ``none``. Unset: the family's
+    own (``deepseek_v2``: ``aux_loss``; ``deepseek_v3``: ``aux_free``; ``qwen3_moe``: ``aux_loss``,
+    its reference's Switch-style loss pooled over the layers)."""
     aux_loss_coeff: float = Field(0.001, ge=0)
     """MoE only: α of the balance loss (DeepSeek-V2-Lite used 0.001)."""
     bias_update_rate: float = Field(0.001, ge=0)
@@ -151,9 +157,17 @@ class Training(_Section):
     """Gradient-norm clipping threshold over the whole model; 0 disables clipping."""
     gc_freq: int = Field(50, gt=0)
     """Every rank runs a synchronized ``gc.collect(1)`` every ``gc_freq`` steps; automatic GC is off."""
-    autocast: Literal["none", "bfloat16"] = "none"
-    """``bfloat16``: forward passes (and the pipeline schedule's steps) run under
-    ``torch.autocast`` in bf16: matmuls in bf16, weights, gradients and optimizer state in fp32."""
+    mixed_precision: Literal["bf16", "fp32"] | None = None
+    """Compute dtype. ``bf16``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32)`` on every FSDP unit (routed experts' included): the parameters are
+    all-gathered in bf16 (half the bytes) and the forward and backward compute in bf16, while the
+    master weights, the gradients as reduced and the optimizer state stay fp32; the loss (and MoE
+    router scores) are computed in fp32. Without FSDP (one data-parallel rank) the same compute
+    dtype comes from ``torch.autocast`` around the forward passes (torchtitan's choice there),
+    which keeps one bf16 copy of the stage's weights until the step's backward ends.
+    ``fp32``: everything in fp32 (bit-identical to the reference implementations, on CPU).
+    Unset: ``bf16`` when the workers use CUDA (``ray.use_gpu`` or a GPU launch), ``fp32`` on CPU
+    (``ray_titan.parallel.fsdp.resolve_mixed_precision``). Replaces ``training.autocast``."""
     document_mask: bool = False
     """Attention stays within each document of a packed sequence (block-causal: a document
     starts at each BOS token and at the start of a row), and rotary positions restart at 0 in
@@ -362,7 +376,8 @@ class Checkpoint(_Section):
     set, must agree), ``tokenizer.json`` the tokenizer (unless ``data.tokenizer`` or
     ``data.tokenizer_path`` is set), and the safetensors files (``model.safetensors`` or shards
     with ``model.safetensors.index.json``, any float dtype) the weights, each rank reading only
-    its own stages' shards. Supported ``model_type``: ``llama``, ``qwen3``, ``deepseek_v2``. A
+    its own stages' shards. Supported ``model_type``: ``llama``, ``qwen3``, ``deepseek_v2``,
+    ``deepseek_v3`` (and Kimi K2's ``kimi_k2``), ``qwen3_moe``. A
     restarted worker group, or ``load_path``, loads its DCP checkpoint instead."""
     last_save_hf: bool = False
     """After the run, also write the final checkpoint as a Hugging Face model directory
@@ -582,11 +597,21 @@ class JobConfig(_Section):
             raise ConfigError(_format_validation_error(e)) from None
 
 
+_REMOVED = {
+    "training.autocast": "it was replaced by training.mixed_precision = \"bf16\" | \"fp32\" (FSDP2 mixed "
+                         "precision; unset: bf16 on CUDA, fp32 on CPU); autocast = \"bfloat16\" is "
+                         "mixed_precision = \"bf16\", \"none\" is \"fp32\"",
+}
+"""Settings that no longer exist, by dotted name: what replaced them (said in the error)."""
+
+
 def _format_validation_error(e: ValidationError) -> str:
     lines = []
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"])
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden" and loc in _REMOVED:
+            lines.append(f"{loc} = {err.get('input')!r}: {_REMOVED[loc]}")
+        elif err["type"] == "extra_forbidden":
             lines.append(f"unknown setting {loc!r}")
         else:
             lines.append(f"{loc} = {err.get('input')!r}: {err['msg']}")

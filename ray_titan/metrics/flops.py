@@ -37,12 +37,14 @@ import torch
 __all__ = [
     "GPU_PEAK_FLOPS",
     "deepseek_flops_per_token",
+    "gpt_oss_flops_per_token",
     "gpu_peak_flops",
     "llama_flops_per_token",
     "llama_non_embedding_params",
     "measure_matmul_peak_flops",
     "mfu",
     "model_flops_per_token",
+    "qwen3_moe_flops_per_token",
     "transformer_flops_per_token",
 ]
 
@@ -113,11 +115,49 @@ def deepseek_flops_per_token(args: Any, seq_len: int) -> int:
     return transformer_flops_per_token(n, args.n_layers, width, seq_len)
 
 
+def qwen3_moe_flops_per_token(args: Any, seq_len: int) -> int:
+    """Training FLOPs per token of a Qwen3-MoE model
+    (:class:`~ray_titan.models.qwen3_moe.args.Qwen3MoeArgs`) at ``seq_len``:
+    :func:`transformer_flops_per_token` with N = the activated non-embedding parameters (DeepSeek's
+    count, :func:`ray_titan.models.deepseek_v2.model.activated_parameters`, on the meta device:
+    attention, dense layers, routers and ``top_k`` of the routed experts, output head),
+    L = ``n_layers`` and H·Q = ``n_heads × head_dim``."""
+    import torch
+
+    from ray_titan.models.deepseek_v2.model import activated_parameters
+    from ray_titan.models.qwen3_moe.model import Qwen3Moe
+
+    with torch.device("meta"):
+        n = activated_parameters(Qwen3Moe(args))
+    return transformer_flops_per_token(n, args.n_layers, args.n_heads * args.head_dim, seq_len)
+
+
+def gpt_oss_flops_per_token(args: Any, seq_len: int) -> int:
+    """Training FLOPs per token of a gpt-oss model (:class:`~ray_titan.models.gpt_oss.args.GptOssArgs`)
+    at ``seq_len``: ``6·N`` with N its activated non-embedding parameters
+    (:func:`ray_titan.models.gpt_oss.activated_parameters`, on the meta device), plus
+    ``12·(H·Q)·T`` for each full-attention layer and ``12·(H·Q)·min(T, sliding_window)`` for
+    each sliding-window one (its queries see at most the window; the sink column is negligible)."""
+    import torch
+
+    from ray_titan.models.gpt_oss.model import GptOss, activated_parameters
+
+    with torch.device("meta"):
+        n = activated_parameters(GptOss(args))
+    context = sum(min(seq_len, args.sliding_window) if args.is_sliding(i) else seq_len for i in range(args.n_layers))
+    return transformer_flops_per_token(n, 0, 0, seq_len) + 12 * args.n_heads * args.head_dim * context
+
+
 def model_flops_per_token(args: Any, seq_len: int) -> int:
-    """:func:`deepseek_flops_per_token` for MoE model arguments, :func:`llama_flops_per_token`
-    for dense ones."""
+    """:func:`deepseek_flops_per_token` for DeepSeek MoE model arguments (MLA's ``kv_lora_rank``),
+    :func:`gpt_oss_flops_per_token` for gpt-oss's (``sliding_window``), :func:`qwen3_moe_flops_per_token`
+    for Qwen3-MoE's, :func:`llama_flops_per_token` for dense ones."""
     if hasattr(args, "n_routed_experts"):
-        return deepseek_flops_per_token(args, seq_len)
+        if hasattr(args, "kv_lora_rank"):
+            return deepseek_flops_per_token(args, seq_len)
+        if hasattr(args, "sliding_window"):
+            return gpt_oss_flops_per_token(args, seq_len)
+        return qwen3_moe_flops_per_token(args, seq_len)
     return llama_flops_per_token(args, seq_len)
 
 

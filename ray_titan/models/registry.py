@@ -9,8 +9,10 @@ family's name; adding a family is adding a package under ``ray_titan/models/`` a
 Flavors: ``debug`` is tiny and CPU-friendly in each family; ``llama/3-8B`` (also ``8B``),
 ``3.1-8B``, ``3.1-70B``, ``3.2-1B`` and ``3.2-3B`` have the dimensions of Meta's Llama 3.x
 models, ``qwen3/0.6B`` ... ``8B`` those of Qwen3 dense, ``deepseek_v2/V2-Lite`` those of
-DeepSeek-V2-Lite (15.7 B total, 2.4 B activated), its YaRN rope included, and ``deepseek_v2/V2``
-those of DeepSeek-V2 (236 B, 21 B; group-limited routing). Every flavor is
+DeepSeek-V2-Lite (15.7 B total, 2.4 B activated), its YaRN rope included, ``deepseek_v2/V2``
+those of DeepSeek-V2 (236 B, 21 B; group-limited routing), and ``qwen3_moe/30B-A3B`` and
+``235B-A22B`` those of Qwen3-MoE (30.5 B / 3.3 B and 235 B / 22 B), ``gpt_oss/20B`` and
+``120B`` those of gpt-oss (21 B / 3.6 B and 117 B / 5.1 B). Every flavor is
 constructible on the meta device. Each family's ``hf`` adapter maps it to and from Hugging
 Face checkpoints (``ray_titan.models.state_dict_adapter``).
 """
@@ -25,7 +27,7 @@ from typing import Any
 from torch import nn
 
 from ray_titan.config.schema import JobConfig, Model
-from ray_titan.models import deepseek_v2, llama, qwen3
+from ray_titan.models import deepseek_v2, deepseek_v3, gpt_oss, llama, qwen3, qwen3_moe
 from ray_titan.models.decoder import Decoder
 from ray_titan.models.deepseek_v2.hf import DeepSeekV2Adapter
 from ray_titan.models.llama.hf import LlamaAdapter
@@ -60,7 +62,9 @@ class ModelSpec:
 
 
 def _moe_args(m: Model) -> dict[str, Any]:
-    return {"load_balance": m.load_balance, "aux_loss_coeff": m.aux_loss_coeff, "bias_update_rate": m.bias_update_rate}
+    # load_balance unset: the flavor's (or the checkpoint family's) own.
+    lb = {"load_balance": m.load_balance} if m.load_balance is not None else {}
+    return {**lb, "aux_loss_coeff": m.aux_loss_coeff, "bias_update_rate": m.bias_update_rate}
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -70,6 +74,23 @@ MODELS: dict[str, ModelSpec] = {
     "deepseek_v2": ModelSpec(
         "deepseek_v2", deepseek_v2.DeepSeekV2, deepseek_v2.FLAVORS, deepseek_v2.parallelize_deepseek_v2,
         DeepSeekV2Adapter(), config_args=_moe_args, moe=True,
+    ),
+    # DeepSeek-V3 and Kimi K2: DeepSeek-V2's model with V3's router (its flavors set it).
+    "deepseek_v3": ModelSpec(
+        "deepseek_v3", deepseek_v2.DeepSeekV2, deepseek_v3.FLAVORS, deepseek_v2.parallelize_deepseek_v2,
+        deepseek_v3.DeepSeekV3Adapter(), config_args=_moe_args, moe=True,
+    ),
+    # Qwen3-MoE: Qwen3's attention with DeepSeek-V2's MoE layer (greedy normalised top-k, no
+    # shared expert) and the reference's balance loss pooled over layers.
+    "qwen3_moe": ModelSpec(
+        "qwen3_moe", qwen3_moe.Qwen3Moe, qwen3_moe.FLAVORS, qwen3_moe.parallelize_qwen3_moe,
+        qwen3_moe.Qwen3MoeAdapter(), config_args=_moe_args, moe=True,
+    ),
+    # gpt-oss: attention with sinks and alternating sliding windows, DeepSeek-V2's MoE layer with
+    # a biased top-k-softmax router and clamped-SwiGLU experts with biases; no tensor parallel.
+    "gpt_oss": ModelSpec(
+        "gpt_oss", gpt_oss.GptOss, gpt_oss.FLAVORS, gpt_oss.parallelize_gpt_oss, gpt_oss.GptOssAdapter(),
+        config_args=_moe_args, moe=True,
     ),
 }
 
@@ -82,12 +103,12 @@ def get_spec(name: str) -> ModelSpec:
 
 
 def spec_for_hf(model_type: str) -> ModelSpec:
-    """The family whose Hugging Face ``config.json`` has ``model_type``. Raises ``KeyError``
-    listing the supported ones."""
+    """The family whose Hugging Face ``config.json`` has ``model_type`` (its adapter's own or one
+    of its ``model_type_aliases``). Raises ``KeyError`` listing the supported ones."""
     for spec in MODELS.values():
-        if spec.hf.model_type == model_type:
+        if model_type == spec.hf.model_type or model_type in spec.hf.model_type_aliases:
             return spec
-    supported = sorted(s.hf.model_type for s in MODELS.values())
+    supported = sorted(t for s in MODELS.values() for t in (s.hf.model_type, *s.hf.model_type_aliases))
     raise KeyError(f"model_type {model_type!r} is not supported; supported: {supported}")
 
 

@@ -13,7 +13,9 @@ means here exactly what it means there:
   (``DeepseekV2YarnRotaryEmbedding``) applies it: a linear ramp between interpolated and
   extrapolated frequencies over the dimensions whose rotation counts lie between ``beta_slow``
   and ``beta_fast`` at ``original_max_position_embeddings``; cos/sin scaled by
-  ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``. DeepSeek also multiplies the
+  ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``; with ``truncate`` false
+  (gpt-oss) the correction range keeps its fractional bounds, as transformers'
+  ``_compute_yarn_parameters`` does. DeepSeek also multiplies the
   attention softmax scale by ``mscale(factor, mscale_all_dim)²`` (:func:`softmax_scale_factor`).
 
 The tables use Meta's interleaved-pair layout (:func:`ray_titan.models.decoder.apply_rope`);
@@ -39,7 +41,9 @@ class RopeScaling:
     ``kind``: ``"llama3"`` uses ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
     ``original_max_position_embeddings``; ``"yarn"`` uses ``factor``,
     ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``, ``mscale`` and
-    ``mscale_all_dim`` (0 = not given).
+    ``mscale_all_dim`` (0 = not given) and ``truncate``: whether the correction range's bounds are
+    rounded to whole dimensions (floor / ceil, the YaRN paper's and DeepSeek's; transformers'
+    default) or kept fractional (gpt-oss's ``"truncate": false``).
     """
 
     kind: Literal["llama3", "yarn"]
@@ -51,6 +55,7 @@ class RopeScaling:
     beta_slow: float = 1.0
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
+    truncate: bool = True
 
 
 def _default(head_dim: int, theta: float) -> torch.Tensor:
@@ -79,8 +84,12 @@ def _yarn(head_dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, fl
         positions = s.original_max_position_embeddings
         return head_dim * math.log(positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(s.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(s.beta_slow)), head_dim - 1)
+    # transformers' _compute_yarn_parameters (find_correction_range): rounded unless truncate is false.
+    low: float = correction_dim(s.beta_fast)
+    high: float = correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (s.factor * pos_freqs)
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)

@@ -39,6 +39,12 @@ class Source:
     for the identity. ``file``: None for the model's weights files; else the name of a side file
     that ``config.json``-driven loaders (transformers, vLLM) do not read (the MoE router's
     ``expert_bias``). ``optional``: may be absent, and then the entry keeps its initial value.
+    ``cols = (i, n)``: ray_titan's tensor is every ``n``-th entry of the Hugging Face tensor's last
+    dim from ``i`` (one of ``n`` interleaved parts: gpt-oss's fused ``gate_up_proj``, whose even
+    columns are the gate and odd ones the up projection; the parts share the key and an export
+    interleaves them back), then, with ``transpose``, its last two dims swapped (gpt-oss stores
+    expert weights as ``(experts, in, out)``, ray_titan as ``(experts, out, in)``). Dim 0 is
+    untouched, so a rank still reads a run of rows.
     """
 
     keys: tuple[str, ...]
@@ -46,6 +52,8 @@ class Source:
     stacked: bool = False
     file: str | None = None
     optional: bool = False
+    cols: tuple[int, int] | None = None
+    transpose: bool = False
 
 
 def rotary_rows(n_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -103,7 +111,12 @@ SIZE_FIELDS: dict[str, tuple[int, int]] = {
     "head_dim": (2, MAX_HEAD_DIM),
     "vocab_size": (1, MAX_VOCAB),
     "n_routed_experts": (1, MAX_EXPERTS),
+    "num_experts": (1, MAX_EXPERTS),  # Qwen3-MoE's name for n_routed_experts
+    "num_local_experts": (1, MAX_EXPERTS),  # the same, as transformers 5 writes it (attribute_map)
+    "decoder_sparse_step": (1, MAX_LAYERS),  # Qwen3-MoE: every n-th layer is MoE
     "num_experts_per_tok": (1, MAX_EXPERTS),
+    "experts_per_token": (1, MAX_EXPERTS),  # gpt-oss's hub files' second name for num_experts_per_tok
+    "sliding_window": (1, MAX_POSITIONS),  # gpt-oss: the tokens a sliding-window layer sees
     "n_shared_experts": (0, MAX_EXPERTS),
     "n_group": (1, MAX_EXPERTS),
     "topk_group": (1, MAX_EXPERTS),
@@ -114,6 +127,7 @@ SIZE_FIELDS: dict[str, tuple[int, int]] = {
     "v_head_dim": (1, MAX_HEAD_DIM),
     "max_position_embeddings": (1, MAX_POSITIONS),
     "original_max_position_embeddings": (1, MAX_POSITIONS),
+    "num_nextn_predict_layers": (0, 16),  # DeepSeek-V3's MTP modules (released: 1); sizes a skip list
 }
 """config.json field -> (smallest, largest) valid value: every integer field a family reads
 that sizes a tensor, a table or a list. Read them with :func:`size_field`."""
@@ -201,8 +215,9 @@ def rope_from_hf(config: dict[str, Any], kinds: tuple[str, ...],
         original = size_field(params, "original_max_position_embeddings", where=f"{field}.")
     else:
         original = size_field(config, "max_position_embeddings")
-    if kind == "yarn" and params.get("truncate", True) is not True:
-        raise HFConfigError(f"config.json {field}.truncate = {params['truncate']!r} is not supported; valid: true")
+    truncate = params.get("truncate", True)
+    if kind == "yarn" and not isinstance(truncate, bool):  # gpt-oss: false (fractional correction range)
+        raise HFConfigError(f"config.json {field}.truncate = {truncate!r} is not valid; valid: true or false")
     defaults = RopeScaling(kind, 1.0, 1)
 
     def number(name: str, default: float) -> float:
@@ -218,6 +233,7 @@ def rope_from_hf(config: dict[str, Any], kinds: tuple[str, ...],
         low_freq_factor=low, high_freq_factor=high,
         beta_fast=number("beta_fast", defaults.beta_fast), beta_slow=number("beta_slow", defaults.beta_slow),
         mscale=number("mscale", 0.0), mscale_all_dim=number("mscale_all_dim", 0.0),
+        truncate=truncate if kind == "yarn" else True,
     )
 
 
@@ -236,6 +252,8 @@ def rope_to_hf(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
             out["mscale"] = scaling.mscale
         if scaling.mscale_all_dim:
             out["mscale_all_dim"] = scaling.mscale_all_dim
+        if not scaling.truncate:
+            out["truncate"] = False
     return {"rope_theta": theta, "rope_scaling": out}
 
 
@@ -243,12 +261,15 @@ class StateDictAdapter:
     """A family's mapping to and from Hugging Face checkpoints (module docstring).
 
     ``model_type`` and ``architectures`` are the ``config.json`` values transformers dispatches
-    on; ``training_fields``: argument fields that are training choices, not architecture (they
+    on (an export writes them); ``model_type_aliases``: other ``model_type`` values of checkpoints
+    with the same architecture that import through this adapter (Kimi K2's ``kimi_k2``, a
+    DeepSeek-V3); ``training_fields``: argument fields that are training choices, not architecture (they
     are neither read from nor compared with ``config.json``).
     """
 
     model_type: str
     architectures: tuple[str, ...]
+    model_type_aliases: tuple[str, ...] = ()
     training_fields: frozenset[str] = frozenset({"init_std"})
 
     def args_from_hf(self, config: dict[str, Any]) -> Any:
@@ -275,6 +296,11 @@ class StateDictAdapter:
         """Tensor names a checkpoint may hold that the model does not use (a tied model's
         ``lm_head.weight``, which transformers ignores too)."""
         return {"lm_head.weight"} if args.tie_word_embeddings else set()
+
+    def skipped_prefixes(self, args: Any) -> dict[str, str]:
+        """Name prefixes of checkpoint tensors the model does not build, each with the reason a
+        user reads when an import skips them (DeepSeek-V3's multi-token-prediction layer)."""
+        return {}
 
     def canonical(self, args: Any) -> Any:
         """``args`` as :meth:`args_from_hf` would give them back from :meth:`hf_config` (e.g. the

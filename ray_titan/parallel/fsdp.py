@@ -1,8 +1,9 @@
 """FSDP2: shard every transformer block and the stage's root module over ``dp_shard`` (HSDP:
 over the 2-D ``(dp_replicate, dp_shard)``, sharded within a replica, replicated across), with
-the ``reshard_after_forward`` policy and optional CPU offload; routed experts under expert
-parallelism over ``dp_shard_mod_ep`` (what ``ep`` leaves of ``dp_shard``). Parameters tensor
-parallel already made ``DTensor``s over ``tp`` become 2-D (FSDP × TP) ones."""
+the ``reshard_after_forward`` policy, optional CPU offload and ``training.mixed_precision``
+(FSDP2's ``MixedPrecisionPolicy``); routed experts under expert parallelism over
+``dp_shard_mod_ep`` (what ``ep`` leaves of ``dp_shard``). Parameters tensor parallel already made
+``DTensor``s over ``tp`` become 2-D (FSDP × TP) ones."""
 
 from __future__ import annotations
 
@@ -11,9 +12,43 @@ from typing import cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-__all__ = ["apply_fsdp", "fsdp_managed_names", "materialize", "offload_policy", "resolve_reshard_after_forward"]
+__all__ = ["apply_fsdp", "autocast_dtype", "fsdp_managed_names", "materialize", "mixed_precision_policy",
+           "offload_policy", "resolve_mixed_precision", "resolve_reshard_after_forward"]
+
+
+def resolve_mixed_precision(setting: str | None, device_type: str) -> str:
+    """``training.mixed_precision`` as the run uses it: ``"bf16"`` or ``"fp32"``; unset: ``bf16``
+    on CUDA (what torchtitan and Megatron train in), ``fp32`` elsewhere (CPU: bf16 matmuls are
+    emulated there, and the CPU parity tests compare fp32 bit for bit)."""
+    if setting is not None:
+        return setting
+    return "bf16" if device_type == "cuda" else "fp32"
+
+
+def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a resolved ``training.mixed_precision``. ``bf16``: parameters cast to
+    bf16 before the all-gather (half its bytes) and computed with in bf16, gradients
+    reduce-scattered (and all-reduced across HSDP replicas) in fp32 into the fp32 sharded
+    gradients, so master weights and optimizer state stay fp32 (torchtitan's
+    ``mixed_precision_param = bfloat16``, ``mixed_precision_reduce = float32``). ``fp32``: the
+    no-cast ``MixedPrecisionPolicy()``.
+
+    ``cast_forward_inputs=False``: a block's inputs include the fp32 rotary ``cos``/``sin`` tables,
+    which must stay fp32 (torchtitan passes them as complex64, which FSDP2 does not cast); the
+    hidden states are bf16 already, from the bf16 embedding or the previous pipeline stage."""
+    if mixed_precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=False)
+    return MixedPrecisionPolicy()
+
+
+def autocast_dtype(mixed_precision: str, fsdp: bool) -> torch.dtype | None:
+    """The ``torch.autocast`` dtype of the forward passes: bf16 for a ``bf16`` run without FSDP2
+    (one data-parallel rank: no ``MixedPrecisionPolicy`` to cast the weights, torchtitan's
+    ``maybe_enable_amp``), otherwise None (no autocast: FSDP2 casts, or the run is fp32)."""
+    return torch.bfloat16 if mixed_precision == "bf16" and not fsdp else None
 
 
 def resolve_reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
@@ -41,6 +76,7 @@ def apply_fsdp(
     reshard_after_forward: bool,
     expert_mesh: DeviceMesh | None = None,
     cpu_offload: bool = False,
+    mixed_precision: str = "fp32",
 ) -> None:
     """``fully_shard`` each block in ``model.layers`` and then ``model`` itself (the embedding,
     final norm and output head, where this stage has them, are in the root's group).
@@ -55,21 +91,27 @@ def apply_fsdp(
     ``ep`` (``apply_expert_parallel``); it is the ``dp_shard_mod_ep`` mesh (2-D with
     ``dp_replicate`` under HSDP). Experts are then
     FSDP-sharded over it when it has more than one rank, and otherwise left out of FSDP (their
-    ranks hold disjoint experts, so there is nothing to shard or average).
+    ranks hold disjoint experts, so there is nothing to shard or average), except under ``bf16``,
+    where a one-rank ``fully_shard`` is what casts them (torchtitan shards experts over
+    ``dp_shard_mod_ep`` whatever its size).
+
+    ``mixed_precision``: the resolved ``training.mixed_precision`` (:func:`resolve_mixed_precision`);
+    every unit gets :func:`mixed_precision_policy` of it.
     """
     policy = offload_policy(cpu_offload, dp_mesh.device_type)
+    mp = mixed_precision_policy(mixed_precision)
     ignored: set[nn.Parameter] = set()
     for block in cast(nn.ModuleDict, model.layers).values():
         moe = getattr(block, "moe", None)
         if moe is not None and expert_mesh is not None:
-            if expert_mesh.size() > 1:
+            if expert_mesh.size() > 1 or mixed_precision == "bf16":
                 fully_shard(moe.experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward,
-                            offload_policy=policy)
+                            offload_policy=policy, mp_policy=mp)
             else:
                 ignored |= set(moe.experts.parameters())
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                    offload_policy=policy, ignored_params=ignored or None)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, offload_policy=policy,
+                    offload_policy=policy, mp_policy=mp, ignored_params=ignored or None)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, offload_policy=policy, mp_policy=mp,
                 ignored_params=ignored or None)
 
 

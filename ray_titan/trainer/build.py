@@ -28,7 +28,7 @@ from ray_titan.hf import hf_model, load_hf_weights
 from ray_titan.models.registry import build_model, get_spec
 from ray_titan.parallel.dims import Meshes, ParallelDims
 from ray_titan.parallel.expert import MoEStepState
-from ray_titan.parallel.fsdp import materialize
+from ray_titan.parallel.fsdp import autocast_dtype, materialize, resolve_mixed_precision
 from ray_titan.parallel.pipeline import build_pipeline_schedule, build_stage_module, split_layers, stage_placement
 from ray_titan.parallel.tied import TiedEmbeddings
 
@@ -112,7 +112,9 @@ class TrainParts:
     non-finite policy and fault injection; ``pp_group``: the ``pp`` process group (None without PP);
     ``tied``: a tied embedding's copies across pipeline stages (``ray_titan.parallel.tied``);
     ``loss_parallel``: the output head's logits are vocabulary-sharded ``DTensor``s, so the loss
-    and its backward run under ``torch.distributed.tensor.parallel.loss_parallel()``.
+    and its backward run under ``torch.distributed.tensor.parallel.loss_parallel()``;
+    ``autocast``: the dtype forward passes run under ``torch.autocast`` in (a ``bf16`` run without
+    FSDP2, ``ray_titan.parallel.fsdp.autocast_dtype``), None: no autocast.
     """
 
     dims: ParallelDims
@@ -131,6 +133,7 @@ class TrainParts:
     device: torch.device
     tied: TiedEmbeddings | None = None
     loss_parallel: bool = False
+    autocast: torch.dtype | None = None
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Where the loss and its backward run: ``loss_parallel()`` under TP with loss parallel."""
@@ -199,7 +202,9 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
     tied = TiedEmbeddings(stages, dims, rank, bool(getattr(next(iter(stages.values())), "tied", False)))
     parts = TrainParts(dims, rank, coords, meshes, stages, params, optimizer, scheduler, None, loss_fn,
                        moe, faults, pp_group, device, tied,
-                       loss_parallel=dims.tp > 1 and cfg.parallelism.loss_parallel)
+                       loss_parallel=dims.tp > 1 and cfg.parallelism.loss_parallel,
+                       autocast=autocast_dtype(resolve_mixed_precision(cfg.training.mixed_precision, device.type),
+                                               dims.fsdp))
     if dims.pp > 1:
         parts.schedule = build_pipeline_schedule(
             cfg.parallelism.pipeline_schedule, stages, dims.num_stages, n_mb, loss_fn, device, pp_group,

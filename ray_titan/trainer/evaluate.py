@@ -42,21 +42,21 @@ class EvalResult:
 
 @torch.no_grad()
 def eval_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, n_microbatches: int,
-              autocast: str = "none", positions: torch.Tensor | None = None) -> float | None:
+              positions: torch.Tensor | None = None) -> float | None:
     """The summed cross-entropy (nats) of the counted labels of ``inputs``/``labels`` (``(local
     batch, seq)`` int64, the training step's shape) on last-stage ranks, None elsewhere.
     ``positions``: as :func:`~ray_titan.trainer.step.train_step`'s. Collective: every rank of the
     mesh calls it with its slice."""
     total: float | None
     if parts.schedule is not None:
-        losses = run_schedule(parts, inputs, labels, autocast, positions, {"scale": 1.0}, forward_only=True)
+        losses = run_schedule(parts, inputs, labels, positions, {"scale": 1.0}, forward_only=True)
         total = torch.stack(losses).sum().item() if losses is not None else None
         del losses
     else:
         model = next(iter(parts.stages.values()))
         acc = torch.zeros((), device=parts.device)
         for x, y, kw in microbatches(inputs, labels, positions, n_microbatches):
-            with parts.loss_context(), _autocast(autocast, parts.device):
+            with parts.loss_context(), _autocast(parts):
                 acc += local_tensor(parts.loss_fn(model(x, **kw), y, scale=1.0))
         total = acc.item()
     parts.moe.reset()  # the routers counted the evaluated tokens: not the step's load
@@ -97,7 +97,7 @@ class Validator:
             positions = document_positions(inputs, self.tokenizer.bos_id) if self.cfg.training.document_mask else None
             for x, y, kw in microbatches(inputs, labels, positions, self.chunks):
                 s = eval_step(parts, x.to(parts.device), y.to(parts.device), self.cfg.parallelism.microbatches,
-                              self.cfg.training.autocast, kw["positions"].to(parts.device) if kw else None)
+                              kw["positions"].to(parts.device) if kw else None)
                 total += s if s is not None else 0.0
         loss = total / tokens if parts.is_last_stage and tokens else None
         return EvalResult(loss, tokens, time.perf_counter() - t0)

@@ -124,7 +124,7 @@ def train_loop(
             inputs, labels = inputs.to(device), labels.to(device)
             t1 = time.perf_counter()
             out = train_step(parts, inputs, labels, step, cfg.parallelism.microbatches, cfg.training.max_norm,
-                             cfg.training.autocast, loader.counted_tokens, positions)
+                             loader.counted_tokens, positions)
             t_export = time.perf_counter()
             breakdown = profiler.stop(step)
             export_s = time.perf_counter() - t_export  # writing traces and the memory timeline's analysis

@@ -51,10 +51,11 @@ class StepResult:
     loss_tokens: int | None = None
 
 
-def _autocast(kind: str, device: torch.device) -> contextlib.AbstractContextManager:
-    if kind == "none":
+def _autocast(parts: TrainParts) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` in ``parts.autocast`` (a bf16 run without FSDP2), else nothing."""
+    if parts.autocast is None:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    return torch.autocast(parts.device.type, dtype=parts.autocast)
 
 
 def model_kwargs(positions: torch.Tensor | None) -> dict[str, Any]:
@@ -71,7 +72,7 @@ def microbatches(inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Te
 
 
 def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, step: int,
-               n_microbatches: int, max_norm: float, autocast: str = "none",
+               n_microbatches: int, max_norm: float,
                counted_tokens: int | None = None, positions: torch.Tensor | None = None) -> StepResult:
     """Train one step on ``inputs`` and ``labels`` (``(local batch, seq)`` int64, this rank's
     data-parallel slice; under PP only the first stage reads ``inputs`` and the last ``labels``).
@@ -100,7 +101,7 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
     if counted_tokens is None:
         # Named ranges in profiler traces (profiling.trace_steps); near free when not profiling.
         with record_function("ray_titan/forward_backward"):
-            losses, total = _forward_backward(parts, inputs, labels, n_microbatches, autocast, positions, {})
+            losses, total = _forward_backward(parts, inputs, labels, n_microbatches, positions, {})
         # Host float right away; the list (and its graph-free tensors) dies here.
         if losses is not None:
             loss = torch.stack(losses).mean().item() if losses else None
@@ -110,7 +111,7 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
     # The schedule averages gradients over microbatches and FSDP (HSDP) over data-parallel ranks.
     scale = n_microbatches * parts.dims.dp / max(1, counted_tokens)
     with record_function("ray_titan/forward_backward"):
-        losses, total = _forward_backward(parts, inputs, labels, n_microbatches, autocast, positions,
+        losses, total = _forward_backward(parts, inputs, labels, n_microbatches, positions,
                                           {"scale": scale})
     summed = torch.stack(losses).sum() if losses else total
     mine = int((labels != IGNORE_INDEX).sum())
@@ -119,7 +120,7 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
     return _update(parts, step, loss, max_norm, t1, mine)
 
 
-def run_schedule(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, autocast: str,
+def run_schedule(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor,
                  positions: torch.Tensor | None, loss_kwargs: dict[str, Any], forward_only: bool = False
                  ) -> list[torch.Tensor] | None:
     """One pass of the pipeline schedule (``schedule.step``, or forward-only ``schedule.eval``)
@@ -129,7 +130,7 @@ def run_schedule(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, 
     is_last = parts.is_last_stage
     losses: list[torch.Tensor] | None = [] if is_last else None
     args = (inputs,) if parts.has_first_stage else ()
-    with _autocast(autocast, parts.device), parts.loss_context():
+    with _autocast(parts), parts.loss_context():
         if forward_only:
             parts.schedule.eval(*args, target=labels if is_last else None, losses=losses,
                                 loss_kwargs=loss_kwargs or None, **model_kwargs(positions))
@@ -142,20 +143,20 @@ def run_schedule(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, 
 
 
 def _forward_backward(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, n_microbatches: int,
-                      autocast: str, positions: torch.Tensor | None, loss_kwargs: dict[str, Any]
+                      positions: torch.Tensor | None, loss_kwargs: dict[str, Any]
                       ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:
     """Forward and backward of the step's microbatches: ``(the schedule's per-microbatch losses
     (PP; None off the last stage), None)``, or ``(None, the sum of the microbatch losses)``
     (gradient accumulation, the gradients then divided by the microbatch count)."""
     if parts.schedule is not None:
-        return run_schedule(parts, inputs, labels, autocast, positions, loss_kwargs), None
+        return run_schedule(parts, inputs, labels, positions, loss_kwargs), None
     model = next(iter(parts.stages.values()))
     total = torch.zeros((), device=parts.device)
     for i, (x, y, kw) in enumerate(microbatches(inputs, labels, positions, n_microbatches)):
         if parts.dims.fsdp:
             cast("FSDPModule", model).set_requires_gradient_sync(i == n_microbatches - 1)
         with parts.loss_context():
-            with _autocast(autocast, parts.device):
+            with _autocast(parts):
                 mb_loss = parts.loss_fn(model(x, **kw), y, **loss_kwargs)
             mb_loss.backward()
         total += local_tensor(mb_loss.detach())

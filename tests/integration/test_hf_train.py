@@ -181,12 +181,42 @@ def test_tied_head_under_pp2_tp2_matches_one_process(models, qwen3_debug_one_pro
     np.testing.assert_allclose(losses, qwen3_debug_one_process[0], rtol=1e-5)
 
 
-def test_import_onto_pp2_ep2_matches_one_process(models, tmp_path):
+@pytest.mark.parametrize("family, mesh", [
+    ("deepseek_v2", ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
+    # V3: the query latent and the sigmoid group routing under tensor parallel, experts over ep.
+    ("deepseek_v3", ["--parallelism.pp=1", "--parallelism.tp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
+], ids=["deepseek_v2_pp2_ep2", "deepseek_v3_tp2_ep2"])
+def test_moe_import_onto_a_mesh_matches_one_process(models, tmp_path, family, mesh):
     root, data = models
-    single, _ = _in_process(root, data, "deepseek_v2", tmp_path / "one", "--training.steps=1")
-    losses, _ = _torchrun(root, data, "deepseek_v2", tmp_path / "pp2ep2", "--training.steps=1",
-                          "--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2")
+    single, _ = _in_process(root, data, family, tmp_path / "one", "--training.steps=1")
+    losses, _ = _torchrun(root, data, family, tmp_path / "mesh", "--training.steps=1", *mesh)
     np.testing.assert_allclose(losses, single, rtol=1e-5)
+
+
+def test_deepseek_v3_import_then_export_is_bitwise(models, tmp_path):
+    """The tiny DeepSeek-V3 (its correction bias in the weights files, as the released ones):
+    imported, saved by a run whose only update is dropped, exported: the same tensors, bit for
+    bit, and transformers' DeepseekV3ForCausalLM loads the export with the same logits."""
+    from safetensors.torch import load_file
+
+    root, data = models
+    _, run_dir = _in_process(root, data, "deepseek_v3", tmp_path / "run", "--training.steps=1",
+                             "--model.bias_update_rate=0", "--debug.nonfinite_loss_at_steps=[1]",
+                             "--training.on_nonfinite=skip")
+    out = tmp_path / "export"
+    export_hf(run_dir, str(out), dtype="fp32")
+    exported = {k: v for f in out.glob("model*.safetensors") for k, v in load_file(f).items()}
+    original = load_file(root / "deepseek_v3" / "model.safetensors")
+    assert exported.keys() == original.keys()
+    assert any(k.endswith("e_score_correction_bias") for k in exported)
+    for key, value in original.items():
+        assert torch.equal(exported[key], value), key
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["num_nextn_predict_layers"]) == ("deepseek_v3", 0)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(_ray_titan_load(out)(tokens), _transformers_load(out)(tokens).logits,
+                                   rtol=0, atol=1e-4)
 
 
 def test_import_then_export_is_bitwise_with_expert_bias(models, tmp_path):

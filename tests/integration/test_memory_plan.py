@@ -116,16 +116,18 @@ def _saved_bytes(block, x, cos, sin) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("family,layer", [("llama", 0), ("deepseek_v2", 0), ("deepseek_v2", 1)])
-def test_block_activation_formulas_equal_what_autograd_saves(family, layer):
+@pytest.mark.parametrize("family,layer,dtype", [("llama", 0, torch.float32), ("deepseek_v2", 0, torch.float32),
+                                                ("deepseek_v2", 1, torch.float32), ("llama", 0, torch.bfloat16)])
+def test_block_activation_formulas_equal_what_autograd_saves(family, layer, dtype):
+    """fp32, and bf16 weights and inputs as FSDP2's MixedPrecisionPolicy computes (Llama)."""
     torch.manual_seed(0)
     model = build_model(family, "debug", vocab_size=258)
     model.init_weights(0)
     b, s = 4, 128
-    x = torch.randn(b, s, model.args.dim, requires_grad=True)
-    cos, sin = model.rope_cos[:s], model.rope_sin[:s]
-    saved = _saved_bytes(model.layers[str(layer)], x, cos, sin)
-    planned = _block(model.args, layer, 4, s, "cpu", 1.0, 1).none * b * s
+    x = torch.randn(b, s, model.args.dim, requires_grad=True, dtype=dtype)
+    cos, sin = model.rope_cos[:s], model.rope_sin[:s]  # fp32 tables, as FSDP2 leaves them
+    saved = _saved_bytes(model.layers[str(layer)].to(dtype), x, cos, sin)
+    planned = _block(model.args, layer, dtype.itemsize, s, "cpu", 1.0, 1).none * b * s
     if layer >= getattr(model.args, "n_dense_layers", 99):
         # Routing decides how many rows each expert saves; the plan assumes top-k copies of every
         # token, which is exact for the dispatched tensors and the experts' activations alike.
@@ -152,6 +154,7 @@ def _measured(tmp_path, config, *overrides):
 @pytest.mark.parametrize("config,overrides", [
     ("debug_llama.toml", []),
     ("debug_llama.toml", ["--activation_checkpoint.mode=full"]),
+    ("debug_llama.toml", ["--training.mixed_precision=bf16"]),  # one rank: autocast and its weight cache
 ])
 def test_plan_is_within_15_percent_of_the_measured_peak_in_one_process(tmp_path, corpus_cache, config, overrides):
     # In a fresh process: the profiler's categories once counted 400 KiB more parameters after
@@ -229,7 +232,7 @@ def _routing_imbalance(steps, step: int, ep: int) -> float:
 def _eight_b(*more):
     return load_config(None, ["--model.flavor=8B", "--training.seq_len=8192", "--parallelism.pp=1",
                               "--parallelism.dp_shard=8", "--training.global_batch_size=16",
-                              "--parallelism.microbatches=1", "--training.autocast=bfloat16", *more])
+                              "--parallelism.microbatches=1", "--training.mixed_precision=bf16", *more])
 
 
 def test_levers_are_ranked_by_cost_and_the_recommendation_is_the_cheapest_that_fits():

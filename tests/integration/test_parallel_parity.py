@@ -69,7 +69,11 @@ MOE = {
     "pp2_tp2": (4, ["--parallelism.pp=2", "--parallelism.tp=2", "--parallelism.microbatches=2",
                     "--parallelism.sequence_parallel=false", "--parallelism.loss_parallel=false"]),
 }
-CONFIGS = {"llama": "debug_llama.toml", "deepseek_v2": "debug_deepseek.toml"}
+# DeepSeek-V3's twin: sigmoid group routing whose aux-loss-free bias moves every step from the
+# load all-reduced over dp_shard, which one worker counts alone.
+MOE_V3 = {"pp2_dp_shard2_ep2": (4, ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2",
+                                    "--parallelism.microbatches=2"])}
+CONFIGS = {"llama": "debug_llama.toml", "deepseek_v2": "debug_deepseek.toml", "deepseek_v3": "debug_deepseek_v3.toml"}
 
 
 def _rank_main(rank: int, nproc: int, config: str, overrides: list[str], run_dir: str,
@@ -98,7 +102,7 @@ def _run(tmp: Path, model: str, nproc: int, overrides: list[str], steps: int = S
     """Run one composition on ``nproc`` processes (``env`` added to each one's environment) and
     assemble its reports as the launcher does; returns ``(collector summary, steps table, ParallelDims)``."""
     ctx = forkserver()
-    flags = merge_overrides(["--parallelism.ep=1"] if model == "deepseek_v2" else [], COMMON, [
+    flags = merge_overrides(["--parallelism.ep=1"] if model.startswith("deepseek") else [], COMMON, [
         f"--training.steps={steps}", f"--data.cache_dir={tmp.parent / 'corpus'}",
         f"--checkpoint.enable={str(save).lower()}"], overrides)
     run_dir = tmp / "run"
@@ -192,6 +196,11 @@ def test_dense_composition_matches_one_worker(name, corpus, dense_runs, referenc
 @pytest.mark.parametrize("name", list(MOE))
 def test_moe_composition_matches_one_worker(name, corpus, references):
     _check_parity(name, _run(corpus / f"moe_{name}", "deepseek_v2", *MOE[name]), references("deepseek_v2"))
+
+
+@pytest.mark.parametrize("name", list(MOE_V3))
+def test_deepseek_v3_composition_matches_one_worker(name, corpus, references):
+    _check_parity(name, _run(corpus / f"v3_{name}", "deepseek_v3", *MOE_V3[name]), references("deepseek_v3"))
 
 
 def test_checkpoint_reshards_across_tp_and_dp_replicate(corpus, dense_runs, references):

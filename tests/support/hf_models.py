@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,7 +52,8 @@ def write_tokenizer(directory: Path, vocab_size: int = TOKENIZER_VOCAB) -> Path:
 
 
 def hf_config(family: str):
-    """The transformers config of the tiny model of ``family`` (llama, qwen3, deepseek_v2)."""
+    """The transformers config of the tiny model of ``family`` (llama, qwen3, deepseek_v2,
+    deepseek_v3, qwen3_moe, gpt_oss)."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -63,6 +65,32 @@ def hf_config(family: str):
     if family == "qwen3":  # tied head, heads of 32 (wider than 64 / 4), GQA 4:1 (a k head split by FSDP)
         return tf.Qwen3Config(num_hidden_layers=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
                               **common)
+    if family == "qwen3_moe":
+        # Qwen3-30B-A3B's shape in small: heads of 32 (wider than 64 / 4), GQA 4:2, 8 experts top-2
+        # with normalised weights, the middle layer dense (mlp_only_layers: not a prefix).
+        return tf.Qwen3MoeConfig(num_hidden_layers=3, num_key_value_heads=2, head_dim=32, moe_intermediate_size=32,
+                                 num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                                 **common)
+    if family == "gpt_oss":
+        # gpt-oss's shape in small: heads of 16, GQA 4:2, 8 experts top-2 (every layer MoE), layers
+        # sliding (a window of 16: it matters at 300 tokens) / full / sliding, its YaRN (truncate false).
+        rope = {"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "original_max_position_embeddings": 64,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+        return tf.GptOssConfig(
+            num_hidden_layers=3, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+            sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=rope, **common)
+    if family == "deepseek_v3":
+        # DeepSeek-V3's shape in small: a query latent, sigmoid routing of 8 experts in 4 groups of
+        # which 2 are kept (top-2), normalised and scaled weights, V3's YaRN (mscale 1).
+        rope = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "original_max_position_embeddings": 64,
+                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+        return tf.DeepseekV3Config(
+            num_hidden_layers=3, first_k_dense_replace=1, moe_intermediate_size=32, n_routed_experts=8,
+            n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, norm_topk_prob=True,
+            routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, rope_parameters=rope, **{**common, "max_position_embeddings": 40 * 64},
+        )
     # DeepSeek-V2-Lite's shape in small: YaRN (its factor, mscale), plain q projection, first layer
     # dense, 8 routed experts top-2 plus a shared one; a routed scaling factor that matters.
     rope = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "original_max_position_embeddings": 64,
@@ -81,7 +109,8 @@ def make_hf_model(family: str, directory: Path, dtype: torch.dtype = torch.float
     ``changes``: config fields set on :func:`hf_config`'s (e.g. another routing method)."""
     import transformers as tf
 
-    torch.manual_seed({"llama": 1, "qwen3": 2, "deepseek_v2": 3}[family])
+    seeds = {"llama": 1, "qwen3": 2, "deepseek_v2": 3, "deepseek_v3": 4, "qwen3_moe": 5, "gpt_oss": 6}
+    torch.manual_seed(seeds[family])
     config = hf_config(family)
     for name, value in changes.items():
         setattr(config, name, value)
@@ -92,6 +121,9 @@ def make_hf_model(family: str, directory: Path, dtype: torch.dtype = torch.float
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, WEIGHT_STD)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: large enough to change choices
+                b.normal_(0.0, 0.1)
     model.to(dtype).save_pretrained(directory)
     write_tokenizer(directory)
     return model.float()
@@ -105,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(prog="python -m tests.support.hf_models", description=main.__doc__)
     ap.add_argument("out_dir", type=Path)
-    ap.add_argument("--family", choices=["llama", "qwen3", "deepseek_v2"], default="qwen3")
+    ap.add_argument("--family", choices=["llama", "qwen3", "deepseek_v2", "gpt_oss"], default="qwen3")
     a = ap.parse_args(argv)
     make_hf_model(a.family, a.out_dir / a.family)
     (a.out_dir / "text.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_lines()))
@@ -114,3 +146,69 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def random_tokens(n: int = 300, seed: int = 11) -> torch.Tensor:
+    """``(1, n)`` int64 token ids below :data:`VOCAB`, from ``seed``."""
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def load_ray_titan(path):
+    """The Hugging Face directory ``path`` imported into ray_titan on one process:
+    ``(model in eval mode, ModelSpec, model arguments)``."""
+    from ray_titan.hf import check_hf_checkpoint, load_hf_weights
+    from ray_titan.models.registry import build_model
+
+    spec, args = check_hf_checkpoint(str(path))
+    model = build_model(spec.name, "", args=args)
+    model.init_buffers()
+    load_hf_weights(model, str(path), spec, args)
+    return model.eval(), spec, args
+
+
+def expert_choices(model, router_cls: type, tokens: torch.Tensor, index: int):
+    """``(logits, choices)``: ``model``'s logits for ``tokens`` (no grad) and, per call of a
+    ``router_cls`` module, the experts it chose, sorted per token (``(tokens, k)``); ``index``:
+    where the router's output tuple holds them (transformers' top-k routers: 2; ray_titan's
+    ``Router``: 1)."""
+    seen: list[torch.Tensor] = []
+    handles = [m.register_forward_hook(lambda mod, inputs, out: seen.append(out[index].sort(dim=-1).values))
+               for m in model.modules() if isinstance(m, router_cls)]
+    with torch.no_grad():
+        logits = model(tokens)
+    for h in handles:
+        h.remove()
+    return getattr(logits, "logits", logits), seen
+
+
+def train_one_dropped_step(src: Path, tmp_path: Path) -> tuple[Any, Path]:
+    """The train loop, in this process on one rank, starting from the Hugging Face directory
+    ``src``, for one step whose update is dropped (a non-finite loss injected under
+    ``on_nonfinite = "skip"``), saving its checkpoint: ``(resolved JobConfig, run directory)``,
+    whose export must equal ``src`` bit for bit."""
+    from ray_titan.checkpoint import LocalCheckpointStorage
+    from ray_titan.config import load_config
+    from ray_titan.hf import resolve_hf_job
+    from ray_titan.metrics.collector import MetricsCollector
+    from ray_titan.metrics.report import LocalReporter
+    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.preflight import validate_job
+    from ray_titan.trainer import train_loop
+
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_lines(64)))
+    cfg = resolve_hf_job(load_config(None, [
+        f"--checkpoint.initial_load_hf={src}", f"--data.path={data}", f"--job.dump_folder={tmp_path}",
+        "--data.source=jsonl", "--training.seq_len=32", "--training.global_batch_size=4", "--training.steps=1",
+        "--parallelism.pp=1", "--parallelism.dp_shard=1", "--metrics.enable_tensorboard=false",
+        "--metrics.log_freq=1", "--training.threads_per_worker=1", "--memory.breakdown_step=0",
+        "--debug.nonfinite_loss_at_steps=[1]", "--training.on_nonfinite=skip"]))
+    validate_job(cfg)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    collector = MetricsCollector(str(run_dir), 1, [0], cfg.training.steps, enable_tensorboard=False)
+    train_loop(cfg, LocalReporter(collector), None,
+               checkpoint_storage=LocalCheckpointStorage(run_dir / "checkpoints", 0))
+    collector.finish()
+    assert read_steps(run_dir).to_pylist()[0]["skipped_update"]
+    return cfg, run_dir

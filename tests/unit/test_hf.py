@@ -310,7 +310,8 @@ def _rewrite(path, change):
 @pytest.mark.parametrize("damage, message", [
     ("no_config", r"config\.json does not exist"),
     ("bad_json", r"config\.json is not valid JSON"),
-    ("model_type", r"model_type 'gpt2' is not supported; supported: \['deepseek_v2', 'llama', 'qwen3'\]"),
+    ("model_type", r"model_type 'gpt2' is not supported; supported: \['deepseek_v2', 'deepseek_v3', 'gpt_oss', "
+                   r"'kimi_k2', 'llama', 'qwen3'"),
     ("rope_type", r"rope_scaling\.rope_type = 'longrope' is not supported"),
     ("missing", r"model\.safetensors: missing tensor\(s\) model\.layers\.1\.mlp\.up_proj\.weight"),
     ("shape", r"model\.safetensors: tensor model\.norm\.weight has shape \[63\], config\.json implies \[64\]"),
@@ -414,7 +415,7 @@ def _refused_fast(call, match):
     ("qwen3", {"rms_norm_eps": float("-inf")}, r"rms_norm_eps = -inf is not valid"),
     ("deepseek_v2", {"routed_scaling_factor": -1.5}, r"routed_scaling_factor = -1\.5 is not valid"),
     # routing: a method of the table; group sizes that split the experts and hold the top-k
-    ("deepseek_v2", {"topk_method": "noaux_tc"}, r"topk_method = 'noaux_tc' is not supported; valid: "
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, r"topk_method = 'noaux_tc' is not supported for deepseek_v2; valid: "
                                                 r"\['greedy', 'group_limited_greedy'\]"),
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": None},
      r"config\.json has no 'n_group'"),

@@ -106,7 +106,7 @@ def test_group_limited_routing_keeps_the_best_groups_and_refuses_bad_sizes():
         assert ((indices // 2).unsqueeze(-1) == best.unsqueeze(1)).any(-1).all()
         torch.testing.assert_close(weights, scores.gather(1, indices))  # unbiased scores
     for change, message in (
-        ({"topk_method": "noaux_tc"}, r"topk_method = 'noaux_tc' is not supported; valid: \['greedy', "),
+        ({"topk_method": "sinkhorn"}, r"topk_method = 'sinkhorn' is not supported; valid: \['greedy', "),
         ({"n_group": 3, "topk_group": 1}, r"n_routed_experts = 8 is not divisible by n_group = 3"),
         ({"n_group": 4, "topk_group": 5}, r"topk_group = 5 is not within 1 and n_group = 4"),
         ({"n_group": 8, "topk_group": 1}, r"n_activated_experts = 2 exceeds the 1 experts"),

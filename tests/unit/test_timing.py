@@ -44,14 +44,16 @@ def test_metrics_switch_and_timings(corpus_cache, tmp_path):
     assert read_timings(tmp_path)["rank0"]["steady_steps"] == 2
 
 
-def test_bf16_autocast_trains_close_to_fp32(corpus_cache):
+def test_bf16_without_fsdp_trains_close_to_fp32(corpus_cache):
+    """One rank (no FSDP2 to cast the weights): ``training.mixed_precision = "bf16"`` computes
+    under ``torch.autocast`` (``ray_titan.parallel.fsdp.autocast_dtype``)."""
     runs = {}
-    for dtype in ("none", "bfloat16"):
+    for dtype in ("fp32", "bf16"):
         rec = _Recording()
         # 8 sequences a step: bf16 on CPU is slow, and 8 steps of them still learn by > 1.5 nats.
         train_loop(_cfg(corpus_cache, "--training.steps=8", "--lr_scheduler.warmup_steps=4",
-                        "--training.global_batch_size=8", f"--training.autocast={dtype}"), rec)
+                        "--training.global_batch_size=8", f"--training.mixed_precision={dtype}"), rec)
         runs[dtype] = [r.loss for r in rec.reports]
-    fp32, bf16 = runs["none"], runs["bfloat16"]
+    fp32, bf16 = runs["fp32"], runs["bf16"]
     assert bf16[0] != fp32[0] and abs(bf16[0] - fp32[0]) < 0.02  # bf16 matmuls, same model
     assert bf16[-1] < bf16[0] - 0.5 and abs(bf16[-1] - fp32[-1]) < 0.1  # and it learns like fp32

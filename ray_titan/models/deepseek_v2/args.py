@@ -22,9 +22,11 @@ class DeepSeekV2Args:
     Routing as DeepSeek's reference ``MoEGate``: ``topk_method`` names the function of
     ``ray_titan.models.routing.ROUTERS`` that chooses the experts (``greedy``: the top-k of all;
     ``group_limited_greedy``: the top-k within the ``topk_group`` best of ``n_group`` equal
-    expert groups, DeepSeek-V2's device-limited routing); the selected experts' softmax scores are
-    renormalised to sum to 1 when ``norm_topk_prob`` (and ``n_activated_experts > 1``), and
-    otherwise multiplied by ``route_scale`` (``routed_scaling_factor``). ``rope_scaling``: the
+    expert groups, DeepSeek-V2's device-limited routing; ``noaux_tc``: DeepSeek-V3's, groups
+    ranked by their two best bias-corrected scores); ``score_func`` (``softmax`` in V2,
+    ``sigmoid`` in V3) makes the scores. V2: the selected experts' scores are renormalised to sum
+    to 1 when ``norm_topk_prob`` (and ``n_activated_experts > 1``), and otherwise multiplied by
+    ``route_scale`` (``routed_scaling_factor``); V3 renormalises and then always scales. ``rope_scaling``: the
     YaRN scaling of the released checkpoints (V2-Lite: factor 40 over 4096 positions), or None.
     """
 
@@ -41,6 +43,7 @@ class DeepSeekV2Args:
     route_scale: float = 1.0
     norm_topk_prob: bool = False
     topk_method: str = "greedy"
+    score_func: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
     q_lora_rank: int = 0
@@ -54,6 +57,10 @@ class DeepSeekV2Args:
     init_std: float = 0.02
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
+    n_mtp_layers: int = 0
+    """Multi-token-prediction modules a checkpoint holds (DeepSeek-V3 §2.2; ``config.json``
+    ``num_nextn_predict_layers``). Not built: ray_titan trains the main model only, an import
+    skips their tensors and an export writes none (and says 0)."""
     load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
     aux_loss_coeff: float = 0.001
     """α of the balance loss (DeepSeek-V2-Lite: 0.001)."""

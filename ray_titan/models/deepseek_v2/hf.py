@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
-from ray_titan.models.routing import GROUPED, ROUTERS, group_problem
+from ray_titan.models.routing import GROUPED, group_problem
 from ray_titan.models.state_dict_adapter import (
     HFConfigError,
     Source,
@@ -37,24 +37,35 @@ ROUTER_BIAS_FILE = "router_bias.safetensors"
 
 
 class DeepSeekV2Adapter(StateDictAdapter):
-    """DeepSeek-V2 and V2-Lite: softmax routing (``topk_method``: any key of
-    ``ray_titan.models.routing.ROUTERS``; V2's ``group_limited_greedy``), YaRN rope."""
+    """DeepSeek-V2 and V2-Lite: softmax routing (``topk_method``: ``greedy`` or V2's
+    ``group_limited_greedy``, functions of ``ray_titan.models.routing.ROUTERS``), YaRN rope.
+
+    ``topk_methods`` / ``scoring_funcs``: the ``config.json`` values this family's reference
+    (transformers' modeling file) computes, the first being the default when the field is absent.
+    """
 
     model_type = "deepseek_v2"
     architectures = ("DeepseekV2ForCausalLM",)
     training_fields = frozenset({"init_std", "load_balance", "aux_loss_coeff", "bias_update_rate"})
+    topk_methods: tuple[str, ...] = ("greedy", "group_limited_greedy")
+    scoring_funcs: tuple[str, ...] = ("softmax",)
 
     def args_from_hf(self, config: dict[str, Any]) -> DeepSeekV2Args:
         def need(name: str, default: int | None = None) -> int:
             return size_field(config, name, default)
 
         for name, valid in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                            ("moe_layer_freq", 1), ("scoring_func", "softmax")):
+                            ("moe_layer_freq", 1)):
             if config.get(name, valid) != valid:
                 raise HFConfigError(f"config.json {name} = {config[name]!r} is not supported; valid: {valid!r}")
-        method = config.get("topk_method") or "greedy"
-        if not isinstance(method, str) or method not in ROUTERS:
-            raise HFConfigError(f"config.json topk_method = {method!r} is not supported; valid: {sorted(ROUTERS)}")
+        score_func = config.get("scoring_func") or self.scoring_funcs[0]
+        if score_func not in self.scoring_funcs:
+            raise HFConfigError(f"config.json scoring_func = {score_func!r} is not supported for {self.model_type}; "
+                                f"valid: {list(self.scoring_funcs)}")
+        method = config.get("topk_method") or self.topk_methods[0]
+        if not isinstance(method, str) or method not in self.topk_methods:
+            raise HFConfigError(f"config.json topk_method = {method!r} is not supported for {self.model_type}; "
+                                f"valid: {list(self.topk_methods)}")
         n_layers, n_dense = need("num_hidden_layers"), need("first_k_dense_replace", 0)
         n_experts, top_k = need("n_routed_experts"), need("num_experts_per_tok")
         rope_dim = need("qk_rope_head_dim")
@@ -88,7 +99,7 @@ class DeepSeekV2Adapter(StateDictAdapter):
             n_activated_experts=top_k,
             route_scale=float_field(config, "routed_scaling_factor", 1.0),
             norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-            topk_method=method, n_group=n_group, topk_group=topk_group,
+            topk_method=method, score_func=score_func, n_group=n_group, topk_group=topk_group,
             q_lora_rank=need("q_lora_rank", 0), kv_lora_rank=need("kv_lora_rank"),
             qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=rope_dim,
             v_head_dim=need("v_head_dim"), norm_eps=float_field(config, "rms_norm_eps", 1e-6),
@@ -103,7 +114,7 @@ class DeepSeekV2Adapter(StateDictAdapter):
             "intermediate_size": args.inter_dim, "moe_intermediate_size": args.moe_inter_dim,
             "n_routed_experts": args.n_routed_experts, "n_shared_experts": args.n_shared_experts,
             "num_experts_per_tok": args.n_activated_experts, "routed_scaling_factor": args.route_scale,
-            "norm_topk_prob": args.norm_topk_prob, "topk_method": args.topk_method,
+            "norm_topk_prob": args.norm_topk_prob, "topk_method": args.topk_method, "scoring_func": args.score_func,
             "n_group": args.n_group, "topk_group": args.topk_group, "moe_layer_freq": 1,
             "q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
             "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
@@ -112,6 +123,10 @@ class DeepSeekV2Adapter(StateDictAdapter):
             "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
             **rope_to_hf(args.rope_theta, args.rope_scaling),
         }
+
+    def router_bias_source(self, hf_layer: str) -> Source:
+        """Where a layer's ``expert_bias`` lives: V2 has no such tensor, so a side file."""
+        return Source((hf_layer + "mlp.gate.expert_bias",), file=ROUTER_BIAS_FILE, optional=True)
 
     def sources(self, args: DeepSeekV2Args) -> dict[str, Source]:
         out = {"tok_embeddings.weight": Source(("model.embed_tokens.weight",)),
@@ -129,11 +144,8 @@ class DeepSeekV2Adapter(StateDictAdapter):
             if i < args.n_dense_layers:
                 out |= {f"{rt}feed_forward.{a}.weight": Source((f"{hf}mlp.{b}.weight",)) for a, b in ffn.items()}
                 continue
-            out |= {
-                rt + "moe.router.weight": Source((hf + "mlp.gate.weight",)),
-                rt + "moe.router.expert_bias": Source((hf + "mlp.gate.expert_bias",), file=ROUTER_BIAS_FILE,
-                                                      optional=True),
-            }
+            out |= {rt + "moe.router.weight": Source((hf + "mlp.gate.weight",)),
+                    rt + "moe.router.expert_bias": self.router_bias_source(hf)}
             out |= {f"{rt}moe.experts.{a}": Source(tuple(f"{hf}mlp.experts.{e}.{b}.weight"
                                                          for e in range(args.n_routed_experts)), stacked=True)
                     for a, b in ffn.items()}

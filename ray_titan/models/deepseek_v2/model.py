@@ -8,9 +8,10 @@ Architecture after DeepSeek-V2 (DeepSeek-AI 2024, arXiv:2405.04434) and its V2-L
   (``q_lora_rank``; 0 = a plain projection, as in V2-Lite). Rotary embeddings go on a decoupled
   part of each head (``qk_rope_head_dim``), the rotary key being shared by all heads.
 - **DeepSeekMoE feed-forward** (Dai et al. 2024, arXiv:2401.06066): ``n_routed_experts`` small
-  SwiGLU experts of which a softmax router activates the top ``n_activated_experts`` per token
-  (``topk_method``: ``greedy``, or V2's ``group_limited_greedy`` within the ``topk_group`` best of
-  ``n_group`` expert groups; the functions of ``ray_titan.models.routing``), plus
+  SwiGLU experts of which a router activates the top ``n_activated_experts`` per token
+  (``topk_method``: ``greedy``, V2's ``group_limited_greedy`` within the ``topk_group`` best of
+  ``n_group`` expert groups, or DeepSeek-V3's sigmoid ``noaux_tc`` (arXiv:2412.19437; this class
+  is also the ``deepseek_v3`` family's model); the functions of ``ray_titan.models.routing``), plus
   ``n_shared_experts`` always-on experts; the first ``n_dense_layers`` layers are dense.
 - **Load balancing**, chosen by ``load_balance``:
   ``"aux_loss"``: the expert-level balance loss of DeepSeek-V2 (§2.2.3, ``α Σ_i f_i P_i``),
@@ -31,8 +32,9 @@ DeepSeek's correction of the softmax scale.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import cast
+from typing import Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -42,11 +44,31 @@ from torch.distributed.tensor import DTensor
 from ray_titan.models.decoder import Decoder, FeedForward, RMSNorm, apply_rope
 from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
 from ray_titan.models.rope import softmax_scale_factor
-from ray_titan.models.routing import ROUTERS, check_routing
+from ray_titan.models.routing import ROUTERS, SELECTS_WITH_BIAS, RoutingArgs, check_routing
 
 __all__ = [
-    "MLA", "DeepSeekV2", "GroupedExperts", "MoE", "Router", "activated_parameters", "route_tokens",
+    "EXPERT_ACTIVATIONS", "MLA", "DeepSeekV2", "GroupedExperts", "MoE", "MoEArgs", "Router", "activated_parameters",
+    "clamped_swiglu", "route_tokens", "swiglu",
 ]
+
+
+class MoEArgs(RoutingArgs, Protocol):
+    """The model arguments :class:`Router` and :class:`MoE` read: the routing settings
+    (:class:`~ray_titan.models.routing.RoutingArgs`) and these. :class:`DeepSeekV2Args` has them;
+    so does Qwen3-MoE's ``Qwen3MoeArgs`` (``ray_titan.models.qwen3_moe``), which reuses this MoE."""
+
+    @property
+    def dim(self) -> int: ...
+    @property
+    def moe_inter_dim(self) -> int: ...  # each routed expert's SwiGLU hidden size
+    @property
+    def n_shared_experts(self) -> int: ...  # 0: none (Qwen3-MoE)
+    @property
+    def load_balance(self) -> Literal["aux_loss", "aux_free", "none"]: ...
+    @property
+    def aux_loss_coeff(self) -> float: ...
+    @property
+    def bias_update_rate(self) -> float: ...
 
 ExpertRunner = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]
 """``(x_sorted (tokens, dim), counts (n_experts,) int64, experts) -> (tokens, dim)``: runs the
@@ -106,17 +128,22 @@ class MLA(nn.Module):
 class Router(nn.Module):
     """Top-k router with optional auxiliary-loss-free bias; the routing method is the function
     ``ROUTERS[args.topk_method]`` (``ray_titan.models.routing``: ``greedy``,
-    ``group_limited_greedy``).
+    ``group_limited_greedy``, ``noaux_tc``).
 
     ``forward(x (tokens, dim))`` returns ``(weights (tokens, k) fp32, indices (tokens, k) int64,
-    scores (tokens, n_experts) fp32)``. Scores are the softmax over all experts; the weights are
-    the selected experts' scores, renormalised to sum to 1 if ``norm_topk_prob`` (and top-k > 1),
-    otherwise times ``route_scale`` (DeepSeek-V2's ``MoEGate``: the scaling factor applies only
-    when not normalising). Raises ``ValueError`` at construction for arguments the method cannot
-    route (:func:`ray_titan.models.routing.check_routing`).
+    scores (tokens, n_experts) fp32)``. Scores are ``score_func`` of the logits (softmax over all
+    experts, or DeepSeek-V3's sigmoid); the weights are the selected experts' scores, renormalised
+    and/or times ``route_scale`` as the method's reference does. Raises ``ValueError`` at
+    construction for arguments the method cannot route
+    (:func:`ray_titan.models.routing.check_routing`).
 
-    Buffers: ``expert_bias (n_experts,)`` fp32, persistent (checkpointed), added to the scores
-    for selection only; ``tokens_per_expert (n_experts,)`` int64, the tokens routed to each
+    ``bias``: a learned ``bias (n_experts,)`` parameter added to the logits (gpt-oss's router;
+    None otherwise).
+
+    Buffers: ``expert_bias (n_experts,)`` fp32, persistent (checkpointed; DeepSeek-V3's
+    ``e_score_correction_bias``), added to the scores for selection only, under
+    ``load_balance = "aux_free"`` (which moves it after every step) or a method that always
+    selects with it (``noaux_tc``); ``tokens_per_expert (n_experts,)`` int64, the tokens routed to each
     expert since it was last zeroed (the train loop reads and zeroes it once per step).
     """
 
@@ -124,58 +151,102 @@ class Router(nn.Module):
     expert_bias: torch.Tensor
     tokens_per_expert: torch.Tensor
 
-    def __init__(self, args: DeepSeekV2Args):
+    def __init__(self, args: MoEArgs, bias: bool = False):
         super().__init__()
         check_routing(args)
         self.args = args
         self.route = ROUTERS[args.topk_method]
         self.top_k = args.n_activated_experts
+        # use_bias: the bias is moved by aux-loss-free balancing (ray_titan.parallel.expert);
+        # select_with_bias: it takes part in the selection (also a V3 checkpoint's fixed bias).
         self.use_bias = args.load_balance == "aux_free"
+        self.select_with_bias = self.use_bias or args.topk_method in SELECTS_WITH_BIAS
         self.bias_update_rate = args.bias_update_rate
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim))
+        self.bias = nn.Parameter(torch.empty(args.n_routed_experts)) if bias else None
         self.register_buffer("expert_bias", torch.zeros(args.n_routed_experts), persistent=True)
         self.register_buffer(
             "tokens_per_expert", torch.zeros(args.n_routed_experts, dtype=torch.int64), persistent=False
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
-        weights, indices, scores = self.route(logits, self.expert_bias if self.use_bias else None, self.args)
+        logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        weights, indices, scores = self.route(logits, self.expert_bias if self.select_with_bias else None, self.args)
         if not _recomputing():
             with torch.no_grad():
                 self.tokens_per_expert += _count_per_expert(indices.flatten(), scores.shape[-1])
         return weights, indices, scores
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gating (Shazeer 2020, arXiv:2002.05202): ``silu(gate) * up``."""
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss's experts' gating (transformers' ``models/gpt_oss/modeling_gpt_oss.py``,
+    ``GptOssExperts._apply_gate``; OpenAI's gpt-oss model card): ``gate`` clamped above at
+    ``limit``, ``up`` to ``[-limit, limit]``, then ``(up + 1) · gate · sigmoid(alpha · gate)``
+    (``alpha`` 1.702: the sigmoid approximation of GELU)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+EXPERT_ACTIVATIONS: dict[str, Callable[..., torch.Tensor]] = {"swiglu": swiglu, "clamped_swiglu": clamped_swiglu}
+"""How an expert combines its gate ``w1 x`` and up ``w3 x`` projections (``(gate, up, **params) -> hidden``)."""
+
+
 class GroupedExperts(nn.Module):
-    """``n`` SwiGLU experts stored as stacked weights ``w1, w3 (n, hidden, dim)``, ``w2 (n, dim, hidden)``.
+    """``n`` gated experts stored as stacked weights ``w1, w3 (n, hidden, dim)``, ``w2 (n, dim, hidden)``:
+    ``w2 · act(w1 x, w3 x)``, ``act`` :func:`swiglu` unless ``activation`` names another of
+    :data:`EXPERT_ACTIVATIONS` (``activation_params`` its keyword arguments). With ``bias``
+    (gpt-oss) each projection adds its own bias, ``b1, b3 (n, hidden)``, ``b2 (n, dim)``.
 
     ``forward(x (tokens, dim), counts)`` takes tokens already grouped by expert, ``counts[e]``
     of them for local expert ``e`` (a list of ints summing to ``tokens``), and returns
-    ``(tokens, dim)``. Under expert parallelism the weights are ``DTensor``s sharded on dim 0
-    over the ``ep`` axis and this rank computes its local experts only.
+    ``(tokens, dim)``. Under expert parallelism the weights and biases are ``DTensor``s sharded
+    on dim 0 over the ``ep`` axis and this rank computes its local experts only.
     """
 
-    def __init__(self, n_experts: int, dim: int, hidden: int):
+    def __init__(self, n_experts: int, dim: int, hidden: int, bias: bool = False, activation: str = "swiglu",
+                 activation_params: dict[str, float] | None = None):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        if bias:
+            self.b1 = nn.Parameter(torch.empty(n_experts, hidden))
+            self.b2 = nn.Parameter(torch.empty(n_experts, dim))
+            self.b3 = nn.Parameter(torch.empty(n_experts, hidden))
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert activation {activation!r} is unknown; valid: {sorted(EXPERT_ACTIVATIONS)}")
+        self.has_bias = bias
+        self.act = functools.partial(EXPERT_ACTIVATIONS[activation], **(activation_params or {}))
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         # Under expert parallelism the weights are DTensors: compute with this rank's experts.
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        b1, b2, b3 = ((b.to_local() if isinstance(b, DTensor) else b for b in (self.b1, self.b2, self.b3))
+                      if self.has_bias else (None, None, None))
         if _use_grouped_mm(x, w1):
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+            gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+            up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            if b1 is None or b2 is None or b3 is None:
+                return torch._grouped_mm(self.act(gate, up), w2.transpose(-2, -1), offs=offs)
+            # Each row's expert: the bias rows to add (counts sum to the rows).
+            expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
+                                             torch.tensor(counts, device=x.device), output_size=x.shape[0])
+            h = self.act(gate + b1[expert], up + b3[expert])
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs) + b2[expert]
         # Every local expert appears in the graph, even with no tokens, so every weight gets a
         # (possibly zero) gradient and the optimizer treats all experts alike on every mesh.
-        outs = [
-            (F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T
-            for e, xe in enumerate(torch.split(x, counts))
-        ]
+        if b1 is None or b2 is None or b3 is None:
+            outs = [self.act(xe @ w1[e].T, xe @ w3[e].T) @ w2[e].T for e, xe in enumerate(torch.split(x, counts))]
+        else:
+            outs = [self.act(xe @ w1[e].T + b1[e], xe @ w3[e].T + b3[e]) @ w2[e].T + b2[e]
+                    for e, xe in enumerate(torch.split(x, counts))]
         return torch.cat(outs)
 
 
@@ -268,7 +339,9 @@ def route_tokens(
 
 
 class MoE(nn.Module):
-    """Routed plus shared experts. Input and output ``(batch, seq, dim)``.
+    """Routed plus shared experts. Input and output ``(batch, seq, dim)``. The keyword arguments
+    are gpt-oss's variations (``ray_titan.models.gpt_oss``): a learned router bias
+    (:class:`Router`), expert biases and another expert activation (:class:`GroupedExperts`).
 
     ``run_experts`` (set by ``ray_titan.parallel.expert``) runs the routed experts on other
     ranks; by default all experts are local (:func:`route_tokens`).
@@ -276,12 +349,14 @@ class MoE(nn.Module):
 
     aux_loss_sum: torch.Tensor  # the buffer registered in __init__ (annotation only)
 
-    def __init__(self, args: DeepSeekV2Args):
+    def __init__(self, args: MoEArgs, *, router_bias: bool = False, expert_bias: bool = False,
+                 expert_activation: str = "swiglu", activation_params: dict[str, float] | None = None):
         super().__init__()
         self.n_experts, self.top_k = args.n_routed_experts, args.n_activated_experts
         self.aux_coeff = args.aux_loss_coeff if args.load_balance == "aux_loss" else 0.0
-        self.router = Router(args)
-        self.experts = GroupedExperts(args.n_routed_experts, args.dim, args.moe_inter_dim)
+        self.router = Router(args, bias=router_bias)
+        self.experts = GroupedExperts(args.n_routed_experts, args.dim, args.moe_inter_dim, expert_bias,
+                                      expert_activation, activation_params)
         self.shared_experts = (
             FeedForward(args.dim, args.n_shared_experts * args.moe_inter_dim) if args.n_shared_experts else None
         )
@@ -300,14 +375,21 @@ class MoE(nn.Module):
             out = out + self.shared_experts(flat)
         out = out.view(bsz, seq, dim)
         if self.aux_coeff > 0 and torch.is_grad_enabled():
-            aux = self.aux_coeff * sequence_balance_loss(
-                scores.view(bsz, seq, -1), indices.view(bsz, seq, -1), self.n_experts, self.top_k
-            )
-            if not _recomputing():
-                with torch.no_grad():
-                    self.aux_loss_sum += aux.detach()
-            out = _AddAuxLoss.apply(out, aux)
+            aux = self.balance_loss(scores.view(bsz, seq, -1), indices.view(bsz, seq, -1))
+            if aux is not None:
+                if not _recomputing():
+                    with torch.no_grad():
+                        self.aux_loss_sum += aux.detach()
+                out = _AddAuxLoss.apply(out, aux)
         return out
+
+    def balance_loss(self, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
+        """This forward's balance loss, ``aux_coeff`` included, that :meth:`forward` adds to the
+        objective (:class:`_AddAuxLoss`) and to ``aux_loss_sum``: ``scores (batch, seq, n_experts)``
+        fp32, ``indices (batch, seq, top_k)``; 0-dim fp32. DeepSeek's: :func:`sequence_balance_loss`.
+        A family whose loss spans layers overrides it to record what it needs and return None
+        (Qwen3-MoE's, ``ray_titan.models.qwen3_moe.model``)."""
+        return self.aux_coeff * sequence_balance_loss(scores, indices, self.n_experts, self.top_k)
 
 
 class MoEBlock(nn.Module):
@@ -355,10 +437,12 @@ class DeepSeekV2(Decoder):
             moe.aux_loss_sum.zero_()
 
 
-def activated_parameters(model: DeepSeekV2) -> int:
+def activated_parameters(model: Decoder) -> int:
     """Parameters that take part in computing one token: all except the input embedding table (a
     lookup) and the routed experts not chosen (only ``n_activated / n_routed`` of them count).
-    Works on the meta device. The model card's "activated parameters" count the same way."""
+    Works on the meta device. The model card's "activated parameters" count the same way. Any
+    decoder whose MoE layers are this module's :class:`MoE` (``args.n_activated_experts``,
+    ``args.n_routed_experts``; Qwen3-MoE's too)."""
     a = model.args
     total = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("tok_embeddings"))
     routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)

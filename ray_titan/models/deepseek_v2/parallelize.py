@@ -34,11 +34,9 @@ from typing import Any, cast
 from torch import nn
 
 from ray_titan.config.schema import JobConfig
-from ray_titan.parallel.ac import apply_ac
-from ray_titan.parallel.compile import apply_compile
 from ray_titan.parallel.dims import Meshes, ParallelDims
-from ray_titan.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
-from ray_titan.parallel.fsdp import apply_fsdp, resolve_reshard_after_forward
+from ray_titan.parallel.expert import apply_expert_tensor_parallel
+from ray_titan.parallel.stack import apply_after_tp
 from ray_titan.parallel.tp import (
     ReduceGradSlice,
     apply_tp,
@@ -84,15 +82,4 @@ def parallelize_deepseek_v2(model: nn.Module, dims: ParallelDims, meshes: Meshes
         for block in cast(nn.ModuleDict, model.layers).values():
             apply_tp(block, meshes["tp"], _block_tp_plan(block, sp))
         apply_expert_tensor_parallel(model, meshes["tp"])
-    if dims.ep > 1:
-        assert meshes is not None
-        apply_expert_parallel(model, meshes["ep"], meshes.get("ep_tp"))
-    ac = cfg.activation_checkpoint
-    apply_ac(model, ac.mode, ac.selective_option, ac.layer_freq)
-    if cfg.training.compile:
-        apply_compile(model, fullgraph=False)
-    if dims.fsdp:
-        assert meshes is not None
-        reshard = resolve_reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp > 1)
-        apply_fsdp(model, meshes["fsdp"], reshard, meshes["efsdp"] if dims.ep > 1 else None,
-                   cpu_offload=cfg.memory.cpu_offload)
+    apply_after_tp(model, dims, meshes, cfg, fullgraph=False)  # MoE routing breaks full graphs

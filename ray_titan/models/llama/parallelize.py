@@ -17,10 +17,8 @@ from typing import cast
 from torch import nn
 
 from ray_titan.config.schema import JobConfig
-from ray_titan.parallel.ac import apply_ac
-from ray_titan.parallel.compile import apply_compile
 from ray_titan.parallel.dims import Meshes, ParallelDims
-from ray_titan.parallel.fsdp import apply_fsdp, resolve_reshard_after_forward
+from ray_titan.parallel.stack import apply_after_tp
 from ray_titan.parallel.tp import apply_tp, attention_plan, decoder_ends_plan, feed_forward_plan
 
 __all__ = ["parallelize_llama"]
@@ -44,11 +42,4 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, meshes: Meshes | Non
         for block in cast(nn.ModuleDict, model.layers).values():
             apply_tp(block, meshes["tp"], {**attention_plan("attention", ["wq", "wk", "wv"], "wo", sp),
                                            **feed_forward_plan("feed_forward", sp)})
-    ac = cfg.activation_checkpoint
-    apply_ac(model, ac.mode, ac.selective_option, ac.layer_freq)
-    if cfg.training.compile:
-        apply_compile(model)
-    if dims.fsdp:
-        assert meshes is not None
-        reshard = resolve_reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp > 1)
-        apply_fsdp(model, meshes["fsdp"], reshard, cpu_offload=cfg.memory.cpu_offload)
+    apply_after_tp(model, dims, meshes, cfg)

@@ -1,0 +1,178 @@
+"""DeepSeek-V3 and Kimi K2 against transformers' ``DeepseekV3ForCausalLM`` and the released
+``config.json`` files (no Ray, no process): logits and expert choices of a tiny random model, the
+correction bias and the sigmoid group routing each shown to matter, the multi-token-prediction
+layer skipped, FP8 files refused, the flavors' sizes against the model cards."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from ray_titan.hf import HFCheckpointError, check_hf_checkpoint
+from ray_titan.models.decoder import count_parameters
+from ray_titan.models.deepseek_v2 import activated_parameters
+from ray_titan.models.registry import build_model, get_model_args, get_spec, spec_for_hf
+from ray_titan.models.routing import ROUTERS
+from tests.support.hf_models import VOCAB, expert_choices, load_ray_titan, make_hf_model
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    """``(directory, transformers model)`` of the tiny DeepSeek-V3 (tests/support/hf_models.py)."""
+    path = tmp_path_factory.mktemp("deepseek_v3")
+    return path, make_hf_model("deepseek_v3", path)
+
+
+def _choices(model, router_cls, tokens):
+    return expert_choices(model, router_cls, tokens, 2 if router_cls.__name__.endswith("TopkRouter") else 1)
+
+
+def test_logits_and_experts_match_transformers(v3):
+    """300 tokens, fp32, weights std 0.3: logits within 1e-4 of transformers' and the same two
+    experts for every token in both MoE layers. Negative controls on the same weights: without
+    the correction bias, with V2's softmax scores, or with every group allowed, other experts are
+    chosen; with V2's weights (no scaling after the normalisation) the logits differ."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from ray_titan.models.deepseek_v2.model import Router
+
+    path, ref = v3
+    model, spec, args = load_ray_titan(path)
+    assert (spec.name, args.topk_method, args.score_func, args.n_group, args.topk_group, args.q_lora_rank) == (
+        "deepseek_v3", "noaux_tc", "sigmoid", 4, 2, 24)
+    bias = ref.model.layers[2].mlp.gate.e_score_correction_bias
+    assert bias.abs().max() > 0 and torch.equal(model.layers["2"].moe.router.expert_bias, bias)
+    tokens = torch.randint(0, VOCAB, (1, 300), generator=torch.Generator().manual_seed(11))
+    want, hf_routes = _choices(ref, DeepseekV3TopkRouter, tokens)
+    got, rt_routes = _choices(model, Router, tokens)
+    assert want.abs().max() > 3  # large enough that a layout or scaling error shows
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert len(hf_routes) == len(rt_routes) == 2
+    for a, b in zip(hf_routes, rt_routes):
+        assert torch.equal(a, b)
+    for change in ({"zero_bias": True}, {"score_func": "softmax"}, {"topk_group": 4}):
+        other = build_model(spec.name, "", args=dataclasses.replace(args, **{k: v for k, v in change.items()
+                                                                              if k != "zero_bias"}))
+        other.load_state_dict(model.state_dict())
+        if "zero_bias" in change:
+            for moe in other.moe_modules().values():
+                moe.router.expert_bias.zero_()
+        _, routes = _choices(other.eval(), Router, tokens)
+        assert not all(torch.equal(a, b) for a, b in zip(routes, rt_routes)), change
+    v2_weights = build_model(spec.name, "", args=dataclasses.replace(args, route_scale=1.0))
+    v2_weights.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (v2_weights(tokens) - want).abs().max() > 1e-2
+
+
+def test_noaux_tc_weights_are_normalised_then_scaled():
+    """V3's weights: the chosen sigmoid scores summing to 1, times routed_scaling_factor (V2
+    scales only when not normalising); the selection uses the bias, the weights do not."""
+    args = get_model_args("deepseek_v3", "debug")
+    logits = torch.randn(64, args.n_routed_experts, generator=torch.Generator().manual_seed(3))
+    bias = torch.zeros(args.n_routed_experts)
+    bias[5] = 10.0  # expert 5 wins every token's selection, its weight stays its sigmoid score
+    weights, indices, scores = ROUTERS["noaux_tc"](logits, bias, args)
+    assert (indices == 5).any(dim=-1).all()
+    torch.testing.assert_close(scores, logits.sigmoid())
+    torch.testing.assert_close(weights.sum(-1), torch.full((64,), args.route_scale))
+    chosen = logits.sigmoid().gather(-1, indices)
+    torch.testing.assert_close(weights, args.route_scale * chosen / chosen.sum(-1, keepdim=True))
+
+
+def test_mtp_layer_is_skipped_and_only_when_config_json_declares_it(v3, tmp_path, capsys):
+    """The released files carry the MTP module as layer ``num_hidden_layers``: with
+    ``num_nextn_predict_layers = 1`` its tensors are skipped with a line saying so and the rest
+    loads as before; the same files with the field 0 are refused as unexpected tensors."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = v3
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors |= {"model.layers.3.eh_proj.weight": torch.randn(64, 128),
+                "model.layers.3.self_attn.q_a_proj.weight": torch.randn(24, 64)}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    model, _, args = load_ray_titan(tmp_path)
+    assert args.n_mtp_layers == 1
+    assert "skipping 2 tensor(s) model.layers.3.*: a multi-token-prediction module" in capsys.readouterr().out
+    reference, _, _ = load_ray_titan(src)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    assert get_spec("deepseek_v3").hf.hf_config(args)["num_nextn_predict_layers"] == 0  # none exported
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(HFCheckpointError, match=r"unexpected tensor\(s\) model.layers.3.eh_proj.weight"):
+        check_hf_checkpoint(str(tmp_path))
+
+
+def test_fp8_checkpoint_and_v2_routing_are_refused_naming_the_field(v3, tmp_path):
+    src, _ = v3
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    for change, message in [
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+         r"quantization_config = \{quant_method: 'fp8'\}: .* convert them to bf16 first"),
+        ({"topk_method": "greedy"}, r"topk_method = 'greedy' is not supported for deepseek_v3; valid: \['noaux_tc'\]"),
+        ({"scoring_func": "softmax"},
+         r"scoring_func = 'softmax' is not supported for deepseek_v3; valid: \['sigmoid'\]"),
+        ({"n_group": 3}, r"n_routed_experts = 8 is not divisible by n_group = 3"),
+    ]:
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(HFCheckpointError, match=message):
+            check_hf_checkpoint(str(tmp_path))
+
+
+# The architecture fields of the released config.json files (huggingface.co/<repo>/blob/main/config.json).
+V3_CONFIG = {
+    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "first_k_dense_replace": 3,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+    "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "moe_layer_freq": 1, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "vocab_size": 129280, "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "aux_loss_alpha": 0.001,
+    "seq_aux": True, "ep_size": 1,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}
+K2_CONFIG = {
+    **V3_CONFIG, "model_type": "kimi_k2", "num_attention_heads": 64, "num_key_value_heads": 64,
+    "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.827, "num_nextn_predict_layers": 0, "vocab_size": 163840,
+    "max_position_embeddings": 131072, "rope_theta": 50000.0,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}
+
+
+@pytest.mark.parametrize("flavor, config, total, activated", [
+    # Model cards: DeepSeek-V3 671 B total, 37 B activated (36.6 B counted, the MTP module's
+    # 11.5 B + shared parts not included); Kimi K2 1 T total (1.026 T counted), 32 B activated.
+    ("671B", V3_CONFIG, 671e9, 37e9),
+    ("kimi_k2", K2_CONFIG, 1.026e12, 32e9),
+])
+def test_flavor_is_the_released_config_json_with_the_model_card_sizes(flavor, config, total, activated):
+    spec = spec_for_hf(config["model_type"])  # kimi_k2 is a DeepSeek-V3
+    assert spec.name == "deepseek_v3"
+    args = spec.hf.args_from_hf(config)
+    assert spec.hf.differences(get_model_args("deepseek_v3", flavor), args) == []
+    with torch.device("meta"):
+        model = build_model("deepseek_v3", "", args=args)
+    assert count_parameters(model) == pytest.approx(total, rel=0.002)
+    assert activated_parameters(model) == pytest.approx(activated, rel=0.02)
+
+
+def test_16b_flavor_has_torchtitans_sizes():
+    """torchtitan's deepseek_v3 "16B": DeepSeek-MoE-16B's sizes, 15.7 B total and 2.4 B activated."""
+    with torch.device("meta"):
+        model = build_model("deepseek_v3", "16B")
+    assert round(count_parameters(model) / 1e9, 1) == 15.7
+    assert activated_parameters(model) == pytest.approx(2.4e9, rel=0.03)  # 2.45 B counted
