@@ -132,6 +132,21 @@ def _parser() -> argparse.ArgumentParser:
                       "and fragmentation (default 0.08 on cuda, 0 on cpu)")
     plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
 
+    dr = sub.add_parser(
+        "dry-run", help="train ranks of the job for a few steps on a simulated CUDA device, no GPU needed",
+        description="Build and train ranks of the job for a few steps on a simulated CUDA device (fake "
+        "tensors, a fake process group of the job's size; ray_titan.dry_run): what would fail on the GPUs "
+        "(an NCCL collective given a host tensor, shapes that do not fit), the host synchronisations per "
+        "step and each rank's peak device memory beside the memory plan's. " + _OVERRIDES + ". Exit status: "
+        "0 every rank ran, 1 a rank failed, 2 config error or no simulated device.",
+    )
+    dr.add_argument("--config", metavar="X.toml", help="TOML job config (default: the built-in defaults)")
+    dr.add_argument("--rank", type=int, action="append", dest="ranks", metavar="R",
+                    help="a rank to simulate (repeat for several; default 0)")
+    dr.add_argument("--all-roles", action="store_true",
+                    help="one rank per distinct role instead: the first and the last rank of every pipeline rank")
+    dr.add_argument("--steps", type=int, default=2, metavar="N", help="training steps per rank (default 2)")
+
     rp = sub.add_parser(
         "report",
         help="plot a run's loss and memory and print a summary per rank",
@@ -230,6 +245,26 @@ def _memory(args, overrides: list[str]) -> int:
     return 1 if plan.fits is False else 0
 
 
+def _dry_run(args, overrides: list[str]) -> int:
+    from ray_titan.config import ConfigError, load_config
+    from ray_titan.dry_run import DryRunError, dry_run, format_results, representative_ranks
+    from ray_titan.dry_run.shim import ShimError
+
+    try:
+        ranks = args.ranks
+        if args.all_roles:
+            ranks = representative_ranks(load_config(args.config, overrides))
+        results = dry_run(args.config, overrides, ranks, args.steps)
+    except (ConfigError, ShimError) as e:
+        print(f"ray-titan dry-run: {e}", file=sys.stderr)
+        return 2
+    except DryRunError as e:
+        print(f"ray-titan dry-run: {e}", file=sys.stderr)
+        return 1
+    print(format_results(results))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ray-titan``; returns the exit status. Ctrl-C and SIGTERM stop every
     command the same way (:class:`~ray_titan.interrupts.SignalGuard`): exit 130 or 143, at the
@@ -282,6 +317,8 @@ def _command(args, overrides: list[str]) -> int:
         return _config(args, overrides)
     if args.command == "memory":
         return _memory(args, overrides)
+    if args.command == "dry-run":
+        return _dry_run(args, overrides)
     return 2
 
 

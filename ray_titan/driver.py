@@ -38,6 +38,7 @@ from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides, loa
 from ray_titan.hf import resolve_hf_job, save_last_hf
 from ray_titan.interrupts import Interrupted, SignalGuard
 from ray_titan.memory_planner import record_memory_plan
+from ray_titan.parallel.dims import process_group_backend
 from ray_titan.preflight import job_warnings, validate_job
 from ray_titan.run_dir import STOP_REASON_FILE, make_run_dir, resolve_paths, under
 
@@ -496,7 +497,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
         own_cluster=own_cluster(),
         train_loop_config={"config": cfg.model_dump(), "collector": collector, "run_dir": str(run_dir),
                            "callbacks": list(callbacks or [])},
-        torch_config=TorchConfig(backend="nccl" if cfg.ray.use_gpu else "gloo"),
+        torch_config=TorchConfig(backend=process_group_backend(cfg.ray.use_gpu, cfg.memory.cpu_offload)),
         **datasets,
         scaling_config=ScalingConfig(
             num_workers=(counts[0], counts[-1]) if is_elastic(cfg) else dims.world_size,

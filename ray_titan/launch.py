@@ -28,6 +28,7 @@ from ray_titan.metrics.leak import leak_settings
 from ray_titan.metrics.report import JsonlReporter, LocalReporter, Reporter, rank_reports_path, read_rank_reports
 from ray_titan.metrics.sinks import wandb_settings
 from ray_titan.metrics.timing import write_timings
+from ray_titan.parallel.dims import process_group_backend
 from ray_titan.preflight import validate_job
 from ray_titan.run_dir import make_run_dir, resolve_paths
 from ray_titan.trainer.build import parallel_dims
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = validate_job(cfg)  # on every rank, so a bad config stops them all before the process group
     device = local_cuda_device()
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(process_group_backend(device.type == "cuda", cfg.memory.cpu_offload))
     rank = dist.get_rank() if world > 1 else 0
     holder = [str(make_run_dir(cfg))] if rank == 0 else [None]
     if world > 1:

@@ -25,10 +25,20 @@ from typing import Literal
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["Meshes", "ParallelDims"]
+__all__ = ["Meshes", "ParallelDims", "process_group_backend"]
 
 Meshes = dict[str, DeviceMesh]
 """The meshes of a job by name (:meth:`ParallelDims.build_mesh`)."""
+
+
+def process_group_backend(use_gpu: bool, cpu_offload: bool) -> str:
+    """The ``torch.distributed`` backend of a job's process groups: ``gloo`` on CPU, ``nccl`` on
+    GPUs, and ``cuda:nccl,cpu:gloo`` on GPUs with ``memory.cpu_offload``, whose gradient-norm and
+    tied-embedding reductions run on host tensors (FSDP2's offloaded shards), which NCCL cannot
+    reduce (as torchtitan does; found by ``ray-titan dry-run``)."""
+    if not use_gpu:
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,131 @@
+"""``ray-titan dry-run``: any rank of any mesh trained on a simulated CUDA device, on a laptop.
+
+Before paying for a 1,000-GPU job, run its ranks here: each is built and trained for a few
+steps by ray_titan's own code (build and parallelize, the pipeline schedule, forward, backward,
+clipping, the optimizer and LR steps) on fake CUDA tensors over a fake process group of the
+job's world size, one child process per rank (:mod:`ray_titan.dry_run.simulate`, whose
+docstring lists what is simulated). It finds what would fail on the first GPU run without a
+GPU: a host tensor given to an NCCL collective, a shape that does not fit the mesh; and it
+counts the host synchronisations per step (each drains the GPU's queue) and measures each
+rank's peak device memory, beside the memory plan's prediction for that rank
+(:func:`ray_titan.memory_planner.memory_plan`). Losses are meaningless there (no data is
+computed); correctness of values is the CPU parity tests' business.
+
+On a CPU-only torch build the simulated device needs a small C++ library, built once with the
+compiler torch's extension builder uses (:mod:`ray_titan.dry_run.shim`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ray_titan.config.schema import JobConfig
+
+__all__ = ["DryRunError", "RankResult", "dry_run", "format_results", "representative_ranks"]
+
+
+class DryRunError(RuntimeError):
+    """A simulated rank failed: the message names the rank and the error (for a host tensor on
+    an NCCL group: the op, the tensor's device and the ray_titan frame that issued it)."""
+
+
+@dataclass
+class RankResult:
+    """One simulated rank: ``coords`` on the mesh, the pipeline ``stages`` it holds, ``steps``
+    run, ``build_seconds`` and ``seconds`` (build and steps; wall), ``host_syncs_per_step`` (call site ->
+    synchronisations per step), ``collectives`` checked, ``peak_device_bytes`` (live fake CUDA
+    storages at their peak, bytes), ``device_bytes_after_build``, ``held_bytes`` (the rank's
+    parameters, gradients and optimizer state on the device after the last step) and the memory plan's
+    ``plan_peak_bytes`` for the rank."""
+
+    rank: int
+    coords: dict[str, int]
+    stages: list[int]
+    steps: int
+    build_seconds: float
+    seconds: float
+    host_syncs_per_step: dict[str, float]
+    collectives: int
+    peak_device_bytes: int
+    device_bytes_after_build: int
+    held_bytes: dict[str, int]
+    plan_peak_bytes: int | None = None
+
+
+def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = None, steps: int = 2,
+            timeout: float = 600.0, host_backend: bool | None = None) -> list[RankResult]:
+    """Simulate ``ranks`` (default: rank 0) of the job ``config`` + ``overrides`` for ``steps``
+    steps each, one child process per rank, in turn. ``host_backend``: whether the process
+    groups accept host tensors (None: as the job would make them,
+    ``ray_titan.parallel.dims.process_group_backend``; False: NCCL only). Raises ``ConfigError`` for a bad job (before
+    anything runs), :class:`~ray_titan.dry_run.shim.ShimError` when the simulated device cannot
+    be built, :class:`DryRunError` for the first rank that fails."""
+    from ray_titan.config import load_config
+    from ray_titan.dry_run.shim import build_shim
+    from ray_titan.memory_planner import memory_plan
+    from ray_titan.preflight import validate_job
+
+    cfg = validate_job(load_config(config, overrides))
+    world = cfg.world_size
+    ranks = ranks if ranks is not None else [0]
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise DryRunError(f"rank {bad[0]} is not on the mesh of {world} ranks; valid: 0 to {world - 1}")
+    plan = {r.rank: r for r in memory_plan(cfg, device="cuda", levers=False).ranks}
+    shim = build_shim()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="rt_dry_run_") as tmp:
+        for rank in ranks:
+            spec = {"shim": str(shim) if shim else None, "config": config, "overrides": overrides, "rank": rank,
+                    "steps": steps, "out": str(Path(tmp) / f"rank{rank}.json"), "host_backend": host_backend}
+            spec_file = Path(tmp) / f"spec{rank}.json"
+            spec_file.write_text(json.dumps(spec))
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            proc = subprocess.run([sys.executable, "-m", "ray_titan.dry_run.simulate", str(spec_file)],
+                                  capture_output=True, text=True, timeout=timeout, env=env)
+            out = Path(tmp) / f"rank{rank}.json"
+            if not out.is_file():
+                raise DryRunError(f"rank {rank}: the simulation died (exit {proc.returncode}): {proc.stderr[-2000:]}")
+            got: dict[str, Any] = json.loads(out.read_text())
+            if "error" in got:
+                raise DryRunError(f"rank {rank}: {got['error']}\n{got['traceback']}")
+            results.append(RankResult(**got, plan_peak_bytes=plan[rank].peak if rank in plan else None))
+    return results
+
+
+def representative_ranks(cfg: JobConfig) -> list[int]:
+    """One rank per distinct role of ``cfg``'s mesh: for every pipeline rank its first rank
+    (every other coordinate 0) and its last (every coordinate at its largest: the last FSDP
+    shard, which pads an uneven split, the last tp and ep ranks). Ranks that differ only in
+    coordinates that change no shape are the same computation."""
+    from ray_titan.trainer.build import parallel_dims
+
+    dims = parallel_dims(cfg)
+    per_pp = dims.world_size // dims.pp
+    return sorted({r for p in range(dims.pp) for r in (p * per_pp, (p + 1) * per_pp - 1)})
+
+
+def format_results(results: list[RankResult]) -> str:
+    """A table, one line per simulated rank, then each rank's host synchronisation sites."""
+    from ray_titan.memory_planner import format_bytes
+
+    lines = [f"{'rank':>5}  {'coords':<28} {'stages':<8} {'steps':>5} {'seconds':>8} {'syncs/step':>10} "
+             f"{'collectives':>11} {'peak device':>12} {'plan peak':>10}"]
+    for r in results:
+        coords = ", ".join(f"{k}={v}" for k, v in r.coords.items())
+        plan = format_bytes(r.plan_peak_bytes) if r.plan_peak_bytes is not None else "-"
+        lines.append(f"{r.rank:>5}  {coords:<28} {','.join(map(str, r.stages)):<8} {r.steps:>5} {r.seconds:>8.1f} "
+                     f"{sum(r.host_syncs_per_step.values()):>10.1f} {r.collectives:>11} "
+                     f"{format_bytes(r.peak_device_bytes):>12} {plan:>10}")
+    for r in results:
+        sites = ", ".join(f"{site} ×{n:g}" for site, n in r.host_syncs_per_step.items())
+        lines.append(f"rank {r.rank} host synchronisations per step: {sites or 'none'}")
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""``ray-titan dry-run``: ranks of a mesh trained on the simulated CUDA device (child processes,
+a C++ library built once): what it reports, and that its NCCL check catches a host-tensor
+collective in ray_titan's own code."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_titan.config import load_config
+from ray_titan.dry_run import DryRunError, dry_run, format_results, representative_ranks
+from tests.conftest import REPO
+
+LLAMA = str(REPO / "configs" / "debug_llama.toml")
+MESH = ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.tp=2"]
+
+
+def test_ranks_of_a_pp_fsdp_tp_mesh_train_on_the_simulated_device():
+    """The first rank of the first stage and the last of the last (pp=2 × dp_shard=2 × tp=2,
+    --all-roles' ends) run two steps: every rank's coordinates and stage, the host syncs of the
+    step by site (the gradient norm's, the loss's on the last stage only), the collectives, and a
+    device peak above what the built rank holds (activations, gathered parameters)."""
+    cfg = load_config(LLAMA, MESH)
+    assert representative_ranks(cfg) == [0, 3, 4, 7]
+    first, last = dry_run(LLAMA, MESH, ranks=[0, 7], steps=2)
+    assert (first.coords, first.stages, last.coords, last.stages) == (
+        {"pp": 0, "dp_shard": 0, "tp": 0}, [0], {"pp": 1, "dp_shard": 1, "tp": 1}, [1])
+    for r in (first, last):
+        assert r.steps == 2 and r.collectives > 100
+        assert r.peak_device_bytes > r.device_bytes_after_build > 0
+        assert r.plan_peak_bytes and r.plan_peak_bytes > 0
+        assert r.host_syncs_per_step["trainer/step.py:185"] == 1  # clip_grad_norm_(...).item()
+    loss_sites = set(last.host_syncs_per_step) - set(first.host_syncs_per_step)
+    assert len(loss_sites) == 1 and next(iter(loss_sites)).startswith("trainer/step.py")  # the loss .item()
+    table = format_results([first, last])
+    assert "pp=1, dp_shard=1, tp=1" in table and "host synchronisations per step" in table
+
+
+def test_a_host_tensor_on_an_nccl_group_is_named_with_its_op_and_frame():
+    """memory.cpu_offload keeps FSDP2's shards and gradients on the host: the gradient norm's
+    all-reduce then reduces a host tensor. On NCCL-only groups (what ray_titan made before
+    process_group_backend) the dry run fails naming the op, the device and grad_norm.py; with
+    the job's own groups (cuda:nccl,cpu:gloo under cpu_offload) the same rank runs."""
+    overrides = ["--parallelism.pp=1", "--parallelism.dp_shard=2", "--memory.cpu_offload=true"]
+    with pytest.raises(DryRunError, match=r"all_reduce.* on a cpu tensor .* issued at parallel/grad_norm\.py:\d+"):
+        dry_run(LLAMA, overrides, steps=1, host_backend=False)
+    (ok,) = dry_run(LLAMA, overrides, steps=1)
+    assert ok.steps == 1
+
+
+def test_the_moe_job_with_expert_parallelism_runs_and_its_dispatch_syncs_are_counted():
+    """The MoE job's last rank (pp=2 × dp_shard=2 × ep=2): the all-to-all's split sizes are read
+    on the host twice per MoE layer and microbatch (the simulated routing is balanced)."""
+    (r,) = dry_run(str(REPO / "configs" / "debug_deepseek.toml"), [], ranks=[3], steps=1)
+    assert r.coords == {"pp": 1, "dp_shard": 1, "ep": 1} and r.stages == [1]
+    splits = [n for site, n in r.host_syncs_per_step.items() if site.startswith("parallel/expert.py:")
+              and site.endswith("(tolist)")]
+    assert max(splits) == 2 * 2 * 4  # send and receive sizes × 2 MoE layers on the stage × 4 microbatches
