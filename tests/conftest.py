@@ -47,7 +47,8 @@ def hf_models(tmp_path_factory):
     from tests.support.hf_models import make_hf_model
 
     root = tmp_path_factory.mktemp("hf_models")
-    return root, {f: make_hf_model(f, root / f) for f in ("llama", "qwen3", "deepseek_v2", "deepseek_v3")}
+    return root, {f: make_hf_model(f, root / f)
+                  for f in ("llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss")}
 
 
 class LaunchRun:

@@ -185,7 +185,11 @@ def test_tied_head_under_pp2_tp2_matches_one_process(models, qwen3_debug_one_pro
     ("deepseek_v2", ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
     # V3: the query latent and the sigmoid group routing under tensor parallel, experts over ep.
     ("deepseek_v3", ["--parallelism.pp=1", "--parallelism.tp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
-], ids=["deepseek_v2_pp2_ep2", "deepseek_v3_tp2_ep2"])
+    # Qwen3-MoE (its pooled balance loss per stage under PP) and gpt-oss (sinks, sliding windows,
+    # expert biases sharded over ep; tp is refused for it) on the MoE job's mesh.
+    ("qwen3_moe", ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
+    ("gpt_oss", ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
+], ids=["deepseek_v2_pp2_ep2", "deepseek_v3_tp2_ep2", "qwen3_moe_pp2_ep2", "gpt_oss_pp2_ep2"])
 def test_moe_import_onto_a_mesh_matches_one_process(models, tmp_path, family, mesh):
     root, data = models
     single, _ = _in_process(root, data, family, tmp_path / "one", "--training.steps=1")
