@@ -141,10 +141,10 @@ def _parser() -> argparse.ArgumentParser:
         "0 every rank ran, 1 a rank failed, 2 config error or no simulated device.",
     )
     dr.add_argument("--config", metavar="X.toml", help="TOML job config (default: the built-in defaults)")
-    dr.add_argument("--rank", type=int, action="append", dest="ranks", metavar="R",
+    dr.add_argument("--rank", type=int, action="append", dest="rank", metavar="R",
                     help="a rank to simulate (repeat for several; default 0)")
-    dr.add_argument("--all-roles", action="store_true",
-                    help="one rank per distinct role instead: the first and the last rank of every pipeline rank")
+    dr.add_argument("--ranks", choices=["all"],
+                    help="all: one rank per distinct role instead (the first and the last rank of every pipeline rank)")
     dr.add_argument("--steps", type=int, default=2, metavar="N", help="training steps per rank (default 2)")
 
     rp = sub.add_parser(
@@ -251,8 +251,8 @@ def _dry_run(args, overrides: list[str]) -> int:
     from ray_titan.dry_run.shim import ShimError
 
     try:
-        ranks = args.ranks
-        if args.all_roles:
+        ranks = args.rank
+        if args.ranks == "all":
             ranks = representative_ranks(load_config(args.config, overrides))
         results = dry_run(args.config, overrides, ranks, args.steps)
     except (ConfigError, ShimError) as e:

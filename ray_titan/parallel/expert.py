@@ -62,8 +62,10 @@ def run_remote_experts(
     x_recv = all_to_all_single_autograd(x_sorted, out_splits, in_splits, group)
     # Received segments come as (source rank, local expert); regroup them as (expert, source).
     seg_key = torch.arange(ep * n_local, device=counts.device).view(n_local, ep).T.flatten()
-    # output_size: known on the host already; without it the op syncs with the device to size its output.
-    keys = torch.repeat_interleave(seg_key, recv.flatten(), output_size=sum(out_splits))
+    # output_size, known on the host already, spares the op a device sync to size its output;
+    # not under torch.compile, whose symbolic sizes fail its backward there (torch 2.13).
+    keys = torch.repeat_interleave(seg_key, recv.flatten(),
+                                   output_size=None if torch.compiler.is_compiling() else sum(out_splits))
     perm = torch.argsort(keys, stable=True)
     local_counts = [sum(recv_l[i][e] for i in range(ep)) for e in range(n_local)]
     y_local = experts(x_recv[perm], local_counts)

@@ -57,7 +57,8 @@ def test_every_option_of_every_command_is_described():
     parsers = list(_all_parsers(_parser()))
     assert {p.prog for p in parsers} == {"ray-titan", "ray-titan train", "ray-titan config",
                                          "ray-titan config show", "ray-titan config docs", "ray-titan report",
-                                         "ray-titan export", "ray-titan memory", "ray-titan memory plan"}
+                                         "ray-titan export", "ray-titan memory", "ray-titan memory plan",
+                                         "ray-titan dry-run"}
     for p in parsers:
         assert p.description, p.prog
         for action in p._actions:

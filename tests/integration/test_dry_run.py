@@ -16,7 +16,7 @@ MESH = ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.tp=2"]
 
 def test_ranks_of_a_pp_fsdp_tp_mesh_train_on_the_simulated_device():
     """The first rank of the first stage and the last of the last (pp=2 × dp_shard=2 × tp=2,
-    --all-roles' ends) run two steps: every rank's coordinates and stage, the host syncs of the
+    --ranks all's ends) run two steps: every rank's coordinates and stage, the host syncs of the
     step by site (the gradient norm's, the loss's on the last stage only), the collectives, and a
     device peak above what the built rank holds (activations, gathered parameters)."""
     cfg = load_config(LLAMA, MESH)

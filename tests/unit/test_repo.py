@@ -33,6 +33,16 @@ def test_layout():
     assert (REPO / "jobs" / "train.py").is_file() and (REPO / "configs" / "debug_llama.toml").is_file()
 
 
+def test_test_modules_have_unique_names():
+    """pytest imports test modules by basename (no packages under tests/): two files of one name in
+    tests/unit and tests/integration stop the whole collection ("import file mismatch")."""
+    seen: dict[str, str] = {}
+    for f in sorted((REPO / "tests").rglob("test_*.py")):
+        rel = str(f.relative_to(REPO))
+        assert f.name not in seen, f"{rel} and {seen[f.name]} share a name; rename one"
+        seen[f.name] = rel
+
+
 # The static checks: the tests below, the pre-commit hooks (.pre-commit-config.yaml) and CI's first
 # tier run these commands.
 STATIC_CHECKS = {
