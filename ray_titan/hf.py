@@ -55,12 +55,12 @@ from ray_titan.checkpoint import (
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
-    _outside,
     check_metadata,
     load_metadata,
     read_manifest,
     resolve_checkpoint,
 )
+from ray_titan.checkpoint.manifest import _outside
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.models.gpt_oss.mxfp4 import dequantize_mxfp4, packed_shapes
 from ray_titan.models.registry import ModelSpec, build_model, get_model_args, get_spec, spec_for_hf
