@@ -30,7 +30,7 @@ FSDP unsharded        while a stage computes, FSDP2 holds the all-gathered param
 activations           per microbatch of ``T = (global batch / dp / microbatches) × seq_len``
                       tokens, the tensors autograd saves for backward (below), times the
                       microbatches the pipeline schedule keeps in flight on the stage
-                      (:data:`SCHEDULE_IN_FLIGHT`).
+                      (``ray_titan.parallel.schedules``).
 pipeline buffers      receive buffers a pipeline stage allocates once per microbatch: the
                       activations it receives (non-first stages) and the gradients it receives
                       (non-last stages), ``4·T·d`` each.
@@ -75,16 +75,9 @@ saves its input and normalised output upcast to fp32):
   stage's output until its backward) and the loss's log-softmax ``4·V``; other stages keep their
   output ``4·d``.
 
-**Microbatches in flight.** :data:`SCHEDULE_IN_FLIGHT` holds one rule per pipeline schedule:
-the microbatches whose forward ran and whose backward (the weight-gradient half, for zero-bubble
-schedules) has not, at a rank's peak, per local stage, as a function of ``pp``, stages per rank
-``v``, microbatches ``n`` and the pp rank ``r``; and how many are in flight once gradients exist.
-They are read from the schedules of ``torch.distributed.pipelining.schedules`` (the warm-up
-counts of each; ``tests/integration/test_memory_plan.py`` checks every rule against the action lists torch
-builds). GPipe keeps ``n`` (Huang et al. 2019), 1F1B ``min(n, pp − r)`` (Narayanan et al. 2021,
-PipeDream-Flush), interleaved 1F1B its warm-up ``(v − 1)·n_round + 2·(pp − 1 − r)`` plus one,
-the zero-bubble schedules (Qi et al. 2023, arXiv:2401.10241) and DualPipeV (DeepSeek-V3,
-arXiv:2412.19437) theirs.
+**Microbatches in flight.** Each pipeline schedule's rule (the microbatches whose forward ran and
+whose backward has not, at a rank's peak, per local stage) is its ``in_flight`` in
+:data:`ray_titan.parallel.schedules.SCHEDULES`, beside its other properties.
 
 **Checked against measurement.** On CPU (fp32) the plan's peak is compared with the torch
 profiler's peak of all tensors during step 2 (the run's memory breakdown,
@@ -112,21 +105,17 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from ray_titan import storage
 from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides
 
 __all__ = [
     "PLAN_FILE",
-    "SCHEDULE_IN_FLIGHT",
-    "InFlight",
     "Lever",
     "MemoryPlan",
     "RankPlan",
-    "ScheduleRule",
     "format_bytes",
-    "local_stages",
     "memory_plan",
     "parse_bytes",
     "record_memory_plan",
@@ -137,93 +126,6 @@ PLAN_FILE = "memory_plan.json"
 
 MiB, GiB = 2**20, 2**30
 _F32, _I64 = 4, 8
-
-
-# -- microbatches in flight ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class InFlight:
-    """Microbatches in flight on each of a rank's local stages (in the order :func:`local_stages`
-    gives): ``peak`` at the rank's most, ``with_grads`` at the most once the step's first weight
-    gradients exist (after its first full backward, or first weight-gradient step)."""
-
-    peak: tuple[int, ...]
-    with_grads: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ScheduleRule:
-    """A pipeline schedule's placement of stages (``loop``: rank ``r`` holds stages
-    ``r, r + pp, ...``; ``v``: rank ``r`` holds ``r`` and ``2·pp − 1 − r``), stages per rank it
-    needs (None: any), and its in-flight rule ``(pp, v, n, r) -> InFlight``."""
-
-    placement: Literal["loop", "v"]
-    stages_per_rank: int | None
-    in_flight: Callable[[int, int, int, int], InFlight]
-
-
-def _less_one(counts: tuple[int, ...], j: int, drop: bool) -> tuple[int, ...]:
-    return tuple(c - 1 if drop and i == j else c for i, c in enumerate(counts))
-
-
-def _gpipe(pp: int, v: int, n: int, r: int) -> InFlight:
-    # All forwards, then all backwards.
-    return InFlight((n,), (n - 1,))
-
-
-def _one_f_one_b(pp: int, v: int, n: int, r: int) -> InFlight:
-    # Warm-up of pp − r forwards, then one backward per forward.
-    w = min(n, pp - r)
-    return InFlight((w,), _less_one((w,), 0, n <= w))
-
-
-def _interleaved(zero_bubble: bool) -> Callable[[int, int, int, int], InFlight]:
-    def rule(pp: int, v: int, n: int, r: int) -> InFlight:
-        # torch: rounds of n_round = n // max(1, n // pp) microbatches; forward op i runs local
-        # stage (i // n_round) % v; warm-up (v − 1)·n_round + m·(pp − 1 − r) forwards (m = 2;
-        # 1 for zero bubble, whose first r steady steps defer their weight gradients).
-        n_round = n // max(1, n // pp)
-        warmup = min((v - 1) * n_round + (1 if zero_bubble else 2) * (pp - 1 - r), n * v)
-        steady = n * v - warmup
-        total = warmup + min(steady, r + 1 if zero_bubble else 1)
-        counts = [0] * v
-        for i in range(total):
-            counts[(i // n_round) % v] += 1
-        drop = steady <= (r + 1 if zero_bubble else 1)
-        return InFlight(tuple(counts), _less_one(tuple(counts), v - 1, drop))
-
-    return rule
-
-
-def _zbv(pp: int, v: int, n: int, r: int) -> InFlight:
-    # 2·(pp − r) − 1 forwards of the first chunk, r pairs of both, then the second chunk's first
-    # forward before its first backward.
-    counts = (min(n, 2 * pp - 1 - r), min(n, r + 1))
-    return InFlight(counts, _less_one(counts, 1, r == pp - 1 and n <= pp))
-
-
-def _dualpipev(pp: int, v: int, n: int, r: int) -> InFlight:
-    # 2·(pp − r − 1) forwards of the first chunk, r + 1 pairs, then one more second-chunk forward.
-    counts = (min(n, 2 * pp - r), min(n, r + 1))
-    return InFlight(counts, counts)
-
-
-SCHEDULE_IN_FLIGHT: dict[str, ScheduleRule] = {
-    "GPipe": ScheduleRule("loop", 1, _gpipe),
-    "1F1B": ScheduleRule("loop", 1, _one_f_one_b),
-    "Interleaved1F1B": ScheduleRule("loop", None, _interleaved(zero_bubble=False)),
-    "InterleavedZeroBubble": ScheduleRule("loop", None, _interleaved(zero_bubble=True)),
-    "ZBVZeroBubble": ScheduleRule("v", 2, _zbv),
-    "DualPipeV": ScheduleRule("v", 2, _dualpipev),
-}
-"""Microbatches in flight per stage, by schedule name (module docstring). Without PP the
-microbatches are accumulated one at a time: one in flight."""
-
-
-def local_stages(placement: str, pp: int, v: int, pp_rank: int) -> list[int]:
-    """The stage indices pp rank ``pp_rank`` holds, in the order of :class:`InFlight`'s counts."""
-    if placement == "v":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + j * pp for j in range(v)]
 
 
 # -- parameters ------------------------------------------------------------------------------------
@@ -719,6 +621,7 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
     from ray_titan.models.registry import get_model_args, get_spec
     from ray_titan.parallel.fsdp import resolve_mixed_precision, resolve_reshard_after_forward
     from ray_titan.parallel.pipeline import split_layers
+    from ray_titan.parallel.schedules import SCHEDULES, InFlight, local_stages
     from ray_titan.trainer.build import parallel_dims
 
     dims = parallel_dims(cfg)
@@ -738,10 +641,10 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
     r = 2 if bf16 and dims.fsdp else _F32  # a stage's output (the residual stream): fp32 under autocast
     mb = tr.global_batch_size // dp_total // n
     tokens = mb * tr.seq_len  # per microbatch
-    rule = SCHEDULE_IN_FLIGHT.get(par.pipeline_schedule)
+    rule = SCHEDULES.get(par.pipeline_schedule)
     if pp > 1 and rule is None:
         raise ConfigError(f"parallelism.pipeline_schedule = {par.pipeline_schedule!r} has no in-flight rule; "
-                          f"known: {sorted(SCHEDULE_IN_FLIGHT)}")
+                          f"known: {sorted(SCHEDULES)}")
     split = split_layers(args.n_layers, dims.num_stages)
     reshard = resolve_reshard_after_forward(par.fsdp_reshard_after_forward, pp > 1)
     k_opt = _optimizer_states(cfg)

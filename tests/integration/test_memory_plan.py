@@ -15,17 +15,16 @@ from torch.distributed.pipelining.schedules import _ComputationType as C
 from ray_titan.cli import main
 from ray_titan.config import ConfigError, load_config
 from ray_titan.memory_planner import (
-    SCHEDULE_IN_FLIGHT,
     MemoryPlan,
     _block,
     format_bytes,
-    local_stages,
     memory_plan,
     parse_bytes,
 )
 from ray_titan.metrics.report import LocalReporter
 from ray_titan.metrics.sinks import read_steps
 from ray_titan.models.registry import build_model
+from ray_titan.parallel.schedules import SCHEDULES, local_stages
 from tests.conftest import REPO
 from tests.support.ranks import launch
 
@@ -71,7 +70,7 @@ def _measured_in_flight(actions: list, stages: list[int]) -> tuple[tuple[int, ..
 
 
 def _cases():
-    for name, rule in SCHEDULE_IN_FLIGHT.items():
+    for name, rule in SCHEDULES.items():
         v = rule.stages_per_rank or 2
         for pp in (2, 3, 4):
             for n in range(pp, 4 * pp + 1):
@@ -85,7 +84,7 @@ def _cases():
 def test_in_flight_rules_match_torchs_schedules():
     checked = 0
     for name, pp, v, n in _cases():
-        rule = SCHEDULE_IN_FLIGHT[name]
+        rule = SCHEDULES[name]
         order = _torch_order(name, pp, v, n)
         for r in range(pp):
             stages = local_stages(rule.placement, pp, v, r)
