@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, cast
 import pyarrow as pa
 
 from ray_titan import storage
+from ray_titan.checkpoint.huggingface import resolve_hf_job, save_last_hf
 from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides, load_config
-from ray_titan.hf import resolve_hf_job, save_last_hf
 from ray_titan.interrupts import Interrupted, SignalGuard
 from ray_titan.memory_planner import record_memory_plan
 from ray_titan.parallel.dims import process_group_backend

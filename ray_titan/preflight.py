@@ -28,13 +28,13 @@ from ray_titan.checkpoint import (
     load_metadata,
     read_manifest,
 )
+from ray_titan.checkpoint.huggingface import HFCheckpointError, check_hf_checkpoint, job_model_args
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.data.build import source_settings, training_documents, validation_documents
 from ray_titan.data.corpus import check_source
 from ray_titan.data.ray_data import dataset_format
 from ray_titan.data.sft import ChatTemplate, find_chat_template
 from ray_titan.data.tokenizer import build_tokenizer
-from ray_titan.hf import HFCheckpointError, check_hf_checkpoint, job_model_args
 from ray_titan.models.registry import MODELS, is_moe
 from ray_titan.parallel.elastic import fitting_worker_counts, is_elastic, mesh_for_workers
 from ray_titan.parallel.schedules import SCHEDULES
@@ -323,7 +323,7 @@ def _check_hf(cfg: JobConfig, vocab_size: int) -> None:
     if spec.name != cfg.model.name:
         raise ConfigError(
             f"checkpoint.initial_load_hf = {ck.initial_load_hf!r} holds a {spec.name} model but model.name = "
-            f"{cfg.model.name!r}: load the job with ray_titan.hf.resolve_hf_job (the launchers do)"
+            f"{cfg.model.name!r}: load the job with ray_titan.checkpoint.huggingface.resolve_hf_job (the launchers do)"
         )
 
 

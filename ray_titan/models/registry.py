@@ -32,11 +32,11 @@ from ray_titan.models import deepseek_v2, deepseek_v3, gpt_oss, llama, qwen3, qw
 from ray_titan.models.costs import BlockActivations
 from ray_titan.models.decoder import Decoder
 from ray_titan.models.deepseek_v2.costs import deepseek_block_activations, deepseek_flops_per_token
-from ray_titan.models.deepseek_v2.hf import DeepSeekV2Adapter
+from ray_titan.models.deepseek_v2.state_dict_adapter import DeepSeekV2Adapter
 from ray_titan.models.gpt_oss.costs import gpt_oss_block_activations, gpt_oss_flops_per_token
 from ray_titan.models.llama.costs import llama_block_activations, llama_flops_per_token
-from ray_titan.models.llama.hf import LlamaAdapter
-from ray_titan.models.qwen3.hf import Qwen3Adapter
+from ray_titan.models.llama.state_dict_adapter import LlamaAdapter
+from ray_titan.models.qwen3.state_dict_adapter import Qwen3Adapter
 from ray_titan.models.qwen3_moe.costs import qwen3_moe_block_activations, qwen3_moe_flops_per_token
 from ray_titan.models.state_dict_adapter import StateDictAdapter
 from ray_titan.parallel.dims import Meshes, ParallelDims

@@ -21,10 +21,10 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from ray_titan.checkpoint.huggingface import hf_model, load_hf_weights
 from ray_titan.config.schema import JobConfig
 from ray_titan.data.loader import IGNORE_INDEX, PackedLoader
 from ray_titan.fault import FaultHandler
-from ray_titan.hf import hf_model, load_hf_weights
 from ray_titan.models.registry import build_model, get_spec
 from ray_titan.parallel.dims import Meshes, ParallelDims
 from ray_titan.parallel.expert import MoEStepState
@@ -159,7 +159,7 @@ def build_stages(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, pp_r
     accelerator, FSDP2's parameters on the host, buffers on the device) and
     ``init_weights(training.seed)`` (each parameter seeded by its name, so the weights do not
     depend on the mesh), or, with ``checkpoint.initial_load_hf``, the Hugging Face checkpoint's
-    weights, each rank reading its own shards only (``ray_titan.hf``; the model's sizes and
+    weights, each rank reading its own shards only (``ray_titan.checkpoint.huggingface``; the model's sizes and
     vocabulary are then the checkpoint's)."""
     spec = get_spec(cfg.model.name)
     hf = cfg.checkpoint.initial_load_hf

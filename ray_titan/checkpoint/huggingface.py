@@ -29,7 +29,7 @@ loaded from the sharded checkpoint with DCP (only their keys), mapped by the ada
 written with ``safetensors``, so no process holds the whole model. (DCP's
 ``HuggingFaceStorageWriter`` writes the state dict it is given in one call, which would hold
 the whole model.) The MoE router's ``expert_bias`` goes to a side file (``ROUTER_BIAS_FILE`` of
-``ray_titan.models.deepseek_v2.hf``) when it is not all zeros; tied models write the embedding
+``ray_titan.models.deepseek_v2.state_dict_adapter``) when it is not all zeros; tied models write the embedding
 once.
 """
 
