@@ -450,10 +450,10 @@ def _meta_model(name: str, flavor: str, vocab: int, extra: tuple[tuple[str, Any]
 def _plan_ranks(cfg: JobConfig, device: str, rho: float,
                 vocab_size: int | None) -> tuple[dict[str, Any], list[RankPlan]]:
     from ray_titan.models.registry import get_model_args, get_spec
+    from ray_titan.parallel.dims import parallel_dims
     from ray_titan.parallel.fsdp import resolve_mixed_precision, resolve_reshard_after_forward
     from ray_titan.parallel.pipeline import split_layers
     from ray_titan.parallel.schedules import SCHEDULES, InFlight, local_stages
-    from ray_titan.trainer.build import parallel_dims
 
     dims = parallel_dims(cfg)
     par, tr = cfg.parallelism, cfg.training
