@@ -49,18 +49,15 @@ import torch
 from torch import nn
 
 from ray_titan import storage
-from ray_titan.checkpoint import (
+from ray_titan.checkpoint.manifest import (
     HF_DIR,
     TOKENIZER_FILES,
     CheckpointError,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    check_metadata,
-    load_metadata,
+    _outside,
     read_manifest,
     resolve_checkpoint,
 )
-from ray_titan.checkpoint.manifest import _outside
+from ray_titan.checkpoint.unpickler import SafeFileSystemReader, SafeLoadPlanner, check_metadata, load_metadata
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.models.gpt_oss.mxfp4 import dequantize_mxfp4, packed_shapes
 from ray_titan.models.registry import ModelSpec, build_model, get_model_args, get_spec, spec_for_hf
