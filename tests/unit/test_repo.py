@@ -190,3 +190,16 @@ def test_a_unit_test_starts_no_process():
         subprocess.run(["true"])
     with pytest.raises(RuntimeError, match="move it to tests/integration"):
         multiprocessing.get_context("spawn").Process(target=print).start()
+
+
+def test_driver_functions_read_in_one_screen():
+    """Every function of the driver side (``ray_titan/driver/``, the launcher and the shared
+    ``prepare_job``) is at most 80 lines, docstring included, so each reads top to bottom."""
+    import ast
+
+    files = [*sorted((REPO / "ray_titan" / "driver").glob("*.py")), REPO / "ray_titan" / "launch.py",
+             REPO / "ray_titan" / "prepare.py", REPO / "ray_titan" / "trainer" / "ray_worker.py"]
+    long = [f"{f.relative_to(REPO)}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines"
+            for f in files for n in ast.walk(ast.parse(f.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]
+    assert len(files) > 8 and long == []
