@@ -27,7 +27,4 @@ _HOMES = {"train": "run", "RunResult": "run", "init_local_cluster": "run", "say_
 def __getattr__(name: str) -> Any:
     if name in _HOMES:
         return getattr(importlib.import_module(f"ray_titan.driver.{_HOMES[name]}"), name)
-    if name == "set_process_niceness":
-        raise AttributeError("ray_titan.driver.set_process_niceness is now "
-                             "ray_titan.trainer.ray_worker.set_process_niceness")
     raise AttributeError(f"module 'ray_titan.driver' has no attribute {name!r}")

@@ -203,3 +203,28 @@ def test_driver_functions_read_in_one_screen():
             for f in files for n in ast.walk(ast.parse(f.read_text()))
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]
     assert len(files) > 8 and long == []
+
+
+@pytest.mark.parametrize("old, new", [("ray_titan.progress", "ray_titan.driver.progress"),
+                                      ("ray_titan.interrupts", "ray_titan.driver.signals"),
+                                      ("ray_titan.scaling", "ray_titan.driver.torch_trainer"),
+                                      ("ray_titan.gc", "ray_titan.gc_schedule"),
+                                      ("ray_titan.run_report", "ray_titan.run_summary")])
+def test_a_moved_module_names_its_new_home(old, new):
+    import importlib
+
+    with pytest.raises(ModuleNotFoundError, match=f"^{old} is now {new}$"):
+        importlib.import_module(old)
+    importlib.import_module(new)
+
+
+def test_the_old_driver_and_launcher_names_still_work():
+    import importlib
+
+    import ray_titan.driver
+    import ray_titan.driver.run
+
+    assert ray_titan.driver.train is ray_titan.driver.run.train
+    with pytest.warns(DeprecationWarning, match="ray_titan.train_loop is now ray_titan.launch"):
+        sys.modules.pop("ray_titan.train_loop", None)
+        importlib.import_module("ray_titan.train_loop")
