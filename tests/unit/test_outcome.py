@@ -32,3 +32,23 @@ def test_a_collector_that_cannot_finish_leaves_no_loss_and_says_why():
     assert outcome.final_loss is None and outcome.stop_reason is StopReason.COMPLETED
     assert outcome.errors == ["metrics collector failed to finish: no answer in 120 s"]
     assert not RunOutcome(final_loss=float("nan")).final_loss_is_finite
+
+
+def test_the_driver_raises_each_reason_as_its_own_error(tmp_path, capsys):
+    import pytest
+
+    from ray_titan.driver.run import _raise_if_stopped
+    from ray_titan.driver.signals import SignalGuard
+    from ray_titan.fault import NonFiniteError
+    from ray_titan.metrics.leak import MemoryLeakError
+
+    signals = SignalGuard(note="")
+    failed = RuntimeError("worker group failed")
+    with pytest.raises(MemoryLeakError, match="grows"):  # the leak policy ended the worker group
+        _raise_if_stopped(failed, RunOutcome(memory_leak="rank 0 grows"), signals, tmp_path, "no checkpoint")
+    with pytest.raises(RuntimeError, match="worker group failed"):
+        _raise_if_stopped(failed, RunOutcome(nonfinite_loss="nan"), signals, tmp_path, "no checkpoint")
+    with pytest.raises(NonFiniteError, match="nan at step 2"):
+        _raise_if_stopped(None, RunOutcome(nonfinite_loss="nan at step 2"), signals, tmp_path, "no checkpoint")
+    _raise_if_stopped(None, RunOutcome(final_loss=5.5), signals, tmp_path, "no checkpoint")  # finished: no error
+    assert "run failed" in capsys.readouterr().err
