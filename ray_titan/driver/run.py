@@ -1,11 +1,14 @@
-"""The Ray side: cluster, metrics collector actor, TorchTrainer, and the :class:`RunResult`.
+"""The Ray driver's run, top to bottom (:func:`train`).
 
-:func:`train` validates the config before anything starts, joins the Ray cluster named by
-``RAY_ADDRESS`` (or the one this process is already connected to, or starts a local one sized for
-the job), creates the metrics collector actor (``num_cpus=0``, owned by the driver so it outlives
-the worker group), runs the train loop on ``pp × dp_replicate × dp_shard × tp`` Ray Train workers, shows the run's
-progress (a bar on a terminal, the collector's console lines otherwise; :mod:`ray_titan.driver.progress`),
-and returns the run's metrics. The run directory may be a local path or a URI
+:func:`train` prepares the job before anything starts (:func:`ray_titan.prepare.prepare_job`), joins
+the Ray cluster named by ``RAY_ADDRESS`` (or the one this process is already connected to, or starts
+a local one sized for the job; :mod:`.cluster`), makes the run directory and the memory plan, starts
+the metrics collector actor (:mod:`.collector_actor`), runs the train loop on
+``pp × dp_replicate × dp_shard × tp`` Ray Train workers (:mod:`.torch_trainer`, each running
+:func:`ray_titan.trainer.ray_worker.worker_entry`), shows the run's progress (a bar on a terminal,
+the collector's console lines otherwise; :mod:`.progress`), reads the collector's summary as a
+:class:`~ray_titan.metrics.outcome.RunOutcome` and raises what stopped the run or returns its
+:class:`~ray_titan.driver.result.RunResult`. The run directory may be a local path or a URI
 (:mod:`ray_titan.storage`).
 
 Fault tolerance: Ray Train restarts a failed worker group up to ``ray.max_failures`` times and
