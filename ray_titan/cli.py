@@ -178,9 +178,8 @@ def _train(args, overrides: list[str]) -> int:
 def _config(args, overrides: list[str]) -> int:
     from ray_titan.config import ConfigError, load_config
     from ray_titan.config.docs import reference_markdown, to_toml
-    from ray_titan.hf import resolve_hf_job
     from ray_titan.preflight import validate_job
-    from ray_titan.run_dir import resolve_paths
+    from ray_titan.prepare import resolve_job
 
     if args.config_command == "docs":
         if overrides:
@@ -195,7 +194,7 @@ def _config(args, overrides: list[str]) -> int:
     try:
         cfg = load_config(args.config, overrides)
         if args.validate:
-            cfg = resolve_hf_job(resolve_paths(cfg))
+            cfg = resolve_job(cfg)[0]  # the rewrites of a run (ray_titan.prepare), then its checks
             validate_job(cfg)
     except ConfigError as e:
         print(f"ray-titan: config error: {e}", file=sys.stderr)
