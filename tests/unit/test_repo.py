@@ -211,11 +211,11 @@ def test_driver_functions_read_in_one_screen():
                                       ("ray_titan.gc", "ray_titan.gc_schedule"),
                                       ("ray_titan.run_report", "ray_titan.run_summary")])
 def test_a_moved_module_names_its_new_home(old, new):
-    import importlib
+    import importlib.util
 
     with pytest.raises(ModuleNotFoundError, match=f"^{old} is now {new}$"):
         importlib.import_module(old)
-    importlib.import_module(new)
+    assert importlib.util.find_spec(new) is not None  # found, not imported (Ray's import costs seconds)
 
 
 def test_the_old_driver_and_launcher_names_still_work():
