@@ -119,7 +119,7 @@ def test_a_signal_ends_the_driver_within_its_grace_period_whatever_it_waits_on(t
 
     code = (
         "import signal, time\n"
-        "from ray_titan.interrupts import SignalGuard\n"
+        "from ray_titan.driver.signals import SignalGuard\n"
         "with SignalGuard(grace_s=1.5):\n"
         "    signal.signal(signal.SIGINT, lambda signum, frame: None)  # the main thread never acts on it\n"
         "    print('ready', flush=True)\n"
