@@ -13,7 +13,7 @@ the metrics flushed, and the last checkpoint named).
 default included, as TOML; ``ray-titan config docs`` prints (or writes, ``--output``) the
 configuration reference ``docs/configuration.md``.
 ``ray-titan export CHECKPOINT_OR_RUN_DIR --to hf OUT_DIR [--dtype bf16|fp32]`` writes a ray_titan
-checkpoint as a Hugging Face model directory (``ray_titan.hf.export_hf``), whole or not at all.
+checkpoint as a Hugging Face model directory (``ray_titan.checkpoint.huggingface.export_hf``), whole or not at all.
 Every command stops on Ctrl-C (exit 130) or SIGTERM (143) as ``train`` does.
 ``ray-titan memory plan [--config X.toml] [--device-memory 80GiB] [--section.key=value ...]``
 prints every rank's predicted memory, whether the job fits, and the levers that would make it
@@ -205,7 +205,7 @@ def _config(args, overrides: list[str]) -> int:
 
 def _export(args, overrides: list[str]) -> int:
     from ray_titan.checkpoint import CheckpointError
-    from ray_titan.hf import export_hf
+    from ray_titan.checkpoint.huggingface import export_hf
     from ray_titan.storage import StorageError
 
     if overrides:

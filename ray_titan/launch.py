@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ray_titan.checkpoint import LocalCheckpointStorage, find_latest
+from ray_titan.checkpoint.huggingface import save_last_hf
 from ray_titan.config.schema import JobConfig, load_config
-from ray_titan.hf import save_last_hf
 from ray_titan.memory_planner import record_memory_plan
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.leak import leak_settings

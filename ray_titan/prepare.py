@@ -14,8 +14,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ray_titan.checkpoint.huggingface import resolve_hf_job
 from ray_titan.config.schema import JobConfig, apply_overrides, load_config
-from ray_titan.hf import resolve_hf_job
 from ray_titan.preflight import job_warnings, validate_job
 from ray_titan.run_dir import resolve_paths
 

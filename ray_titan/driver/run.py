@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pyarrow as pa
 
 from ray_titan import storage
+from ray_titan.checkpoint.huggingface import save_last_hf
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.driver.cluster import connect, cpus_per_worker, init_local_cluster, own_cluster
 from ray_titan.driver.collector_actor import (
@@ -42,7 +43,6 @@ from ray_titan.driver.collector_actor import (
 )
 from ray_titan.driver.result import RunResult, say_outcome
 from ray_titan.driver.signals import Interrupted, SignalGuard
-from ray_titan.hf import save_last_hf
 from ray_titan.memory_planner import record_memory_plan
 from ray_titan.metrics.outcome import RunOutcome
 from ray_titan.parallel.dims import process_group_backend

@@ -126,8 +126,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.utils._pytree import tree_leaves
 
     import ray_titan.models.deepseek_v2.model as moe_model
+    from ray_titan.checkpoint.huggingface import job_model_args
     from ray_titan.config import load_config
-    from ray_titan.hf import job_model_args
     from ray_titan.parallel.dims import ParallelDims, process_group_backend
     from ray_titan.parallel.fsdp import resolve_mixed_precision
     from ray_titan.trainer.build import build, parallel_dims

@@ -305,7 +305,7 @@ def test_a_file_beside_a_uri_keeps_its_options(tmp_path, monkeypatch):
     checkpoint keeps for an export."""
     from types import SimpleNamespace
 
-    from ray_titan.checkpoint import _hf_files
+    from ray_titan.checkpoint.manifest import _hf_files
     from ray_titan.data.tokenizer import HFTokenizer
     from tests.support.hf_models import write_tokenizer
 

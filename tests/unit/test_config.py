@@ -275,3 +275,16 @@ def test_unreadable_config_files_are_config_errors_exit_2(tmp_path, capsys, cont
     assert main(["config", "show", str(path)]) == 2
 
 
+
+
+def test_the_schemas_schedule_names_are_the_schedule_tables():
+    """config.schema imports nothing of the project, so its Literal of schedule names repeats the
+    keys of ray_titan.parallel.schedules.SCHEDULES (the one home of each schedule's properties)."""
+    import typing
+
+    from ray_titan.config.schema import Parallelism
+    from ray_titan.parallel.schedules import SCHEDULES
+
+    names = typing.get_args(Parallelism.model_fields["pipeline_schedule"].annotation)
+    assert list(names) == list(SCHEDULES)
+    assert all(s.torch_class.__name__.startswith("Schedule") for s in SCHEDULES.values())
