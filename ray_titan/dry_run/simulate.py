@@ -353,7 +353,8 @@ def _plan_checkpoint(cfg: Any, parts: Any, loader: Any, vocab_size: int, step: i
     ``checkpoint_keys``, ``checkpoint_bytes`` (by device type) and ``resume_read_items``."""
     import dataclasses
 
-    from ray_titan.checkpoint import Checkpointer, _check_keys, _drop_missing_device_rng
+    from ray_titan.checkpoint import Checkpointer
+    from ray_titan.checkpoint.checkpointer import _check_keys, _drop_missing_device_rng
     from ray_titan.dry_run.checkpoint_plan import plan_load, plan_save
 
     ck = Checkpointer(cfg, parts.rank, parts.stages.values(), parts.optimizer, parts.scheduler, loader, None, None,
