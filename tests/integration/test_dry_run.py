@@ -55,3 +55,16 @@ def test_the_moe_job_with_expert_parallelism_runs_and_its_dispatch_syncs_are_cou
     splits = [n for site, n in r.host_syncs_per_step.items() if site.startswith("parallel/expert.py:")
               and site.endswith("(tolist)")]
     assert max(splits) == 2 * 2 * 4  # send and receive sizes × 2 MoE layers on the stage × 4 microbatches
+
+
+def test_a_one_rank_mesh_trains_and_plans_its_checkpoint():
+    """One rank, no process group to shard over: no FSDP2 materialises the fake parameters, and
+    torch's ``Module.to_empty`` could not swap them (a fake tensor's weakref). The rank runs a
+    step, and the checkpoint DCP plans after it (nothing written) copies every byte of the rank's
+    parameters and optimizer state from the device, only the generator states from the host, and
+    plans reading every key back on resume."""
+    (r,) = dry_run(LLAMA, ["--parallelism.pp=1", "--parallelism.dp_shard=1"], steps=1)
+    assert (r.coords, r.stages, r.steps) == ({"pp": 0, "dp_shard": 0}, [0], 1)
+    assert r.checkpoint_bytes["cuda"] == r.held_bytes["parameters"] + r.held_bytes["optimizer_state"] > 0
+    assert 0 < r.checkpoint_bytes["cpu"] < 64 << 10  # rng.rank0.cpu and rng.rank0.cuda
+    assert r.resume_read_items == r.checkpoint_keys > 100
