@@ -20,14 +20,6 @@ from typing import Any
 from ray_titan import storage
 from ray_titan.allocator import worker_env_vars
 from ray_titan.callbacks import resolve_callback
-from ray_titan.checkpoint import (
-    CheckpointError,
-    check_compatible,
-    check_metadata,
-    checkpoint_candidates,
-    load_metadata,
-    read_manifest,
-)
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.data.build import source_settings, training_documents, validation_documents
 from ray_titan.data.corpus import check_source
@@ -37,7 +29,6 @@ from ray_titan.data.tokenizer import build_tokenizer
 from ray_titan.hf import HFCheckpointError, check_hf_checkpoint, job_model_args
 from ray_titan.models.registry import MODELS, is_moe
 from ray_titan.parallel.elastic import fitting_worker_counts, is_elastic, mesh_for_workers
-from ray_titan.parallel.pipeline import stage_placement
 
 __all__ = ["job_warnings", "validate_job"]
 
@@ -344,6 +335,8 @@ def _check_schedule(cfg: JobConfig) -> None:
                 + f" (got {sched!r}); set stages_per_rank = 1"
             )
         return
+    from ray_titan.parallel.pipeline import stage_placement  # torch's pipelining: 1 s of imports
+
     if stage_placement(sched) == "v":
         if spr != 2:
             raise ConfigError(
@@ -531,6 +524,17 @@ def _check_load_path(cfg: JobConfig, vocab_size: int) -> JobConfig:
     the job. For a directory of checkpoints (a run directory or its ``checkpoints/``), the newest
     sound one is taken, with a warning naming each newer one passed over. Returns ``cfg`` with
     ``load_path`` set to the checkpoint taken."""
+    # Imported here: torch.distributed.checkpoint takes ~1 s to import, which a job that loads
+    # nothing (and `ray-titan memory plan`) should not pay.
+    from ray_titan.checkpoint import (
+        CheckpointError,
+        check_compatible,
+        check_metadata,
+        checkpoint_candidates,
+        load_metadata,
+        read_manifest,
+    )
+
     load_path = cfg.checkpoint.load_path
     assert load_path is not None  # the caller checks
     passed_over: list[str] = []
