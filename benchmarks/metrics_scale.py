@@ -50,7 +50,7 @@ def synthetic_steps(ranks: int, steps: int, *, memory_outliers: tuple[int, ...] 
     rank = np.tile(np.arange(ranks, dtype=np.int64), steps)
     step = np.repeat(np.arange(first_step, first_step + steps, dtype=np.int64), ranks)
     stage = rank // (dp_shard * tp)
-    warm = np.minimum(1.0, (step - first_step + 1) / 5)
+    warm = np.minimum(1.0, step / 5)
     dev = (30 * GiB + (pp - stage) * 1.5 * GiB * warm) * (1 + 0.002 * rng.standard_normal(n))
     dev[np.isin(rank, memory_outliers)] *= 1.15
     host = 6 * GiB * (1 + 0.002 * rng.standard_normal(n))
@@ -79,7 +79,7 @@ def synthetic_steps(ranks: int, steps: int, *, memory_outliers: tuple[int, ...] 
         "device_reserved_bytes": ints(dev * 1.05), "device_peak_active_bytes": ints(dev * 1.2),
         "device_peak_reserved_bytes": ints(dev * 1.25), "device_alloc_retries": ints(np.zeros(n)),
         "device_ooms": ints(np.zeros(n)), "device_capacity_bytes": ints(np.full(n, 80 * GiB)),
-        "memory_verdict": pa.array(np.where(step - first_step < 5, "warming_up", "stable")),
+        "memory_verdict": pa.array(np.where(step < 5, "warming_up", "stable")),
         "memory_slope_mib_per_step": pa.array(np.zeros(n)),
         "step_loss": pa.array(2.0 + 8.0 / np.sqrt(step)), "step_loss_max": pa.array(2.1 + 8.0 / np.sqrt(step)),
         "step_tokens": ints(np.full(n, 2048 * 8192)), "step_tokens_per_s": pa.array(2048 * 8192 / step_time),
