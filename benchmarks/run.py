@@ -71,6 +71,7 @@ STEPS = {
     "collector": (120, 12), "ray_train": (10, 8), "bare": (50, 12), "torchrun": (40, 12),
     "memory": (600, 40), "startup": (2, 2), "gpu": (50, 10),
     "compile": (40, 8), "torchtitan": (40, 8),
+    "parquet_rank_history": (500, 20), "preflight_scale": (0, 0),  # steps of the 16,384-rank table; none
 }
 
 

@@ -189,9 +189,9 @@ def consolidate(parts: list[Path], out: Path) -> int:
             for bucket in buckets:
                 t = _latest(bucket, starts, newest).sort_by([("rank", "ascending"), ("step", "ascending")])
                 del bucket
-                rank = t["rank"].to_numpy()
-                bounds = np.searchsorted(rank, group_first[(group_first >= rank[0]) & (group_first <= rank[-1])]) \
-                    if t.num_rows else np.zeros(0, np.int64)
+                # Each group's first row (a group's first rank may have no rows left: start at 0).
+                b = np.searchsorted(t["rank"].to_numpy(), group_first)
+                bounds = np.unique(np.r_[0, b[(b > 0) & (b < t.num_rows)]]) if t.num_rows else []
                 for lo, hi in zip(bounds, [*bounds[1:], t.num_rows]):
                     writer.write_table(t.slice(lo, hi - lo), row_group_size=max(hi - lo, 1))
                 rows += t.num_rows

@@ -80,3 +80,21 @@ def test_rank_history_of_an_unfinished_run_reads_the_parts(tmp_path):
     hist = read_rank_history(tmp_path, 3)
     assert hist["step"].to_pylist() == list(range(1, 31)) and set(hist["rank"].to_pylist()) == {3}
     assert hist["attempt"].to_pylist() == [0] * 15 + [1] * 15
+
+
+@pytest.mark.parametrize("spill", [False, True], ids=["in-memory", "spilled"])
+def test_ranks_only_a_replaced_attempt_had_leave_no_gap(tmp_path, monkeypatch, spill):
+    """An elastic shrink replays steps 1-3 on ranks 5-9: ranks 0-4 vanish, and the rank block
+    that held ranks 3-5 starts at a rank with no rows left."""
+    monkeypatch.setattr(sinks, "ROW_GROUP_ROWS", 3 * 3)
+    if spill:
+        monkeypatch.setattr(sinks, "_BUCKET_ROWS", 10)
+    a = _attempt(synthetic_steps(10, 3), 100.0)
+    b = _attempt(a.filter(pc.greater_equal(a["rank"], 5)), 200.0)
+    sink = ParquetSink(tmp_path / "metrics")
+    for i, t in enumerate([a, b]):
+        _write_atomically(t, sink.parts / f"part-{i:05d}.parquet")
+    t = pq.read_table(sink.close())
+    kept = sorted(zip(t["rank"].to_pylist(), t["step"].to_pylist()))
+    assert kept == [(r, s) for r in range(5, 10) for s in (1, 2, 3)]
+    assert t.num_rows == 15 and set(t["attempt"].to_pylist()) == {1}
