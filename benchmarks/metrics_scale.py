@@ -178,13 +178,17 @@ def bench_preflight_scale(work: Path, quick: bool) -> list[Row]:
     """``ray-titan memory plan`` of :data:`JOB_16K` (a fresh process: imports included, as a user
     runs it), and in one process the pre-flight checks ``ray-titan train`` runs before Ray starts
     and the elastic range computation over ``ray.num_workers = [1, 16384]``."""
+    import resource
+
     repeats = 1 if quick else 3
-    plan_s = []
+    plan_s, plan_cpu = [], []  # wall, and the process's CPU seconds (what a loaded machine inflates less)
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run([sys.executable, "-m", "ray_titan", "memory", "plan", *JOB_16K], check=False,
                        capture_output=True)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         plan_s.append(time.perf_counter() - t0)
+        plan_cpu.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
     code = f"""
 import time
 t0 = time.perf_counter()
@@ -204,9 +208,11 @@ print(t1 - t0, t3 - t2, t4 - t3, t6 - t5, len(counts))
             for _ in range(repeats)]
     imports, pre, plan, elastic = (min(float(r[i]) for r in runs) for i in range(4))
     line = (f"preflight_scale ranks=16384 memory_plan_cli_s={min(plan_s):.2f} (max {max(plan_s):.2f}) "
+            f"cpu_s={min(plan_cpu):.2f} "
             f"imports_s={imports:.2f} preflight_s={pre:.2f} plan_s={plan:.2f} "
             f"elastic_range_s={elastic:.4f} (fitting counts {runs[0][4]} of 1..16384)")
     print(line, flush=True)
-    return [Row("ray-titan memory plan, 16,384 ranks", "wall, fresh process", f"{min(plan_s):.2f} s", target="≤ 5 s",
+    return [Row("ray-titan memory plan, 16,384 ranks", "wall (CPU), fresh process",
+                f"{min(plan_s):.2f} s ({min(plan_cpu):.2f} s)", target="≤ 5 s",
                 note=f"best of {repeats}; in-process: imports {imports:.2f} s, pre-flight {pre:.2f} s, "
                      f"plan {plan:.2f} s, elastic range {elastic * 1e3:.1f} ms")]

@@ -191,7 +191,7 @@ def consolidate(parts: list[Path], out: Path) -> int:
                 del bucket
                 # Each group's first row (a group's first rank may have no rows left: start at 0).
                 b = np.searchsorted(t["rank"].to_numpy(), group_first)
-                bounds = np.unique(np.r_[0, b[(b > 0) & (b < t.num_rows)]]) if t.num_rows else []
+                bounds: list[int] = np.unique(np.r_[0, b[(b > 0) & (b < t.num_rows)]]).tolist() if t.num_rows else []
                 for lo, hi in zip(bounds, [*bounds[1:], t.num_rows]):
                     writer.write_table(t.slice(lo, hi - lo), row_group_size=max(hi - lo, 1))
                 rows += t.num_rows
