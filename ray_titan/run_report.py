@@ -268,10 +268,30 @@ def memory_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def format_memory_table(rows: list[dict[str, Any]]) -> str:
-    """:func:`memory_rows` as an aligned text table (MiB); empty when there are none."""
+def _collapse(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs of consecutive ranks with the same plan and no measurement as one row, its ``rank``
+    ``"first-last"`` and its ``coords`` the first rank's (ranks of one stage share a plan)."""
+    out: list[dict[str, Any]] = []
+    same = [k for k in rows[0] if k not in ("rank", "coords")] if rows else []
+    for r in rows:
+        prev = out[-1] if out else None
+        if (prev is not None and r["measured_bytes"] is None and prev["measured_bytes"] is None
+                and all(prev[k] == r[k] for k in same) and prev["_last"] + 1 == r["rank"]):
+            prev["_last"] = r["rank"]
+            continue
+        out.append({**r, "_last": r["rank"]})
+    return [{**{k: v for k, v in r.items() if k != "_last"},
+             "rank": r["rank"] if r["_last"] == r["rank"] else f"{r['rank']}-{r['_last']}"} for r in out]
+
+
+def format_memory_table(rows: list[dict[str, Any]], limit: int = PER_RANK_LIMIT) -> str:
+    """:func:`memory_rows` as an aligned text table (MiB); empty when there are none. Beyond
+    ``limit`` rows, runs of consecutive ranks with the same plan and no measurement are one row
+    (``rank`` ``"first-last"``)."""
     if not rows:
         return ""
+    if len(rows) > limit:
+        rows = _collapse(rows)
     head = ["rank", "coords", "predicted peak", "measured peak", "meas/pred", "params", "grads", "optim",
             "activations", "temporaries", "other"]
 
