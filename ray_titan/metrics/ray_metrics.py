@@ -21,12 +21,13 @@ in-process collector) :func:`export_step` does nothing.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["METRIC_NAMES", "export_step"]
+__all__ = ["MEMORY_EVERY_S", "METRIC_NAMES", "export_step"]
 
 _SCALARS = {  # summary key → (gauge name, description)
     "loss": ("titan_loss", "The step's loss (last pipeline stage, token-weighted), nats per token"),
@@ -41,6 +42,10 @@ METRIC_NAMES = ["titan_step", *(n for n, _ in _SCALARS.values()), "titan_stage_m
 _SERIES = {"device_allocated": "device_allocated_bytes", "host_rss": "host_rss_bytes"}
 _gauges: dict[str, Any] = {}
 _failed = False
+MEMORY_EVERY_S = 1.0
+"""The per-stage memory gauges are recomputed at most this often (seconds): Ray pushes them every
+10 s, and at 16K ranks a recomputation takes tens of milliseconds, not worth paying every step."""
+_last_memory = [float("-inf")]
 
 
 def _gauge(name: str, description: str, tags: tuple[str, ...]) -> Any:
@@ -55,8 +60,9 @@ def export_step(job: str, step: int, summary: Mapping[str, Any], rows: Sequence[
     """Set the gauges (module docstring) from one assembled step: ``summary``, the collector's
     step figures (``loss``, ``tokens_per_s``, ``step_time_s``, ``val/loss``; None leaves a gauge
     at its last value), and ``rows``, one mapping per rank with ``pp``, ``rank``,
-    ``device_allocated_bytes`` (None without a device) and ``host_rss_bytes`` (bytes). Cost:
-    three list passes and numpy sorts over the ranks, and ~100 gauge updates. Does nothing when
+    ``device_allocated_bytes`` (None without a device) and ``host_rss_bytes`` (bytes), read at
+    most every :data:`MEMORY_EVERY_S` seconds (one pass over the rows, a numpy sort, ~6 gauge
+    updates per stage; the scalars are set at every step). Does nothing when
     Ray is not initialised in this process; a failure (Ray's metrics agent gone) is printed once
     and the export stops, so the collector's own work goes on."""
     global _failed
@@ -76,23 +82,32 @@ def _export(job: str, step: int, summary: Mapping[str, Any], rows: Sequence[Mapp
     for key, (name, description) in _SCALARS.items():
         if summary.get(key) is not None:
             _gauge(name, description, ("job",)).set(float(summary[key]), tags=tags)
-    if not rows:
+    now = time.monotonic()
+    if not rows or now - _last_memory[0] < MEMORY_EVERY_S:
         return
-    stage = np.fromiter((r["pp"] for r in rows), np.int64, len(rows))
-    rank = np.fromiter((r["rank"] for r in rows), np.int64, len(rows))
+    _last_memory[0] = now
+    # One pass over the rows; None (no device) becomes NaN in a float array.
+    pp, ranks, dev, host = zip(*[(r["pp"], r["rank"], r.get("device_allocated_bytes"), r.get("host_rss_bytes"))
+                                 for r in rows])
+    stage = np.asarray(pp, np.int64)
+    order = np.argsort(stage, kind="stable")
+    stage, rank = stage[order], np.asarray(ranks, np.int64)[order]
+    bounds = [*np.flatnonzero(np.r_[True, stage[1:] != stage[:-1]]), len(stage)]
     mem = _gauge("titan_stage_memory_bytes", "Per pipeline stage, min / median / max over its ranks, bytes",
                  ("job", "stage", "series", "stat"))
     arg = _gauge("titan_stage_memory_max_rank", "Per pipeline stage, the rank with the most memory",
                  ("job", "stage", "series"))
-    for series, col in _SERIES.items():
-        vals = np.array([np.nan if r.get(col) is None else r[col] for r in rows], float)
-        for s in np.unique(stage):
-            sel = (stage == s) & ~np.isnan(vals)
-            if not sel.any():
+    for series, values in (("device_allocated", dev), ("host_rss", host)):
+        vals = np.asarray(values, float)[order]
+        if np.isnan(vals).all():
+            continue
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            ok = ~np.isnan(vals[lo:hi])
+            if not ok.any():
                 continue
-            v, at = vals[sel], rank[sel]
+            v, at = vals[lo:hi][ok], rank[lo:hi][ok]
             i = int(np.argmax(v))
-            labels = {"job": job, "stage": str(s), "series": series}
+            labels = {"job": job, "stage": str(stage[lo]), "series": series}
             for stat, x in (("min", v.min()), ("median", np.median(v)), ("max", v[i])):
                 mem.set(float(x), tags={**labels, "stat": stat})
             arg.set(int(at[i]), tags=labels)
