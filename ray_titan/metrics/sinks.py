@@ -187,7 +187,7 @@ def consolidate(parts: list[Path], out: Path) -> int:
             else:
                 buckets = _spill(parts, bucket_first, Path(spill))
             for bucket in buckets:
-                t = _latest(bucket, starts, newest).sort_by([("rank", "ascending"), ("step", "ascending")])
+                t = _latest(bucket, starts, newest, keys=("rank", "step"))
                 del bucket
                 # Each group's first row (a group's first rank may have no rows left: start at 0).
                 b = np.searchsorted(t["rank"].to_numpy(), group_first)
@@ -258,10 +258,11 @@ def latest_rows(table: pa.Table) -> pa.Table:
     return _latest(table, starts, newest)
 
 
-def _latest(table: pa.Table, starts: np.ndarray, newest: pa.Table | None) -> pa.Table:
+def _latest(table: pa.Table, starts: np.ndarray, newest: pa.Table | None,
+            keys: tuple[str, str] = ("step", "rank")) -> pa.Table:
     """:func:`latest_rows` of some of a table's rows, given the whole table's sorted attempt start
-    times and each step's newest (``step``, ``attempt_start_time_max``): vectorised, so a
-    consolidation can apply it a bucket of ranks at a time."""
+    times and each step's newest (``step``, ``attempt_start_time_max``), sorted by ``keys``:
+    vectorised, so a consolidation can apply it a bucket of ranks at a time."""
     if table.num_rows == 0 or newest is None:
         return table
     start = table["attempt_start_time"].to_numpy()
@@ -272,7 +273,7 @@ def _latest(table: pa.Table, starts: np.ndarray, newest: pa.Table | None) -> pa.
     table = table.take(pa.array(keep))
     table = table.set_column(table.schema.get_field_index("attempt"), "attempt",
                              pa.array(np.searchsorted(starts, start[keep]), pa.int64()))
-    table = table.sort_by([("step", "ascending"), ("rank", "ascending")])
+    table = table.sort_by([(k, "ascending") for k in keys])
     # Resent duplicates (same attempt) are adjacent now: keep the first of each (step, rank).
     step, rank = table["step"].to_numpy(), table["rank"].to_numpy()
     first = np.ones(table.num_rows, bool)
