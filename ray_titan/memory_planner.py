@@ -582,19 +582,20 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
         optim = (0.0 if offload else param_b + grads_after + opt_b) + pipe + buffers
         peak, phase = (fwd_bwd, "forward_backward") if fwd_bwd >= optim else (optim, "optimizer")
         peak_grads = grads_during if with_grads >= before_grads else 0.0
-        for rank in range(dims.world_size):
+        act_mb = {s: int(act[s]) for s in stage_ids}
+        in_flight = {s: c for c, s in zip(flight.peak, stage_ids)}
+        by_mode = {k: int(x * tokens / tp) for k, x in act_modes.items()}
+        per_pp = dims.world_size // pp  # pp is the mesh's outermost axis: a pp rank's ranks are one block
+        for rank in range(pp_rank * per_pp, (pp_rank + 1) * per_pp):
             coords = dims.coords(rank)
-            if coords["pp"] != pp_rank:
-                continue
             plans[rank] = RankPlan(
                 rank=rank, coords=coords, stages=stage_ids, parameters=int(0 if offload else param_b),
                 gradients=int(0 if offload else grads_after),
                 optimizer_state={cfg.optimizer.name: int(0 if offload else opt_b)},
                 fsdp_unsharded_params=int(gathered), fsdp_unsharded_grads=int(grads_during if sharded else 0),
-                activations_per_microbatch={s: int(act[s]) for s in stage_ids},
-                in_flight={s: c for c, s in zip(flight.peak, stage_ids)},
+                activations_per_microbatch=dict(act_mb), in_flight=dict(in_flight),
                 activations=int(a_peak if before_grads >= with_grads else a_grads),
-                activations_by_ac_mode={k: int(x * tokens / tp) for k, x in act_modes.items()},
+                activations_by_ac_mode=dict(by_mode),
                 expert_buffers=int(sum(c * expert_act[s] for c, s in zip(flight.peak, stage_ids))),
                 pipeline_buffers=int(pipe), buffers=int(buffers), transient=int(transient),
                 peak=int(peak), peak_phase=phase,

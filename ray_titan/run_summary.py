@@ -11,7 +11,13 @@ matplotlib's Agg backend (no display needed):
   steps with a ``growing`` verdict marked in red, the end of warm-up marked, and the rank's last
   verdict in the legend;
 
-and returns the summary table (one row per rank: coordinates, last verdict and rate, peak
+Beyond :data:`PER_RANK_LIMIT` ranks one line per rank is unreadable: ``memory.png`` is then a
+rank × step heatmap of the same series and ``step_time.png`` one of the step time (both binned to
+at most :data:`HEATMAP_BINS` rows and columns, each cell the bin's maximum, so a single high rank
+or step still shows), with the outlier ranks (:func:`outlier_ranks`) named beside them; the summary
+table then shows only the ranks worth a look and ``ranks.csv`` has them all.
+
+It returns the summary table (one row per rank: coordinates, last verdict and rate, peak
 memory, GC count and pause, the metrics path's share of the step time) that the command prints,
 and, where the run recorded them, each rank's predicted peak (``memory_plan.json``,
 :mod:`ray_titan.memory_planner`) beside its measured one (``metrics/memory_breakdown.jsonl``,
@@ -26,14 +32,24 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
 
 from ray_titan.metrics.leak import SERIES_NAMES, host_series
 from ray_titan.metrics.sinks import read_steps
 
-__all__ = ["format_memory_table", "format_table", "memory_rows", "summary_rows", "write_report"]
+__all__ = ["HEATMAP_BINS", "OUTLIER_MIN_REL", "OUTLIER_Z", "PER_RANK_LIMIT", "format_memory_table", "format_table",
+           "memory_rows", "outlier_ranks", "rank_figures", "summary_rows", "write_report"]
 
 MiB = 2**20
 _COORDS = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
+PER_RANK_LIMIT = 16
+"""Up to this many ranks the report draws one line per rank and prints every rank's row."""
+HEATMAP_BINS = (1024, 1000)
+"""At most this many (rank, step) cells in a heatmap; larger runs are binned (max per cell)."""
+OUTLIER_Z, OUTLIER_MIN_REL = 5.0, 0.05
+""":func:`outlier_ranks`' rule: robust z-score above ``OUTLIER_Z`` and ``OUTLIER_MIN_REL`` away from
+the stage's median."""
 
 
 def _rank_tables(t: pa.Table) -> dict[int, dict[str, list]]:
@@ -70,50 +86,155 @@ def _memory_series(r: dict[str, list]) -> tuple[str, np.ndarray, np.ndarray | No
     return SERIES_NAMES[source], y, rss if source == "host" else None
 
 
+def _by_rank(t: pa.Table) -> tuple[pa.Table, np.ndarray]:
+    """``t`` sorted by rank then step, and the index of each rank's first row (one entry per rank)."""
+    t = t.sort_by([("rank", "ascending"), ("step", "ascending")])
+    rank = t["rank"].to_numpy()
+    return t, np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]]) if len(rank) else np.zeros(0, np.int64)
+
+
+def _floats(t: pa.Table, col: str) -> np.ndarray:
+    """Column ``col`` as float64, NaN for nulls (or all NaN if the table lacks it)."""
+    if col not in t.column_names:
+        return np.full(t.num_rows, np.nan)
+    return t[col].cast(pa.float64()).to_numpy(zero_copy_only=False)
+
+
+def _memory_values(t: pa.Table) -> tuple[str, np.ndarray]:
+    """``(name, bytes)`` of the series the leak verdict watches, for every row: device allocated
+    where every row has it, else host RSS less malloc's free bytes where every row has those,
+    else host RSS (ray_titan.metrics.leak.host_series)."""
+    dev = _floats(t, "device_allocated_bytes")
+    if len(dev) and not np.isnan(dev).any():
+        return SERIES_NAMES["device"], dev
+    free = _floats(t, "host_heap_free_bytes")
+    y, source = host_series(_floats(t, "host_rss_bytes"), None if np.isnan(free).any() else free)
+    return SERIES_NAMES[source], y
+
+
 def summary_rows(t: pa.Table) -> list[dict[str, Any]]:
     """One dict per rank: ``rank``, ``coords``, ``verdict`` (last), ``slope_mib_per_step``,
     ``oom_step``, ``peak_host_rss_mib``, ``peak_device_reserved_mib`` (None on CPU),
     ``gc_count``, ``gc_pause_s`` (total), ``steps``, ``metrics_share``: the rank's seconds in its
     memory samples and reports (``metrics_time_s``) over its step time, the steps that carry a
-    figure (None before that column existed)."""
-    rows, axes = [], _axes(t)
-    for rank, r in _rank_tables(t).items():
-        verdicts = r.get("memory_verdict") or [None]
-        dev_peak = [v for v in r.get("device_peak_reserved_bytes", []) if v is not None]
-        gcs = [p for g, p in zip(r.get("gc_generation", []), r["gc_pause_s"]) if g is not None]
-        rows.append({
-            "rank": rank, "coords": _coords(r, axes), "verdict": verdicts[-1],
-            "slope_mib_per_step": (r.get("memory_slope_mib_per_step") or [None])[-1],
-            "oom_step": (r.get("memory_oom_step") or [None])[-1],
-            "peak_host_rss_mib": max(r["host_peak_rss_bytes"]) / MiB,
-            "peak_device_reserved_mib": max(dev_peak) / MiB if dev_peak else None,
-            "gc_count": len(gcs), "gc_pause_s": float(sum(gcs)), "steps": len(r["step"]),
-            "metrics_share": _metrics_share(r),
-        })
-    return rows
+    figure (None before that column existed), and ``outlier``: why :func:`outlier_ranks` names
+    it (None if it does not). Vectorised over ranks (a sort and numpy reductions), so 16K ranks
+    cost seconds, not a filter per rank."""
+    axes = _axes(t)
+    t, first = _by_rank(t)
+    if not len(first):
+        return []
+    last = np.r_[first[1:], t.num_rows] - 1
+    n = np.diff(np.r_[first, t.num_rows])
+
+    def reduce(values: np.ndarray, how) -> np.ndarray:
+        return how.reduceat(values, first)
+
+    host_peak = reduce(_floats(t, "host_peak_rss_bytes"), np.fmax)
+    dev_peak = reduce(_floats(t, "device_peak_reserved_bytes"), np.fmax)
+    gc_ran = ~np.isnan(_floats(t, "gc_generation"))
+    gc_pause = np.nan_to_num(_floats(t, "gc_pause_s"))
+    gc_count, gc_total = reduce(gc_ran.astype(np.int64), np.add), reduce(np.where(gc_ran, gc_pause, 0.0), np.add)
+    mt, st = _floats(t, "metrics_time_s"), _floats(t, "step_time_s")
+    has_mt = ~np.isnan(mt)
+    spent = reduce(np.where(has_mt, st, 0.0), np.add)
+    share = np.where(spent > 0, reduce(np.where(has_mt, mt, 0.0), np.add) / np.where(spent > 0, spent, 1), np.nan)
+    share[reduce(has_mt.astype(np.int64), np.add) == 0] = np.nan
+    firsts = t.take(pa.array(first)).select([a for a in axes if a in t.column_names] + ["rank"]).to_pylist()
+    lasts = t.take(pa.array(last)).select(
+        [c for c in ("memory_verdict", "memory_slope_mib_per_step", "memory_oom_step") if c in t.column_names]
+    ).to_pylist()
+    why: dict[int, str] = {}
+    for o in outlier_ranks(t):
+        why[o["rank"]] = "; ".join(filter(None, [why.get(o["rank"]), o["why"]]))
+
+    def opt(v: float, scale: float = 1.0) -> float | None:
+        return None if np.isnan(v) else float(v) / scale
+
+    return [{
+        "rank": f["rank"], "coords": ", ".join(f"{a}={f[a]}" for a in axes if f.get(a) is not None),
+        "verdict": lz.get("memory_verdict"), "slope_mib_per_step": lz.get("memory_slope_mib_per_step"),
+        "oom_step": lz.get("memory_oom_step"), "peak_host_rss_mib": opt(host_peak[i], MiB),
+        "peak_device_reserved_mib": opt(dev_peak[i], MiB),
+        "gc_count": int(gc_count[i]), "gc_pause_s": float(gc_total[i]), "steps": int(n[i]),
+        "metrics_share": opt(share[i]), "outlier": why.get(f["rank"]),
+    } for i, (f, lz) in enumerate(zip(firsts, lasts))]
 
 
-def _metrics_share(r: dict[str, list]) -> float | None:
-    pairs = [(c, s) for c, s in zip(r.get("metrics_time_s", []), r["step_time_s"]) if c is not None]
-    spent = sum(s for _, s in pairs)
-    return sum(c for c, _ in pairs) / spent if pairs and spent > 0 else None
+def _block_medians(x: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """The median of each block ``x[first[i]:first[i + 1]]``, NaNs left out (NaN: none left),
+    with one sort instead of a call per block."""
+    block = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(x)]))
+    x = x[np.lexsort((x, block))]  # within each block ascending, NaNs last
+    k = np.add.reduceat(~np.isnan(x), first) if len(x) else np.zeros(0, np.int64)
+    lo, hi = first + np.maximum(k - 1, 0) // 2, first + k // 2  # the middle one or two of the k values
+    return np.where(k > 0, (x[lo] + x[hi]) / 2, np.nan)
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """The summary rows as an aligned text table."""
+def outlier_ranks(t: pa.Table, z: float = OUTLIER_Z, min_rel: float = OUTLIER_MIN_REL) -> list[dict[str, Any]]:
+    """The ranks whose memory or step time stands out from the other ranks of their pipeline
+    stage (ranks of one stage hold the same layers, so their memory should match; earlier stages
+    hold more activations under 1F1B, so stages are not compared with each other). Per rank: the
+    peak of the series the verdict watches (:func:`_memory_values`) and the median step time.
+    A rank is named when its robust z-score, ``|x - median| / (1.4826 · MAD)`` over its stage
+    (Iglewicz and Hoaglin's modified z-score, with MAD scaled to a normal's σ), exceeds ``z`` and
+    it is more than ``min_rel`` (a fraction) from the stage's median, so a stage of near-identical
+    ranks (MAD ≈ 0) does not name noise. Returns ``[{"rank", "pp", "what": "memory" |
+    "step time", "value", "median", "why"}]`` (bytes or seconds), most extreme first."""
+    if t.num_rows == 0:
+        return []
+    t, first = _by_rank(t)
+    _, mem = _memory_values(t)
+    peak = np.fmax.reduceat(mem, first)
+    st = _floats(t, "step_time_s")
+    median_time = _block_medians(st, first)
+    ranks = t["rank"].to_numpy()[first]
+    stage = t["pp"].to_numpy()[first] if "pp" in t.column_names else np.zeros(len(first), np.int64)
+    out = []
+    for what, x, unit in (("memory", peak, MiB), ("step time", median_time, 1.0)):
+        for s in np.unique(stage):
+            sel = np.flatnonzero((stage == s) & ~np.isnan(x))
+            if len(sel) < 3:
+                continue
+            med = float(np.median(x[sel]))
+            mad = 1.4826 * float(np.median(np.abs(x[sel] - med)))
+            dev = np.abs(x[sel] - med)
+            score = dev / mad if mad > 0 else np.where(dev > 0, np.inf, 0.0)
+            for i in np.flatnonzero((score > z) & (dev > min_rel * abs(med))):
+                r, v = int(ranks[sel[i]]), float(x[sel[i]])
+                fmt = (lambda b: f"{b / MiB:,.0f} MiB") if unit == MiB else (lambda b: f"{b:.3g} s")
+                out.append({"rank": r, "pp": int(s), "what": what, "value": v, "median": med,
+                            "z": float(score[i]),
+                            "why": f"{what} {fmt(v)} vs its stage's median {fmt(med)} ({v / med - 1:+.0%})"})
+    return sorted(out, key=lambda o: -abs(o["value"] / o["median"] - 1) if o["median"] else 0.0)
+
+
+def format_table(rows: list[dict[str, Any]], limit: int = PER_RANK_LIMIT) -> str:
+    """The summary rows as an aligned text table. Beyond ``limit`` rows, only the ranks worth a
+    look (verdict ``growing``, an OOM step, or an outlier, whose reason is its last column) and a
+    line counting the others."""
+    shown = rows if len(rows) <= limit else [
+        r for r in rows if r["verdict"] == "growing" or r["oom_step"] is not None or r.get("outlier")]
     head = ["rank", "coords", "verdict", "MiB/step", "OOM step", "peak RSS MiB", "peak dev MiB", "GCs", "GC s",
-            "metrics %"]
+            "metrics %"] + (["outlier"] if len(rows) > limit else [])
     body = [[
         str(r["rank"]), r["coords"], str(r["verdict"]),
         "" if r["slope_mib_per_step"] is None else f"{r['slope_mib_per_step']:+.3f}",
         "" if r["oom_step"] is None else str(r["oom_step"]),
-        f"{r['peak_host_rss_mib']:.0f}",
+        "" if r["peak_host_rss_mib"] is None else f"{r['peak_host_rss_mib']:.0f}",
         "" if r["peak_device_reserved_mib"] is None else f"{r['peak_device_reserved_mib']:.0f}",
         str(r["gc_count"]), f"{r['gc_pause_s']:.3f}",
         "" if r.get("metrics_share") is None else f"{100 * r['metrics_share']:.2f}",
-    ] for r in rows]
+    ] + ([r.get("outlier") or ""] if len(rows) > limit else []) for r in shown]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body])
+    lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body]]
+    if len(shown) < len(rows):
+        verdicts: dict[str, int] = {}
+        for r in rows:
+            verdicts[str(r["verdict"])] = verdicts.get(str(r["verdict"]), 0) + 1
+        lines.append(f"({len(rows) - len(shown)} of {len(rows)} ranks not shown: no growth, no outlier; verdicts: "
+                     + ", ".join(f"{v} {k}" for k, v in sorted(verdicts.items())) + "; every rank: ranks.csv)")
+    return "\n".join(lines)
 
 
 def memory_rows(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -147,10 +268,30 @@ def memory_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def format_memory_table(rows: list[dict[str, Any]]) -> str:
-    """:func:`memory_rows` as an aligned text table (MiB); empty when there are none."""
+def _collapse(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs of consecutive ranks with the same plan and no measurement as one row, its ``rank``
+    ``"first-last"`` and its ``coords`` the first rank's (ranks of one stage share a plan)."""
+    out: list[dict[str, Any]] = []
+    same = [k for k in rows[0] if k not in ("rank", "coords")] if rows else []
+    for r in rows:
+        prev = out[-1] if out else None
+        if (prev is not None and r["measured_bytes"] is None and prev["measured_bytes"] is None
+                and all(prev[k] == r[k] for k in same) and prev["_last"] + 1 == r["rank"]):
+            prev["_last"] = r["rank"]
+            continue
+        out.append({**r, "_last": r["rank"]})
+    return [{**{k: v for k, v in r.items() if k != "_last"},
+             "rank": r["rank"] if r["_last"] == r["rank"] else f"{r['rank']}-{r['_last']}"} for r in out]
+
+
+def format_memory_table(rows: list[dict[str, Any]], limit: int = PER_RANK_LIMIT) -> str:
+    """:func:`memory_rows` as an aligned text table (MiB); empty when there are none. Beyond
+    ``limit`` rows, runs of consecutive ranks with the same plan and no measurement are one row
+    (``rank`` ``"first-last"``)."""
     if not rows:
         return ""
+    if len(rows) > limit:
+        rows = _collapse(rows)
     head = ["rank", "coords", "predicted peak", "measured peak", "meas/pred", "params", "grads", "optim",
             "activations", "temporaries", "other"]
 
@@ -169,23 +310,36 @@ def format_memory_table(rows: list[dict[str, Any]]) -> str:
                                 for line in [head, *body]])
 
 
+_REPORT_COLUMNS = [
+    "step", "rank", *_COORDS, "step_loss", "step_val_loss", "step_time_s", "metrics_time_s", "memory_verdict",
+    "memory_slope_mib_per_step", "memory_oom_step", "host_rss_bytes", "host_peak_rss_bytes", "host_heap_free_bytes",
+    "device_allocated_bytes", "device_peak_reserved_bytes", "gc_generation", "gc_pause_s",
+]
+
+
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple[list[Path], list[dict[str, Any]]]:
-    """Write ``loss.png`` and ``memory.png`` to ``out_dir`` (default ``<run_dir>/report``) and
-    return their paths and :func:`summary_rows`. Raises ``FileNotFoundError`` if the run has
-    no recorded steps."""
+    """Write ``loss.png`` and ``memory.png`` to ``out_dir`` (default ``<run_dir>/report``), and
+    beyond :data:`PER_RANK_LIMIT` ranks the heatmaps of :func:`rank_figures` and ``ranks.csv``
+    (every rank's summary row), and return their paths and :func:`summary_rows`. Reads only the
+    columns it plots. Raises ``FileNotFoundError`` if the run has no recorded steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t = read_steps(run_dir)
+    try:
+        t = read_steps(run_dir, columns=_REPORT_COLUMNS)
+    except (KeyError, pa.ArrowInvalid):  # a table from before some column existed
+        t = read_steps(run_dir)
     if t.num_rows == 0:
         raise FileNotFoundError(f"{run_dir}: no metrics (metrics/steps.parquet or metrics/parts/)")
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
-    ranks, axes = _rank_tables(t), _axes(t)
+    axes = _axes(t)
+    rows = summary_rows(t)
 
-    first = ranks[min(ranks)]
+    first_rank = t.filter(pc.equal(t["rank"], pc.min(t["rank"]))).sort_by("step")
+    first = {c: first_rank[c].to_pylist() for c in ("step", "step_loss", "step_val_loss") if c in t.column_names}
     fig, ax = plt.subplots(figsize=(8, 4))
     loss = np.array([np.nan if v is None else v for v in first["step_loss"]], dtype=float)
     ax.plot(first["step"], loss, lw=1, label="train")
@@ -199,9 +353,15 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tupl
     fig.savefig(out / "loss.png", dpi=120)
     plt.close(fig)
 
+    if len(rows) > PER_RANK_LIMIT:
+        paths = [out / "loss.png", *rank_figures(t, out, Path(run_dir).name)]
+        csv = out / "ranks.csv"
+        pacsv.write_csv(pa.Table.from_pylist(rows), csv)
+        return [*paths, csv], rows
+
     fig, ax = plt.subplots(figsize=(9, 5))
     what, dashed = "memory", False
-    for rank, r in ranks.items():
+    for rank, r in _rank_tables(t).items():
         what, y, rss = _memory_series(r)
         steps = np.array(r["step"])
         verdicts = r.get("memory_verdict") or [None] * len(steps)
@@ -227,4 +387,80 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tupl
     fig.tight_layout()
     fig.savefig(out / "memory.png", dpi=120)
     plt.close(fig)
-    return [out / "loss.png", out / "memory.png"], summary_rows(t)
+    return [out / "loss.png", out / "memory.png"], rows
+
+
+def _grid(t: pa.Table, values: np.ndarray, bins: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(grid, ranks, steps)``: ``values`` (one per row of ``t``) on a rank × step grid of at
+    most ``bins`` cells, each the maximum of the rows that fall in it (NaN: none), and the
+    distinct ranks and steps it spans."""
+    rank, step = t["rank"].to_numpy(), t["step"].to_numpy()
+    ranks, steps = np.unique(rank), np.unique(step)
+    nr, ns = min(len(ranks), bins[0]), min(len(steps), bins[1])
+    rb = np.searchsorted(ranks, rank) * nr // len(ranks)
+    sb = np.searchsorted(steps, step) * ns // len(steps)
+    grid = np.full((nr, ns), np.nan)
+    np.fmax.at(grid, (rb, sb), values)
+    return grid, ranks, steps
+
+
+def _stage_step_medians(stage: np.ndarray, step: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """For every row, the median of ``values`` over the rows of its (stage, step)."""
+    _, key = np.unique(np.stack([stage, step]), axis=1, return_inverse=True)
+    key = key.ravel()
+    order = np.argsort(key, kind="stable")
+    first = np.flatnonzero(np.r_[True, key[order][1:] != key[order][:-1]])
+    return _block_medians(values[order], first)[key]
+
+
+def rank_figures(t: pa.Table, out: Path, title: str, bins: tuple[int, int] = HEATMAP_BINS) -> list[Path]:
+    """Write ``memory.png`` (the series the memory verdict watches, MiB) and ``step_time.png``
+    (seconds) as rank × step heatmaps (rank on the y axis, pipeline stages' first ranks marked,
+    binned to at most ``bins`` cells, each a bin's maximum), each beside the same grid as percent
+    of the rank's stage's median at that step, with :func:`outlier_ranks` marked on the y axis
+    and listed below. Returns their paths."""
+    import matplotlib.pyplot as plt
+
+    outliers = outlier_ranks(t)
+    name, mem = _memory_values(t)
+    stage_first = (t.group_by("pp").aggregate([("rank", "min")])["rank_min"].to_numpy()
+                   if "pp" in t.column_names else np.zeros(0))
+    paths = []
+    stage = t["pp"].to_numpy() if "pp" in t.column_names else np.zeros(t.num_rows, np.int64)
+    for fname, what, values, unit in (("memory.png", "memory", mem / MiB, f"{name} (MiB)"),
+                                      ("step_time.png", "step time", _floats(t, "step_time_s"), "step time (s)")):
+        fig, (ax, ax_rel) = plt.subplots(1, 2, figsize=(15, 6), sharey=True)
+        grid, ranks, steps = _grid(t, values, bins)
+        extent = (steps[0] - 0.5, steps[-1] + 0.5, ranks[0], ranks[-1] + 1)
+        lo, hi = np.nanpercentile(grid, [0.5, 99.9]) if np.isfinite(grid).any() else (0.0, 1.0)
+        im = ax.imshow(grid, aspect="auto", origin="lower", interpolation="nearest", cmap="viridis", vmin=lo,
+                       vmax=max(hi, lo + 1e-9), extent=extent)
+        fig.colorbar(im, ax=ax, label=unit + ", max per cell", extend="max")
+        # Beside it, each value against its stage's median at that step: an outlier stands out
+        # there even where stages differ more than it does from its own.
+        rel, _, _ = _grid(t, 100 * (values / _stage_step_medians(stage, t["step"].to_numpy(), values) - 1), bins)
+        lim = max(5.0, float(np.nanmax(np.abs(rel))) if np.isfinite(rel).any() else 5.0)
+        im = ax_rel.imshow(rel, aspect="auto", origin="lower", interpolation="nearest", cmap="RdBu_r", vmin=-lim,
+                           vmax=lim, extent=extent)
+        fig.colorbar(im, ax=ax_rel, label="% vs the stage's median at the step, max per cell")
+        if 1 < len(stage_first) <= 64:
+            for r in stage_first[1:]:
+                ax.axhline(r, color="white", lw=0.4, alpha=0.6)
+        binned = f" ({grid.shape[0]} × {grid.shape[1]} cells)" if grid.shape != (len(ranks), len(steps)) else ""
+        ax.set(xlabel="step", ylabel="rank", title=f"{title}: {what}, {len(ranks)} ranks × {len(steps)} steps{binned}")
+        ax_rel.set(xlabel="step", title=f"{what} against its pipeline stage")
+        mine = [o for o in outliers if o["what"] == what]
+        for o in mine:
+            ax.annotate("", xy=(steps[0] - 0.5, o["rank"] + 0.5), xytext=(-14, 0), textcoords="offset points",
+                        arrowprops={"arrowstyle": "->", "color": "red"}, annotation_clip=False)
+        listed = "\n".join(f"rank {o['rank']} (pp={o['pp']}): {o['why']}" for o in mine[:20])
+        more = f"\n… and {len(mine) - 20} more" if len(mine) > 20 else ""
+        fig.text(0.01, 0.01, (f"outliers ({what} robust z > {OUTLIER_Z:g} within the stage, "
+                              f"> {OUTLIER_MIN_REL:.0%} off its median; red arrows):\n" + listed + more)
+                 if mine else f"no {what} outlier (robust z > {OUTLIER_Z:g} within a stage)", fontsize=7, va="bottom")
+        fig.tight_layout(rect=(0, 0.04 + 0.018 * min(len(mine), 21), 1, 1))
+        fig.savefig(out / fname, dpi=120)
+        plt.close(fig)
+        paths.append(out / fname)
+    return paths
+
