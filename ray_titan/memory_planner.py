@@ -103,7 +103,7 @@ __all__ = [
     "format_bytes",
     "memory_plan",
     "parse_bytes",
-    "record_memory_plan",
+    "write_memory_plan",
 ]
 
 PLAN_FILE = "memory_plan.json"
@@ -859,21 +859,12 @@ def memory_plan(
     return plan
 
 
-def record_memory_plan(cfg: JobConfig, run_dir: Path | str) -> dict[str, Any] | None:
-    """Plan the job's memory (``ray_titan.memory_planner``, on the device kind the workers use, with
-    no capacity: the driver may not see the workers' devices), write it to
-    ``<run_dir>/memory_plan.json`` and print each rank group's predicted peak. Returns the plan as
-    a dict; None, with a warning, where it cannot be made (it never stops a run)."""
-    import sys
-
-    from ray_titan import storage
+def write_memory_plan(plan: MemoryPlan, run_dir: Path | str) -> dict[str, Any]:
+    """Write a run's ``plan`` to ``<run_dir>/memory_plan.json`` (``run_dir`` a local path or a URI)
+    and print each rank group's predicted peak; returns the plan as a dict. The plan is made before
+    anything starts (:func:`ray_titan.prepare.prepare_job`)."""
     from ray_titan.run_dir import under
 
-    try:
-        plan = memory_plan(cfg, device="cuda" if cfg.ray.use_gpu else "cpu", levers=False)
-    except Exception as e:  # the plan informs; a job the pre-flight checks passed still runs
-        print(f"ray_titan: warning: no memory plan: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return None
     data = plan.to_dict()
     storage.write_text(under(run_dir, PLAN_FILE), json.dumps(data, indent=1))
     peaks = ", ".join(f"ranks {_rank_list(ranks)} {format_bytes(r.peak)}" for ranks, r in _groups(plan.ranks))
