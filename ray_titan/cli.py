@@ -28,6 +28,7 @@ import argparse
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -38,15 +39,23 @@ _OVERRIDES = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ray_titan.config.docs import REGENERATE, settings_help
-    from ray_titan.driver.progress import MODES
-
+    """``ray-titan``'s parser: one sub-command per job (``train``, ``config``, ``export``, ``memory``,
+    ``dry-run``, ``report``), each with its own ``--help``."""
     ap = argparse.ArgumentParser(
         prog="ray-titan", description="Distributed LLM training on Ray: pipeline parallel × FSDP2, "
         "with the last stage's loss and every rank's memory at every step.",
         epilog="Run 'ray-titan COMMAND --help' for a command's options.",
     )
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_train_parser, _config_parser, _export_parser, _memory_parser, _dry_run_parser, _report_parser):
+        add(sub)
+    return ap
+
+
+def _train_parser(sub: Any) -> None:
+    from ray_titan.config.docs import settings_help
+    from ray_titan.driver.progress import MODES
+
     tr = sub.add_parser(
         "train",
         help="run a training job (on RAY_ADDRESS's cluster, or a local one it starts)",
@@ -63,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="progress display: a bar with ETA, loss, tokens/s and max memory over ranks "
                     "(bar), one line per log step (lines), or bar on a terminal and lines otherwise, "
                     "as under ray job submit (auto, the default)")
+
+
+def _config_parser(sub: Any) -> None:
+    from ray_titan.config.docs import REGENERATE
 
     cf = sub.add_parser("config", help="show a resolved config, or print the configuration reference",
                         description="Inspect job configs.")
@@ -84,6 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     docs.add_argument("--output", metavar="PATH", help="write to this file instead of stdout")
 
+
+def _export_parser(sub: Any) -> None:
     ex = sub.add_parser(
         "export",
         help="write a checkpoint as a Hugging Face model directory (config.json, safetensors, tokenizer)",
@@ -105,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--storage-timeout", type=float, default=30.0, metavar="SECONDS",
                     help="seconds a remote OUT_DIR may take to accept a probe file before the export is "
                     "refused (default 30, as job.storage_timeout_s)")
+
+
+def _memory_parser(sub: Any) -> None:
     mem = sub.add_parser("memory", help="plan a job's memory before running it",
                          description="Memory tools. 'memory plan' predicts every rank's memory.")
     msub = mem.add_subparsers(dest="memory_command", required=True, metavar="SUBCOMMAND")
@@ -132,6 +150,8 @@ def _parser() -> argparse.ArgumentParser:
                       "and fragmentation (default 0.08 on cuda, 0 on cpu)")
     plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
 
+
+def _dry_run_parser(sub: Any) -> None:
     dr = sub.add_parser(
         "dry-run", help="train ranks of the job for a few steps on a simulated CUDA device, no GPU needed",
         description="Build and train ranks of the job for a few steps on a simulated CUDA device (fake "
@@ -147,6 +167,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="all: one rank per distinct role instead (the first and the last rank of every pipeline rank)")
     dr.add_argument("--steps", type=int, default=2, metavar="N", help="training steps per rank (default 2)")
 
+
+def _report_parser(sub: Any) -> None:
     rp = sub.add_parser(
         "report",
         help="plot a run's loss and memory and print a summary per rank",
@@ -154,7 +176,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("run_dir", help="a run directory (<dump_folder>/<name>-<timestamp>)")
     rp.add_argument("--out", help="where to write the PNG files (default: RUN_DIR/report)")
-    return ap
 
 
 def _train(args, overrides: list[str]) -> int:

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from ray_titan.checkpoint import LocalCheckpointStorage, find_latest
 from ray_titan.checkpoint.huggingface import save_last_hf
 from ray_titan.config.schema import JobConfig, load_config
-from ray_titan.memory_planner import record_memory_plan
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.leak import leak_settings
 from ray_titan.metrics.outcome import RunOutcome
@@ -60,8 +59,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(args.config, overrides)
     world = int(os.environ.get("WORLD_SIZE", 1))
     _check_launch(cfg, world)
-    # On every rank, so a bad config stops them all before the process group; rank 0 warns.
-    cfg = prepare_job(cfg, warn=int(os.environ.get("RANK", 0)) == 0)
+    # On every rank, so a bad config stops them all before the process group; rank 0 warns and plans.
+    lead = int(os.environ.get("RANK", 0)) == 0
+    job = prepare_job(cfg, warn=lead, plan=lead)
+    cfg = job.config
     device = local_cuda_device()
     if world > 1:
         dist.init_process_group(process_group_backend(device.type == "cuda", cfg.memory.cpu_offload))
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = Path(holder[0])
     dims = parallel_dims(cfg)
     if rank == 0:
-        record_memory_plan(cfg, run_dir)
+        job.record_plan(run_dir)
 
     def new_collector() -> MetricsCollector:
         return MetricsCollector(

@@ -85,10 +85,15 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_titan import storage
 from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides
+
+if TYPE_CHECKING:
+    from ray_titan.models.registry import ModelSpec
+    from ray_titan.parallel.dims import ParallelDims
+    from ray_titan.parallel.schedules import Schedule
 
 __all__ = [
     "PLAN_FILE",
@@ -98,7 +103,7 @@ __all__ = [
     "format_bytes",
     "memory_plan",
     "parse_bytes",
-    "record_memory_plan",
+    "write_memory_plan",
 ]
 
 PLAN_FILE = "memory_plan.json"
@@ -447,162 +452,231 @@ def _meta_model(name: str, flavor: str, vocab: int, extra: tuple[tuple[str, Any]
         return build_model(name, flavor, vocab_size=vocab, **dict(extra))
 
 
-def _plan_ranks(cfg: JobConfig, device: str, rho: float,
-                vocab_size: int | None) -> tuple[dict[str, Any], list[RankPlan]]:
+@dataclass(frozen=True)
+class _Job:
+    """What every rank's plan reads: the config, the mesh, the model on the meta device, the
+    element sizes (bytes) and the microbatch (:func:`_job`)."""
+
+    cfg: JobConfig
+    device: str
+    rho: float  # routing imbalance (MoE under expert parallel)
+    dims: ParallelDims
+    spec: ModelSpec
+    args: Any  # the built model's arguments
+    whole: Any  # the whole model on the meta device
+    vocab: int
+    bf16: bool
+    e: int  # bytes of an activation element
+    r: int  # bytes of a stage output element (the residual stream)
+    mb: int  # sequences per microbatch
+    tokens: int  # tokens per microbatch
+    rule: Schedule | None  # the pipeline schedule's properties; None without one
+    split: list[list[int]]  # each stage's layers
+    reshard: bool  # FSDP's reshard_after_forward, resolved
+    k_opt: int  # fp32 optimizer states per parameter element
+    offload: bool  # CPU offload frees device memory
+
+    @property
+    def tp(self) -> int:
+        return getattr(self.dims, "tp", 1)
+
+
+def _job(cfg: JobConfig, device: str, rho: float, vocab_size: int | None) -> _Job:
+    """The job as the plan reads it; builds the model on the meta device (cached). Raises
+    :class:`ConfigError` for a pipeline schedule without an in-flight rule."""
     from ray_titan.models.registry import get_model_args, get_spec
     from ray_titan.parallel.dims import parallel_dims
     from ray_titan.parallel.fsdp import resolve_mixed_precision, resolve_reshard_after_forward
     from ray_titan.parallel.pipeline import split_layers
-    from ray_titan.parallel.schedules import SCHEDULES, InFlight, local_stages
+    from ray_titan.parallel.schedules import SCHEDULES
 
     dims = parallel_dims(cfg)
     par, tr = cfg.parallelism, cfg.training
-    pp, v, n = dims.pp, dims.stages_per_rank, par.microbatches
-    tp = getattr(dims, "tp", 1)
     dp_total = dims.dp_shard * getattr(dims, "dp_replicate", 1)
     spec = get_spec(cfg.model.name)
     args = get_model_args(cfg.model.name, cfg.model.flavor)
     vocab = vocab_size or _vocab_size(cfg, args)
     whole = _meta_model(cfg.model.name, cfg.model.flavor, vocab, tuple(sorted(spec.config_args(cfg.model).items())))
-    args = whole.args
     # training.mixed_precision: bf16 activations; under FSDP2 the parameters are gathered in bf16
     # (pe = 2 bytes), without it autocast keeps a bf16 copy of the stage's weights (autocast_copy).
     bf16 = resolve_mixed_precision(tr.mixed_precision, device) == "bf16"
-    e = 2 if bf16 else _F32
-    r = 2 if bf16 and dims.fsdp else _F32  # a stage's output (the residual stream): fp32 under autocast
-    mb = tr.global_batch_size // dp_total // n
-    tokens = mb * tr.seq_len  # per microbatch
+    mb = tr.global_batch_size // dp_total // par.microbatches
     rule = SCHEDULES.get(par.pipeline_schedule)
-    if pp > 1 and rule is None:
+    if dims.pp > 1 and rule is None:
         raise ConfigError(f"parallelism.pipeline_schedule = {par.pipeline_schedule!r} has no in-flight rule; "
                           f"known: {sorted(SCHEDULES)}")
-    split = split_layers(args.n_layers, dims.num_stages)
-    reshard = resolve_reshard_after_forward(par.fsdp_reshard_after_forward, pp > 1)
-    k_opt = _optimizer_states(cfg)
-    offload = cfg.memory.cpu_offload and device != "cpu"
-    job = {
-        "model": cfg.model.name, "flavor": cfg.model.flavor, "vocab_size": vocab,
+    return _Job(
+        cfg=cfg, device=device, rho=rho, dims=dims, spec=spec, args=whole.args, whole=whole, vocab=vocab,
+        bf16=bf16, e=2 if bf16 else _F32,
+        r=2 if bf16 and dims.fsdp else _F32,  # a stage's output: fp32 under autocast
+        mb=mb, tokens=mb * tr.seq_len, rule=rule, split=split_layers(whole.args.n_layers, dims.num_stages),
+        reshard=resolve_reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp > 1),
+        k_opt=_optimizer_states(cfg), offload=cfg.memory.cpu_offload and device != "cpu",
+    )
+
+
+def _job_summary(j: _Job) -> dict[str, Any]:
+    """The plan's ``job``: what was planned (model, mesh, schedule, batch, AC, dtype, device)."""
+    cfg, dims, pp = j.cfg, j.dims, j.dims.pp
+    ac = cfg.activation_checkpoint
+    return {
+        "model": cfg.model.name, "flavor": cfg.model.flavor, "vocab_size": j.vocab,
         "mesh": " × ".join(f"{a}={getattr(dims, a)}" for a in ("pp", "dp_shard", "tp", "ep")
                            if getattr(dims, a, 1) > 1 or a in ("pp", "dp_shard")),
-        "world_size": dims.world_size, "schedule": par.pipeline_schedule if pp > 1 else "none (pp = 1)",
-        "stages_per_rank": v, "microbatches": n, "microbatch_size": mb, "seq_len": tr.seq_len,
-        "ac": cfg.activation_checkpoint.mode + (f"/{cfg.activation_checkpoint.selective_option}"
-                                                if cfg.activation_checkpoint.mode == "selective" else ""),
-        "dtype": ("fp32" if not bf16 else "bf16 (FSDP2 mixed precision: bf16 params, fp32 reduce and master weights)"
+        "world_size": dims.world_size, "schedule": cfg.parallelism.pipeline_schedule if pp > 1 else "none (pp = 1)",
+        "stages_per_rank": dims.stages_per_rank, "microbatches": cfg.parallelism.microbatches,
+        "microbatch_size": j.mb, "seq_len": cfg.training.seq_len,
+        "ac": ac.mode + (f"/{ac.selective_option}" if ac.mode == "selective" else ""),
+        "dtype": ("fp32" if not j.bf16 else "bf16 (FSDP2 mixed precision: bf16 params, fp32 reduce and master weights)"
                   if dims.fsdp else "bf16 (autocast, fp32 weights)"),
         "optimizer": cfg.optimizer.name,
-        "device": device, "moe": hasattr(args, "n_routed_experts"), "routing_imbalance": rho,
-        "reshard_after_forward": reshard, "cpu_offload": cfg.memory.cpu_offload,
+        "device": j.device, "moe": hasattr(j.args, "n_routed_experts"), "routing_imbalance": j.rho,
+        "reshard_after_forward": j.reshard, "cpu_offload": cfg.memory.cpu_offload,
     }
-    placement = rule.placement if (pp > 1 and rule is not None) else "loop"
-    plans: dict[int, RankPlan] = {}
-    batch_bytes = 2 * _I64 * mb * n * tr.seq_len  # inputs and labels of the step
-    for pp_rank in range(pp):
-        stage_ids = local_stages(placement, pp, v, pp_rank) if pp > 1 else [0]
-        if pp > 1 and rule is not None:
-            flight = rule.in_flight(pp, v, n, pp_rank)
+
+
+def _plan_ranks(cfg: JobConfig, device: str, rho: float,
+                vocab_size: int | None) -> tuple[dict[str, Any], list[RankPlan]]:
+    """What was planned, and every rank's plan in rank order: the ranks of one pipeline rank
+    share their figures (:func:`_pp_rank_plans`)."""
+    j = _job(cfg, device, rho, vocab_size)
+    plans = {p.rank: p for pp_rank in range(j.dims.pp) for p in _pp_rank_plans(j, pp_rank)}
+    return _job_summary(j), [plans[r] for r in sorted(plans)]
+
+
+@dataclass
+class _StageActivations:
+    """One stage's activations of one microbatch, bytes: what it keeps for backward (``kept``),
+    the MoE experts' share of it, the transient above it while backward runs, and its pipeline
+    receive buffers over the step's microbatches."""
+
+    kept: float
+    experts: float
+    transient: float
+    pipe: float
+
+
+def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageActivations:
+    """Stage ``s``'s activations (module docstring); adds its per-token bytes under each AC mode
+    to ``act_modes``."""
+    cfg, args, e, r, pp, tr = j.cfg, j.args, j.e, j.r, j.dims.pp, j.cfg.training
+    first, last = s == 0, s == j.dims.num_stages - 1
+    # Per token of one microbatch: what it keeps, and the most it holds while backward runs (from
+    # the last block back: the blocks not yet done, the block being recomputed, the block's
+    # backward temporaries).
+    kept_so_far, backward_peak, moe_part = 0.0, 0.0, 0.0
+    for i, layer in enumerate(j.split[s]):
+        blk = j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep)
+        how = _checkpointed(cfg, layer)
+        kept = blk.kept(how)
+        if i == 0 and not first:
+            kept -= r * args.dim  # its input is the pipeline's receive buffer
+        kept_so_far += kept
+        backward_peak = max(backward_peak, kept_so_far + blk.recompute(how) + blk.backward)
+        moe_part += blk.experts(how)
+        lay = layer % cfg.activation_checkpoint.layer_freq == 0
+        act_modes["none"] += blk.none
+        act_modes["full"] += blk.input
+        act_modes["selective_op"] += blk.op
+        act_modes["selective_layer"] += blk.input if lay else blk.none
+    head = 0.0
+    if last:  # final norm, output head's input, the loss's log-softmax
+        head = _F32 * (2 * args.dim + 1) + e * args.dim + _F32 * j.vocab
+        if pp > 1:
+            head += e * j.vocab  # the stage output (logits) waits for its backward
+        # The loss's backward: the gradient of the log-softmax and of the logits.
+        backward_peak = max(backward_peak, kept_so_far + head + (_F32 + e) * j.vocab)
+    elif pp > 1:
+        head = r * args.dim  # the stage's output waits for its backward
+    for key in act_modes:
+        act_modes[key] += head
+    per_token = kept_so_far + head + (_I64 if first else 0)
+    n = cfg.parallelism.microbatches
+    return _StageActivations(
+        kept=per_token * j.tokens / j.tp, experts=moe_part * j.tokens / j.tp,
+        transient=max(0.0, backward_peak - per_token) * j.tokens / j.tp,
+        pipe=r * args.dim * j.tokens * n * ((0 if first else 1) + (0 if last else 1)) if pp > 1 else 0.0)
+
+
+def _model_states(j: _Job, params: dict[int, _StageParams]) -> tuple[int, int, int, float, float]:
+    """One rank's model states and FSDP's buffers, bytes: parameters, optimizer state, gradients
+    after the reduce-scatter, the gathered parameters and the gradients while backward runs."""
+    dims, n = j.dims, j.cfg.parallelism.microbatches
+    local = sum(p.local for p in params.values())
+    full = sum(p.full for p in params.values())
+    param_b = _F32 * local
+    opt_b = _F32 * j.k_opt * local
+    grads_after = _F32 * local
+    gathered: float
+    grads_during: float
+    pe = j.e  # bytes of a gathered parameter: bf16 under FSDP2's MixedPrecisionPolicy
+    if dims.dp_shard > 1:
+        biggest = max((g.full for p in params.values() for g in [*p.blocks.values(), *p.experts.values()]),
+                      default=0)
+        if dims.pp > 1 or not j.reshard:
+            gathered = pe * full
         else:
-            flight = InFlight((1,), (1 if n > 1 else 0,))
-        params: dict[int, _StageParams] = {}
-        act: dict[int, float] = {}
-        act_modes = dict.fromkeys(("none", "full", "selective_op", "selective_layer"), 0.0)
-        expert_act: dict[int, float] = {}
-        stage_transient: dict[int, float] = {}
-        pipe = 0.0
-        for s in stage_ids:
-            first, last = s == 0, s == dims.num_stages - 1
-            params[s] = _stage_params(whole, split[s], first, last, dims.dp_shard, dims.ep, tp)
-            # Per token of one microbatch: what it keeps, and the most it holds while backward
-            # runs (from the last block back: the blocks not yet done, the block being
-            # recomputed, the block's backward temporaries).
-            kept_so_far, backward_peak, moe_part = 0.0, 0.0, 0.0
-            for i, layer in enumerate(split[s]):
-                blk = spec.block_activations(args, layer, e, tr.seq_len, device, rho, dims.ep)
-                how = _checkpointed(cfg, layer)
-                kept = blk.kept(how)
-                if i == 0 and not first:
-                    kept -= r * args.dim  # its input is the pipeline's receive buffer
-                kept_so_far += kept
-                backward_peak = max(backward_peak, kept_so_far + blk.recompute(how) + blk.backward)
-                moe_part += blk.experts(how)
-                lay = layer % cfg.activation_checkpoint.layer_freq == 0
-                act_modes["none"] += blk.none
-                act_modes["full"] += blk.input
-                act_modes["selective_op"] += blk.op
-                act_modes["selective_layer"] += blk.input if lay else blk.none
-            head = 0.0
-            if last:  # final norm, output head's input, the loss's log-softmax
-                head = _F32 * (2 * args.dim + 1) + e * args.dim + _F32 * vocab
-                if pp > 1:
-                    head += e * vocab  # the stage output (logits) waits for its backward
-                # The loss's backward: the gradient of the log-softmax and of the logits.
-                backward_peak = max(backward_peak, kept_so_far + head + (_F32 + e) * vocab)
-            elif pp > 1:
-                head = r * args.dim  # the stage's output waits for its backward
-            for key in act_modes:
-                act_modes[key] += head
-            per_token = kept_so_far + head + (_I64 if first else 0)
-            act[s] = per_token * tokens / tp
-            expert_act[s] = moe_part * tokens / tp
-            stage_transient[s] = max(0.0, backward_peak - per_token) * tokens / tp
-            if pp > 1:
-                pipe += r * args.dim * tokens * n * ((0 if first else 1) + (0 if last else 1))
-        # Model states and FSDP.
-        local = sum(p.local for p in params.values())
-        full = sum(p.full for p in params.values())
-        sharded = dims.dp_shard > 1
-        param_b = _F32 * local
-        opt_b = _F32 * k_opt * local
-        grads_after = _F32 * local
-        gathered: float
-        grads_during: float
-        pe = e  # bytes of a gathered parameter: bf16 under FSDP2's MixedPrecisionPolicy
-        if sharded:
-            biggest = max((g.full for p in params.values() for g in [*p.blocks.values(), *p.experts.values()]),
-                          default=0)
-            if pp > 1 or not reshard:
-                gathered = pe * full
-            else:
-                gathered = pe * (sum(p.root.full for p in params.values()) + 2 * biggest)
-            # Accumulated unsharded gradients are kept in the reduce dtype (fp32); one microbatch:
-            # a block's gradient in the parameter dtype and its fp32 copy for the reduce-scatter.
-            grads_during = _F32 * full if n > 1 else _F32 * local + (pe + _F32) * biggest
-        else:
-            # Autocast's cache: a bf16 copy of every weight, alive until the step's region ends.
-            gathered, grads_during = (2.0 * local if bf16 and not dims.fsdp else 0.0), float(grads_after)
-        buffers = sum(p.buffers for p in params.values()) + batch_bytes
-        a_peak = sum(c * act[s] for c, s in zip(flight.peak, stage_ids))
-        a_grads = sum(c * act[s] for c, s in zip(flight.with_grads, stage_ids))
-        transient = max(stage_transient.values())
-        resident = 0.0 if offload else param_b + opt_b
-        base = resident + gathered + pipe + buffers
-        before_grads = base + a_peak + transient
-        with_grads = base + grads_during + a_grads + transient
-        fwd_bwd = max(before_grads, with_grads)
-        optim = (0.0 if offload else param_b + grads_after + opt_b) + pipe + buffers
-        peak, phase = (fwd_bwd, "forward_backward") if fwd_bwd >= optim else (optim, "optimizer")
-        peak_grads = grads_during if with_grads >= before_grads else 0.0
-        act_mb = {s: int(act[s]) for s in stage_ids}
-        in_flight = {s: c for c, s in zip(flight.peak, stage_ids)}
-        by_mode = {k: int(x * tokens / tp) for k, x in act_modes.items()}
-        per_pp = dims.world_size // pp  # pp is the mesh's outermost axis: a pp rank's ranks are one block
-        for rank in range(pp_rank * per_pp, (pp_rank + 1) * per_pp):
-            coords = dims.coords(rank)
-            plans[rank] = RankPlan(
-                rank=rank, coords=coords, stages=stage_ids, parameters=int(0 if offload else param_b),
-                gradients=int(0 if offload else grads_after),
-                optimizer_state={cfg.optimizer.name: int(0 if offload else opt_b)},
-                fsdp_unsharded_params=int(gathered), fsdp_unsharded_grads=int(grads_during if sharded else 0),
-                activations_per_microbatch=dict(act_mb), in_flight=dict(in_flight),
-                activations=int(a_peak if before_grads >= with_grads else a_grads),
-                activations_by_ac_mode=dict(by_mode),
-                expert_buffers=int(sum(c * expert_act[s] for c, s in zip(flight.peak, stage_ids))),
-                pipeline_buffers=int(pipe), buffers=int(buffers), transient=int(transient),
-                peak=int(peak), peak_phase=phase,
-                offloaded=int(param_b + grads_after + opt_b) if offload else 0,
-                peak_grads=int(peak_grads if phase == "forward_backward" else grads_after),
-            )
-    return job, [plans[r] for r in sorted(plans)]
+            gathered = pe * (sum(p.root.full for p in params.values()) + 2 * biggest)
+        # Accumulated unsharded gradients are kept in the reduce dtype (fp32); one microbatch:
+        # a block's gradient in the parameter dtype and its fp32 copy for the reduce-scatter.
+        grads_during = _F32 * full if n > 1 else _F32 * local + (pe + _F32) * biggest
+    else:
+        # Autocast's cache: a bf16 copy of every weight, alive until the step's region ends.
+        gathered, grads_during = (2.0 * local if j.bf16 and not dims.fsdp else 0.0), float(grads_after)
+    return param_b, opt_b, grads_after, gathered, grads_during
+
+
+def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
+    """The plans of the ranks at pipeline rank ``pp_rank``: their stages' parameters and
+    activations times the microbatches in flight, and the peak of the forward/backward and the
+    optimizer phases."""
+    from ray_titan.parallel.schedules import InFlight, local_stages
+
+    cfg, dims, tr = j.cfg, j.dims, j.cfg.training
+    pp, v, n = dims.pp, dims.stages_per_rank, cfg.parallelism.microbatches
+    stage_ids = local_stages(j.rule.placement, pp, v, pp_rank) if pp > 1 and j.rule is not None else [0]
+    flight = j.rule.in_flight(pp, v, n, pp_rank) if pp > 1 and j.rule is not None else \
+        InFlight((1,), (1 if n > 1 else 0,))
+    params = {s: _stage_params(j.whole, j.split[s], s == 0, s == dims.num_stages - 1, dims.dp_shard, dims.ep, j.tp)
+              for s in stage_ids}
+    act_modes = dict.fromkeys(("none", "full", "selective_op", "selective_layer"), 0.0)
+    acts = {s: _stage_activations(j, s, act_modes) for s in stage_ids}
+    pipe = sum(a.pipe for a in acts.values())
+    param_b, opt_b, grads_after, gathered, grads_during = _model_states(j, params)
+    batch_bytes = 2 * _I64 * j.mb * n * tr.seq_len  # inputs and labels of the step
+    buffers = sum(p.buffers for p in params.values()) + batch_bytes
+    a_peak = sum(c * acts[s].kept for c, s in zip(flight.peak, stage_ids))
+    a_grads = sum(c * acts[s].kept for c, s in zip(flight.with_grads, stage_ids))
+    transient = max(a.transient for a in acts.values())
+    resident = 0.0 if j.offload else param_b + opt_b
+    base = resident + gathered + pipe + buffers
+    before_grads = base + a_peak + transient
+    with_grads = base + grads_during + a_grads + transient
+    fwd_bwd = max(before_grads, with_grads)
+    optim = (0.0 if j.offload else param_b + grads_after + opt_b) + pipe + buffers
+    peak, phase = (fwd_bwd, "forward_backward") if fwd_bwd >= optim else (optim, "optimizer")
+    peak_grads = grads_during if with_grads >= before_grads else 0.0
+    off, plans = j.offload, []
+    act_mb = {s: int(acts[s].kept) for s in stage_ids}
+    in_flight = {s: c for c, s in zip(flight.peak, stage_ids)}
+    by_mode = {k: int(x * j.tokens / j.tp) for k, x in act_modes.items()}
+    per_pp = dims.world_size // dims.pp  # pp is the mesh's outermost axis: a pp rank's ranks are one block
+    for rank in range(pp_rank * per_pp, (pp_rank + 1) * per_pp):
+        plans.append(RankPlan(
+            rank=rank, coords=dims.coords(rank), stages=stage_ids, parameters=int(0 if off else param_b),
+            gradients=int(0 if off else grads_after),
+            optimizer_state={cfg.optimizer.name: int(0 if off else opt_b)},
+            fsdp_unsharded_params=int(gathered), fsdp_unsharded_grads=int(grads_during if dims.dp_shard > 1 else 0),
+            activations_per_microbatch=dict(act_mb), in_flight=dict(in_flight),
+            activations=int(a_peak if before_grads >= with_grads else a_grads),
+            activations_by_ac_mode=dict(by_mode),
+            expert_buffers=int(sum(c * acts[s].experts for c, s in zip(flight.peak, stage_ids))),
+            pipeline_buffers=int(pipe), buffers=int(buffers), transient=int(transient),
+            peak=int(peak), peak_phase=phase,
+            offloaded=int(param_b + grads_after + opt_b) if off else 0,
+            peak_grads=int(peak_grads if phase == "forward_backward" else grads_after),
+        ))
+    return plans
 
 
 def _detect_device_memory() -> tuple[int | None, str]:
@@ -785,21 +859,12 @@ def memory_plan(
     return plan
 
 
-def record_memory_plan(cfg: JobConfig, run_dir: Path | str) -> dict[str, Any] | None:
-    """Plan the job's memory (``ray_titan.memory_planner``, on the device kind the workers use, with
-    no capacity: the driver may not see the workers' devices), write it to
-    ``<run_dir>/memory_plan.json`` and print each rank group's predicted peak. Returns the plan as
-    a dict; None, with a warning, where it cannot be made (it never stops a run)."""
-    import sys
-
-    from ray_titan import storage
+def write_memory_plan(plan: MemoryPlan, run_dir: Path | str) -> dict[str, Any]:
+    """Write a run's ``plan`` to ``<run_dir>/memory_plan.json`` (``run_dir`` a local path or a URI)
+    and print each rank group's predicted peak; returns the plan as a dict. The plan is made before
+    anything starts (:func:`ray_titan.prepare.prepare_job`)."""
     from ray_titan.run_dir import under
 
-    try:
-        plan = memory_plan(cfg, device="cuda" if cfg.ray.use_gpu else "cpu", levers=False)
-    except Exception as e:  # the plan informs; a job the pre-flight checks passed still runs
-        print(f"ray_titan: warning: no memory plan: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return None
     data = plan.to_dict()
     storage.write_text(under(run_dir, PLAN_FILE), json.dumps(data, indent=1))
     peaks = ", ".join(f"ranks {_rank_list(ranks)} {format_bytes(r.peak)}" for ranks, r in _groups(plan.ranks))

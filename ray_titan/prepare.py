@@ -3,23 +3,26 @@
 
 :func:`prepare_job` loads the config (a TOML path or a :class:`JobConfig`, plus dotted overrides),
 rewrites it in one order (an in-memory dataset makes ``data.source = "ray_data"``; every path made
-absolute; a Hugging Face checkpoint's model settings taken from it), prints the warnings, and runs
-the pre-flight checks, so that a job both launchers accept is the same job. The memory plan is made
-from the prepared config once the run directory exists
-(:func:`ray_titan.memory_planner.record_memory_plan`, called by both).
+absolute; a Hugging Face checkpoint's model settings taken from it), prints the warnings, runs
+the pre-flight checks and makes the memory plan (:mod:`ray_titan.memory_planner`), so that a job
+both launchers accept is the same job with the same plan: resolve → validate → plan. The
+:class:`PreparedJob` writes its plan once the run directory exists (:meth:`PreparedJob.record_plan`).
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ray_titan.checkpoint.huggingface import resolve_hf_job
 from ray_titan.config.schema import JobConfig, apply_overrides, load_config
+from ray_titan.memory_planner import MemoryPlan, memory_plan, write_memory_plan
 from ray_titan.preflight import job_warnings, validate_job
 from ray_titan.run_dir import resolve_paths
 
-__all__ = ["prepare_job", "resolve_job"]
+__all__ = ["PreparedJob", "prepare_job", "resolve_job"]
 
 
 def resolve_job(config: JobConfig | str | Path | None, overrides: list[str] | None = None, *,
@@ -48,15 +51,43 @@ def resolve_job(config: JobConfig | str | Path | None, overrides: list[str] | No
     return cfg, warnings + job_warnings(cfg)
 
 
+@dataclass(frozen=True)
+class PreparedJob:
+    """A job ready to run: its ``config`` (resolved and checked) and its ``memory_plan`` (every
+    rank's predicted memory, on the device kind the workers use, with no capacity: the driver may
+    not see the workers' devices); None where the plan could not be made (``no_plan`` says why: the
+    plan informs, it never stops a run) or was not asked for."""
+
+    config: JobConfig
+    memory_plan: MemoryPlan | None = None
+    no_plan: str = ""
+
+    def record_plan(self, run_dir: Path | str) -> dict[str, Any] | None:
+        """Write the plan to ``<run_dir>/memory_plan.json`` and print each rank group's predicted
+        peak (:func:`ray_titan.memory_planner.write_memory_plan`); returns it as a dict, or None
+        with a warning on stderr where there is none."""
+        if self.memory_plan is None:
+            print(f"ray_titan: warning: no memory plan: {self.no_plan}", file=sys.stderr, flush=True)
+            return None
+        return write_memory_plan(self.memory_plan, run_dir)
+
+
 def prepare_job(config: JobConfig | str | Path | None, overrides: list[str] | None = None, *,
-                dataset: bool = False, warn: bool = True) -> JobConfig:
+                dataset: bool = False, warn: bool = True, plan: bool = True) -> PreparedJob:
     """The job to run: :func:`resolve_job`'s config, its warnings printed on stderr
-    (``ray_titan: warning: ...``; ``warn=False``: not printed, for all but one rank of a launch), and
+    (``ray_titan: warning: ...``; ``warn=False``: not printed, for all but one rank of a launch),
     the pre-flight checks passed (:func:`ray_titan.preflight.validate_job`, which also materialises
-    the built-in corpus once, before any worker reads it). Raises
+    the built-in corpus once, before any worker reads it), and its memory plan
+    (``plan=False``: none, for all but one rank of a launch). Raises
     :class:`~ray_titan.config.ConfigError` naming the setting, its value and what is valid, before
     anything starts."""
     cfg, warnings = resolve_job(config, overrides, dataset=dataset)
     for warning in warnings if warn else []:
         print(f"ray_titan: warning: {warning}", file=sys.stderr, flush=True)
-    return validate_job(cfg, has_dataset=dataset)
+    cfg = validate_job(cfg, has_dataset=dataset)
+    if not plan:
+        return PreparedJob(cfg)
+    try:
+        return PreparedJob(cfg, memory_plan(cfg, device="cuda" if cfg.ray.use_gpu else "cpu", levers=False))
+    except Exception as e:  # the plan informs; a job the pre-flight checks passed still runs
+        return PreparedJob(cfg, no_plan=f"{type(e).__name__}: {e}")

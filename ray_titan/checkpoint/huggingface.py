@@ -668,10 +668,8 @@ def export_hf(checkpoint: str | Path, out_dir: str, dtype: str = "bf16",
 
 def _export_into(checkpoint: str | Path, out_dir: str, dtype: str, max_shard_bytes: int,
                  source_config: dict[str, Any] | None) -> ExportResult:
-    """:func:`export_hf`'s work, into the directory ``out_dir`` (its staging directory)."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save
-
+    """:func:`export_hf`'s work, into the directory ``out_dir`` (its staging directory): verify the
+    checkpoint, write the weights shard by shard, the side files, the index, then config.json."""
     if dtype not in _EXPORT_DTYPES:
         raise ValueError(f"dtype = {dtype!r}; valid: {sorted(_EXPORT_DTYPES)}")
     torch_dtype = _EXPORT_DTYPES[dtype]
@@ -680,44 +678,73 @@ def _export_into(checkpoint: str | Path, out_dir: str, dtype: str, max_shard_byt
     check_metadata(load_metadata(path), path, manifest["files"])
     spec = get_spec(manifest["model"]["name"])
     args = _args_of(manifest, spec, path)
-    want, sources = _expected_shapes(spec, args)
-    reader = SafeFileSystemReader(str(path))
-    saved = reader.read_metadata().state_dict_metadata
-    # Each Hugging Face tensor once (a tied head reads the embedding); from a saved entry.
-    items: list[tuple[str, Source, tuple[int, ...]]] = []
-    seen: set[str] = set()
-    for name, src in sources.items():
-        if (src.keys[0] in seen and src.cols is None) or f"model.{name}" not in saved:
-            continue
-        seen.update(src.keys)
-        items.append((name, src, tuple(saved[f"model.{name}"].size)))  # type: ignore[union-attr]
-    missing = sorted(k for k in want if k not in seen and not any(k in s.keys and s.optional for s in sources.values()))
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks the model tensors for {', '.join(missing[:3])}")
-    main = [it for it in items if it[1].file is None]
-    side = [it for it in items if it[1].file is not None]
+    reader = _CheckedReader(path, spec, args)
+    main = [it for it in reader.items if it[1].file is None]
+    side = [it for it in reader.items if it[1].file is not None]
     shards = _plan_shards(main, torch_dtype.itemsize, max_shard_bytes)
     storage.makedirs(out_dir)
-    weight_map: dict[str, str] = {}
-    written, total, count = [], 0, 0
+    weight_map, written, total, count = _write_shards(reader, shards, torch_dtype, out_dir)
+    written += _write_side_files(reader, side, out_dir)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    storage.write_text(storage.join(out_dir, INDEX), json.dumps(index, indent=2) + "\n")
+    notes: list[str] = []
+    config = _export_config(path, manifest, spec, args, source_config, torch_dtype, out_dir, notes)
+    storage.write_text(storage.join(out_dir, CONFIG), json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return ExportResult(out_dir, written, count, total, notes)
 
-    def load(group: list[tuple[str, Source, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-        sd = {f"model.{name}": torch.empty(shape, dtype=saved[f"model.{name}"].properties.dtype)  # type: ignore[union-attr]
+
+class _CheckedReader:
+    """The model tensors of checkpoint ``path`` to export: ``items``, each Hugging Face tensor once
+    (name, :class:`Source`, saved shape; a tied head reads the embedding), from a saved entry;
+    :meth:`load` reads a group of them, refusing non-finite weights as resume does. Raises
+    ``ValueError`` when the checkpoint lacks a tensor the family's Hugging Face model needs."""
+
+    def __init__(self, path: Path, spec: ModelSpec, args: Any):
+        self.path = path
+        want, self.sources = _expected_shapes(spec, args)
+        self.saved = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+        self.items: list[tuple[str, Source, tuple[int, ...]]] = []
+        seen: set[str] = set()
+        for name, src in self.sources.items():
+            if (src.keys[0] in seen and src.cols is None) or f"model.{name}" not in self.saved:
+                continue
+            seen.update(src.keys)
+            self.items.append((name, src, tuple(self.saved[f"model.{name}"].size)))  # type: ignore[union-attr]
+        missing = sorted(k for k in want if k not in seen
+                         and not any(k in s.keys and s.optional for s in self.sources.values()))
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks the model tensors for {', '.join(missing[:3])}")
+
+    def load(self, group: list[tuple[str, Source, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+        """The saved tensors of ``group``, keyed ``model.<name>``. Raises :class:`CheckpointError`
+        naming a tensor with NaN or infinite values."""
+        import torch.distributed.checkpoint as dcp
+
+        sd = {f"model.{name}": torch.empty(shape, dtype=self.saved[f"model.{name}"].properties.dtype)  # type: ignore[union-attr]
               for name, _, shape in group}
-        dcp.load(sd, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(sd, storage_reader=SafeFileSystemReader(str(self.path)), planner=SafeLoadPlanner(), no_dist=True)
         # As resume refuses them: a max-abs per tensor (NaN propagates; no tensor-sized temporary).
         names = [k for k, t in sd.items() if t.is_floating_point() and t.numel()]
         norms = torch._foreach_norm([sd[k] for k in names], float("inf")) if names else []
         for key, norm in zip(names, norms):
             if not math.isfinite(float(norm)):
-                hf_key = sources[key.removeprefix("model.")].keys[0]
-                raise CheckpointError(f"checkpoint {path} holds non-finite model weights: {key} (Hugging Face "
+                hf_key = self.sources[key.removeprefix("model.")].keys[0]
+                raise CheckpointError(f"checkpoint {self.path} holds non-finite model weights: {key} (Hugging Face "
                                       f"{hf_key}) has NaN or infinite values; export an earlier checkpoint")
         return sd
 
+
+def _write_shards(reader: _CheckedReader, shards: list[list[tuple[str, Source, tuple[int, ...]]]],
+                  torch_dtype: torch.dtype, out_dir: str) -> tuple[dict[str, str], list[str], int, int]:
+    """Write the weights as safetensors shards, one in memory at a time: the index's weight map,
+    the files written, their total bytes and their tensor count."""
+    from safetensors.torch import save
+
+    weight_map: dict[str, str] = {}
+    written, total, count = [], 0, 0
     for i, group in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        sd = load(group)
+        sd = reader.load(group)
         tensors: dict[str, torch.Tensor] = {}
         for n, src, _ in group:
             for key, t in _to_hf(src, sd.pop(f"model.{n}")):
@@ -729,29 +756,36 @@ def _export_into(checkpoint: str | Path, out_dir: str, dtype: str, max_shard_byt
         count += len(tensors)
         written.append(name)
         del tensors, data, sd
+    return weight_map, written, total, count
+
+
+def _write_side_files(reader: _CheckedReader, side: list[tuple[str, Source, tuple[int, ...]]],
+                      out_dir: str) -> list[str]:
+    """Write the tensors kept beside the weights (``Source.file``), fp32, one file each, skipping
+    a file whose tensors are all zeros; the files written."""
+    from safetensors.torch import save
+
+    written = []
     for file in sorted({it[1].file for it in side if it[1].file}):
         group = [it for it in side if it[1].file == file]
-        sd = load(group)
+        sd = reader.load(group)
         tensors = {key: t.float().contiguous().clone()
                    for n, src, _ in group for key, t in _to_hf(src, sd[f"model.{n}"])}
         if any(bool(t.any()) for t in tensors.values()):  # all zeros: nothing learned, nothing to keep
             storage.write_bytes(storage.join(out_dir, file), save(tensors, metadata={"format": "pt"}))
             written.append(file)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    storage.write_text(storage.join(out_dir, INDEX), json.dumps(index, indent=2) + "\n")
+    return written
+
+
+def _export_config(path: Path, manifest: dict[str, Any], spec: ModelSpec, args: Any,
+                   source_config: dict[str, Any] | None, torch_dtype: torch.dtype, out_dir: str,
+                   notes: list[str]) -> dict[str, Any]:
+    """The export's config.json: the imported one's fields (``source_config``, else the copy the
+    checkpoint keeps) under the model's own; copies the tokenizer files the checkpoint keeps into
+    ``out_dir``. What an older checkpoint lacks goes into ``notes``."""
     kept = {name.removeprefix(HF_DIR + "/") for name in manifest["files"] if name.startswith(HF_DIR + "/")}
-    notes = []
     if source_config is None and "config.json" in kept:
-        try:
-            source_config = json.loads(storage.read_text(path / HF_DIR / "config.json", storage.MAX_CONFIG_BYTES,
-                                                         "MAX_CONFIG_BYTES; a config.json is kilobytes"))
-        except storage.FileTooLargeError as e:
-            raise CheckpointError(f"checkpoint {path}: {e}") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"checkpoint {path}: {HF_DIR}/config.json is not valid JSON: {e}") from None
-        if not isinstance(source_config, dict):
-            raise CheckpointError(f"checkpoint {path}: {HF_DIR}/config.json holds a "
-                                  f"{type(source_config).__name__}, not a JSON object")
+        source_config = _kept_config(path)
     elif source_config is None and manifest.get("initial_load_hf"):
         notes.append(f"checkpoint {path} was saved before checkpoints kept the imported config.json: "
                      f"config.json has the model's own fields only (not those of {manifest['initial_load_hf']})")
@@ -765,8 +799,23 @@ def _export_into(checkpoint: str | Path, out_dir: str, dtype: str, max_shard_byt
         notes.append(f"checkpoint {path} was saved before checkpoints kept their tokenizer files: the export has "
                      f"no tokenizer files; copy those of data.tokenizer_path ({manifest.get('tokenizer_path')}) "
                      "beside it yourself")
-    storage.write_text(storage.join(out_dir, CONFIG), json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return ExportResult(out_dir, written, count, total, notes)
+    return config
+
+
+def _kept_config(path: Path) -> dict[str, Any]:
+    """The imported config.json checkpoint ``path`` keeps in its ``hf/``. Raises
+    :class:`CheckpointError` for one too large, not JSON, or not a JSON object."""
+    try:
+        config = json.loads(storage.read_text(path / HF_DIR / "config.json", storage.MAX_CONFIG_BYTES,
+                                              "MAX_CONFIG_BYTES; a config.json is kilobytes"))
+    except storage.FileTooLargeError as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {HF_DIR}/config.json is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"checkpoint {path}: {HF_DIR}/config.json holds a "
+                              f"{type(config).__name__}, not a JSON object")
+    return config
 
 
 def _copy_tokenizer(src_dir: Path, kept: set[str], out_dir: str, config: dict[str, Any]) -> dict[str, Any]:

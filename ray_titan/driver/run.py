@@ -1,9 +1,10 @@
 """The Ray driver's run, top to bottom (:func:`train`).
 
-:func:`train` prepares the job before anything starts (:func:`ray_titan.prepare.prepare_job`), joins
-the Ray cluster named by ``RAY_ADDRESS`` (or the one this process is already connected to, or starts
-a local one sized for the job; :mod:`.cluster`), makes the run directory and the memory plan, starts
-the metrics collector actor (:mod:`.collector_actor`), runs the train loop on
+:func:`train` prepares the job and its memory plan before anything starts
+(:func:`ray_titan.prepare.prepare_job`), joins the Ray cluster named by ``RAY_ADDRESS`` (or the one
+this process is already connected to, or starts a local one sized for the job; :mod:`.cluster`),
+makes the run directory and writes the plan into it, starts the metrics collector actor
+(:mod:`.collector_actor`), runs the train loop on
 ``pp × dp_replicate × dp_shard × tp`` Ray Train workers (:mod:`.torch_trainer`, each running
 :func:`ray_titan.trainer.ray_worker.worker_entry`), shows the run's progress (a bar on a terminal,
 the collector's console lines otherwise; :mod:`.progress`), reads the collector's summary as a
@@ -43,7 +44,6 @@ from ray_titan.driver.collector_actor import (
 )
 from ray_titan.driver.result import RunResult, say_outcome
 from ray_titan.driver.signals import Interrupted, SignalGuard
-from ray_titan.memory_planner import record_memory_plan
 from ray_titan.metrics.outcome import RunOutcome
 from ray_titan.parallel.dims import process_group_backend
 from ray_titan.prepare import prepare_job
@@ -119,15 +119,16 @@ def train(
 
 def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress: str, callbacks: list | None,
            signals: SignalGuard, dataset: Any = None) -> RunResult:
-    """:func:`train`'s run, top to bottom: prepare the job, join the cluster, make the run
-    directory and the memory plan, start the collector and the worker group, wait for it, and
-    read the outcome."""
+    """:func:`train`'s run, top to bottom: prepare the job (and its memory plan), join the cluster,
+    make the run directory and write the plan into it, start the collector and the worker group,
+    wait for it, and read the outcome."""
     from ray_titan.driver.progress import check_mode
     from ray_titan.parallel.elastic import fitting_worker_counts
 
     check_mode(progress)
     marks = {"train_called": time.time()}
-    cfg = prepare_job(config, overrides, dataset=dataset is not None)
+    job = prepare_job(config, overrides, dataset=dataset is not None)  # resolve, validate, plan
+    cfg = job.config
 
     connect(cfg)
     signals.rearm()  # ray.init sets its own SIGTERM handler
@@ -140,7 +141,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     run_dir = make_run_dir(cfg)
     signals.note = f"the metrics flushed so far are in {run_dir}"
     storage.write_text(under(run_dir, "config.json"), cfg.model_dump_json(indent=2))
-    plan = record_memory_plan(cfg, run_dir)
+    plan = job.record_plan(run_dir)
     counts = fitting_worker_counts(cfg)
     collector = start_collector(cfg, run_dir, counts)
     _say_start(cfg, run_dir, counts, cpus)

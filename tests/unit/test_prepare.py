@@ -9,6 +9,7 @@ import pytest
 import ray_titan.driver.run as driver
 import ray_titan.launch as launch
 from ray_titan.config.schema import JobConfig
+from tests.conftest import REPO
 
 
 class _Made(Exception):
@@ -46,3 +47,42 @@ def test_driver_and_launcher_prepare_the_same_job(tmp_path, monkeypatch, capsys)
     assert by_ray.value.cfg.data.cache_dir == str(tmp_path / "cache")
     assert "lr_scheduler.warmup_steps = 5" in ray_warnings
     assert capsys.readouterr().err == ray_warnings  # the same warnings, once each
+
+
+class _Stop(Exception):
+    """Raised where a launcher, its memory plan written, would start the run."""
+
+
+def _stop(*args, **kwargs):
+    raise _Stop
+
+
+def test_both_launchers_write_the_plan_ray_titan_memory_plan_prints(tmp_path, monkeypatch):
+    """prepare_job's plan, written into the run directory by the Ray driver and by the launcher,
+    is byte for byte the one ``ray-titan memory plan --json`` writes for the same job."""
+    from ray_titan.cli import main
+
+    config = str(REPO / "configs" / "debug_llama.toml")
+    overrides = ["--parallelism.pp=1", "--parallelism.dp_shard=1", "--parallelism.microbatches=2",
+                 "--training.threads_per_worker=1", f"--job.dump_folder={tmp_path}"]
+    run_dirs = {name: tmp_path / name for name in ("ray", "launch")}
+    monkeypatch.setattr(driver, "connect", lambda cfg: None)
+    monkeypatch.setattr(driver, "cpus_per_worker", lambda cfg: 1.0)
+    monkeypatch.setattr(driver, "make_run_dir", lambda cfg: run_dirs["ray"])
+    monkeypatch.setattr(driver, "start_collector", _stop)
+    monkeypatch.setattr(launch, "make_run_dir", lambda cfg: run_dirs["launch"])
+    monkeypatch.setattr(launch, "LocalCheckpointStorage", _stop)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    for run_dir in run_dirs.values():
+        run_dir.mkdir()
+    with pytest.raises(_Stop):
+        driver.train(config, overrides)
+    with pytest.raises(_Stop):
+        launch.main(["--config", config, *overrides])
+    assert main(["memory", "plan", "--config", config, *overrides, "--device", "cpu",
+                 "--json", str(tmp_path / "cli.json")]) == 0
+    cli = (tmp_path / "cli.json").read_bytes()
+    assert b'"world_size": 1' in cli and b'"microbatches": 2' in cli  # the overrides were planned
+    for run_dir in run_dirs.values():
+        assert (run_dir / "memory_plan.json").read_bytes() == cli

@@ -192,17 +192,26 @@ def test_a_unit_test_starts_no_process():
         multiprocessing.get_context("spawn").Process(target=print).start()
 
 
-def test_driver_functions_read_in_one_screen():
-    """Every function of the driver side (``ray_titan/driver/``, the launcher and the shared
-    ``prepare_job``) is at most 80 lines, docstring included, so each reads top to bottom."""
+# Functions other changes are splitting now; each is to be split next and then leaves this list.
+_LONG_FUNCTIONS_TO_SPLIT = {
+    "ray_titan/dry_run/simulate.py::run_rank",
+    "ray_titan/preflight.py::validate_job",
+    "ray_titan/trainer/loop.py::train_loop",
+}
+
+
+def test_every_function_reads_in_one_screen():
+    """Every function of the ``ray_titan`` package is at most 80 lines, docstring included, so
+    each reads top to bottom; the allow-list names only functions still over it."""
     import ast
 
-    files = [*sorted((REPO / "ray_titan" / "driver").glob("*.py")), REPO / "ray_titan" / "launch.py",
-             REPO / "ray_titan" / "prepare.py", REPO / "ray_titan" / "trainer" / "ray_worker.py"]
-    long = [f"{f.relative_to(REPO)}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines"
+    files = sorted((REPO / "ray_titan").rglob("*.py"))
+    long = {f"{f.relative_to(REPO).as_posix()}::{n.name}": n.end_lineno - n.lineno + 1
             for f in files for n in ast.walk(ast.parse(f.read_text()))
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]
-    assert len(files) > 8 and long == []
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80}
+    assert len(files) > 100 and "ray_titan/driver/run.py" in {f.relative_to(REPO).as_posix() for f in files}
+    assert set(long) - _LONG_FUNCTIONS_TO_SPLIT == set(), long
+    assert _LONG_FUNCTIONS_TO_SPLIT - set(long) == set(), "split: take it off _LONG_FUNCTIONS_TO_SPLIT"
 
 
 @pytest.mark.parametrize("old, new", [("ray_titan.progress", "ray_titan.driver.progress"),
