@@ -41,10 +41,12 @@ class DryRunError(RuntimeError):
 class RankResult:
     """One simulated rank: ``coords`` on the mesh, the pipeline ``stages`` it holds, ``steps``
     run, ``build_seconds`` and ``seconds`` (build and steps; wall), ``host_syncs_per_step`` (call site ->
-    synchronisations per step), ``collectives`` checked, ``peak_device_bytes`` (live fake CUDA
+    synchronisations per step, after the first step when there are several),
+    ``collectives`` checked, ``peak_device_bytes`` (live fake CUDA
     storages at their peak, bytes), ``device_bytes_after_build``, ``held_bytes`` (the rank's
-    parameters, gradients and optimizer state on the device after the last step) and the memory plan's
-    ``plan_peak_bytes`` for the rank."""
+    parameters, gradients and optimizer state on the device after the last step), the memory plan's
+    ``plan_peak_bytes`` for the rank, and ``grouped_mm_per_step``: ``torch._grouped_mm`` calls per
+    step, forward and backward (the routed experts' grouped GEMM; 0 where they loop)."""
 
     rank: int
     coords: dict[str, int]
@@ -58,6 +60,7 @@ class RankResult:
     device_bytes_after_build: int
     held_bytes: dict[str, int]
     plan_peak_bytes: int | None = None
+    grouped_mm_per_step: float = 0.0
 
 
 def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = None, steps: int = 2,
