@@ -286,8 +286,9 @@ def _count_per_expert(indices: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 
 def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
-    # torch._grouped_mm's kernels are for Hopper+ GPUs in bf16; its CPU backward fails on some
-    # shapes (torch 2.13), so the loop is used everywhere else.
+    # torch._grouped_mm's CUDA kernels are for Hopper+ GPUs in bf16. It also runs on CPU (torch
+    # 2.13; its backward refuses a stride-0 output gradient, e.g. of a .sum()), where the loop
+    # stays: the CPU parity tests are bitwise against it (tests/unit/test_moe.py compares them).
     return (
         x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
         and torch.cuda.get_device_capability(x.device)[0] >= 9
