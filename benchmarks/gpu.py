@@ -37,9 +37,10 @@ def _run(bench, flavor: str, batch: int, seq_len: int, bf16: bool, device=None) 
     import torch
 
     from ray_titan.metrics.collector import MetricsCollector
-    from ray_titan.metrics.flops import gpu_peak_flops, llama_flops_per_token, measure_matmul_peak_flops
+    from ray_titan.metrics.flops import gpu_peak_flops, measure_matmul_peak_flops
     from ray_titan.metrics.report import LocalReporter
     from ray_titan.metrics.sinks import read_steps
+    from ray_titan.models.llama.costs import llama_flops_per_token
     from ray_titan.models.registry import get_model_args
     from ray_titan.preflight import validate_job
     from ray_titan.run_dir import make_run_dir

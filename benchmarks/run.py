@@ -17,6 +17,10 @@ Names (default: every CPU benchmark, in this order):
 - ``torchtitan``: ray_titan's main job vs torchtitan 0.3.0 on the same model shape, optimizer,
   LR schedule, batch, microbatches and mesh (pp=2 × dp_shard=2, 1F1B), and on one process
   (``benchmarks/torchtitan_cpu.py``; needs the ``bench`` extra). Not in the default set.
+- ``parquet_rank_history``: bytes, row groups and seconds to read one rank's history out of
+  ``steps.parquet`` vs the whole table, up to 16,384 ranks (``benchmarks/metrics_scale.py``).
+- ``preflight_scale``: ``ray-titan memory plan``, the pre-flight checks and the elastic range of a
+  16,384-rank job (``benchmarks/metrics_scale.py``).
 - ``gpu``: the train loop without Ray on one CUDA GPU, debug model (fp32) and a ~1 B Llama
   (``training.mixed_precision = "bf16"``): tokens/s, MFU, peak memory. Not in the default set; needs a GPU.
 
@@ -53,12 +57,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from benchmarks import metrics_scale
 from benchmarks.cpu import CPUSampler
 from benchmarks.stats import Row, alternate, fmt_si, format_table, ratio_stats
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_NAMES = ["collector", "bare", "torchrun", "ray_train", "memory", "startup"]
-ALL_NAMES = [*CPU_NAMES, "compile", "torchtitan", "gpu"]
+ALL_NAMES = [*CPU_NAMES, "compile", "torchtitan", "gpu", "parquet_rank_history", "preflight_scale"]
 MiB = 2**20
 
 # Steps per run, (full, --quick). Long enough that the steady part dwarfs timer noise.
@@ -66,6 +71,7 @@ STEPS = {
     "collector": (120, 12), "ray_train": (10, 8), "bare": (50, 12), "torchrun": (40, 12),
     "memory": (600, 40), "startup": (2, 2), "gpu": (50, 10),
     "compile": (40, 8), "torchtitan": (40, 8),
+    "parquet_rank_history": (500, 20), "preflight_scale": (0, 0),  # steps of the 16,384-rank table; none
 }
 
 
@@ -609,6 +615,8 @@ BENCHMARKS = {
     "startup": bench_startup, "collector": bench_collector, "ray_train": bench_ray_train,
     "bare": bench_bare, "torchrun": bench_torchrun, "memory": bench_memory, "gpu": bench_gpu,
     "compile": bench_compile, "torchtitan": bench_torchtitan,
+    "parquet_rank_history": lambda b: metrics_scale.bench_parquet_rank_history(b.work, b.quick),
+    "preflight_scale": lambda b: metrics_scale.bench_preflight_scale(b.work, b.quick),
 }
 
 

@@ -13,13 +13,13 @@ the metrics flushed, and the last checkpoint named).
 default included, as TOML; ``ray-titan config docs`` prints (or writes, ``--output``) the
 configuration reference ``docs/configuration.md``.
 ``ray-titan export CHECKPOINT_OR_RUN_DIR --to hf OUT_DIR [--dtype bf16|fp32]`` writes a ray_titan
-checkpoint as a Hugging Face model directory (``ray_titan.hf.export_hf``), whole or not at all.
+checkpoint as a Hugging Face model directory (``ray_titan.checkpoint.huggingface.export_hf``), whole or not at all.
 Every command stops on Ctrl-C (exit 130) or SIGTERM (143) as ``train`` does.
 ``ray-titan memory plan [--config X.toml] [--device-memory 80GiB] [--section.key=value ...]``
 prints every rank's predicted memory, whether the job fits, and the levers that would make it
 fit (``ray_titan.memory_planner``), without starting anything.
 ``ray-titan report RUN_DIR`` writes ``RUN_DIR/report/loss.png`` and ``memory.png`` (every rank's
-memory with its verdicts marked) and prints a summary table per rank (``ray_titan.run_report``).
+memory with its verdicts marked) and prints a summary table per rank (``ray_titan.run_summary``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ _OVERRIDES = (
 
 def _parser() -> argparse.ArgumentParser:
     from ray_titan.config.docs import REGENERATE, settings_help
-    from ray_titan.progress import MODES
+    from ray_titan.driver.progress import MODES
 
     ap = argparse.ArgumentParser(
         prog="ray-titan", description="Distributed LLM training on Ray: pipeline parallel × FSDP2, "
@@ -178,9 +178,8 @@ def _train(args, overrides: list[str]) -> int:
 def _config(args, overrides: list[str]) -> int:
     from ray_titan.config import ConfigError, load_config
     from ray_titan.config.docs import reference_markdown, to_toml
-    from ray_titan.hf import resolve_hf_job
     from ray_titan.preflight import validate_job
-    from ray_titan.run_dir import resolve_paths
+    from ray_titan.prepare import resolve_job
 
     if args.config_command == "docs":
         if overrides:
@@ -195,7 +194,7 @@ def _config(args, overrides: list[str]) -> int:
     try:
         cfg = load_config(args.config, overrides)
         if args.validate:
-            cfg = resolve_hf_job(resolve_paths(cfg))
+            cfg = resolve_job(cfg)[0]  # the rewrites of a run (ray_titan.prepare), then its checks
             validate_job(cfg)
     except ConfigError as e:
         print(f"ray-titan: config error: {e}", file=sys.stderr)
@@ -206,7 +205,7 @@ def _config(args, overrides: list[str]) -> int:
 
 def _export(args, overrides: list[str]) -> int:
     from ray_titan.checkpoint import CheckpointError
-    from ray_titan.hf import export_hf
+    from ray_titan.checkpoint.huggingface import export_hf
     from ray_titan.storage import StorageError
 
     if overrides:
@@ -267,12 +266,12 @@ def _dry_run(args, overrides: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ray-titan``; returns the exit status. Ctrl-C and SIGTERM stop every
-    command the same way (:class:`~ray_titan.interrupts.SignalGuard`): exit 130 or 143, at the
+    command the same way (:class:`~ray_titan.driver.signals.SignalGuard`): exit 130 or 143, at the
     latest 30 s after the signal (at once on a second one), whatever the command waits on."""
     args, overrides = _parser().parse_known_args(argv)
     if args.command == "train":
         return _train(args, overrides)  # the driver guards its own run (and names its run directory)
-    from ray_titan.interrupts import SignalGuard
+    from ray_titan.driver.signals import SignalGuard
 
     note = f"{args.out_dir} was not written (a .partial-* directory beside it may remain)" \
         if args.command == "export" else ""
@@ -287,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _command(args, overrides: list[str]) -> int:
     if args.command == "report":
-        from ray_titan.run_report import format_memory_table, format_table, memory_rows, write_report
+        from ray_titan.run_summary import format_memory_table, format_table, memory_rows, write_report
 
         if overrides:
             print(f"ray-titan report: unexpected arguments {overrides}", file=sys.stderr)

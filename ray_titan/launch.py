@@ -12,7 +12,6 @@ each rank writes its reports to ``metrics/ranks/rank{r}.jsonl`` and rank 0 assem
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from pathlib import Path
 
@@ -20,17 +19,18 @@ import torch
 import torch.distributed as dist
 
 from ray_titan.checkpoint import LocalCheckpointStorage, find_latest
-from ray_titan.config.schema import load_config
-from ray_titan.hf import resolve_hf_job, save_last_hf
+from ray_titan.checkpoint.huggingface import save_last_hf
+from ray_titan.config.schema import JobConfig, load_config
 from ray_titan.memory_planner import record_memory_plan
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.leak import leak_settings
+from ray_titan.metrics.outcome import RunOutcome
 from ray_titan.metrics.report import JsonlReporter, LocalReporter, Reporter, rank_reports_path, read_rank_reports
 from ray_titan.metrics.sinks import wandb_settings
 from ray_titan.metrics.timing import write_timings
 from ray_titan.parallel.dims import process_group_backend
-from ray_titan.preflight import validate_job
-from ray_titan.run_dir import make_run_dir, resolve_paths
+from ray_titan.prepare import prepare_job
+from ray_titan.run_dir import make_run_dir
 from ray_titan.trainer.build import parallel_dims
 from ray_titan.trainer.loop import train_loop
 
@@ -57,17 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m ray_titan.launch", description=main.__doc__)
     ap.add_argument("--config", default=None, help="TOML job config (default: the built-in defaults)")
     args, overrides = ap.parse_known_args(argv)
-    cfg = resolve_hf_job(resolve_paths(load_config(args.config, overrides)))
+    cfg = load_config(args.config, overrides)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if cfg.world_size != world:
-        raise SystemExit(
-            f"the mesh needs {cfg.world_size} processes (pp × dp_replicate × dp_shard × tp = {cfg.parallelism.pp} × "
-            f"{cfg.parallelism.dp_replicate} × {cfg.parallelism.dp_shard} × {cfg.parallelism.tp}) but this launch "
-            f"has {world}: use torchrun --nproc-per-node={cfg.world_size}"
-        )
-    if cfg.data.source == "ray_data":
-        raise SystemExit("data.source = 'ray_data' streams through Ray: run it with ray-titan train (the Ray driver)")
-    cfg = validate_job(cfg)  # on every rank, so a bad config stops them all before the process group
+    _check_launch(cfg, world)
+    # On every rank, so a bad config stops them all before the process group; rank 0 warns.
+    cfg = prepare_job(cfg, warn=int(os.environ.get("RANK", 0)) == 0)
     device = local_cuda_device()
     if world > 1:
         dist.init_process_group(process_group_backend(device.type == "cuda", cfg.memory.cpu_offload))
@@ -121,19 +115,37 @@ def main(argv: list[str] | None = None) -> None:
                 collector.report(read_rank_reports(run_dir, r))
         dist.destroy_process_group()
     if rank == 0:
-        summary = collector.finish()
-        for line in summary["lines"] if world > 1 else []:
-            print(line, flush=True)
-        for err in summary["errors"]:
-            print(f"metrics error: {err}", flush=True)
-        skipped, run = summary["skipped_steps"], summary["steps_run"]
-        note = f"  ({skipped} of {run} updates skipped)" if skipped else ""
-        print(f"run dir: {run_dir}  final loss: {summary['final_loss']}{note}", flush=True)
-        save_last_hf(cfg, find_latest(run_dir / "checkpoints"), run_dir)
-        if summary["final_loss"] is not None and not math.isfinite(summary["final_loss"]):
-            raise SystemExit(f"the final loss is {summary['final_loss']}, not finite")
-        if run and skipped >= run:  # as ray-titan train: a run that applied no update learned nothing
-            raise SystemExit(f"no update was applied: {skipped} of {run} updates skipped")
+        _end(cfg, run_dir, RunOutcome.from_summary(collector.finish()), world)
+
+def _check_launch(cfg: JobConfig, world: int) -> None:
+    """Refuse, before the process group, a launch whose process count (``WORLD_SIZE``) is not the
+    mesh's, and a Ray Data source (it streams through Ray: ``ray-titan train``)."""
+    if cfg.world_size != world:
+        raise SystemExit(
+            f"the mesh needs {cfg.world_size} processes (pp × dp_replicate × dp_shard × tp = {cfg.parallelism.pp} × "
+            f"{cfg.parallelism.dp_replicate} × {cfg.parallelism.dp_shard} × {cfg.parallelism.tp}) but this launch "
+            f"has {world}: use torchrun --nproc-per-node={cfg.world_size}"
+        )
+    if cfg.data.source == "ray_data":
+        raise SystemExit("data.source = 'ray_data' streams through Ray: run it with ray-titan train (the Ray driver)")
+
+
+def _end(cfg: JobConfig, run_dir: Path, outcome: RunOutcome, world: int) -> None:
+    """Rank 0's end of a run: the lines not shown yet (under torchrun), the metrics errors, the run
+    directory and final loss; the Hugging Face export ``checkpoint.last_save_hf`` asks for. Exits
+    with an error for a non-finite final loss or a run that applied no update (as ``ray-titan train``)."""
+    for line in outcome.lines if world > 1 else []:
+        print(line, flush=True)
+    for err in outcome.errors:
+        print(f"metrics error: {err}", flush=True)
+    skipped, run = outcome.skipped_steps, outcome.steps_run
+    note = f"  ({skipped} of {run} updates skipped)" if skipped else ""
+    print(f"run dir: {run_dir}  final loss: {outcome.final_loss}{note}", flush=True)
+    save_last_hf(cfg, find_latest(run_dir / "checkpoints"), run_dir)
+    if not outcome.final_loss_is_finite:
+        raise SystemExit(f"the final loss is {outcome.final_loss}, not finite")
+    if run and skipped >= run:  # as ray-titan train: a run that applied no update learned nothing
+        raise SystemExit(f"no update was applied: {skipped} of {run} updates skipped")
 
 
 if __name__ == "__main__":

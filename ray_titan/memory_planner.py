@@ -30,7 +30,7 @@ FSDP unsharded        while a stage computes, FSDP2 holds the all-gathered param
 activations           per microbatch of ``T = (global batch / dp / microbatches) × seq_len``
                       tokens, the tensors autograd saves for backward (below), times the
                       microbatches the pipeline schedule keeps in flight on the stage
-                      (:data:`SCHEDULE_IN_FLIGHT`).
+                      (``ray_titan.parallel.schedules``).
 pipeline buffers      receive buffers a pipeline stage allocates once per microbatch: the
                       activations it receives (non-first stages) and the gradients it receives
                       (non-last stages), ``4·T·d`` each.
@@ -41,31 +41,12 @@ peak                  ``max`` of the forward/backward phase (everything above) a
                       phase (parameters, gradients, optimizer state).
 ====================  ===========================================================================
 
-**Activations per layer.** Following the method of Korthikanti et al. 2022 ("Reducing
-Activation Recomputation in Large Transformer Models", arXiv:2205.05198, §4.1: count the
-tensors each operation saves for backward, per token), applied to this trainer's exact blocks;
-``d`` model width, ``h`` heads, ``kv`` the key/value width, ``f`` SwiGLU hidden size, ``s``
-sequence length, bytes per token with ``e`` the activation element size (4 in fp32, 2 under
-``training.mixed_precision = "bf16"``) and fp32 (4) for the residual stream, norm statistics,
-router scores and the loss's log-softmax (under FSDP2's bf16 policy the residual stream is bf16,
-yet the Llama formula with ``e = 2`` equals what autograd saves on CPU, torch 2.13: ``rms_norm``
-saves its input and normalised output upcast to fp32):
+**Activations per layer.** Each family's formula (bytes per token a block saves for backward,
+counted the way of Korthikanti et al. 2022, arXiv:2205.05198, §4.1) is its ``ModelSpec``'s
+``block_activations``, in ``ray_titan/models/<family>/costs.py`` (``ray_titan.models.costs``);
+``e`` is the activation element size (4 in fp32, 2 under ``training.mixed_precision = "bf16"``).
+The plan applies, for every family:
 
-- Llama block: residual and norm inputs ``4·(2d + 2d + 2)`` (x, x̂ and the RMS of both norms),
-  the two norm outputs ``2e·d``, the rotated queries, keys and values ``e·(d + 2kv)``, the
-  attention output ``e·d`` and its log-sum-exp ``4h`` (fused attention: no ``s × s`` matrix),
-  and the SwiGLU's ``4e·f``; in fp32: ``8d + 2kv + 4f + h + 2`` elements. Korthikanti's GPT
-  count (``34·s·b·h + 5·a·s²·b`` bytes) differs in the MLP (SwiGLU has three matrices) and in
-  attention (fused kernels save no ``s²`` scores).
-- DeepSeek-V2 block (multi-head latent attention, arXiv:2405.04434): the norms as above, the
-  KV latent ``e·(r_kv + r_rope)``, its norm ``4·r_kv + e·r_kv``, queries and keys ``2e·h·d_qk``,
-  values and output ``2e·h·d_v``, and either ``4h`` (fused attention) or ``e·h·s`` (the
-  attention probabilities of PyTorch's math kernel, which the CPU takes when ``d_qk ≠ d_v``).
-  Dense feed-forward as Llama's; MoE feed-forward: router scores ``4·E``, routing indices
-  ``24·k`` (int64), the ``k`` dispatched copies of each token ``3e·k·d`` (gathered, expert output,
-  weighted), each expert's SwiGLU ``4e·m`` per routed copy and the shared experts' ``4e·n_s·m``.
-  Under expert parallel a rank's experts receive ``ρ·k`` copies per token, ρ the routing
-  imbalance (max over mean tokens per rank, 1 = balanced; ``routing_imbalance``).
 - Activation checkpointing (``[activation_checkpoint]``): ``full`` keeps each block's input
   (``4·d``) and recomputes one block at a time in backward (a transient of one block's
   activations); ``selective``/``op`` keeps the block input and the outputs of the matrix
@@ -75,16 +56,9 @@ saves its input and normalised output upcast to fp32):
   stage's output until its backward) and the loss's log-softmax ``4·V``; other stages keep their
   output ``4·d``.
 
-**Microbatches in flight.** :data:`SCHEDULE_IN_FLIGHT` holds one rule per pipeline schedule:
-the microbatches whose forward ran and whose backward (the weight-gradient half, for zero-bubble
-schedules) has not, at a rank's peak, per local stage, as a function of ``pp``, stages per rank
-``v``, microbatches ``n`` and the pp rank ``r``; and how many are in flight once gradients exist.
-They are read from the schedules of ``torch.distributed.pipelining.schedules`` (the warm-up
-counts of each; ``tests/integration/test_memory_plan.py`` checks every rule against the action lists torch
-builds). GPipe keeps ``n`` (Huang et al. 2019), 1F1B ``min(n, pp − r)`` (Narayanan et al. 2021,
-PipeDream-Flush), interleaved 1F1B its warm-up ``(v − 1)·n_round + 2·(pp − 1 − r)`` plus one,
-the zero-bubble schedules (Qi et al. 2023, arXiv:2401.10241) and DualPipeV (DeepSeek-V3,
-arXiv:2412.19437) theirs.
+**Microbatches in flight.** Each pipeline schedule's rule (the microbatches whose forward ran and
+whose backward has not, at a rank's peak, per local stage) is its ``in_flight`` in
+:data:`ray_titan.parallel.schedules.SCHEDULES`, beside its other properties.
 
 **Checked against measurement.** On CPU (fp32) the plan's peak is compared with the torch
 profiler's peak of all tensors during step 2 (the run's memory breakdown,
@@ -109,24 +83,19 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from ray_titan import storage
 from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides
 
 __all__ = [
     "PLAN_FILE",
-    "SCHEDULE_IN_FLIGHT",
-    "InFlight",
     "Lever",
     "MemoryPlan",
     "RankPlan",
-    "ScheduleRule",
     "format_bytes",
-    "local_stages",
     "memory_plan",
     "parse_bytes",
     "record_memory_plan",
@@ -137,93 +106,6 @@ PLAN_FILE = "memory_plan.json"
 
 MiB, GiB = 2**20, 2**30
 _F32, _I64 = 4, 8
-
-
-# -- microbatches in flight ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class InFlight:
-    """Microbatches in flight on each of a rank's local stages (in the order :func:`local_stages`
-    gives): ``peak`` at the rank's most, ``with_grads`` at the most once the step's first weight
-    gradients exist (after its first full backward, or first weight-gradient step)."""
-
-    peak: tuple[int, ...]
-    with_grads: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ScheduleRule:
-    """A pipeline schedule's placement of stages (``loop``: rank ``r`` holds stages
-    ``r, r + pp, ...``; ``v``: rank ``r`` holds ``r`` and ``2·pp − 1 − r``), stages per rank it
-    needs (None: any), and its in-flight rule ``(pp, v, n, r) -> InFlight``."""
-
-    placement: Literal["loop", "v"]
-    stages_per_rank: int | None
-    in_flight: Callable[[int, int, int, int], InFlight]
-
-
-def _less_one(counts: tuple[int, ...], j: int, drop: bool) -> tuple[int, ...]:
-    return tuple(c - 1 if drop and i == j else c for i, c in enumerate(counts))
-
-
-def _gpipe(pp: int, v: int, n: int, r: int) -> InFlight:
-    # All forwards, then all backwards.
-    return InFlight((n,), (n - 1,))
-
-
-def _one_f_one_b(pp: int, v: int, n: int, r: int) -> InFlight:
-    # Warm-up of pp − r forwards, then one backward per forward.
-    w = min(n, pp - r)
-    return InFlight((w,), _less_one((w,), 0, n <= w))
-
-
-def _interleaved(zero_bubble: bool) -> Callable[[int, int, int, int], InFlight]:
-    def rule(pp: int, v: int, n: int, r: int) -> InFlight:
-        # torch: rounds of n_round = n // max(1, n // pp) microbatches; forward op i runs local
-        # stage (i // n_round) % v; warm-up (v − 1)·n_round + m·(pp − 1 − r) forwards (m = 2;
-        # 1 for zero bubble, whose first r steady steps defer their weight gradients).
-        n_round = n // max(1, n // pp)
-        warmup = min((v - 1) * n_round + (1 if zero_bubble else 2) * (pp - 1 - r), n * v)
-        steady = n * v - warmup
-        total = warmup + min(steady, r + 1 if zero_bubble else 1)
-        counts = [0] * v
-        for i in range(total):
-            counts[(i // n_round) % v] += 1
-        drop = steady <= (r + 1 if zero_bubble else 1)
-        return InFlight(tuple(counts), _less_one(tuple(counts), v - 1, drop))
-
-    return rule
-
-
-def _zbv(pp: int, v: int, n: int, r: int) -> InFlight:
-    # 2·(pp − r) − 1 forwards of the first chunk, r pairs of both, then the second chunk's first
-    # forward before its first backward.
-    counts = (min(n, 2 * pp - 1 - r), min(n, r + 1))
-    return InFlight(counts, _less_one(counts, 1, r == pp - 1 and n <= pp))
-
-
-def _dualpipev(pp: int, v: int, n: int, r: int) -> InFlight:
-    # 2·(pp − r − 1) forwards of the first chunk, r + 1 pairs, then one more second-chunk forward.
-    counts = (min(n, 2 * pp - r), min(n, r + 1))
-    return InFlight(counts, counts)
-
-
-SCHEDULE_IN_FLIGHT: dict[str, ScheduleRule] = {
-    "GPipe": ScheduleRule("loop", 1, _gpipe),
-    "1F1B": ScheduleRule("loop", 1, _one_f_one_b),
-    "Interleaved1F1B": ScheduleRule("loop", None, _interleaved(zero_bubble=False)),
-    "InterleavedZeroBubble": ScheduleRule("loop", None, _interleaved(zero_bubble=True)),
-    "ZBVZeroBubble": ScheduleRule("v", 2, _zbv),
-    "DualPipeV": ScheduleRule("v", 2, _dualpipev),
-}
-"""Microbatches in flight per stage, by schedule name (module docstring). Without PP the
-microbatches are accumulated one at a time: one in flight."""
-
-
-def local_stages(placement: str, pp: int, v: int, pp_rank: int) -> list[int]:
-    """The stage indices pp rank ``pp_rank`` holds, in the order of :class:`InFlight`'s counts."""
-    if placement == "v":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + j * pp for j in range(v)]
 
 
 # -- parameters ------------------------------------------------------------------------------------
@@ -298,155 +180,6 @@ def _stage_params(whole: Any, layers: list[int], first: bool, last: bool, dp: in
 
 
 # -- activations -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _BlockActivations:
-    """Bytes per token one block saves for backward: ``none`` (everything autograd saves),
-    ``op`` (op-level selective AC: the block input and the outputs of matmuls and attention),
-    ``input`` (full AC: the block input), and ``backward`` (the transient of its backward)."""
-
-    none: float
-    op: float
-    input: float
-    backward: float
-    experts_none: float = 0.0
-    experts_op: float = 0.0
-
-    def experts(self, checkpointed: str) -> float:
-        """Bytes per token of the MoE dispatch and expert activations within :meth:`kept`."""
-        return {"none": self.experts_none, "op": self.experts_op, "full": 0.0}[checkpointed]
-
-    def kept(self, checkpointed: str) -> float:
-        return {"none": self.none, "op": self.op, "full": self.input}[checkpointed]
-
-    def recompute(self, checkpointed: str) -> float:
-        """Bytes per token that exist only while backward recomputes this block."""
-        return {"none": 0.0, "op": self.none - self.op, "full": self.none - self.input}[checkpointed]
-
-
-def _fused_attention(args: Any, device: str) -> bool:
-    """Whether ``scaled_dot_product_attention`` runs a fused kernel (no ``s × s`` probabilities
-    saved): every accelerator kernel; on the CPU only where query/key and value head dimensions
-    are equal (otherwise PyTorch falls back to its math kernel)."""
-    qk = getattr(args, "qk_head_dim", None) or args.dim // args.n_heads
-    v = getattr(args, "v_head_dim", None) or qk
-    return device != "cpu" or qk == v
-
-
-def _llama_block(a: Any, e: int, seq: int, device: str, rho: float, ep: int) -> _BlockActivations:
-    d, h = a.dim, a.n_heads
-    kv = a.n_kv_heads * a.head_dim
-    f = a.ffn_hidden_dim
-    norms = _F32 * (4 * d + 2) + e * 2 * d  # x, x̂, h, ĥ, two RMS values; the two norm outputs
-    attention = e * (d + 2 * kv) + e * d + _F32 * h  # rotated q, k; v; output; log-sum-exp
-    none = norms + attention + e * 4 * f
-    op = _F32 * d + e * (d + 2 * kv) + e * d + _F32 * h + e * d + e * 2 * f + e * d
-    backward = e * 2 * f  # the SwiGLU's gradients
-    return _BlockActivations(none, op, _F32 * d, backward)
-
-
-def _deepseek_block(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
-                    ep: int) -> _BlockActivations:
-    d, h = a.dim, a.n_heads
-    qk, vd, r_kv, r_rope = a.qk_head_dim, a.v_head_dim, a.kv_lora_rank, a.qk_rope_head_dim
-    norm_in = _F32 * (2 * d + 1) + e * d  # x, x̂, RMS; norm output
-    q = (_F32 * 2 * a.q_lora_rank + _F32 + e * a.q_lora_rank) if a.q_lora_rank else 0
-    kv = e * (r_kv + r_rope) + _F32 * (r_kv + 1) + e * r_kv
-    if _fused_attention(a, device):
-        core = e * (2 * h * qk + 2 * h * vd) + _F32 * h
-        core_op = e * h * vd + _F32 * h
-    else:  # math kernel: q, kᵀ, probabilities, v, and the output's copy for wo
-        core = e * (2 * h * qk + h * seq + 2 * h * vd)
-        core_op = e * (h * seq + h * vd)
-    attention = norm_in + q + kv + core
-    q_mm = e * (a.q_lora_rank + h * qk) if a.q_lora_rank else e * h * qk
-    attention_op = _F32 * d + q_mm + e * (r_kv + r_rope) + e * h * (a.qk_nope_head_dim + vd) + core_op + e * d
-    if layer < a.n_dense_layers:
-        ffn = norm_in + e * 4 * a.inter_dim
-        ffn_op = e * (2 * a.inter_dim + d)
-        backward = e * 2 * a.inter_dim
-    else:
-        moe = _moe_ffn(a, e, rho, ep, norm_in)
-        return _BlockActivations(attention + moe.none, attention_op + moe.op, _F32 * d, moe.backward,
-                                 moe.experts_none, moe.experts_op)
-    return _BlockActivations(attention + ffn, attention_op + ffn_op, _F32 * d, backward)
-
-
-def _moe_ffn(a: Any, e: int, rho: float, ep: int, norm_in: float) -> _BlockActivations:
-    """Bytes per token an MoE feed-forward (``ray_titan.models.deepseek_v2.model.MoE``: router,
-    dispatch, ``top_k`` routed experts, ``n_shared_experts`` shared) saves, ``norm_in`` (its input
-    norm's) included: ``none``, ``op``, ``backward`` and the experts' parts (``input`` unused)."""
-    d = a.dim
-    k, m, ns, n_exp = a.n_activated_experts, a.moe_inter_dim, a.n_shared_experts, a.n_routed_experts
-    routed = rho * k if ep > 1 else k  # copies this rank's experts process per token
-    route = _F32 * n_exp + 3 * _I64 * k + _F32 * k
-    dispatched = e * (routed * d + 2 * k * d) + (_I64 * routed if ep > 1 else 0)
-    experts_none = dispatched + e * 4 * m * routed
-    experts_op = e * routed * (2 * m + d)
-    none = norm_in + route + experts_none + e * 4 * ns * m
-    op = _F32 * n_exp + experts_op + e * (2 * ns * m + d)
-    backward = e * (routed * (2 * m + 2 * d) + 2 * ns * m)
-    return _BlockActivations(none, op, 0.0, backward, experts_none, experts_op)
-
-
-def _qwen3_moe_block(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
-                     ep: int) -> _BlockActivations:
-    """Qwen3-MoE: a dense layer is Qwen3's (Llama's formula); an MoE layer is Llama's attention
-    and norms (its formula with no feed-forward) plus :func:`_moe_ffn`."""
-    attn = a.attention_args()
-    if layer not in a.moe_layers:
-        return _llama_block(attn, e, seq, device, rho, ep)
-    base = _llama_block(dataclasses.replace(attn, ffn_dim=0), e, seq, device, rho, ep)
-    moe = _moe_ffn(a, e, rho, ep, 0.0)  # the norms are in Llama's formula
-    return _BlockActivations(base.none + moe.none, base.op + moe.op, base.input, base.backward + moe.backward,
-                             moe.experts_none, moe.experts_op)
-
-
-def _gpt_oss_block(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
-                   ep: int) -> _BlockActivations:
-    """gpt-oss (``ray_titan.models.gpt_oss``): Llama's attention and norms (the q/k/v/o biases
-    save nothing more) plus what its sinks add, the zero key and value row and the additive
-    mask ``(heads, seq + 1)`` per query that SDPA saves (and whose gradient backward makes), and
-    :func:`_moe_ffn` with the clamped SwiGLU's four more hidden-sized tensors per routed copy
-    (the clamped gate and up, the sigmoid, ``up + 1``) than SwiGLU's."""
-    from ray_titan.models.llama.args import LlamaArgs
-
-    attn = LlamaArgs(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
-                     attn_head_dim=a.head_dim, ffn_dim=0, multiple_of=1, ffn_dim_multiplier=None)
-    base = _llama_block(attn, e, seq, device, rho, ep)
-    mask = e * a.n_heads * (seq + 1) + e * 2 * a.n_kv_heads * a.head_dim
-    moe = _moe_ffn(a, e, rho, ep, 0.0)
-    clamp = e * 4 * a.moe_inter_dim * (rho * a.n_activated_experts if ep > 1 else a.n_activated_experts)
-    return _BlockActivations(base.none + mask + moe.none + clamp, base.op + mask + moe.op, base.input,
-                             base.backward + moe.backward + e * a.n_heads * (seq + 1),
-                             moe.experts_none + clamp, moe.experts_op)
-
-
-def _block_activations() -> dict[type, Callable[..., _BlockActivations]]:
-    """Each model family's per-block formula, by its arguments class: adding a family is adding
-    its formula here (and checking it against autograd: tests/integration/test_memory_plan.py)."""
-    from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
-    from ray_titan.models.gpt_oss.args import GptOssArgs
-    from ray_titan.models.llama.args import LlamaArgs
-    from ray_titan.models.qwen3_moe.args import Qwen3MoeArgs
-
-    return {
-        LlamaArgs: lambda a, layer, *rest: _llama_block(a, *rest),
-        DeepSeekV2Args: _deepseek_block,
-        Qwen3MoeArgs: _qwen3_moe_block,
-        GptOssArgs: _gpt_oss_block,
-    }
-
-
-def _block(args: Any, layer: int, e: int, seq: int, device: str, rho: float, ep: int) -> _BlockActivations:
-    """Bytes per token block ``layer`` of a model with ``args`` saves, by AC treatment. Raises
-    ``ConfigError`` for a family without a formula."""
-    formula = _block_activations().get(type(args))
-    if formula is None:
-        raise ConfigError(f"the memory plan has no activation formula for {type(args).__name__} models; "
-                          "add one to ray_titan.memory_planner._block_activations")
-    return formula(args, layer, e, seq, device, rho, ep)
-
-
 def _checkpointed(cfg: JobConfig, layer: int) -> str:
     """How block ``layer`` is checkpointed: ``none``, ``op`` or ``full`` (``ray_titan.parallel.ac``)."""
     ac = cfg.activation_checkpoint
@@ -717,9 +450,10 @@ def _meta_model(name: str, flavor: str, vocab: int, extra: tuple[tuple[str, Any]
 def _plan_ranks(cfg: JobConfig, device: str, rho: float,
                 vocab_size: int | None) -> tuple[dict[str, Any], list[RankPlan]]:
     from ray_titan.models.registry import get_model_args, get_spec
+    from ray_titan.parallel.dims import parallel_dims
     from ray_titan.parallel.fsdp import resolve_mixed_precision, resolve_reshard_after_forward
     from ray_titan.parallel.pipeline import split_layers
-    from ray_titan.trainer.build import parallel_dims
+    from ray_titan.parallel.schedules import SCHEDULES, InFlight, local_stages
 
     dims = parallel_dims(cfg)
     par, tr = cfg.parallelism, cfg.training
@@ -738,10 +472,10 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
     r = 2 if bf16 and dims.fsdp else _F32  # a stage's output (the residual stream): fp32 under autocast
     mb = tr.global_batch_size // dp_total // n
     tokens = mb * tr.seq_len  # per microbatch
-    rule = SCHEDULE_IN_FLIGHT.get(par.pipeline_schedule)
+    rule = SCHEDULES.get(par.pipeline_schedule)
     if pp > 1 and rule is None:
         raise ConfigError(f"parallelism.pipeline_schedule = {par.pipeline_schedule!r} has no in-flight rule; "
-                          f"known: {sorted(SCHEDULE_IN_FLIGHT)}")
+                          f"known: {sorted(SCHEDULES)}")
     split = split_layers(args.n_layers, dims.num_stages)
     reshard = resolve_reshard_after_forward(par.fsdp_reshard_after_forward, pp > 1)
     k_opt = _optimizer_states(cfg)
@@ -783,7 +517,7 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
             # recomputed, the block's backward temporaries).
             kept_so_far, backward_peak, moe_part = 0.0, 0.0, 0.0
             for i, layer in enumerate(split[s]):
-                blk = _block(args, layer, e, tr.seq_len, device, rho, dims.ep)
+                blk = spec.block_activations(args, layer, e, tr.seq_len, device, rho, dims.ep)
                 how = _checkpointed(cfg, layer)
                 kept = blk.kept(how)
                 if i == 0 and not first:
@@ -848,19 +582,20 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
         optim = (0.0 if offload else param_b + grads_after + opt_b) + pipe + buffers
         peak, phase = (fwd_bwd, "forward_backward") if fwd_bwd >= optim else (optim, "optimizer")
         peak_grads = grads_during if with_grads >= before_grads else 0.0
-        for rank in range(dims.world_size):
+        act_mb = {s: int(act[s]) for s in stage_ids}
+        in_flight = {s: c for c, s in zip(flight.peak, stage_ids)}
+        by_mode = {k: int(x * tokens / tp) for k, x in act_modes.items()}
+        per_pp = dims.world_size // pp  # pp is the mesh's outermost axis: a pp rank's ranks are one block
+        for rank in range(pp_rank * per_pp, (pp_rank + 1) * per_pp):
             coords = dims.coords(rank)
-            if coords["pp"] != pp_rank:
-                continue
             plans[rank] = RankPlan(
                 rank=rank, coords=coords, stages=stage_ids, parameters=int(0 if offload else param_b),
                 gradients=int(0 if offload else grads_after),
                 optimizer_state={cfg.optimizer.name: int(0 if offload else opt_b)},
                 fsdp_unsharded_params=int(gathered), fsdp_unsharded_grads=int(grads_during if sharded else 0),
-                activations_per_microbatch={s: int(act[s]) for s in stage_ids},
-                in_flight={s: c for c, s in zip(flight.peak, stage_ids)},
+                activations_per_microbatch=dict(act_mb), in_flight=dict(in_flight),
                 activations=int(a_peak if before_grads >= with_grads else a_grads),
-                activations_by_ac_mode={k: int(x * tokens / tp) for k, x in act_modes.items()},
+                activations_by_ac_mode=dict(by_mode),
                 expert_buffers=int(sum(c * expert_act[s] for c, s in zip(flight.peak, stage_ids))),
                 pipeline_buffers=int(pipe), buffers=int(buffers), transient=int(transient),
                 peak=int(peak), peak_phase=phase,

@@ -28,16 +28,16 @@ from ray_titan.checkpoint import (
     load_metadata,
     read_manifest,
 )
+from ray_titan.checkpoint.huggingface import HFCheckpointError, check_hf_checkpoint, job_model_args
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.data.build import source_settings, training_documents, validation_documents
 from ray_titan.data.corpus import check_source
 from ray_titan.data.ray_data import dataset_format
 from ray_titan.data.sft import ChatTemplate, find_chat_template
 from ray_titan.data.tokenizer import build_tokenizer
-from ray_titan.hf import HFCheckpointError, check_hf_checkpoint, job_model_args
 from ray_titan.models.registry import MODELS, is_moe
 from ray_titan.parallel.elastic import fitting_worker_counts, is_elastic, mesh_for_workers
-from ray_titan.parallel.pipeline import stage_placement
+from ray_titan.parallel.schedules import SCHEDULES
 
 __all__ = ["job_warnings", "validate_job"]
 
@@ -167,13 +167,14 @@ def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = Fa
             f"the {cfg.num_stages} pipeline stages (parallelism.pp × parallelism.stages_per_rank = "
             f"{par.pp} × {par.stages_per_rank}); each stage needs at least one layer"
         )
-    if par.pp > 1 and par.pipeline_schedule in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble"):
-        if par.microbatches < par.pp:
-            raise ConfigError(
-                f"parallelism.microbatches = {par.microbatches} is fewer than the {par.pp} pipeline "
-                f"ranks (parallelism.pp): {par.pipeline_schedule} needs microbatches >= pp"
-            )
-    if par.pipeline_schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+    schedule = SCHEDULES[par.pipeline_schedule]
+    least = schedule.min_microbatches(par.pp)
+    if par.pp > 1 and schedule.placement == "loop" and par.microbatches < least:
+        raise ConfigError(
+            f"parallelism.microbatches = {par.microbatches} is fewer than the {par.pp} pipeline "
+            f"ranks (parallelism.pp): {par.pipeline_schedule} needs microbatches >= pp"
+        )
+    if schedule.rounds:
         rounds = max(1, par.microbatches // par.pp)
         if par.microbatches % rounds:
             raise ConfigError(
@@ -181,12 +182,10 @@ def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = Fa
                 f"the schedule runs {rounds} rounds of {par.pp} microbatches and needs microbatches to "
                 f"be a multiple of {rounds}; use {rounds * par.pp} or {par.pp}"
             )
-    # ZBVZeroBubble's warm-up alone runs 2·pp − 1 microbatches; DualPipeV needs one per stage.
-    v_min = {"ZBVZeroBubble": 2 * par.pp - 1, "DualPipeV": 2 * par.pp}.get(par.pipeline_schedule)
-    if v_min is not None and par.microbatches < v_min:
+    if schedule.placement == "v" and par.microbatches < least:
         raise ConfigError(
             f"parallelism.microbatches = {par.microbatches} with {par.pipeline_schedule} on pp = {par.pp}: "
-            f"the schedule needs microbatches >= {v_min}; use {v_min} or more"
+            f"the schedule needs microbatches >= {least}; use {least} or more"
         )
     dp_names = "parallelism.dp_replicate × parallelism.dp_shard" if par.dp_replicate > 1 else "parallelism.dp_shard"
     dp_sizes = f"{par.dp_replicate} × {par.dp_shard}" if par.dp_replicate > 1 else f"{par.dp_shard}"
@@ -324,11 +323,11 @@ def _check_hf(cfg: JobConfig, vocab_size: int) -> None:
     if spec.name != cfg.model.name:
         raise ConfigError(
             f"checkpoint.initial_load_hf = {ck.initial_load_hf!r} holds a {spec.name} model but model.name = "
-            f"{cfg.model.name!r}: load the job with ray_titan.hf.resolve_hf_job (the launchers do)"
+            f"{cfg.model.name!r}: load the job with ray_titan.checkpoint.huggingface.resolve_hf_job (the launchers do)"
         )
 
 
-_MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+_MULTI_STAGE = tuple(name for name, s in SCHEDULES.items() if s.stages_per_rank != 1)
 
 
 def _check_schedule(cfg: JobConfig) -> None:
@@ -344,8 +343,9 @@ def _check_schedule(cfg: JobConfig) -> None:
                 + f" (got {sched!r}); set stages_per_rank = 1"
             )
         return
-    if stage_placement(sched) == "v":
-        if spr != 2:
+    need = SCHEDULES[sched].stages_per_rank
+    if need is not None:
+        if spr != need:
             raise ConfigError(
                 f"parallelism.stages_per_rank = {spr} with pipeline_schedule = {sched!r}: the V-shaped "
                 "schedule holds exactly 2 stages per rank (pp rank r: stages r and 2·pp − 1 − r); "

@@ -2,7 +2,8 @@
 
 Before paying for a 1,000-GPU job, run its ranks here: each is built and trained for a few
 steps by ray_titan's own code (build and parallelize, the pipeline schedule, forward, backward,
-clipping, the optimizer and LR steps) on fake CUDA tensors over a fake process group of the
+clipping, the optimizer and LR steps, then the checkpoint's save and resume planned by DCP,
+nothing written: :mod:`ray_titan.dry_run.checkpoint_plan`) on fake CUDA tensors over a fake process group of the
 job's world size, one child process per rank (:mod:`ray_titan.dry_run.simulate`, whose
 docstring lists what is simulated). It finds what would fail on the first GPU run without a
 GPU: a host tensor given to an NCCL collective, a shape that does not fit the mesh; and it
@@ -22,7 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +46,12 @@ class RankResult:
     ``collectives`` checked, ``peak_device_bytes`` (live fake CUDA
     storages at their peak, bytes), ``device_bytes_after_build``, ``held_bytes`` (the rank's
     parameters, gradients and optimizer state on the device after the last step), the memory plan's
-    ``plan_peak_bytes`` for the rank, and ``grouped_mm_per_step``: ``torch._grouped_mm`` calls per
-    step, forward and backward (the routed experts' grouped GEMM; 0 where they loop)."""
+    ``plan_peak_bytes`` for the rank, ``grouped_mm_per_step``: ``torch._grouped_mm`` calls per
+    step, forward and backward (the routed experts' grouped GEMM; 0 where they loop), and the
+    checkpoint after the last step as DCP planned its
+    save (nothing written): ``checkpoint_keys``, ``checkpoint_bytes`` (the tensors' bytes by device
+    type: ``cuda``, ``cpu``), ``resume_read_items`` (the items DCP plans to read resuming it) and
+    ``checkpoint_seconds`` (wall, that planning's)."""
 
     rank: int
     coords: dict[str, int]
@@ -60,6 +65,10 @@ class RankResult:
     device_bytes_after_build: int
     held_bytes: dict[str, int]
     plan_peak_bytes: int | None = None
+    checkpoint_keys: int = 0
+    checkpoint_bytes: dict[str, int] = field(default_factory=dict)
+    resume_read_items: int = 0
+    checkpoint_seconds: float = 0.0
     grouped_mm_per_step: float = 0.0
 
 
@@ -128,6 +137,10 @@ def format_results(results: list[RankResult]) -> str:
         lines.append(f"{r.rank:>5}  {coords:<28} {','.join(map(str, r.stages)):<8} {r.steps:>5} {r.seconds:>8.1f} "
                      f"{sum(r.host_syncs_per_step.values()):>10.1f} {r.collectives:>11} "
                      f"{format_bytes(r.peak_device_bytes):>12} {plan:>10}")
+    for r in results:
+        saved = ", ".join(f"{format_bytes(n)} on {d}" for d, n in sorted(r.checkpoint_bytes.items()))
+        lines.append(f"rank {r.rank} checkpoint (DCP save planned, nothing written): {r.checkpoint_keys} keys, "
+                     f"{saved}; resume planned: {r.resume_read_items} reads")
     for r in results:
         sites = ", ".join(f"{site} ×{n:g}" for site, n in r.host_syncs_per_step.items())
         lines.append(f"rank {r.rank} host synchronisations per step: {sites or 'none'}")

@@ -21,6 +21,10 @@ collectives return at once). What is simulated, and why:
   (unless the job's groups have a host backend too: ``parallel.dims.process_group_backend``).
 - Attention: the fused SDPA kernel a GPU would choose (flash, or memory-efficient with a mask or
   unequal head sizes), not the math path the fake device would pick.
+- ``Module.to_empty`` of parameters made under fake mode: new parameters instead of torch's
+  swap, which a fake tensor's weakref refuses (a one-rank mesh, where no FSDP2 materialises them).
+- The checkpoint after the last step: its save and resume planned by DCP, nothing written
+  (:func:`_plan_checkpoint`); the data loader's position is a constant.
 - Device memory: the bytes of live fake CUDA storages after every op (and every storage resize,
   by which FSDP2 frees and re-gathers its unsharded parameters), and their peak.
 
@@ -127,8 +131,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.utils._pytree import tree_leaves
 
     import ray_titan.models.deepseek_v2.model as moe_model
+    from ray_titan.checkpoint.huggingface import job_model_args
     from ray_titan.config import load_config
-    from ray_titan.hf import job_model_args
     from ray_titan.parallel.dims import ParallelDims, process_group_backend
     from ray_titan.parallel.fsdp import resolve_mixed_precision
     from ray_titan.trainer.build import build, parallel_dims
@@ -235,6 +239,29 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             return build_mesh(self, device_type)
 
     _patch(ParallelDims, "build_mesh", real_build_mesh)
+    module_to_empty = torch.nn.Module.to_empty
+
+    def to_empty(self: torch.nn.Module, *, device: Any, recurse: bool = True) -> torch.nn.Module:
+        # Parameters made under FakeTensorMode carry a weakref, so Module._apply cannot swap them
+        # for their materialised copies ("Couldn't swap Embedding.weight"): on a one-rank mesh no
+        # FSDP2 materialises them first. New Parameters instead (tied ones stay one object).
+        if not any(isinstance(p, FakeTensor) for p in self.parameters(recurse=recurse)):
+            return module_to_empty(self, device=device, recurse=recurse)
+        new: dict[int, torch.nn.Parameter] = {}
+        with torch.no_grad():
+            for mod in self.modules() if recurse else [self]:
+                for name, p in mod._parameters.items():
+                    if p is not None:
+                        if id(p) not in new:
+                            new[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=device),
+                                                            requires_grad=p.requires_grad)
+                        mod._parameters[name] = new[id(p)]
+                for name, b in mod._buffers.items():
+                    if b is not None:
+                        mod._buffers[name] = torch.empty_like(b, device=device)
+        return self
+
+    _patch(torch.nn.Module, "to_empty", to_empty)
     host_list = torch.Tensor.tolist
 
     def tolist(self: torch.Tensor) -> Any:
@@ -289,6 +316,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
     loader = Shape()
     loader.local_batch = local_batch  # type: ignore[attr-defined]
+    loader.state_dict = lambda: {"epoch": 0, "doc_pos": 0, "offset": 0}  # type: ignore[attr-defined]
     mode = DryRunMode()
     t0 = time.perf_counter()
     with mode:
@@ -302,6 +330,10 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             if step == 1 and spec["steps"] > 1:
                 syncs.clear()  # steady state: the schedule's one-time p2p warm-up reads a flag in step 1
                 mode.grouped_mm = 0
+        step_syncs = dict(syncs)
+        t_ck = time.perf_counter()
+        checkpoint = _plan_checkpoint(cfg, parts, loader, margs.vocab_size, spec["steps"])
+        checkpoint["checkpoint_seconds"] = time.perf_counter() - t_ck
     from ray_titan.parallel import local_tensor
 
     def nbytes(tensors: Any) -> int:  # distinct device storages (views share one)
@@ -316,11 +348,42 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         "rank": rank, "coords": dims.coords(rank), "stages": sorted(parts.stages), "steps": spec["steps"],
         "build_seconds": built_s, "seconds": time.perf_counter() - t0,
         "host_syncs_per_step": {k: v / max(1, spec["steps"] - 1) if spec["steps"] > 1 else v
-                                for k, v in sorted(syncs.items())},
+                                for k, v in sorted(step_syncs.items())}, **checkpoint,
         "collectives": mode.collectives, "device_bytes_after_build": after_build,
         "grouped_mm_per_step": mode.grouped_mm / max(1, spec["steps"] - 1),
         "peak_device_bytes": mode.peak,
     }
+
+
+def _plan_checkpoint(cfg: Any, parts: Any, loader: Any, vocab_size: int, step: int) -> dict[str, Any]:
+    """The checkpoint after ``step`` planned by DCP as ``Checkpointer.save`` would hand it over
+    (:func:`ray_titan.dry_run.checkpoint_plan.plan_save`, nothing written), then its resume
+    planned (``Checkpointer._load``'s state, key checks and DCP load planning) from it and from
+    the same rank's save on CPU, which lacks the CUDA generator key. Returns the report's
+    ``checkpoint_keys``, ``checkpoint_bytes`` (by device type) and ``resume_read_items``."""
+    import dataclasses
+
+    from ray_titan.checkpoint import Checkpointer
+    from ray_titan.checkpoint.checkpointer import _check_keys, _drop_missing_device_rng
+    from ray_titan.dry_run.checkpoint_plan import plan_load, plan_save
+
+    ck = Checkpointer(cfg, parts.rank, parts.stages.values(), parts.optimizer, parts.scheduler, loader, None, None,
+                      vocab_size, parts.device)
+    state = ck._state(step, False, True)
+    metadata, copied = plan_save(state)
+    # The same rank's save on CPU: every key but the CUDA generator's. The resume's state is the
+    # save's (Checkpointer._load builds the same keys and shapes; building it again costs seconds).
+    cuda_rng = f"rng.rank{parts.rank}.cuda"
+    on_cpu = dataclasses.replace(metadata, state_dict_metadata={
+        k: v for k, v in metadata.state_dict_metadata.items() if k != cuda_rng})
+    reads = []
+    for saved in (metadata, on_cpu):
+        sd = dict(state)
+        _drop_missing_device_rng(sd, saved.state_dict_metadata, parts.rank)
+        _check_keys(sd, saved, Path("(simulated checkpoint)"))
+        reads.append(plan_load(sd, saved))
+    return {"checkpoint_keys": len(metadata.state_dict_metadata), "checkpoint_bytes": copied,
+            "resume_read_items": reads[0]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,7 @@ import pyarrow as pa
 import pyarrow.compute
 
 from ray_titan import storage
+from ray_titan.metrics import ray_metrics
 from ray_titan.metrics.leak import GROWING, LeakMonitor, describe_coords, leak_settings
 from ray_titan.metrics.report import MEMORY_FIELDS
 from ray_titan.metrics.sinks import (
@@ -497,6 +498,7 @@ class MetricsCollector:
         flat = [self._row(r, summary) for r in rows]
         changes = [self._verdict(step, r, row) for r, row in zip(rows, flat)]
         self.parquet.add(flat)
+        ray_metrics.export_step(self.run_dir.name, step, summary, flat)  # Prometheus / Grafana (no-op without Ray)
         scalars = {k: summary[k] for k in ("loss", "loss_max", "tokens_per_s", "lr", "grad_norm", "step_time_s",
                                            "moe/aux_loss", "val/loss", "val/perplexity")}
         if self.wandb:

@@ -1,24 +1,8 @@
 """Training FLOPs per token, MFU, and the peak FLOP/s MFU is measured against.
 
-Formula (PaLM, Chowdhery et al. 2022, arXiv:2204.02311, Appendix B), per token of a training
-step (forward + backward):
-
-    flops_per_token = 6 · N + 12 · L · H · Q · T
-
-- ``6 · N``: every weight matrix of ``N`` parameters costs 2 FLOPs per parameter per token in
-  the forward pass (one multiply, one add) and 4 in the backward pass (gradients of the input
-  and of the weight). ``N`` is the number of *non-embedding* parameters: the token-embedding
-  lookup is a gather, not a matmul, so it is excluded, while the output head (a matmul) is
-  included. For a mixture-of-experts model ``N`` is the *activated* non-embedding parameters:
-  the shared parameters plus the ``top_k`` routed experts a token visits (plus shared experts),
-  not all experts.
-- ``12 · L · H · Q · T``: the two attention matmuls (``Q·Kᵀ`` and ``scores·V``) of each of ``L``
-  layers, ``H`` heads of dimension ``Q`` over a context of ``T`` tokens: 2 FLOPs × 2 matmuls ×
-  3 (forward + backward). ``H · Q`` is the attention width. Where queries/keys and values have
-  different head dimensions (DeepSeek-V2's multi-head latent attention: 192 and 128), the two
-  matmuls cost ``6 · L · H · (d_qk + d_v) · T``, so pass ``H · (d_qk + d_v) / 2``. By convention the causal mask's
-  half-empty score matrix is not discounted and activation recomputation is not counted, so MFU
-  stays comparable across trainers (torchtitan and the PaLM paper count the same way).
+FLOPs per token: ``6·N + 12·L·H·Q·T`` (PaLM, Chowdhery et al. 2022, arXiv:2204.02311, Appendix B;
+:func:`ray_titan.models.costs.transformer_flops_per_token`), each family's ``N`` and attention
+width in its ``ray_titan/models/<family>/costs.py`` (:func:`model_flops_per_token` finds it).
 
 MFU = achieved model FLOP/s ÷ peak FLOP/s of the hardware that ran it. GPUs: the datasheet's
 dense (no sparsity) peak for the training dtype (:data:`GPU_PEAK_FLOPS`). CPUs have no useful
@@ -34,19 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "GPU_PEAK_FLOPS",
-    "deepseek_flops_per_token",
-    "gpt_oss_flops_per_token",
-    "gpu_peak_flops",
-    "llama_flops_per_token",
-    "llama_non_embedding_params",
-    "measure_matmul_peak_flops",
-    "mfu",
-    "model_flops_per_token",
-    "qwen3_moe_flops_per_token",
-    "transformer_flops_per_token",
-]
+__all__ = ["GPU_PEAK_FLOPS", "gpu_peak_flops", "measure_matmul_peak_flops", "mfu", "model_flops_per_token"]
 
 # Dense bf16 tensor-core peak, FLOP/s, from NVIDIA's datasheets (sparsity excluded).
 GPU_PEAK_FLOPS: dict[str, float] = {
@@ -59,106 +31,13 @@ GPU_PEAK_FLOPS: dict[str, float] = {
 }
 
 
-def transformer_flops_per_token(
-    non_embedding_params: int, n_layers: int, attention_dim: int, seq_len: int
-) -> int:
-    """Training FLOPs per token, ``6·N + 12·L·(H·Q)·T`` (PaLM, Appendix B; module docstring).
-
-    ``non_embedding_params`` (N): parameters that take part in matmuls for one token, i.e. all
-    parameters minus the token embedding; for MoE the *activated* ones (shared + ``top_k``
-    routed + shared experts). ``attention_dim``: heads × head dimension (``H·Q``), or
-    ``H·(d_qk + d_v)/2`` when query/key and value head dimensions differ (MLA). ``seq_len`` (T):
-    tokens of context each token attends over. Raises ``ValueError`` for a negative argument.
-    """
-    args = dict(non_embedding_params=non_embedding_params, n_layers=n_layers,
-                attention_dim=attention_dim, seq_len=seq_len)
-    for name, value in args.items():
-        if value < 0:
-            raise ValueError(f"{name} = {value} must be >= 0")
-    return 6 * non_embedding_params + 12 * n_layers * attention_dim * seq_len
-
-
-def llama_non_embedding_params(args: Any) -> int:
-    """Parameters of a :class:`ray_titan.models.llama.args.LlamaArgs` model minus its token embedding
-    (attention, SwiGLU feed-forward, RMSNorm weights, final norm, untied output head), counted
-    from the arguments alone."""
-    hd, d = args.head_dim, args.dim
-    attention = d * args.n_heads * hd * 2 + d * args.n_kv_heads * hd * 2  # wq, wo; wk, wv
-    ffn = 3 * d * args.ffn_hidden_dim  # w1, w2, w3
-    per_layer = attention + ffn + 2 * d  # two RMSNorms
-    return args.n_layers * per_layer + d + d * args.vocab_size  # final norm, output head
-
-
-def llama_flops_per_token(args: Any, seq_len: int) -> int:
-    """Training FLOPs per token of a dense Llama (:class:`~ray_titan.models.llama.args.LlamaArgs`)
-    at sequence length ``seq_len``: :func:`transformer_flops_per_token` with
-    N = :func:`llama_non_embedding_params`, L = ``n_layers``, H·Q = ``n_heads × head_dim``."""
-    return transformer_flops_per_token(
-        llama_non_embedding_params(args), args.n_layers, args.n_heads * args.head_dim, seq_len
-    )
-
-
-def deepseek_flops_per_token(args: Any, seq_len: int) -> int:
-    """Training FLOPs per token of a DeepSeek-V2-style MoE
-    (:class:`~ray_titan.models.deepseek_v2.args.DeepSeekV2Args`) at ``seq_len``:
-    :func:`transformer_flops_per_token` with N = the *activated* non-embedding parameters
-    (:func:`ray_titan.models.deepseek_v2.model.activated_parameters`, counted on the meta device: shared
-    parameters, the shared experts and ``top_k`` of the routed experts), L = ``n_layers`` and the
-    MLA attention width ``H·(d_qk + d_v)/2``."""
-    import torch
-
-    from ray_titan.models.deepseek_v2.model import DeepSeekV2, activated_parameters
-
-    with torch.device("meta"):
-        n = activated_parameters(DeepSeekV2(args))
-    width = args.n_heads * (args.qk_head_dim + args.v_head_dim) // 2
-    return transformer_flops_per_token(n, args.n_layers, width, seq_len)
-
-
-def qwen3_moe_flops_per_token(args: Any, seq_len: int) -> int:
-    """Training FLOPs per token of a Qwen3-MoE model
-    (:class:`~ray_titan.models.qwen3_moe.args.Qwen3MoeArgs`) at ``seq_len``:
-    :func:`transformer_flops_per_token` with N = the activated non-embedding parameters (DeepSeek's
-    count, :func:`ray_titan.models.deepseek_v2.model.activated_parameters`, on the meta device:
-    attention, dense layers, routers and ``top_k`` of the routed experts, output head),
-    L = ``n_layers`` and H·Q = ``n_heads × head_dim``."""
-    import torch
-
-    from ray_titan.models.deepseek_v2.model import activated_parameters
-    from ray_titan.models.qwen3_moe.model import Qwen3Moe
-
-    with torch.device("meta"):
-        n = activated_parameters(Qwen3Moe(args))
-    return transformer_flops_per_token(n, args.n_layers, args.n_heads * args.head_dim, seq_len)
-
-
-def gpt_oss_flops_per_token(args: Any, seq_len: int) -> int:
-    """Training FLOPs per token of a gpt-oss model (:class:`~ray_titan.models.gpt_oss.args.GptOssArgs`)
-    at ``seq_len``: ``6·N`` with N its activated non-embedding parameters
-    (:func:`ray_titan.models.gpt_oss.activated_parameters`, on the meta device), plus
-    ``12·(H·Q)·T`` for each full-attention layer and ``12·(H·Q)·min(T, sliding_window)`` for
-    each sliding-window one (its queries see at most the window; the sink column is negligible)."""
-    import torch
-
-    from ray_titan.models.gpt_oss.model import GptOss, activated_parameters
-
-    with torch.device("meta"):
-        n = activated_parameters(GptOss(args))
-    context = sum(min(seq_len, args.sliding_window) if args.is_sliding(i) else seq_len for i in range(args.n_layers))
-    return transformer_flops_per_token(n, 0, 0, seq_len) + 12 * args.n_heads * args.head_dim * context
-
-
 def model_flops_per_token(args: Any, seq_len: int) -> int:
-    """:func:`deepseek_flops_per_token` for DeepSeek MoE model arguments (MLA's ``kv_lora_rank``),
-    :func:`gpt_oss_flops_per_token` for gpt-oss's (``sliding_window``), :func:`qwen3_moe_flops_per_token`
-    for Qwen3-MoE's, :func:`llama_flops_per_token` for dense ones."""
-    if hasattr(args, "n_routed_experts"):
-        if hasattr(args, "kv_lora_rank"):
-            return deepseek_flops_per_token(args, seq_len)
-        if hasattr(args, "sliding_window"):
-            return gpt_oss_flops_per_token(args, seq_len)
-        return qwen3_moe_flops_per_token(args, seq_len)
-    return llama_flops_per_token(args, seq_len)
+    """Training FLOPs per token of the model with arguments ``args`` at ``seq_len``: its family's
+    ``flops_per_token`` (``ray_titan/models/<family>/costs.py``, found by the arguments' class).
+    Raises ``KeyError`` for arguments no family takes."""
+    from ray_titan.models.registry import spec_for_args
+
+    return spec_for_args(args).flops_per_token(args, seq_len)
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:

@@ -5,23 +5,35 @@ Parquet: rows are appended in parts, ``<run_dir>/metrics/parts/part-NNNNN.parque
 whole (temporary file, then rename) so a crash loses at most the rows not yet flushed. On close
 the parts are consolidated into ``<run_dir>/metrics/steps.parquet``. :func:`read_steps` reads the
 consolidated file, or the parts when a crash left no consolidated file.
+
+Layout of ``steps.parquet`` (docs/metrics.md): rows sorted by rank, then step; each row group holds
+whole ranks, a block of consecutive ranks of about :data:`ROW_GROUP_ROWS` rows, so the ``rank``
+column's min/max statistics let a reader skip every other group. :func:`read_rank_history` reads one
+rank's history from the one group that holds it (pyarrow's filter pushdown on ``rank`` does the
+same). The consolidation streams: the parts are read one at a time and spilled by rank block into
+at most :data:`_MAX_BUCKETS` Arrow IPC files, then each is sorted and written, so its memory is a
+part plus a bucket, not the table.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 __all__ = [
-    "STEP_SCHEMA", "VERDICT_CODES", "ParquetSink", "TensorBoardSink", "WandbSink", "expert_load_scalars",
-    "read_steps", "step_scalars", "wandb_settings",
+    "ROW_GROUP_ROWS", "STEP_SCHEMA", "VERDICT_CODES", "ParquetSink", "TensorBoardSink", "WandbSink",
+    "expert_load_scalars", "read_rank_history", "read_steps", "step_scalars", "wandb_settings",
 ]
 
 _I, _F, _B = pa.int64(), pa.float64(), pa.bool_()
@@ -114,14 +126,15 @@ class ParquetSink:
         self._rows = []
 
     def close(self) -> Path:
-        """Flush, write ``steps.parquet`` from all parts (sorted by step, rank) and remove the
-        parts. Calling it again returns the same path and changes nothing."""
+        """Flush, write ``steps.parquet`` from all parts (one row per step and rank,
+        :func:`latest_rows`; sorted by rank and step, one row group per block of ranks: module
+        docstring) and remove the parts. Calling it again returns the same path and changes
+        nothing. Raises ``OSError`` naming the file when it cannot be written (the parts stay)."""
         if self.closed_path is not None:
             return self.closed_path
         self.flush()
-        table = _read_parts(self.parts)
         out = self.dir / "steps.parquet"
-        _write_atomically(table, out)  # the parts stay if this fails
+        consolidate(sorted(self.parts.glob("part-*.parquet")), out)  # the parts stay if this fails
         for p in list(self.parts.glob("part-*.parquet")) + list(self.parts.glob("*.tmp")):
             p.unlink()
         try:
@@ -130,6 +143,88 @@ class ParquetSink:
             pass
         self.closed_path = out
         return out
+
+
+ROW_GROUP_ROWS = 1 << 17
+"""Rows per row group of ``steps.parquet`` (about): a group holds ``max(1, ROW_GROUP_ROWS // steps)``
+whole ranks, so one rank's history is one group however many ranks the run has. Smaller groups
+read less per rank but grow the footer (one entry per column per group) read by every reader."""
+
+_BUCKET_ROWS = 1 << 21  # rows held in memory at once while consolidating (~1 GB in Arrow)
+_MAX_BUCKETS = 256  # spill files open at once while consolidating
+
+
+def consolidate(parts: list[Path], out: Path) -> int:
+    """Write the rows of ``parts`` (Parquet files with :data:`STEP_SCHEMA`) to ``out``: one row
+    per (step, rank) (:func:`latest_rows`), sorted by rank then step, one row group per block of
+    ranks (module docstring), atomically (temporary file, then rename). Memory stays about one
+    part plus :data:`_BUCKET_ROWS` rows: two passes over the parts, the first reading three
+    columns. Returns the rows written; raises ``OSError`` naming ``out`` on a write error."""
+    # Pass 1 (three columns, a part at a time): each step's newest attempt, the attempts, the ranks.
+    starts, ranks, newest_parts = np.zeros(0), np.zeros(0, np.int64), []
+    for f in parts:
+        key = pq.read_table(f, columns=["step", "rank", "attempt_start_time"])
+        starts = np.union1d(starts, key["attempt_start_time"].to_numpy())
+        ranks = np.union1d(ranks, key["rank"].to_numpy())
+        newest_parts.append(key.group_by("step").aggregate([("attempt_start_time", "max")]))
+    newest = (pa.concat_tables(newest_parts).group_by("step").aggregate([("attempt_start_time_max", "max")])
+              .rename_columns({"attempt_start_time_max_max": "attempt_start_time_max"}) if newest_parts else None)
+    n_steps = max(newest.num_rows if newest is not None else 0, 1)
+    per_group = max(1, ROW_GROUP_ROWS // n_steps)
+    group_first = ranks[::per_group]  # first rank of each row group
+    n_buckets = min(_MAX_BUCKETS, max(1, math.ceil(len(ranks) * n_steps / _BUCKET_ROWS)))
+    groups_per_bucket = math.ceil(max(len(group_first), 1) / n_buckets)
+    bucket_first = group_first[::groups_per_bucket]
+
+    tmp = out.with_suffix(".tmp")
+    rows = 0
+    try:
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=".consolidate-") as spill, \
+                pq.ParquetWriter(tmp, STEP_SCHEMA) as writer:
+            if len(bucket_first) <= 1:  # small enough to hold: no spill files
+                buckets = [pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA) for f in parts])
+                           if parts else STEP_SCHEMA.empty_table()]
+            else:
+                buckets = _spill(parts, bucket_first, Path(spill))
+            for bucket in buckets:
+                t = _latest(bucket, starts, newest, keys=("rank", "step"))
+                del bucket
+                # Each group's first row (a group's first rank may have no rows left: start at 0).
+                b = np.searchsorted(t["rank"].to_numpy(), group_first)
+                bounds: list[int] = np.unique(np.r_[0, b[(b > 0) & (b < t.num_rows)]]).tolist() if t.num_rows else []
+                for lo, hi in zip(bounds, [*bounds[1:], t.num_rows]):
+                    writer.write_table(t.slice(lo, hi - lo), row_group_size=max(hi - lo, 1))
+                rows += t.num_rows
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        cause = os.strerror(e.errno) if e.errno else str(e)
+        raise OSError(e.errno, f"cannot write {out}: {cause}") from None
+    return rows
+
+
+def _spill(parts: list[Path], bucket_first: np.ndarray, spill: Path):
+    """Split every part's rows by rank bucket into one Arrow IPC file per bucket, then yield each
+    bucket's table in rank order (pass 2 of :func:`consolidate`)."""
+    paths = [spill / f"bucket-{i:05d}.arrow" for i in range(len(bucket_first))]
+    writers = [pa.ipc.new_file(p, STEP_SCHEMA) for p in paths]
+    try:
+        for f in parts:
+            t = pq.read_table(f, schema=STEP_SCHEMA)
+            b = np.searchsorted(bucket_first, t["rank"].to_numpy(), side="right") - 1
+            order = np.argsort(b, kind="stable")
+            t, b = t.take(pa.array(order)), b[order]
+            edges = np.searchsorted(b, np.arange(len(bucket_first) + 1))
+            for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+                if hi > lo:
+                    writers[i].write_table(t.slice(lo, hi - lo))
+    finally:
+        for w in writers:
+            w.close()
+    for p in paths:
+        with pa.memory_map(str(p)) as source:
+            yield pa.ipc.open_file(source).read_all()
+        p.unlink()
 
 
 def _write_atomically(table: pa.Table, path: Path) -> None:
@@ -158,40 +253,88 @@ def latest_rows(table: pa.Table) -> pa.Table:
     resize the lost attempt's rows of ranks the new worker group lacks go too."""
     if table.num_rows == 0:
         return table
-    starts = sorted(set(table["attempt_start_time"].to_pylist()))
-    table = table.set_column(
-        table.schema.get_field_index("attempt"), "attempt",
-        pa.array([starts.index(t) for t in table["attempt_start_time"].to_pylist()], pa.int64()),
-    )
-    table = table.sort_by([("step", "ascending"), ("rank", "ascending"), ("attempt", "descending")])
-    keys = list(zip(table["step"].to_pylist(), table["rank"].to_pylist()))
-    attempts = table["attempt"].to_pylist()
-    newest: dict[int, int] = {}
-    for (step, _), a in zip(keys, attempts):
-        newest[step] = max(newest.get(step, a), a)
-    first = [i for i, k in enumerate(keys) if (i == 0 or keys[i - 1] != k) and attempts[i] == newest[k[0]]]
-    return table.take(pa.array(first, pa.int64()))
+    starts = np.unique(table["attempt_start_time"].to_numpy())
+    newest = table.select(["step", "attempt_start_time"]).group_by("step").aggregate([("attempt_start_time", "max")])
+    return _latest(table, starts, newest)
 
 
-def _read_parts(parts: Path) -> pa.Table:
-    return latest_rows(read_raw_parts(parts))
+def _latest(table: pa.Table, starts: np.ndarray, newest: pa.Table | None,
+            keys: tuple[str, str] = ("step", "rank")) -> pa.Table:
+    """:func:`latest_rows` of some of a table's rows, given the whole table's sorted attempt start
+    times and each step's newest (``step``, ``attempt_start_time_max``), sorted by ``keys``:
+    vectorised, so a consolidation can apply it a bucket of ranks at a time."""
+    if table.num_rows == 0 or newest is None:
+        return table
+    start = table["attempt_start_time"].to_numpy()
+    steps = newest["step"].to_numpy()
+    order = np.argsort(steps)
+    at = order[np.searchsorted(steps, table["step"].to_numpy(), sorter=order)]
+    keep = np.flatnonzero(start == newest["attempt_start_time_max"].to_numpy()[at])
+    table = table.take(pa.array(keep))
+    table = table.set_column(table.schema.get_field_index("attempt"), "attempt",
+                             pa.array(np.searchsorted(starts, start[keep]), pa.int64()))
+    table = table.sort_by([(k, "ascending") for k in keys])
+    # Resent duplicates (same attempt) are adjacent now: keep the first of each (step, rank).
+    step, rank = table["step"].to_numpy(), table["rank"].to_numpy()
+    first = np.ones(table.num_rows, bool)
+    first[1:] = (step[1:] != step[:-1]) | (rank[1:] != rank[:-1])
+    return table if first.all() else table.filter(pa.array(first))
 
 
-def read_steps(run_dir: str | Path) -> pa.Table:
+def read_steps(run_dir: str | Path, columns: list[str] | None = None) -> pa.Table:
     """The per-step, per-rank metrics of a run: ``steps.parquet``, or the flushed parts if the
-    run ended before consolidating them (one row per step and rank: :func:`latest_rows`). An
-    empty table (with the schema) if neither exists. ``run_dir`` may be a URI
-    (:mod:`ray_titan.storage`); local and remote run directories are read the same way."""
+    run ended before consolidating them (one row per step and rank: :func:`latest_rows`), sorted
+    by step then rank (the file itself is by rank then step: module docstring); ``columns``: only
+    these (default all). An empty table (with the schema) if neither exists. ``run_dir`` may be a
+    URI (:mod:`ray_titan.storage`); local and remote run directories are read the same way.
+    Reads the whole table: one rank's history is :func:`read_rank_history`."""
     from ray_titan import storage
 
     fs, path = storage.resolve(storage.join(run_dir, "metrics"))
     if fs.get_file_info(f"{path}/steps.parquet").type == pafs.FileType.File:
-        return pq.read_table(f"{path}/steps.parquet", filesystem=fs)
+        t = pq.read_table(f"{path}/steps.parquet", filesystem=fs, columns=columns)
+        if {"step", "rank"} <= set(t.column_names):
+            t = t.sort_by([("step", "ascending"), ("rank", "ascending")])
+        return t
     files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(f"{path}/parts", allow_not_found=True))
                    if i.base_name.startswith("part-") and i.base_name.endswith(".parquet"))
     if not files:
-        return STEP_SCHEMA.empty_table()
-    return latest_rows(pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA, filesystem=fs) for f in files]))
+        t = STEP_SCHEMA.empty_table()
+    else:
+        t = latest_rows(pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA, filesystem=fs) for f in files]))
+    return t if columns is None else t.select(columns)
+
+
+def read_rank_history(run_dir: str | Path, rank: int, columns: list[str] | None = None) -> pa.Table:
+    """One rank's rows (``columns``, default all), sorted by step. From ``steps.parquet`` it reads
+    the footer and only the row groups whose ``rank`` statistics can hold ``rank`` (one group in a
+    file written by :class:`ParquetSink`); from the parts of an unfinished run, all of them.
+    An empty table if the run has no rows for that rank. ``run_dir`` may be a URI."""
+    from ray_titan import storage
+
+    fs, path = storage.resolve(storage.join(run_dir, "metrics"))
+    if fs.get_file_info(f"{path}/steps.parquet").type != pafs.FileType.File:
+        t = read_steps(run_dir)
+        t = t.filter(pc.equal(t["rank"], rank))
+        return t if columns is None else t.select(columns)
+    with fs.open_input_file(f"{path}/steps.parquet") as f:
+        pf = pq.ParquetFile(f)
+        t = pf.read_row_groups(rank_row_groups(pf.metadata, rank), columns=None if columns is None else
+                               list(dict.fromkeys([*columns, "rank", "step"])))
+    t = t.filter(pc.equal(t["rank"], rank)).sort_by("step")
+    return t if columns is None else t.select(columns)
+
+
+def rank_row_groups(meta: pq.FileMetaData, rank: int) -> list[int]:
+    """The row groups of a Parquet file whose ``rank`` column statistics (min, max) include
+    ``rank``; a group without statistics is included (it may hold it)."""
+    col = meta.schema.names.index("rank")
+    out = []
+    for i in range(meta.num_row_groups):
+        st = meta.row_group(i).column(col).statistics
+        if st is None or not st.has_min_max or st.min <= rank <= st.max:
+            out.append(i)
+    return out
 
 
 VERDICT_CODES = {"warming_up": 0, "stable": 1, "growing": 2}

@@ -3,7 +3,8 @@
 A :class:`ModelSpec` (the role of torchtitan's train spec) holds a family's model class, its
 flavors (sizes), its ``parallelize`` step and how the job's ``[model]`` settings become model
 arguments. The trainer reaches a family only through its spec, so it never branches on a
-family's name; adding a family is adding a package under ``ray_titan/models/`` and one entry in
+family's name; adding a family is adding a package under ``ray_titan/models/`` (its model, flavors,
+``parallelize``, state-dict adapter and ``costs.py``: FLOPs and activation memory) and one entry in
 :data:`MODELS`.
 
 Flavors: ``debug`` is tiny and CPU-friendly in each family; ``llama/3-8B`` (also ``8B``),
@@ -28,16 +29,23 @@ from torch import nn
 
 from ray_titan.config.schema import JobConfig, Model
 from ray_titan.models import deepseek_v2, deepseek_v3, gpt_oss, llama, qwen3, qwen3_moe
+from ray_titan.models.costs import BlockActivations
 from ray_titan.models.decoder import Decoder
-from ray_titan.models.deepseek_v2.hf import DeepSeekV2Adapter
-from ray_titan.models.llama.hf import LlamaAdapter
-from ray_titan.models.qwen3.hf import Qwen3Adapter
+from ray_titan.models.deepseek_v2.costs import deepseek_block_activations, deepseek_flops_per_token
+from ray_titan.models.deepseek_v2.state_dict_adapter import DeepSeekV2Adapter
+from ray_titan.models.gpt_oss.costs import gpt_oss_block_activations, gpt_oss_flops_per_token
+from ray_titan.models.llama.costs import llama_block_activations, llama_flops_per_token
+from ray_titan.models.llama.state_dict_adapter import LlamaAdapter
+from ray_titan.models.qwen3.state_dict_adapter import Qwen3Adapter
+from ray_titan.models.qwen3_moe.costs import qwen3_moe_block_activations, qwen3_moe_flops_per_token
 from ray_titan.models.state_dict_adapter import StateDictAdapter
 from ray_titan.parallel.dims import Meshes, ParallelDims
 
-__all__ = ["MODELS", "ModelSpec", "build_model", "get_model_args", "get_spec", "is_moe", "spec_for_hf"]
+__all__ = ["MODELS", "ModelSpec", "build_model", "get_model_args", "get_spec", "is_moe", "spec_for_args", "spec_for_hf"]
 
 Parallelize = Callable[[nn.Module, ParallelDims, "Meshes | None", JobConfig], None]
+FlopsPerToken = Callable[[Any, int], int]
+BlockFormula = Callable[[Any, int, int, int, str, float, int], BlockActivations]
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,11 @@ class ModelSpec:
     parallelisms to one pipeline stage module in the fixed order (TP → EP → AC → compile →
     FSDP); ``config_args(cfg.model)`` gives the argument fields the job's ``[model]`` settings
     override (e.g. MoE load balancing); ``moe``: whether it has mixture-of-experts layers;
-    ``hf``: its Hugging Face state-dict adapter (``config.json`` ``model_type`` and tensor names).
+    ``hf``: its Hugging Face state-dict adapter (``config.json`` ``model_type`` and tensor names);
+    ``flops_per_token(args, seq_len)``: training FLOPs per token (MFU's numerator);
+    ``block_activations(args, layer, e, seq_len, device, routing_imbalance, ep)``: the bytes per
+    token block ``layer`` saves for backward (the memory plan's;
+    :class:`~ray_titan.models.costs.BlockActivations`). Both live in the family's ``costs.py``.
     """
 
     name: str
@@ -57,6 +69,8 @@ class ModelSpec:
     flavors: dict[str, Any]
     parallelize: Parallelize
     hf: StateDictAdapter
+    flops_per_token: FlopsPerToken
+    block_activations: BlockFormula
     config_args: Callable[[Model], dict[str, Any]] = lambda m: {}
     moe: bool = False
 
@@ -68,29 +82,33 @@ def _moe_args(m: Model) -> dict[str, Any]:
 
 
 MODELS: dict[str, ModelSpec] = {
-    "llama": ModelSpec("llama", llama.Llama, llama.FLAVORS, llama.parallelize_llama, LlamaAdapter()),
+    "llama": ModelSpec("llama", llama.Llama, llama.FLAVORS, llama.parallelize_llama, LlamaAdapter(),
+                       llama_flops_per_token, llama_block_activations),
     # Qwen3 dense is a Llama with per-head q/k RMSNorm (its flavors set qk_norm).
-    "qwen3": ModelSpec("qwen3", llama.Llama, qwen3.FLAVORS, llama.parallelize_llama, Qwen3Adapter()),
+    "qwen3": ModelSpec("qwen3", llama.Llama, qwen3.FLAVORS, llama.parallelize_llama, Qwen3Adapter(),
+                       llama_flops_per_token, llama_block_activations),
     "deepseek_v2": ModelSpec(
         "deepseek_v2", deepseek_v2.DeepSeekV2, deepseek_v2.FLAVORS, deepseek_v2.parallelize_deepseek_v2,
-        DeepSeekV2Adapter(), config_args=_moe_args, moe=True,
+        DeepSeekV2Adapter(), deepseek_flops_per_token, deepseek_block_activations, config_args=_moe_args, moe=True,
     ),
     # DeepSeek-V3 and Kimi K2: DeepSeek-V2's model with V3's router (its flavors set it).
     "deepseek_v3": ModelSpec(
         "deepseek_v3", deepseek_v2.DeepSeekV2, deepseek_v3.FLAVORS, deepseek_v2.parallelize_deepseek_v2,
-        deepseek_v3.DeepSeekV3Adapter(), config_args=_moe_args, moe=True,
+        deepseek_v3.DeepSeekV3Adapter(), deepseek_flops_per_token, deepseek_block_activations,
+        config_args=_moe_args, moe=True,
     ),
     # Qwen3-MoE: Qwen3's attention with DeepSeek-V2's MoE layer (greedy normalised top-k, no
     # shared expert) and the reference's balance loss pooled over layers.
     "qwen3_moe": ModelSpec(
         "qwen3_moe", qwen3_moe.Qwen3Moe, qwen3_moe.FLAVORS, qwen3_moe.parallelize_qwen3_moe,
-        qwen3_moe.Qwen3MoeAdapter(), config_args=_moe_args, moe=True,
+        qwen3_moe.Qwen3MoeAdapter(), qwen3_moe_flops_per_token, qwen3_moe_block_activations,
+        config_args=_moe_args, moe=True,
     ),
     # gpt-oss: attention with sinks and alternating sliding windows, DeepSeek-V2's MoE layer with
     # a biased top-k-softmax router and clamped-SwiGLU experts with biases; no tensor parallel.
     "gpt_oss": ModelSpec(
         "gpt_oss", gpt_oss.GptOss, gpt_oss.FLAVORS, gpt_oss.parallelize_gpt_oss, gpt_oss.GptOssAdapter(),
-        config_args=_moe_args, moe=True,
+        gpt_oss_flops_per_token, gpt_oss_block_activations, config_args=_moe_args, moe=True,
     ),
 }
 
@@ -110,6 +128,15 @@ def spec_for_hf(model_type: str) -> ModelSpec:
             return spec
     supported = sorted(t for s in MODELS.values() for t in (s.hf.model_type, *s.hf.model_type_aliases))
     raise KeyError(f"model_type {model_type!r} is not supported; supported: {supported}")
+
+
+def spec_for_args(args: Any) -> ModelSpec:
+    """The first family whose flavors' arguments are of ``args``'s class (Llama and Qwen3 share
+    ``LlamaArgs``, and their formulas). Raises ``KeyError`` naming the class."""
+    for spec in MODELS.values():
+        if any(type(a) is type(args) for a in spec.flavors.values()):
+            return spec
+    raise KeyError(f"no model family takes arguments of type {type(args).__name__}")
 
 
 def is_moe(name: str) -> bool:

@@ -1,6 +1,6 @@
 """State-dict adapters: how a model family's Hugging Face checkpoint maps onto ray_titan's model.
 
-Each family has one small adapter in ``ray_titan/models/<family>/hf.py`` (the role of
+Each family has one small adapter in ``ray_titan/models/<family>/state_dict_adapter.py`` (the role of
 torchtitan's per-model ``state_dict_adapter.py``). It knows the family's ``config.json`` fields
 (:meth:`StateDictAdapter.args_from_hf`, :meth:`StateDictAdapter.hf_config`) and, for every
 entry of ray_titan's state dict, where its values live in the Hugging Face files
@@ -8,7 +8,7 @@ entry of ray_titan's state dict, where its values live in the Hugging Face files
 permutation between Meta's interleaved rotary layout and Hugging Face's ``rotate_half`` layout
 (:func:`rotary_rows`), experts stacked along dim 0 from one tensor per expert, and tied weights
 (the output head reading the embedding). Reading and writing files is
-``ray_titan.hf``'s, generic over the families.
+``ray_titan.checkpoint.huggingface``'s, generic over the families.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def required(config: dict[str, Any], name: str) -> Any:
 # released model (so no real checkpoint is refused) and small enough that what ray_titan derives
 # from a config before reading any weight (the model on the meta device, the adapters' tensor
 # lists, rotary_rows' permutation) takes milliseconds: a hostile or mistyped value such as 1e9
-# is refused here, before it sizes anything. ray_titan.hf bounds the layer and expert counts and
+# is refused here, before it sizes anything. ray_titan.checkpoint.huggingface bounds the layer and expert counts and
 # the embedding further by what the safetensors headers hold.
 MAX_WIDTH = 2**16
 """hidden_size, and a query projection's heads × head_dim (Llama 3.1 405B: 16,384)."""

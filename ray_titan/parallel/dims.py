@@ -21,9 +21,14 @@ tokens over their own ``ep`` groups and no expert's work is repeated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ray_titan.parallel.schedules import SCHEDULES
+
+if TYPE_CHECKING:
+    from ray_titan.config.schema import JobConfig
 
 __all__ = ["Meshes", "ParallelDims", "process_group_backend"]
 
@@ -193,3 +198,13 @@ class ParallelDims:
             if self.dp_shard > self.ep or self.dp_replicate > 1:  # the experts are FSDP-sharded
                 ep_view["dp_shard_mod_ep", "ep"]._flatten("dp_shard_mod_ep_ep")
         return meshes
+
+
+def parallel_dims(cfg: JobConfig) -> ParallelDims:
+    """The job's :class:`ParallelDims`: mesh sizes, stages per rank, and the stage placement of
+    its pipeline schedule (``ray_titan.parallel.schedules.SCHEDULES``). Raises ``KeyError`` for
+    a schedule the table lacks (the schema admits none) and ``ValueError`` as :class:`ParallelDims`."""
+    par = cfg.parallelism
+    return ParallelDims(pp=par.pp, dp_shard=par.dp_shard, stages_per_rank=par.stages_per_rank, ep=par.ep,
+                        tp=par.tp, dp_replicate=par.dp_replicate,
+                        pp_style=SCHEDULES[par.pipeline_schedule].placement)

@@ -14,41 +14,25 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+from ray_titan.parallel.schedules import SCHEDULES
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedules' parameter type
 
 __all__ = ["SCHEDULES", "build_pipeline_schedule", "build_stage_module", "split_layers", "stage_placement"]
 
-SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
-    "GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-    "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV,
-}
-
-_V_SHAPED = (ScheduleZBVZeroBubble, ScheduleDualPipeV)
-
-
 def stage_placement(schedule: str) -> Literal["loop", "v"]:
-    """How ``schedule`` places stages on pp ranks: ``"v"`` for the V-shaped schedules
-    (ZBVZeroBubble, DualPipeV: torch builds their stage-to-rank mapping with ``style="v"``),
-    ``"loop"`` for the others. :class:`~ray_titan.parallel.dims.ParallelDims` derives every
+    """How ``schedule`` places stages on pp ranks (:attr:`~ray_titan.parallel.schedules.Schedule.placement`:
+    ``"v"`` for the V-shaped schedules, whose stage-to-rank mapping torch builds with ``style="v"``,
+    ``"loop"`` for the others). :class:`~ray_titan.parallel.dims.ParallelDims` derives every
     stage's rank, and so the last-stage ranks, from it; :func:`build_pipeline_schedule` checks
     that the schedule it built runs that same mapping. Raises ``ValueError`` for an unknown
     schedule."""
     if schedule not in SCHEDULES:
         raise ValueError(f"parallelism.pipeline_schedule = {schedule!r}; valid: {sorted(SCHEDULES)}")
-    return "v" if issubclass(SCHEDULES[schedule], _V_SHAPED) else "loop"
+    return SCHEDULES[schedule].placement
 
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -129,7 +113,7 @@ def build_pipeline_schedule(
     an unknown schedule, a single-stage schedule given several stages, or such a mismatch."""
     if schedule not in SCHEDULES:
         raise ValueError(f"parallelism.pipeline_schedule = {schedule!r}; valid: {sorted(SCHEDULES)}")
-    cls = SCHEDULES[schedule]
+    cls = SCHEDULES[schedule].torch_class
     stages: list[_PipelineStageBase] = [
         PipelineStage(mod, idx, num_stages, device, group=pp_group)
         for idx, mod in sorted(stage_modules.items())

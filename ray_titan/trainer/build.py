@@ -21,15 +21,15 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from ray_titan.checkpoint.huggingface import hf_model, load_hf_weights
 from ray_titan.config.schema import JobConfig
 from ray_titan.data.loader import IGNORE_INDEX, PackedLoader
 from ray_titan.fault import FaultHandler
-from ray_titan.hf import hf_model, load_hf_weights
 from ray_titan.models.registry import build_model, get_spec
-from ray_titan.parallel.dims import Meshes, ParallelDims
+from ray_titan.parallel.dims import Meshes, ParallelDims, parallel_dims
 from ray_titan.parallel.expert import MoEStepState
 from ray_titan.parallel.fsdp import autocast_dtype, materialize, resolve_mixed_precision
-from ray_titan.parallel.pipeline import build_pipeline_schedule, build_stage_module, split_layers, stage_placement
+from ray_titan.parallel.pipeline import build_pipeline_schedule, build_stage_module, split_layers
 from ray_titan.parallel.tied import TiedEmbeddings
 
 __all__ = [
@@ -51,15 +51,6 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, scale: float 
     total = torch.nn.functional.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum")
     return total * scale
-
-
-def parallel_dims(cfg: JobConfig) -> ParallelDims:
-    """The job's :class:`ParallelDims`: mesh sizes, stages per rank, and the stage placement of
-    its pipeline schedule (``ray_titan.parallel.pipeline.stage_placement``)."""
-    par = cfg.parallelism
-    return ParallelDims(pp=par.pp, dp_shard=par.dp_shard, stages_per_rank=par.stages_per_rank, ep=par.ep,
-                        tp=par.tp, dp_replicate=par.dp_replicate,
-                        pp_style=stage_placement(par.pipeline_schedule))
 
 
 def build_lr_lambda(cfg: JobConfig) -> Callable[[int], float]:
@@ -159,7 +150,7 @@ def build_stages(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, pp_r
     accelerator, FSDP2's parameters on the host, buffers on the device) and
     ``init_weights(training.seed)`` (each parameter seeded by its name, so the weights do not
     depend on the mesh), or, with ``checkpoint.initial_load_hf``, the Hugging Face checkpoint's
-    weights, each rank reading its own shards only (``ray_titan.hf``; the model's sizes and
+    weights, each rank reading its own shards only (``ray_titan.checkpoint.huggingface``; the model's sizes and
     vocabulary are then the checkpoint's)."""
     spec = get_spec(cfg.model.name)
     hf = cfg.checkpoint.initial_load_hf

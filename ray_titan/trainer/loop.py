@@ -29,7 +29,7 @@ from ray_titan.config.schema import JobConfig
 from ray_titan.data.build import build_loader
 from ray_titan.data.documents import document_positions
 from ray_titan.data.tokenizer import build_tokenizer
-from ray_titan.gc import GarbageCollection
+from ray_titan.gc_schedule import GarbageCollection
 from ray_titan.metrics.memory import MemorySampler, MemorySnapshots, find_oom, host_memory, oom_site
 from ray_titan.metrics.profiling import StepProfiler
 from ray_titan.metrics.report import Reporter, StepReport

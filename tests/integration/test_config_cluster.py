@@ -19,7 +19,7 @@ def test_worker_niceness_applies_to_every_thread(tmp_path):
     # In a child process: niceness, once raised, cannot be lowered back without CAP_SYS_NICE.
     code = """
 import os, threading, time
-from ray_titan.driver import set_process_niceness
+from ray_titan.trainer.ray_worker import set_process_niceness
 stop = threading.Event()
 t = threading.Thread(target=stop.wait); t.start()
 before = os.getpriority(os.PRIO_PROCESS, t.native_id)

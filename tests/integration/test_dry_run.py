@@ -61,3 +61,16 @@ def test_the_moe_job_with_expert_parallelism_syncs_once_per_dispatch_and_runs_gr
     assert n == layers_times_microbatches and site.endswith("(tolist)")
     assert sum(r.host_syncs_per_step.values()) == layers_times_microbatches + 1
     assert r.grouped_mm_per_step == (3 + 6) * layers_times_microbatches
+
+
+def test_a_one_rank_mesh_trains_and_plans_its_checkpoint():
+    """One rank, no process group to shard over: no FSDP2 materialises the fake parameters, and
+    torch's ``Module.to_empty`` could not swap them (a fake tensor's weakref). The rank runs a
+    step, and the checkpoint DCP plans after it (nothing written) copies every byte of the rank's
+    parameters and optimizer state from the device, only the generator states from the host, and
+    plans reading every key back on resume."""
+    (r,) = dry_run(LLAMA, ["--parallelism.pp=1", "--parallelism.dp_shard=1"], steps=1)
+    assert (r.coords, r.stages, r.steps) == ({"pp": 0, "dp_shard": 0}, [0], 1)
+    assert r.checkpoint_bytes["cuda"] == r.held_bytes["parameters"] + r.held_bytes["optimizer_state"] > 0
+    assert 0 < r.checkpoint_bytes["cpu"] < 64 << 10  # rng.rank0.cpu and rng.rank0.cuda
+    assert r.resume_read_items == r.checkpoint_keys > 100

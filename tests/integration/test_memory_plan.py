@@ -15,17 +15,15 @@ from torch.distributed.pipelining.schedules import _ComputationType as C
 from ray_titan.cli import main
 from ray_titan.config import ConfigError, load_config
 from ray_titan.memory_planner import (
-    SCHEDULE_IN_FLIGHT,
     MemoryPlan,
-    _block,
     format_bytes,
-    local_stages,
     memory_plan,
     parse_bytes,
 )
 from ray_titan.metrics.report import LocalReporter
 from ray_titan.metrics.sinks import read_steps
-from ray_titan.models.registry import build_model
+from ray_titan.models.registry import build_model, get_spec
+from ray_titan.parallel.schedules import SCHEDULES, local_stages
 from tests.conftest import REPO
 from tests.support.ranks import launch
 
@@ -71,7 +69,7 @@ def _measured_in_flight(actions: list, stages: list[int]) -> tuple[tuple[int, ..
 
 
 def _cases():
-    for name, rule in SCHEDULE_IN_FLIGHT.items():
+    for name, rule in SCHEDULES.items():
         v = rule.stages_per_rank or 2
         for pp in (2, 3, 4):
             for n in range(pp, 4 * pp + 1):
@@ -85,7 +83,7 @@ def _cases():
 def test_in_flight_rules_match_torchs_schedules():
     checked = 0
     for name, pp, v, n in _cases():
-        rule = SCHEDULE_IN_FLIGHT[name]
+        rule = SCHEDULES[name]
         order = _torch_order(name, pp, v, n)
         for r in range(pp):
             stages = local_stages(rule.placement, pp, v, r)
@@ -117,7 +115,8 @@ def _saved_bytes(block, x, cos, sin) -> int:
 
 
 @pytest.mark.parametrize("family,layer,dtype", [("llama", 0, torch.float32), ("deepseek_v2", 0, torch.float32),
-                                                ("deepseek_v2", 1, torch.float32), ("llama", 0, torch.bfloat16)])
+                                                ("deepseek_v2", 1, torch.float32), ("llama", 0, torch.bfloat16),
+                                                ("qwen3", 0, torch.float32), ("qwen3", 0, torch.bfloat16)])
 def test_block_activation_formulas_equal_what_autograd_saves(family, layer, dtype):
     """fp32, and bf16 weights and inputs as FSDP2's MixedPrecisionPolicy computes (Llama)."""
     torch.manual_seed(0)
@@ -127,7 +126,7 @@ def test_block_activation_formulas_equal_what_autograd_saves(family, layer, dtyp
     x = torch.randn(b, s, model.args.dim, requires_grad=True, dtype=dtype)
     cos, sin = model.rope_cos[:s], model.rope_sin[:s]  # fp32 tables, as FSDP2 leaves them
     saved = _saved_bytes(model.layers[str(layer)].to(dtype), x, cos, sin)
-    planned = _block(model.args, layer, dtype.itemsize, s, "cpu", 1.0, 1).none * b * s
+    planned = get_spec(family).block_activations(model.args, layer, dtype.itemsize, s, "cpu", 1.0, 1).none * b * s
     if layer >= getattr(model.args, "n_dense_layers", 99):
         # Routing decides how many rows each expert saves; the plan assumes top-k copies of every
         # token, which is exact for the dispatched tensors and the experts' activations alike.

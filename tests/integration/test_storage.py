@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import ray_titan.driver as driver
+import ray_titan.driver.run as driver
 import ray_titan.run_dir as run_dirs
 from ray_titan import storage
 from ray_titan.config import ConfigError, load_config
@@ -118,7 +118,7 @@ def test_read_steps_from_a_uri(tmp_path, monkeypatch):
     (["--job.dump_folder=/dev/null"], r"job.dump_folder = '/dev/null': cannot write there: Not a directory"),
 ])
 def test_unusable_dump_folder_is_refused_before_workers(overrides, message, monkeypatch):
-    monkeypatch.setattr(driver, "_connect", lambda cfg: pytest.fail("the driver started Ray for an invalid config"))
+    monkeypatch.setattr(driver, "connect", lambda cfg: pytest.fail("the driver started Ray for an invalid config"))
     started = time.monotonic()
     with pytest.raises(ConfigError, match=message):
         driver.train(load_config(None, overrides))
@@ -167,7 +167,7 @@ _UNREACHABLE = "s3://bucket/{}?endpoint_override=127.0.0.1:1&scheme=http"
 def test_an_unreachable_location_is_refused_within_the_storage_timeout(setting, overrides, monkeypatch):
     """Every location a job reads goes through the one probe (storage.probe_location): a child
     process stopped at job.storage_timeout_s, and an error naming the setting and the location."""
-    monkeypatch.setattr(driver, "_connect", lambda cfg: pytest.fail("the driver started Ray for an invalid config"))
+    monkeypatch.setattr(driver, "connect", lambda cfg: pytest.fail("the driver started Ray for an invalid config"))
     uri = _UNREACHABLE.format("x") if setting != "checkpoint.initial_load_hf" else "gs://ray-titan-unreachable/model"
     started = time.monotonic()
     with pytest.raises(ConfigError, match=rf"^{setting} = '{re.escape(uri)}': no answer from its storage within 1 s "
@@ -305,7 +305,7 @@ def test_a_file_beside_a_uri_keeps_its_options(tmp_path, monkeypatch):
     checkpoint keeps for an export."""
     from types import SimpleNamespace
 
-    from ray_titan.checkpoint import _hf_files
+    from ray_titan.checkpoint.manifest import _hf_files
     from ray_titan.data.tokenizer import HFTokenizer
     from tests.support.hf_models import write_tokenizer
 

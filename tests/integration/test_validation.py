@@ -143,7 +143,7 @@ def test_validation_reaches_parquet_tensorboard_console_and_report(pp_runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from ray_titan.driver import RunResult
-    from ray_titan.run_report import write_report
+    from ray_titan.run_summary import write_report
 
     (stdout, run_dir, on), _ = pp_runs
     val = _by_step(on, "step_val_loss")

@@ -5,14 +5,10 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.stats import Row, alternate, format_table, ratio_stats, slope
-from ray_titan.metrics.flops import (
-    gpu_peak_flops,
-    llama_flops_per_token,
-    llama_non_embedding_params,
-    mfu,
-    transformer_flops_per_token,
-)
+from ray_titan.metrics.flops import gpu_peak_flops, mfu
+from ray_titan.models.costs import transformer_flops_per_token
 from ray_titan.models.llama import Llama, LlamaArgs
+from ray_titan.models.llama.costs import llama_flops_per_token, llama_non_embedding_params
 from ray_titan.models.registry import build_model
 
 

@@ -369,7 +369,7 @@ def test_a_full_disk_on_another_rank_gives_every_rank_the_message(tmp_path, monk
     from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.api import _wrap_exception
 
-    import ray_titan.checkpoint as checkpoint
+    import ray_titan.checkpoint.checkpointer as checkpoint
 
     def save(*args, **kwargs):
         raise CheckpointException("write", {1: _wrap_exception(RuntimeError("unexpected pos 704 vs 598"))})
@@ -570,7 +570,7 @@ class _FakeCudaRng:
 
         import torch
 
-        import ray_titan.checkpoint as checkpoint
+        import ray_titan.checkpoint.checkpointer as checkpoint
 
         self.state = torch.arange(16, dtype=torch.uint8)  # what get_rng_state returns, as saved
         self.calls = []
@@ -594,7 +594,7 @@ def _resume(tmp_path, saved_dir, device):
 
 
 def test_a_checkpoint_saved_on_cpu_resumes_on_cuda_with_a_seeded_cuda_generator(tmp_path, monkeypatch, capsys):
-    from ray_titan.checkpoint import _device_rng_seed
+    from ray_titan.checkpoint.checkpointer import _device_rng_seed
 
     _tiny_checkpointer(tmp_path).save(3)  # on CPU: no rng.rank0.cuda
     fake = _FakeCudaRng(monkeypatch)
@@ -637,7 +637,7 @@ def test_the_model_arguments_a_manifest_records_are_bounded_before_they_size_any
     of RSS in minutes before; they pass the bounds of a config.json first (SIZE_FIELDS)."""
     from pathlib import Path
 
-    from ray_titan.hf import _args_of
+    from ray_titan.checkpoint.huggingface import _args_of
     from ray_titan.models.registry import get_spec
 
     run_dir, _, _ = saved

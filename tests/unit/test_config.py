@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import ray_titan.driver as driver
+import ray_titan.driver.run as driver
 from ray_titan.config import ConfigError, JobConfig, load_config
 from ray_titan.preflight import validate_job
 from tests.conftest import REPO
@@ -137,14 +137,14 @@ def test_validation_errors_name_setting_value_and_fix(overrides, message, monkey
     def no_cluster(cfg):
         raise AssertionError("the driver tried to start Ray for an invalid config")
 
-    monkeypatch.setattr(driver, "_connect", no_cluster)
+    monkeypatch.setattr(driver, "connect", no_cluster)
     with pytest.raises(ConfigError, match=message):
         driver.train(_cfg(*overrides))
 
 
 def test_data_without_text_column_is_refused_before_workers(tmp_path, monkeypatch):
     pq.write_table(pa.table({"content": ["a b c"]}), tmp_path / "d.parquet")
-    monkeypatch.setattr(driver, "_connect", lambda cfg: pytest.fail("connected to Ray"))
+    monkeypatch.setattr(driver, "connect", lambda cfg: pytest.fail("connected to Ray"))
     with pytest.raises(ConfigError, match=r"data.text_column = 'text' is not a column of .*d.parquet.*\['content'\]"):
         driver.train(_cfg("--data.source=parquet", f"--data.path={tmp_path / 'd.parquet'}"))
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "none.parquet")
@@ -200,7 +200,7 @@ def test_warmup_longer_than_the_run_is_a_warning_not_an_error():
     ],
 )
 def test_bad_callback_is_refused_before_workers(callback, message, monkeypatch):
-    monkeypatch.setattr(driver, "_connect", lambda cfg: pytest.fail("connected to Ray"))
+    monkeypatch.setattr(driver, "connect", lambda cfg: pytest.fail("connected to Ray"))
     cfg = JobConfig.from_dict({"callbacks": [callback]})
     with pytest.raises(ConfigError, match=r"callbacks\[0\].target = .*" + message):
         driver.train(cfg)
@@ -215,7 +215,7 @@ def test_a_callback_target_is_imported_but_never_called_before_workers(tmp_path,
     ran = tmp_path / "ran"
     job = tmp_path / "job.toml"
     job.write_text(f'[[callbacks]]\ntarget = "os:system"\nkwargs = {{ command = "touch {ran}" }}\n')
-    monkeypatch.setattr(driver, "_connect", lambda cfg: pytest.fail("connected to Ray"))
+    monkeypatch.setattr(driver, "connect", lambda cfg: pytest.fail("connected to Ray"))
     assert main(["config", "show", "--validate", str(job), f"--job.dump_folder={tmp_path}"]) == 2
     assert re.search(r"callbacks\[0\]\.target = 'os:system': .* is a builtin_function_or_method, not a class "
                      r"\(it is not called\): give a class .*defining at least one of on_train_start",
@@ -275,3 +275,16 @@ def test_unreadable_config_files_are_config_errors_exit_2(tmp_path, capsys, cont
     assert main(["config", "show", str(path)]) == 2
 
 
+
+
+def test_the_schemas_schedule_names_are_the_schedule_tables():
+    """config.schema imports nothing of the project, so its Literal of schedule names repeats the
+    keys of ray_titan.parallel.schedules.SCHEDULES (the one home of each schedule's properties)."""
+    import typing
+
+    from ray_titan.config.schema import Parallelism
+    from ray_titan.parallel.schedules import SCHEDULES
+
+    names = typing.get_args(Parallelism.model_fields["pipeline_schedule"].annotation)
+    assert list(names) == list(SCHEDULES)
+    assert all(s.torch_class.__name__.startswith("Schedule") for s in SCHEDULES.values())

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from ray_titan.hf import HFCheckpointError, check_hf_checkpoint, export_hf
+from ray_titan.checkpoint.huggingface import HFCheckpointError, check_hf_checkpoint, export_hf
 from ray_titan.models.decoder import count_parameters
 from ray_titan.models.deepseek_v2.model import Router
 from ray_titan.models.gpt_oss import activated_parameters
@@ -326,10 +326,10 @@ def test_flops_count_the_active_parameters_and_the_windows():
 
 @pytest.mark.parametrize("layer", [0, 1])
 def test_memory_plan_formula_is_what_autograd_saves(layer):
-    """The memory planner's block formula (fp32, CPU) within 5% of the bytes autograd saves in
+    """The memory planner's block formula (fp32, CPU) within 1% of the bytes autograd saves in
     one block's forward (sliding and full layers alike: the sink mask is (heads, seq + 1) per
     query in both)."""
-    from ray_titan.memory_planner import _block
+    from ray_titan.models.gpt_oss.costs import gpt_oss_block_activations
 
     model = build_model("gpt_oss", "debug")
     model.init_weights(0)
@@ -348,9 +348,9 @@ def test_memory_plan_formula_is_what_autograd_saves(layer):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x, cos, sin)
-    planned = _block(model.args, layer, 4, s, "cpu", 1.0, 1).none * b * s
+    planned = gpt_oss_block_activations(model.args, layer, 4, s, "cpu", 1.0, 1).none * b * s
     print(f"layer {layer}: planned {planned:.0f} bytes, autograd saves {sum(seen.values())}")
-    assert planned == pytest.approx(sum(seen.values()), rel=0.05)
+    assert planned == pytest.approx(sum(seen.values()), rel=0.01)
 
 
 def test_packed_documents_compute_what_each_document_would_alone():

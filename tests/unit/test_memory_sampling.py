@@ -134,7 +134,7 @@ def test_an_oom_inside_any_schedule_is_found_through_its_wrapping(world_of_one, 
 
     from ray_titan.callbacks import CallbackContext, InjectOOM
 
-    n = 1 if issubclass(SCHEDULES[schedule], PipelineScheduleSingle) else 2
+    n = 1 if issubclass(SCHEDULES[schedule].torch_class, PipelineScheduleSingle) else 2
     stages = {s: TransformerBlock() for s in range(n)}
     sched = build_pipeline_schedule(schedule, stages, n, 2, lambda out, y: (out - y).pow(2).mean(),
                                     torch.device("cpu"), world_of_one, dict.fromkeys(range(n), 0))

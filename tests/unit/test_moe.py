@@ -200,7 +200,8 @@ def test_aux_free_bias_moves_toward_balance():
 
 
 def test_moe_flops_count_activated_parameters_only():
-    from ray_titan.metrics.flops import deepseek_flops_per_token, transformer_flops_per_token
+    from ray_titan.models.costs import transformer_flops_per_token
+    from ray_titan.models.deepseek_v2.costs import deepseek_flops_per_token
 
     a = get_model_args("deepseek_v2", "V2-Lite")
     with torch.device("meta"):

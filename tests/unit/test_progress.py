@@ -1,4 +1,4 @@
-"""The driver's progress display (ray_titan.progress), no Ray: plain lines for logs, a bar on a
+"""The driver's progress display (ray_titan.driver.progress), no Ray: plain lines for logs, a bar on a
 terminal, and the collector's progress payload."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import re
 import select
 import time
 
+from ray_titan.driver.progress import BarDisplay, ConsoleThread, LineDisplay, format_eta, format_postfix, make_display
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.parallel.dims import ParallelDims
-from ray_titan.progress import BarDisplay, ConsoleThread, LineDisplay, format_eta, format_postfix, make_display
 from tests.unit.test_collector import _report
 
 MiB = 2**20

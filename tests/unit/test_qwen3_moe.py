@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ray_titan.hf import HFCheckpointError, check_hf_checkpoint, export_hf
+from ray_titan.checkpoint.huggingface import HFCheckpointError, check_hf_checkpoint, export_hf
 from ray_titan.models.decoder import count_parameters
 from ray_titan.models.deepseek_v2.model import Router
 from ray_titan.models.qwen3_moe import activated_parameters
@@ -205,8 +205,8 @@ def test_flavor_is_the_model_card(flavor, total, activated):
 def test_memory_plan_and_flops_see_the_moe_layers():
     """The FLOPs count the activated parameters (not all experts), and the memory planner's block
     formula tells the dense layer from the MoE ones."""
-    from ray_titan.memory_planner import _block
     from ray_titan.metrics.flops import model_flops_per_token
+    from ray_titan.models.qwen3_moe.costs import qwen3_moe_block_activations
 
     args = get_model_args("qwen3_moe", "30B-A3B")
     flops = model_flops_per_token(args, 4096)
@@ -215,7 +215,7 @@ def test_memory_plan_and_flops_see_the_moe_layers():
     n_active = activated_parameters(model) - args.vocab_size * args.dim  # the embedding lookup costs none
     assert flops == 6 * n_active + 12 * args.n_layers * args.n_heads * args.head_dim * 4096
     debug = get_model_args("qwen3_moe", "debug")
-    dense, moe = (_block(debug, layer, 2, 64, "cpu", 1.0, 1) for layer in (0, 1))
+    dense, moe = (qwen3_moe_block_activations(debug, layer, 2, 64, "cpu", 1.0, 1) for layer in (0, 1))
     assert dense.experts_none == 0 < moe.experts_none
 
 

@@ -4,6 +4,6 @@
 router of ``ray_titan.models.routing`` with its correction bias, query latents, more dense layers."""
 
 from ray_titan.models.deepseek_v3.args import FLAVORS
-from ray_titan.models.deepseek_v3.hf import DeepSeekV3Adapter
+from ray_titan.models.deepseek_v3.state_dict_adapter import DeepSeekV3Adapter
 
 __all__ = ["FLAVORS", "DeepSeekV3Adapter"]

@@ -31,8 +31,9 @@ FLAVORS: dict[str, DeepSeekV2Args] = {
         route_scale=2.5, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
         v_head_dim=32, max_seq_len=1024,
     ),
-    # torchtitan's deepseek_v3 "16B" sizes (DeepSeek-MoE-16B's: 27 layers, 64 experts top-6, 2
-    # shared, no query latent) with V3's router in one group: 15.7 B total, 2.4 B activated.
+    # torchtitan's deepseek_v3 "16B" (adapted from DeepSeek-MoE-16B; its sizes are DeepSeek-V2-Lite's:
+    # 27 layers, 64 experts top-6, 2 shared, no query latent) with V3's router in one group: 15.7 B
+    # total, 2.4 B activated (no model card of its own; V2-Lite's card gives these).
     "16B": dataclasses.replace(
         _V3, max_seq_len=163_840,
         rope_scaling=RopeScaling("yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
@@ -49,8 +50,9 @@ FLAVORS: dict[str, DeepSeekV2Args] = {
                                  beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
     ),
     # Kimi K2 (huggingface.co/moonshotai/Kimi-K2-Instruct, config.json, model_type "kimi_k2"):
-    # 1.04 T total, 32 B activated; 384 experts in one group (top-8), 64 heads, one dense layer,
-    # routed scaling 2.827, rope theta 50,000 with YaRN x32 over 4,096 positions.
+    # 1.03 T total (the card: 1T; its paper: 1.04 T), 32 B activated; 384 experts in one group
+    # (top-8), 64 heads, one dense layer, routed scaling 2.827, rope theta 50,000 with YaRN x32
+    # over 4,096 positions.
     "kimi_k2": dataclasses.replace(
         _V3, dim=7168, n_layers=61, n_dense_layers=1, n_heads=64, vocab_size=163_840, inter_dim=18_432,
         moe_inter_dim=2048, n_routed_experts=384, n_shared_experts=1, n_activated_experts=8, route_scale=2.827,

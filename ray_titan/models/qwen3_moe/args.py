@@ -105,7 +105,7 @@ class Qwen3MoeArgs:
     def attention_args(self) -> LlamaArgs:
         """These sizes as Qwen3 dense arguments (``qk_norm``), with ``inter_dim`` as the
         feed-forward: what the attention (``ray_titan.models.llama.model.Attention``) and the
-        Qwen3 adapter's shared names (``ray_titan.models.qwen3.hf``) read."""
+        Qwen3 adapter's shared names (``ray_titan.models.qwen3.state_dict_adapter``) read."""
         return LlamaArgs(
             dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
             vocab_size=self.vocab_size, ffn_dim=self.inter_dim, attn_head_dim=self.head_dim, norm_eps=self.norm_eps,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray_titan.models.deepseek_v2.hf import ROUTER_BIAS_FILE
+from ray_titan.models.deepseek_v2.state_dict_adapter import ROUTER_BIAS_FILE
 from ray_titan.models.gpt_oss.args import LAYER_TYPES, GptOssArgs
 from ray_titan.models.state_dict_adapter import (
     MAX_WIDTH,

@@ -59,3 +59,27 @@ def test_report_of_a_read_only_run_directory_says_so_and_writes_with_out(tmp_pat
         assert (tmp_path / "plots" / "loss.png").is_file()
     finally:
         subprocess.run(["umount", str(run_dir)], check=True)
+
+
+def test_report_of_16k_ranks_draws_heatmaps_and_names_the_planted_outliers(tmp_path, capsys):
+    """The benchmark's synthetic table (real schema, 16 stages × 128 × 8 ranks, earlier stages
+    holding more memory): only the planted ranks are named, in the table and beside the heatmaps."""
+    from benchmarks.metrics_scale import write_synthetic_run
+    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.run_summary import PER_RANK_LIMIT, outlier_ranks
+
+    memory, slow = (3, 9000, 16383), (4242,)
+    write_synthetic_run(tmp_path, 16384, 12, steps_per_part=6, memory_outliers=memory, time_outliers=slow)
+    named = {(o["rank"], o["what"]) for o in outlier_ranks(read_steps(tmp_path))}
+    assert named == {(r, "memory") for r in memory} | {(r, "step time") for r in slow}
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for name in ("loss.png", "memory.png", "step_time.png"):
+        png = tmp_path / "report" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in out
+    lines = out.splitlines()
+    assert lines[0].split()[-1] == "outlier" and len(lines) < PER_RANK_LIMIT + 10  # not one line per rank
+    shown = {int(line.split()[0]) for line in lines[1:] if line.split()[0].isdigit()}
+    assert shown == {*memory, *slow}
+    assert "(16380 of 16384 ranks not shown" in out
+    assert (tmp_path / "report" / "ranks.csv").read_text().count("\n") == 16385  # a header and every rank

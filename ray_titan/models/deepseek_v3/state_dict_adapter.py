@@ -1,7 +1,7 @@
 """The DeepSeek-V3 family's Hugging Face mapping (``model_type = "deepseek_v3"``,
 ``DeepseekV3ForCausalLM``; Kimi K2's ``model_type = "kimi_k2"`` imports as the same family).
 
-Names as DeepSeek-V2's (``ray_titan.models.deepseek_v2.hf``), except the router's bias: V3's
+Names as DeepSeek-V2's (``ray_titan.models.deepseek_v2.state_dict_adapter``), except the router's bias: V3's
 checkpoints hold it as ``mlp.gate.e_score_correction_bias`` (required), which is ray_titan's
 ``moe.router.expert_bias``. The multi-token-prediction layers (``model.layers.<num_hidden_layers
 + i>.*``, ``num_nextn_predict_layers`` of them) are skipped with a printed line and exported as
@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
-from ray_titan.models.deepseek_v2.hf import DeepSeekV2Adapter
+from ray_titan.models.deepseek_v2.state_dict_adapter import DeepSeekV2Adapter
 from ray_titan.models.state_dict_adapter import HFConfigError, Source, size_field
 
 __all__ = ["DeepSeekV3Adapter"]

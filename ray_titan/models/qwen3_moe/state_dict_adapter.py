@@ -1,13 +1,13 @@
 """The Qwen3-MoE family's Hugging Face mapping (``model_type = "qwen3_moe"``, ``Qwen3MoeForCausalLM``).
 
-Names: the Qwen3 dense mapping (``ray_titan.models.qwen3.hf``: embeddings, norms, attention with
+Names: the Qwen3 dense mapping (``ray_titan.models.qwen3.state_dict_adapter``: embeddings, norms, attention with
 the per-head rotary row permutation of q/k and their norms) for every layer, dense layers'
 ``mlp.{gate,up,down}_proj`` ↔ ``feed_forward.w{1,3,2}``; MoE layers' ``mlp.gate`` ↔
 ``moe.router``, ``mlp.experts.E.{gate,up,down}_proj`` (one tensor per expert) ↔ row ``E`` of the
 stacked ``moe.experts.w{1,3,2}``. One tensor per expert is what the released checkpoints hold and
 what transformers 5's ``save_pretrained`` writes (it un-fuses the ``gate_up_proj`` / ``down_proj``
 it holds in memory). The router's ``expert_bias`` (auxiliary-loss-free balancing) has no Qwen
-tensor: a side file, as DeepSeek-V2's (``ray_titan.models.deepseek_v2.hf.ROUTER_BIAS_FILE``).
+tensor: a side file, as DeepSeek-V2's (``ray_titan.models.deepseek_v2.state_dict_adapter.ROUTER_BIAS_FILE``).
 
 ``config.json``: ``num_experts`` (transformers 5 writes it as ``num_local_experts``),
 ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob`` (transformers' default
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray_titan.models.deepseek_v2.hf import ROUTER_BIAS_FILE
-from ray_titan.models.qwen3.hf import Qwen3Adapter
+from ray_titan.models.deepseek_v2.state_dict_adapter import ROUTER_BIAS_FILE
+from ray_titan.models.qwen3.state_dict_adapter import Qwen3Adapter
 from ray_titan.models.qwen3_moe.args import Qwen3MoeArgs
 from ray_titan.models.state_dict_adapter import HFConfigError, Source, rope_from_hf, size_field
 

@@ -29,7 +29,7 @@ loaded from the sharded checkpoint with DCP (only their keys), mapped by the ada
 written with ``safetensors``, so no process holds the whole model. (DCP's
 ``HuggingFaceStorageWriter`` writes the state dict it is given in one call, which would hold
 the whole model.) The MoE router's ``expert_bias`` goes to a side file (``ROUTER_BIAS_FILE`` of
-``ray_titan.models.deepseek_v2.hf``) when it is not all zeros; tied models write the embedding
+``ray_titan.models.deepseek_v2.state_dict_adapter``) when it is not all zeros; tied models write the embedding
 once.
 """
 
@@ -49,18 +49,15 @@ import torch
 from torch import nn
 
 from ray_titan import storage
-from ray_titan.checkpoint import (
+from ray_titan.checkpoint.manifest import (
     HF_DIR,
     TOKENIZER_FILES,
     CheckpointError,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
     _outside,
-    check_metadata,
-    load_metadata,
     read_manifest,
     resolve_checkpoint,
 )
+from ray_titan.checkpoint.unpickler import SafeFileSystemReader, SafeLoadPlanner, check_metadata, load_metadata
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.models.gpt_oss.mxfp4 import dequantize_mxfp4, packed_shapes
 from ray_titan.models.registry import ModelSpec, build_model, get_model_args, get_spec, spec_for_hf

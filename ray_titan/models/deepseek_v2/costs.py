@@ -1,0 +1,86 @@
+"""DeepSeek-V2's (and V3's) training FLOPs and activation memory (``ray_titan.models.costs``), and
+the MoE feed-forward's activations the other MoE families share.
+
+Activations per token of one block (multi-head latent attention, arXiv:2405.04434): the norms as
+Llama's, the KV latent ``e·(r_kv + r_rope)``, its norm ``4·r_kv + e·r_kv``, queries and keys
+``2e·h·d_qk``, values and output ``2e·h·d_v``, and either ``4h`` (fused attention) or ``e·h·s``
+(the attention probabilities of PyTorch's math kernel, which the CPU takes when ``d_qk ≠ d_v``).
+Dense feed-forward as Llama's; MoE feed-forward (:func:`moe_activations`): router scores ``4·E``,
+routing indices ``24·k`` (int64), the ``k`` dispatched copies of each token ``3e·k·d`` (gathered,
+expert output, weighted), each expert's SwiGLU ``4e·m`` per routed copy and the shared experts'
+``4e·n_s·m``. Under expert parallel a rank's experts receive ``ρ·k`` copies per token, ρ the
+routing imbalance (max over mean tokens per rank, 1 = balanced; ``routing_imbalance``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray_titan.models.costs import F32, I64, BlockActivations, fused_attention, transformer_flops_per_token
+
+__all__ = ["deepseek_block_activations", "deepseek_flops_per_token", "moe_activations"]
+
+
+def deepseek_flops_per_token(args: Any, seq_len: int) -> int:
+    """Training FLOPs per token of a DeepSeek-V2-style MoE
+    (:class:`~ray_titan.models.deepseek_v2.args.DeepSeekV2Args`) at ``seq_len``:
+    :func:`~ray_titan.models.costs.transformer_flops_per_token` with N = the *activated*
+    non-embedding parameters (:func:`ray_titan.models.deepseek_v2.model.activated_parameters`,
+    counted on the meta device: shared parameters, the shared experts and ``top_k`` of the routed
+    experts), L = ``n_layers`` and the MLA attention width ``H·(d_qk + d_v)/2``."""
+    import torch
+
+    from ray_titan.models.deepseek_v2.model import DeepSeekV2, activated_parameters
+
+    with torch.device("meta"):
+        n = activated_parameters(DeepSeekV2(args))
+    width = args.n_heads * (args.qk_head_dim + args.v_head_dim) // 2
+    return transformer_flops_per_token(n, args.n_layers, width, seq_len)
+
+
+def moe_activations(a: Any, e: int, rho: float, ep: int, norm_in: float) -> BlockActivations:
+    """Bytes per token an MoE feed-forward (``ray_titan.models.deepseek_v2.model.MoE``: router,
+    dispatch, ``top_k`` routed experts, ``n_shared_experts`` shared) saves, ``norm_in`` (its input
+    norm's) included: ``none``, ``op``, ``backward`` and the experts' parts (``input`` unused)."""
+    d = a.dim
+    k, m, ns, n_exp = a.n_activated_experts, a.moe_inter_dim, a.n_shared_experts, a.n_routed_experts
+    routed = rho * k if ep > 1 else k  # copies this rank's experts process per token
+    route = F32 * n_exp + 3 * I64 * k + F32 * k
+    dispatched = e * (routed * d + 2 * k * d) + (I64 * routed if ep > 1 else 0)
+    experts_none = dispatched + e * 4 * m * routed
+    experts_op = e * routed * (2 * m + d)
+    none = norm_in + route + experts_none + e * 4 * ns * m
+    op = F32 * n_exp + experts_op + e * (2 * ns * m + d)
+    backward = e * (routed * (2 * m + 2 * d) + 2 * ns * m)
+    return BlockActivations(none, op, 0.0, backward, experts_none, experts_op)
+
+
+def deepseek_block_activations(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
+                               ep: int) -> BlockActivations:
+    """Bytes per token block ``layer`` of a DeepSeek-V2/V3 model with arguments ``a`` saves
+    (module docstring): ``e`` bytes per activation element, ``seq`` tokens per sequence (the math
+    kernel's probabilities), ``device`` ``"cpu"`` or ``"cuda"``, ``rho`` the routing imbalance,
+    ``ep`` the expert-parallel degree."""
+    d, h = a.dim, a.n_heads
+    qk, vd, r_kv, r_rope = a.qk_head_dim, a.v_head_dim, a.kv_lora_rank, a.qk_rope_head_dim
+    norm_in = F32 * (2 * d + 1) + e * d  # x, x̂, RMS; norm output
+    q = (F32 * 2 * a.q_lora_rank + F32 + e * a.q_lora_rank) if a.q_lora_rank else 0
+    kv = e * (r_kv + r_rope) + F32 * (r_kv + 1) + e * r_kv
+    if fused_attention(a, device):
+        core = e * (2 * h * qk + 2 * h * vd) + F32 * h
+        core_op = e * h * vd + F32 * h
+    else:  # math kernel: q, kᵀ, probabilities, v, and the output's copy for wo
+        core = e * (2 * h * qk + h * seq + 2 * h * vd)
+        core_op = e * (h * seq + h * vd)
+    attention = norm_in + q + kv + core
+    q_mm = e * (a.q_lora_rank + h * qk) if a.q_lora_rank else e * h * qk
+    attention_op = F32 * d + q_mm + e * (r_kv + r_rope) + e * h * (a.qk_nope_head_dim + vd) + core_op + e * d
+    if layer < a.n_dense_layers:
+        ffn = norm_in + e * 4 * a.inter_dim
+        ffn_op = e * (2 * a.inter_dim + d)
+        backward = e * 2 * a.inter_dim
+    else:
+        moe = moe_activations(a, e, rho, ep, norm_in)
+        return BlockActivations(attention + moe.none, attention_op + moe.op, F32 * d, moe.backward,
+                                moe.experts_none, moe.experts_op)
+    return BlockActivations(attention + ffn, attention_op + ffn_op, F32 * d, backward)

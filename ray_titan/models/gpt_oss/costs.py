@@ -1,0 +1,48 @@
+"""gpt-oss's training FLOPs and activation memory (``ray_titan.models.costs``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray_titan.models.costs import BlockActivations, transformer_flops_per_token
+from ray_titan.models.deepseek_v2.costs import moe_activations
+from ray_titan.models.llama.args import LlamaArgs
+from ray_titan.models.llama.costs import llama_block_activations
+
+__all__ = ["gpt_oss_block_activations", "gpt_oss_flops_per_token"]
+
+
+def gpt_oss_flops_per_token(args: Any, seq_len: int) -> int:
+    """Training FLOPs per token of a gpt-oss model (:class:`~ray_titan.models.gpt_oss.args.GptOssArgs`)
+    at ``seq_len``: ``6·N`` with N its activated non-embedding parameters
+    (:func:`ray_titan.models.gpt_oss.activated_parameters`, on the meta device), plus
+    ``12·(H·Q)·T`` for each full-attention layer and ``12·(H·Q)·min(T, sliding_window)`` for
+    each sliding-window one (its queries see at most the window; the sink column is negligible)."""
+    import torch
+
+    from ray_titan.models.gpt_oss.model import GptOss, activated_parameters
+
+    with torch.device("meta"):
+        n = activated_parameters(GptOss(args))
+    context = sum(min(seq_len, args.sliding_window) if args.is_sliding(i) else seq_len for i in range(args.n_layers))
+    return transformer_flops_per_token(n, 0, 0, seq_len) + 12 * args.n_heads * args.head_dim * context
+
+
+def gpt_oss_block_activations(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
+                              ep: int) -> BlockActivations:
+    """Bytes per token block ``layer`` saves: Llama's attention and norms (the q/k/v/o biases save
+    nothing more) plus what its sinks add, the zero key and value row and the additive mask
+    ``(heads, seq + 1)`` per query that SDPA saves (and whose gradient backward makes), and
+    :func:`~ray_titan.models.deepseek_v2.costs.moe_activations` with the clamped SwiGLU's three
+    more hidden-sized tensors per routed copy than SwiGLU's (seven in all, measured with
+    ``saved_tensors_hooks`` on torch 2.13: tests/unit/test_gpt_oss.py). Llama's formula counts
+    the query width ``n_heads·head_dim`` (4096 on gpt-oss-20B, whose ``dim`` is 2880)."""
+    attn = LlamaArgs(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
+                     attn_head_dim=a.head_dim, ffn_dim=0, multiple_of=1, ffn_dim_multiplier=None)
+    base = llama_block_activations(attn, layer, e, seq, device, rho, ep)
+    mask = e * a.n_heads * (seq + 1) + e * 2 * a.n_kv_heads * a.head_dim
+    moe = moe_activations(a, e, rho, ep, 0.0)
+    clamp = e * 3 * a.moe_inter_dim * (rho * a.n_activated_experts if ep > 1 else a.n_activated_experts)
+    return BlockActivations(base.none + mask + moe.none + clamp, base.op + mask + moe.op, base.input,
+                            base.backward + moe.backward + e * a.n_heads * (seq + 1),
+                            moe.experts_none + clamp, moe.experts_op)

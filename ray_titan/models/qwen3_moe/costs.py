@@ -1,0 +1,44 @@
+"""Qwen3-MoE's training FLOPs and activation memory (``ray_titan.models.costs``): Qwen3's
+attention (Llama's formula with ``qk_norm``) and DeepSeek-V2's MoE feed-forward."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ray_titan.models.costs import BlockActivations, transformer_flops_per_token
+from ray_titan.models.deepseek_v2.costs import moe_activations
+from ray_titan.models.llama.costs import llama_block_activations
+
+__all__ = ["qwen3_moe_block_activations", "qwen3_moe_flops_per_token"]
+
+
+def qwen3_moe_flops_per_token(args: Any, seq_len: int) -> int:
+    """Training FLOPs per token of a Qwen3-MoE model
+    (:class:`~ray_titan.models.qwen3_moe.args.Qwen3MoeArgs`) at ``seq_len``:
+    :func:`~ray_titan.models.costs.transformer_flops_per_token` with N = the activated
+    non-embedding parameters (DeepSeek's count, :func:`ray_titan.models.deepseek_v2.model.activated_parameters`,
+    on the meta device: attention, dense layers, routers and ``top_k`` of the routed experts,
+    output head), L = ``n_layers`` and H·Q = ``n_heads × head_dim``."""
+    import torch
+
+    from ray_titan.models.deepseek_v2.model import activated_parameters
+    from ray_titan.models.qwen3_moe.model import Qwen3Moe
+
+    with torch.device("meta"):
+        n = activated_parameters(Qwen3Moe(args))
+    return transformer_flops_per_token(n, args.n_layers, args.n_heads * args.head_dim, seq_len)
+
+
+def qwen3_moe_block_activations(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
+                                ep: int) -> BlockActivations:
+    """Bytes per token block ``layer`` saves: a dense layer is Qwen3's (Llama's formula); an MoE
+    layer is Qwen3's attention and norms (Llama's formula with no feed-forward) plus
+    :func:`~ray_titan.models.deepseek_v2.costs.moe_activations`."""
+    attn = a.attention_args()
+    if layer not in a.moe_layers:
+        return llama_block_activations(attn, layer, e, seq, device, rho, ep)
+    base = llama_block_activations(dataclasses.replace(attn, ffn_dim=0), layer, e, seq, device, rho, ep)
+    moe = moe_activations(a, e, rho, ep, 0.0)  # the norms are in Llama's formula
+    return BlockActivations(base.none + moe.none, base.op + moe.op, base.input, base.backward + moe.backward,
+                            moe.experts_none, moe.experts_op)
