@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ray_titan.parallel import local_tensor
 
-__all__ = ["FaultHandler", "NonFiniteError", "all_finite"]
+__all__ = ["FaultHandler", "NonFiniteError", "all_finite", "nonfinite_flag"]
 
 
 class NonFiniteError(RuntimeError):
@@ -37,9 +37,10 @@ class NonFiniteError(RuntimeError):
 
 
 @torch.no_grad()
-def all_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
-    """Whether every element of ``tensors`` (this rank's shards of DTensors) is finite on every
-    rank: a max-abs per tensor (which cannot overflow, unlike a sum) and one all-reduce."""
+def nonfinite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``(1,)`` float32 on ``device``: 1 when some element of ``tensors`` (this rank's shards of
+    DTensors) is not finite on some rank, else 0. A max-abs per tensor (which cannot overflow,
+    unlike a sum) and one all-reduce; no host sync."""
     local = [local_tensor(t).detach() for t in tensors]
     local = [t for t in local if t.numel() and (t.is_floating_point() or t.is_complex())]
     bad = torch.zeros(1, device=device)
@@ -48,7 +49,13 @@ def all_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
         bad = (~torch.isfinite(norms)).any().to(bad.dtype).reshape(1)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return bad.item() == 0
+    return bad
+
+
+def all_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
+    """Whether every element of ``tensors`` is finite on every rank (:func:`nonfinite_flag`, read
+    on the host: one sync)."""
+    return nonfinite_flag(tensors, device).item() == 0
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -87,16 +94,22 @@ class FaultHandler:
     def begin_step(self, step: int) -> None:
         self._poison = step in self.cfg.debug.nonfinite_loss_at_steps
 
-    def check(self, step: int, loss: float | None, grad_norm: float, params: Sequence[torch.Tensor]) -> bool:
-        """True when this step's update must be dropped: a non-finite loss or gradient norm.
-        Under ``stop``, :meth:`end_step` then raises :class:`NonFiniteError` (after the step is
-        reported, so the metrics show it). Every rank reaches the same verdict (one tiny
-        all-reduce of the loss flag)."""
-        bad_loss = loss is not None and not math.isfinite(loss)
-        flag = torch.tensor([1.0 if bad_loss else 0.0], device=self.device)
+    def loss_flag(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """``(1,)`` float32 on the device: 1 when the loss (``loss``, this rank's; None off the last
+        stage) is not finite on some rank. One tiny all-reduce, no host sync."""
+        flag = torch.zeros(1, device=self.device)
+        if loss is not None:
+            flag = (~torch.isfinite(loss.detach().reshape(1).to(self.device))).to(flag.dtype)
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        loss_bad = flag.item() != 0  # one host sync: the flag may live on the device
+        return flag
+
+    def check(self, step: int, loss_bad: bool, grad_norm: float, params: Sequence[torch.Tensor]) -> bool:
+        """True when this step's update must be dropped: a non-finite loss on some rank
+        (``loss_bad``, :meth:`loss_flag` read on the host) or gradient norm.
+        Under ``stop``, :meth:`end_step` then raises :class:`NonFiniteError` (after the step is
+        reported, so the metrics show it). Every rank reaches the same verdict (the loss flag is
+        all-reduced, the norm is the whole model's); the gradients must still be there."""
         if not loss_bad and math.isfinite(grad_norm):
             return False
         # Rare path: find which stages hold the non-finite values, for the message.
@@ -141,12 +154,14 @@ class FaultHandler:
         self._had_state = {id(p) for p in params if optimizer.state.get(p)}
 
     @torch.no_grad()
-    def check_update(self, step: int, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> bool:
+    def check_update(self, step: int, update_bad: bool, params: Sequence[torch.Tensor],
+                     optimizer: torch.optim.Optimizer) -> bool:
         """After the optimizer step: True when it made a parameter non-finite on some rank. Under
         ``stop`` :meth:`end_step` then raises :class:`NonFiniteError`; under ``skip`` the
         parameters and optimizer state are restored from :meth:`before_update` and the step counts
-        as skipped. Every rank reaches the same verdict (one all-reduce)."""
-        if all_finite(params, self.device):
+        as skipped. ``update_bad``: :func:`nonfinite_flag` of ``params`` after the update, read on
+        the host (every rank the same). Call before the next forward."""
+        if not update_bad:
             return False
         message = (f"step {step}: the optimizer update made parameters non-finite from finite gradients "
                    f"(optimizer.lr = {self.cfg.optimizer.lr:g} overflows the parameters' dtype?)")

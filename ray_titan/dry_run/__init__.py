@@ -42,10 +42,13 @@ class DryRunError(RuntimeError):
 class RankResult:
     """One simulated rank: ``coords`` on the mesh, the pipeline ``stages`` it holds, ``steps``
     run, ``build_seconds`` and ``seconds`` (build and steps; wall), ``host_syncs_per_step`` (call site ->
-    synchronisations per step), ``collectives`` checked, ``peak_device_bytes`` (live fake CUDA
+    synchronisations per step, after the first step when there are several),
+    ``collectives`` checked, ``peak_device_bytes`` (live fake CUDA
     storages at their peak, bytes), ``device_bytes_after_build``, ``held_bytes`` (the rank's
     parameters, gradients and optimizer state on the device after the last step), the memory plan's
-    ``plan_peak_bytes`` for the rank, and the checkpoint after the last step as DCP planned its
+    ``plan_peak_bytes`` for the rank, ``grouped_mm_per_step``: ``torch._grouped_mm`` calls per
+    step, forward and backward (the routed experts' grouped GEMM; 0 where they loop), and the
+    checkpoint after the last step as DCP planned its
     save (nothing written): ``checkpoint_keys``, ``checkpoint_bytes`` (the tensors' bytes by device
     type: ``cuda``, ``cpu``), ``resume_read_items`` (the items DCP plans to read resuming it) and
     ``checkpoint_seconds`` (wall, that planning's)."""
@@ -66,6 +69,7 @@ class RankResult:
     checkpoint_bytes: dict[str, int] = field(default_factory=dict)
     resume_read_items: int = 0
     checkpoint_seconds: float = 0.0
+    grouped_mm_per_step: float = 0.0
 
 
 def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = None, steps: int = 2,

@@ -12,7 +12,10 @@ experts each:
 1. the model sorts tokens by their chosen expert (``top_k`` copies per token;
    ``ray_titan.models.deepseek_v2.model.route_tokens``) and calls :func:`run_remote_experts`:
 2. the per-expert counts ``(N,)`` are exchanged with an (equal-split) all-to-all, so every rank
-   knows how many tokens it sends to and receives from each peer: the only host sync;
+   knows how many tokens it sends to and receives from each peer; the sent and received counts
+   are read on the host together: the layer's one host sync per forward (``all_to_all_single``
+   with uneven splits takes host sizes; a recomputed forward under activation checkpointing reads
+   them again);
 3. dispatch: the sorted tokens go to the ranks owning their experts (uneven splits);
 4. the received tokens, ordered by (source rank, local expert), are regrouped by local expert and
    run through the local experts;
@@ -25,6 +28,7 @@ Routing is dropless: no capacity limit, no token is dropped or padded.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
@@ -36,7 +40,8 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from ray_titan.parallel.tp import reduce_grad, sum_partial
 
-__all__ = ["MoEStepState", "apply_expert_parallel", "apply_expert_tensor_parallel", "run_remote_experts"]
+__all__ = ["MoEStepScalars", "MoEStepState", "apply_expert_parallel", "apply_expert_tensor_parallel",
+           "run_remote_experts"]
 
 
 class _MoEModel(Protocol):
@@ -55,16 +60,18 @@ def run_remote_experts(
     n_local = counts.numel() // ep
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)
-    send = counts.view(ep, n_local).sum(1)
-    recv = recv_counts.view(ep, n_local)  # recv[i, e]: tokens from rank i for local expert e
-    send_l, recv_l = send.tolist(), recv.tolist()
-    in_splits, out_splits = send_l, [sum(r) for r in recv_l]
+    # The uneven all-to-alls need their split sizes on the host: both directions' in one read,
+    # the layer's only host sync per forward (its backward reuses the sizes).
+    sent_l, recv_flat = torch.stack([counts, recv_counts]).tolist()
+    recv_l = [recv_flat[i * n_local:(i + 1) * n_local] for i in range(ep)]  # [i][e]: from rank i, local expert e
+    in_splits = [sum(sent_l[i * n_local:(i + 1) * n_local]) for i in range(ep)]
+    out_splits = [sum(r) for r in recv_l]
     x_recv = all_to_all_single_autograd(x_sorted, out_splits, in_splits, group)
     # Received segments come as (source rank, local expert); regroup them as (expert, source).
     seg_key = torch.arange(ep * n_local, device=counts.device).view(n_local, ep).T.flatten()
     # output_size, known on the host already, spares the op a device sync to size its output;
     # not under torch.compile, whose symbolic sizes fail its backward there (torch 2.13).
-    keys = torch.repeat_interleave(seg_key, recv.flatten(),
+    keys = torch.repeat_interleave(seg_key, recv_counts,
                                    output_size=None if torch.compiler.is_compiling() else sum(out_splits))
     perm = torch.argsort(keys, stable=True)
     local_counts = [sum(recv_l[i][e] for i in range(ep)) for e in range(n_local)]
@@ -145,6 +152,37 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for moe in mods for p in moe.experts.parameters()]
 
 
+@dataclass
+class MoEStepScalars:
+    """A step's MoE statistics on the device: ``aux`` the balance loss summed over this rank's
+    layers and microbatches (0-dim fp32; None without it), ``counts (layers, N)`` int64 the
+    tokens (× top-k) routed to each expert (None without MoE layers), for ``layers``;
+    ``n_microbatches`` divides ``aux``. :meth:`tensors` go into the step's one host copy and
+    :meth:`read` turns their host values back into the report's fields."""
+
+    aux: torch.Tensor | None
+    counts: torch.Tensor | None
+    layers: list[int]
+    n_microbatches: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What to copy to the host, in :meth:`read`'s order."""
+        return [t for t in (self.aux, self.counts) if t is not None]
+
+    def read(self, values: list[float]) -> tuple[float | None, list[int], list[list[int]]]:
+        """``(aux_loss, layers, load)`` from the host values of :meth:`tensors` (flattened, in
+        order): the balance loss averaged over microbatches (None without it), the layer indices,
+        and per layer the tokens this rank routed to each expert in the step."""
+        aux_loss = None
+        if self.aux is not None:
+            aux_loss, values = values[0] / self.n_microbatches, values[1:]
+        if self.counts is None:
+            return aux_loss, [], []
+        n = self.counts.shape[1]
+        load = [[int(v) for v in values[i * n:(i + 1) * n]] for i in range(len(self.layers))]
+        return aux_loss, self.layers, load
+
+
 class MoEStepState:
     """Per-step bookkeeping of this rank's MoE layers, called by the train loop.
 
@@ -153,8 +191,9 @@ class MoEStepState:
       is divided by ``ep`` to become the gradient of the mean over the data-parallel batch, as
       FSDP's averaging does for every other parameter. (Under tensor parallel the tp ranks hold
       different hidden units of the same experts for the same tokens: nothing to add over tp.)
-    - :meth:`end_step` after the optimizer step: reads and zeroes each layer's token counts and
-      balance-loss sum (one host sync), and with auxiliary-loss-free balancing updates each
+    - :meth:`end_step` after the optimizer step: takes and zeroes each layer's token counts and
+      balance-loss sum (on the device; the step reads them with its other scalars), and
+      with auxiliary-loss-free balancing updates each
       router's bias from the loads summed over ``dp_group`` (every rank holding that stage), so
       the bias stays identical on every rank and equal to a one-worker run's.
     """
@@ -179,18 +218,16 @@ class MoEStepState:
                     p.grad.div_(self.ep)
 
     @torch.no_grad()
-    def end_step(self) -> tuple[float | None, list[int], list[list[int]]]:
-        """Returns ``(aux_loss, layers, load)``: the balance loss summed over this rank's layers
-        and averaged over microbatches (``None`` without it), the layer indices, and for each
-        the tokens (× top-k) this rank routed to each expert in the step."""
+    def end_step(self) -> MoEStepScalars:
+        """The step's MoE statistics on the device (:class:`MoEStepScalars`, read on the host with
+        the step's other scalars), then the aux-free bias update and the counters zeroed. No
+        host sync."""
         if not self.moes:
-            return None, [], []
+            return MoEStepScalars(None, None, [], self.n_mb)
         routers = [self.moes[i].router for i in self.layers]
-        counts = torch.stack([r.tokens_per_expert for r in routers])  # (layers, N)
-        aux = torch.stack([self.moes[i].aux_loss_sum for i in self.layers]).sum()
-        load = counts.tolist()
+        counts = torch.stack([r.tokens_per_expert for r in routers])  # (layers, N): a copy
         use_aux = any(self.moes[i].aux_coeff > 0 for i in self.layers)
-        aux_loss = aux.item() / self.n_mb if use_aux else None
+        aux = torch.stack([self.moes[i].aux_loss_sum for i in self.layers]).sum() if use_aux else None
         if routers[0].use_bias:
             total = counts.clone()
             if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
@@ -200,7 +237,7 @@ class MoEStepState:
                 # DeepSeek-V3 §2.1.2: raise under-loaded experts' bias, lower over-loaded ones'.
                 r.expert_bias.add_(torch.sign(c.mean() - c), alpha=r.bias_update_rate)
         self.reset()
-        return aux_loss, self.layers, load
+        return MoEStepScalars(aux, counts, self.layers, self.n_mb)
 
     @torch.no_grad()
     def reset(self) -> None:

@@ -34,6 +34,7 @@ def clip_grad_norm_(
     embedding's copy, ``ray_titan.parallel.tied``).
     """
     skip = {id(p) for p in norm_exclude}
+    parameters = list(parameters)
     groups: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
@@ -49,8 +50,8 @@ def clip_grad_norm_(
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         sq = norm**2 if sq is None else sq + norm**2
-    if sq is None:
-        sq = torch.zeros(())
+    if sq is None:  # no gradient here: a zero on the parameters' device (an NCCL group takes no host tensor)
+        sq = torch.zeros((), device=parameters[0].device if parameters else None)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
     norm = sq.sqrt()

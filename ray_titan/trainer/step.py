@@ -19,6 +19,7 @@ import torch
 from torch.profiler import record_function
 
 from ray_titan.data.loader import IGNORE_INDEX
+from ray_titan.fault import nonfinite_flag
 from ray_titan.parallel import local_tensor
 from ray_titan.parallel.grad_norm import clip_grad_norm_
 from ray_titan.trainer.build import TrainParts
@@ -35,7 +36,7 @@ class StepResult:
     None off the last stage), ``grad_norm`` (whole model, before clipping), ``lr`` (the step's
     learning rate), ``skipped`` (its update was dropped, ``training.on_nonfinite = "skip"``),
     the MoE statistics (``aux_loss``, ``moe_layers``, ``expert_load``; see
-    ``ray_titan.parallel.expert.MoEStepState.end_step``), and the seconds of forward/backward
+    ``ray_titan.parallel.expert.MoEStepScalars.read``), and the seconds of forward/backward
     and of clipping plus the optimizer; ``loss_tokens``: with loss masks, the counted labels
     behind ``loss`` on this rank (None: every label counts)."""
 
@@ -97,16 +98,15 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
     """
     t1 = time.perf_counter()
     parts.optimizer.zero_grad(set_to_none=True)
-    loss: float | None
     if counted_tokens is None:
         # Named ranges in profiler traces (profiling.trace_steps); near free when not profiling.
         with record_function("ray_titan/forward_backward"):
             losses, total = _forward_backward(parts, inputs, labels, n_microbatches, positions, {})
-        # Host float right away; the list (and its graph-free tensors) dies here.
+        # The loss stays on the device until the step's one host copy (_update).
         if losses is not None:
-            loss = torch.stack(losses).mean().item() if losses else None
+            loss = torch.stack(losses).mean() if losses else None
         else:
-            loss = (total / n_microbatches).item() if total is not None else None
+            loss = total / n_microbatches if total is not None else None
         return _update(parts, step, loss, max_norm, t1)
     # The schedule averages gradients over microbatches and FSDP (HSDP) over data-parallel ranks.
     scale = n_microbatches * parts.dims.dp / max(1, counted_tokens)
@@ -114,10 +114,8 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
         losses, total = _forward_backward(parts, inputs, labels, n_microbatches, positions,
                                           {"scale": scale})
     summed = torch.stack(losses).sum() if losses else total
-    mine = int((labels != IGNORE_INDEX).sum())
-    # This rank's mean over its counted labels; 0 of 0 weighs nothing in the collector's mean.
-    loss = None if summed is None else (summed.item() / scale / mine if mine else 0.0)
-    return _update(parts, step, loss, max_norm, t1, mine)
+    mine = (labels != IGNORE_INDEX).sum()  # this rank's counted labels, read with the step's scalars
+    return _update(parts, step, summed, max_norm, t1, (scale, mine))
 
 
 def run_schedule(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor,
@@ -171,26 +169,85 @@ def _forward_backward(parts: TrainParts, inputs: torch.Tensor, labels: torch.Ten
     return None, total
 
 
-def _update(parts: TrainParts, step: int, loss: float | None, max_norm: float, t1: float,
-            loss_tokens: int | None = None) -> StepResult:
+def _update(parts: TrainParts, step: int, loss: torch.Tensor | None, max_norm: float, t1: float,
+            masked: tuple[float, torch.Tensor] | None = None) -> StepResult:
     """After backward: expert-gradient scaling, clipping, the non-finite policy, the optimizer
-    and LR steps, the MoE statistics. ``t1``: when the step's forward began."""
+    and LR steps, the MoE statistics, then the step's one host synchronisation.
+
+    ``loss``: this rank's loss on the device (0-dim; None off the last stage): the mean over its
+    microbatches, or with loss masks (``masked = (scale, counted labels (0-dim int64))``) the sum
+    of the scaled microbatch losses, turned into the mean over the counted labels on the host as
+    before. ``t1``: when the step's forward began.
+
+    The non-finite verdict is decided on the device before the optimizer step: a fused optimizer
+    takes it as ``found_inf`` (its kernel skips the update and the step count, as under
+    ``GradScaler``); any other implementation reads it on the host first (one more sync). Every
+    scalar of the step (loss, counted labels, gradient norm, the two non-finite flags, the MoE
+    balance loss and routing counts) goes into one float64 buffer, copied to the host once after
+    the optimizer step is queued (:func:`_to_host`). Values are those of separate ``.item()`` calls
+    (float32 and int64 < 2**53 are exact in float64)."""
     parts.moe.scale_expert_grads()
     exclude: list[torch.Tensor] = []
     if parts.tied is not None:
         parts.tied.sync_grads()
         exclude = parts.tied.norm_exclude
     t2 = time.perf_counter()
+    faults, optimizer = parts.faults, parts.optimizer
     with record_function("ray_titan/optimizer"):
-        grad_norm = clip_grad_norm_(parts.params, max_norm, parts.pp_group, exclude).item()
+        norm = clip_grad_norm_(parts.params, max_norm, parts.pp_group, exclude)
         lr = float(parts.scheduler.get_last_lr()[0])  # typed float | Tensor; a float here
-        skipped = parts.faults.check(step, loss, grad_norm, parts.params)  # training.on_nonfinite
-        if not skipped:
-            parts.faults.before_update(parts.params, parts.optimizer)
-            parts.optimizer.step()
-            skipped = parts.faults.check_update(step, parts.params, parts.optimizer)
+        # training.on_nonfinite: the whole step's verdict, the same on every rank, on the device.
+        loss_bad = faults.loss_flag(loss)
+        norm_bad = ~torch.isfinite(norm.detach().to(loss_bad.device))  # cpu_offload: the norm is on the host
+        bad = torch.maximum(loss_bad, norm_bad.to(loss_bad.dtype).reshape(1))
+        faults.before_update(parts.params, optimizer)
+        if optimizer.defaults.get("fused"):
+            # On the parameters' device, by a blocking copy: under memory.cpu_offload the host
+            # optimizer must read the flag itself (one more sync there, which offloading's
+            # gradient copies make anyway). 0-dim: DTensor parameters take a plain scalar beside them.
+            where = local_tensor(parts.params[0]).device if parts.params else bad.device
+            optimizer.found_inf = bad.reshape(()).to(where)  # type: ignore[attr-defined]  # Adam/AdamW/SGD.step
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf  # type: ignore[attr-defined]
+        elif bad.item() == 0:  # foreach / for-loop kernels take no found_inf: one more host sync
+            optimizer.step()
+        update_bad = nonfinite_flag(parts.params, faults.device)
         parts.scheduler.step()
-    aux_loss, moe_layers, expert_load = parts.moe.end_step()
+    moe = parts.moe.end_step()
+    scalars = [loss_bad, norm, update_bad, *([] if loss is None else [loss]),
+               *([] if masked is None else [masked[1]]), *moe.tensors()]
+    host = _to_host(scalars, parts.device)
+    loss_bad_h, grad_norm, update_bad_h = bool(host[0]), host[1], bool(host[2])
+    rest = host[3:]
+    loss_h = None
+    if loss is not None:
+        loss_h, rest = rest[0], rest[1:]
+    loss_tokens = None
+    if masked is not None:
+        loss_tokens, rest = int(rest[0]), rest[1:]
+        # This rank's mean over its counted labels; 0 of 0 weighs nothing in the collector's mean.
+        loss_h = None if loss_h is None else (loss_h / masked[0] / loss_tokens if loss_tokens else 0.0)
+    aux_loss, moe_layers, expert_load = moe.read(rest)
+    skipped = faults.check(step, loss_bad_h, grad_norm, parts.params)
+    if not skipped:
+        skipped = faults.check_update(step, update_bad_h, parts.params, optimizer)
     t3 = time.perf_counter()
-    return StepResult(loss, grad_norm, lr, skipped, aux_loss, moe_layers, expert_load, t2 - t1, t3 - t2,
+    return StepResult(loss_h, grad_norm, lr, skipped, aux_loss, moe_layers, expert_load, t2 - t1, t3 - t2,
                       loss_tokens)
+
+
+def _to_host(scalars: list[torch.Tensor], device: torch.device) -> list[float]:
+    """The elements of ``scalars`` (device tensors of any shape and dtype) as host floats, in
+    order: one float64 buffer on the device, copied without blocking into pinned host memory,
+    then one wait for that copy: the step's single host synchronisation (docs/parallelisms.md)."""
+    buf = torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float64) for t in scalars])
+    if device.type != "cuda":
+        return buf.tolist()
+    host = torch.empty(buf.shape, dtype=torch.float64, pin_memory=True)
+    host.copy_(buf, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()

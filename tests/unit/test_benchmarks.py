@@ -104,3 +104,20 @@ def test_worker_side_cost_reads_the_runs_own_metrics_time():
     # The first step of a run has no figure; a cost is a mean, the rare dear step included.
     assert c["per_step_us"] == pytest.approx(2000) and c["median_us"] == pytest.approx(1000)
     assert c["fraction_of_step"] == pytest.approx(0.01)
+
+
+def test_gpu_benchmark_without_cuda_says_so_and_exits_0(tmp_path, capsys, monkeypatch):
+    """`python -m benchmarks.run gpu` on a machine without CUDA: exit 0, every GPU row
+    'unmeasured' with the reason, in the table and the JSON (no run attempted)."""
+    import json
+
+    import torch
+
+    from benchmarks.run import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "gpu.json"
+    assert main(["gpu", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["gpu"]["rows"]
+    assert len(rows) == 2 and all(r["a_value"] == "unmeasured" and "no CUDA" in r["note"] for r in rows)
+    assert "no CUDA device here" in capsys.readouterr().out

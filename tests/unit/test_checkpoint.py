@@ -231,9 +231,11 @@ def test_nonfinite_stop_names_the_step_and_stage(tmp_path, corpus_cache):
     assert t["step"].to_pylist() == [1, 2, 3] and t["skipped_update"].to_pylist() == [False, False, True]
 
 
-def test_nonfinite_skip_drops_the_update_and_counts_it(tmp_path, corpus_cache):
+@pytest.mark.parametrize("implementation", ["fused", "foreach"])
+def test_nonfinite_skip_drops_the_update_and_counts_it(tmp_path, corpus_cache, implementation):
+    """The fused optimizer is told on the device (found_inf); the foreach one after a host read."""
     cfg = _cfg(tmp_path, corpus_cache, "--debug.nonfinite_loss_at_steps=[2]", "--training.on_nonfinite=skip",
-               "--checkpoint.enable=false")
+               "--checkpoint.enable=false", f"--optimizer.implementation={implementation}")
     losses, skipped, grad_norms, summary = _train(tmp_path, cfg, save=False)
     assert skipped == [False, True, False, False] and summary["skipped_steps"] == 1
     assert math.isnan(losses[1]) and math.isnan(grad_norms[1])

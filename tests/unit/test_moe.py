@@ -10,6 +10,7 @@ import torch
 
 from ray_titan.models.decoder import count_parameters
 from ray_titan.models.deepseek_v2.model import (
+    GroupedExperts,
     MoE,
     activated_parameters,
     route_tokens,
@@ -77,6 +78,38 @@ def test_route_tokens_equals_the_per_token_definition():
     rx, rw = torch.autograd.grad((want * g).sum(), [x, moe.experts.w1])
     torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gw, rw, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias,activation", [(False, "swiglu"), (True, "clamped_swiglu")])
+def test_grouped_gemm_equals_the_expert_loop_forward_and_backward(dtype, bias, activation):
+    """torch._grouped_mm runs on CPU in torch 2.13 (bf16 with 16-byte-aligned rows): the path a
+    Hopper GPU takes under bf16 (GroupedExperts.grouped) against the loop CPU and fp32 take, on
+    the same weights and tokens, one expert getting none (DeepSeek's experts, gpt-oss's biased
+    ones): outputs and every gradient."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 16, 32, bias=bias, activation=activation).to(dtype)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    counts = [5, 0, 11, 8]
+    x = torch.randn(sum(counts), 16, dtype=dtype)
+    g = torch.randn(sum(counts), 16, dtype=dtype)  # a dense gradient (as the MoE layer's weighting gives)
+
+    def run(grouped: bool):
+        xi = x.clone().requires_grad_()
+        experts.zero_grad()
+        if grouped:
+            biases = (experts.b1, experts.b2, experts.b3) if bias else (None, None, None)
+            y = experts.grouped(xi, torch.tensor(counts), (experts.w1, experts.w2, experts.w3), biases)
+        else:
+            y = experts(xi, counts)  # on CPU: the loop
+        (y.float() * g.float()).sum().backward()
+        return [y.detach(), xi.grad] + [p.grad.clone() for p in experts.parameters()]
+
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for got, want in zip(run(True), run(False), strict=True):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, **tol)
 
 
 def test_router_counts_tokens_and_bias_steers_selection_only():
@@ -154,7 +187,8 @@ def test_aux_free_bias_moves_toward_balance():
     model.init_weights(0)
     state = MoEStepState({0: model}, ep=1, dp_group=None, n_microbatches=1)
     model(torch.randint(0, DEBUG.vocab_size, (2, 32)))
-    aux, layers, load = state.end_step()
+    scalars = state.end_step()  # on the device; read back as the step's one host copy does
+    aux, layers, load = scalars.read(torch.cat([t.reshape(-1).double() for t in scalars.tensors()]).tolist())
     assert aux is None and layers == DEBUG.moe_layers
     for layer, counts in zip(layers, load):
         assert sum(counts) == 2 * 32 * DEBUG.n_activated_experts

@@ -204,8 +204,12 @@ class GroupedExperts(nn.Module):
     (gpt-oss) each projection adds its own bias, ``b1, b3 (n, hidden)``, ``b2 (n, dim)``.
 
     ``forward(x (tokens, dim), counts)`` takes tokens already grouped by expert, ``counts[e]``
-    of them for local expert ``e`` (a list of ints summing to ``tokens``), and returns
-    ``(tokens, dim)``. Under expert parallelism the weights and biases are ``DTensor``s sharded
+    of them for local expert ``e`` (``(n_local,)`` int64 on ``x``'s device, or a host list of
+    ints; summing to ``tokens``), and returns ``(tokens, dim)``. Under bf16 on a CUDA device of
+    compute capability 9+ (Hopper) it runs :meth:`grouped` (``torch._grouped_mm``: one kernel per
+    projection for all experts, forward and backward, no host sync); elsewhere (CPU, fp32) a
+    loop over the experts, which needs the counts on the host.
+    Under expert parallelism the weights and biases are ``DTensor``s sharded
     on dim 0 over the ``ep`` axis and this rank computes its local experts only.
     """
 
@@ -224,22 +228,17 @@ class GroupedExperts(nn.Module):
         self.has_bias = bias
         self.act = functools.partial(EXPERT_ACTIVATIONS[activation], **(activation_params or {}))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
         # Under expert parallelism the weights are DTensors: compute with this rank's experts.
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         b1, b2, b3 = ((b.to_local() if isinstance(b, DTensor) else b for b in (self.b1, self.b2, self.b3))
                       if self.has_bias else (None, None, None))
         if _use_grouped_mm(x, w1):
-            offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
-            up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-            if b1 is None or b2 is None or b3 is None:
-                return torch._grouped_mm(self.act(gate, up), w2.transpose(-2, -1), offs=offs)
-            # Each row's expert: the bias rows to add (counts sum to the rows).
-            expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
-                                             torch.tensor(counts, device=x.device), output_size=x.shape[0])
-            h = self.act(gate + b1[expert], up + b3[expert])
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs) + b2[expert]
+            # The counts stay on the device (a host list is copied there, without a sync).
+            sizes = counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, device=x.device)
+            return self.grouped(x, sizes.to(x.device), (w1, w2, w3), (b1, b2, b3))
+        if isinstance(counts, torch.Tensor):
+            counts = counts.tolist()  # the loop splits on the host: one sync where the experts are local
         # Every local expert appears in the graph, even with no tokens, so every weight gets a
         # (possibly zero) gradient and the optimizer treats all experts alike on every mesh.
         if b1 is None or b2 is None or b3 is None:
@@ -248,6 +247,25 @@ class GroupedExperts(nn.Module):
             outs = [self.act(xe @ w1[e].T + b1[e], xe @ w3[e].T + b3[e]) @ w2[e].T + b2[e]
                     for e, xe in enumerate(torch.split(x, counts))]
         return torch.cat(outs)
+
+    def grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                biases: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        """The experts by ``torch._grouped_mm`` (``x (tokens, dim)`` grouped by expert, ``counts
+        (n_local,)`` int64 on ``x``'s device; ``weights`` this rank's ``w1, w2, w3``, ``biases``
+        ``b1, b2, b3`` or Nones): group ``e`` is rows ``offs[e-1]:offs[e]`` of ``x`` times
+        ``w[e].T``. Same result as the loop of :meth:`forward` up to summation order."""
+        w1, w2, w3 = weights
+        b1, b2, b3 = biases
+        offs = counts.cumsum(0).to(torch.int32)
+        gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+        up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+        if b1 is None or b2 is None or b3 is None:
+            return torch._grouped_mm(self.act(gate, up), w2.transpose(-2, -1), offs=offs)
+        # Each row's expert: the bias rows to add (the counts sum to the rows: no sync to size it).
+        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
+                                         output_size=x.shape[0])
+        h = self.act(gate + b1[expert], up + b3[expert])
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs) + b2[expert]
 
 
 def _recomputing() -> bool:
@@ -268,8 +286,9 @@ def _count_per_expert(indices: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 
 def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
-    # torch._grouped_mm's kernels are for Hopper+ GPUs in bf16; its CPU backward fails on some
-    # shapes (torch 2.13), so the loop is used everywhere else.
+    # torch._grouped_mm's CUDA kernels are for Hopper+ GPUs in bf16. It also runs on CPU (torch
+    # 2.13; its backward refuses a stride-0 output gradient, e.g. of a .sum()), where the loop
+    # stays: the CPU parity tests are bitwise against it (tests/unit/test_moe.py compares them).
     return (
         x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
         and torch.cuda.get_device_capability(x.device)[0] >= 9
@@ -330,7 +349,7 @@ def route_tokens(
     counts = _count_per_expert(flat, n_experts)
     x_sorted = x[token_of]
     if run_experts is None:
-        y_sorted = experts(x_sorted, counts.tolist())
+        y_sorted = experts(x_sorted, counts)  # on the device: GroupedExperts reads them on the host only to loop
     else:
         y_sorted = run_experts(x_sorted, counts, experts)
     w = weights.flatten()[order].unsqueeze(-1)
