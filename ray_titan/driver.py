@@ -322,7 +322,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
 
     from ray_titan.checkpoint import RayTrainCheckpointStorage
     from ray_titan.fault import NonFiniteError
-    from ray_titan.metrics.report import CollectorReporter, JsonlReporter, Reporter, rank_reports_path
+    from ray_titan.metrics.report import CollectorReporter, JsonlReporter, Reporter, rank_reports_path, reporting_target
     from ray_titan.metrics.timing import write_timings
     from ray_titan.parallel.elastic import mesh_for_workers
     from ray_titan.trainer import train_loop
@@ -340,7 +340,9 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         reporter = Reporter()
     else:
         reporter = CollectorReporter(
-            loop_config["collector"], cfg.metrics.max_inflight_reports, cfg.metrics.max_buffered_reports,
+            reporting_target(loop_config["collector"], loop_config.get("aggregators"), rank,
+                             cfg.metrics.ranks_per_aggregator),
+            cfg.metrics.max_inflight_reports, cfg.metrics.max_buffered_reports,
             interval_s=cfg.metrics.report_interval_s,
         )
     if cfg.metrics.save_rank_reports:
@@ -418,6 +420,7 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     from ray_titan.checkpoint import find_latest, remove_staging
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.leak import MemoryLeakError, leak_settings
+    from ray_titan.metrics.report import create_aggregators
     from ray_titan.metrics.sinks import read_steps, wandb_settings
     from ray_titan.metrics.timing import read_timings, write_timings
     from ray_titan.parallel.elastic import fitting_worker_counts, is_elastic, mesh_for_workers
@@ -482,7 +485,9 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
         cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
         leak=leak_settings(cfg.memory), on_leak=cfg.memory.on_leak,
         kill_at_step=cfg.debug.kill_collector_at_step, nice=cfg.metrics.collector_nice, wandb=wandb_settings(cfg),
+        series_max_ranks=cfg.metrics.series_max_ranks,
     ) if cfg.metrics.enabled else None
+    aggregators = collector and create_aggregators(collector, max(counts), cfg.metrics.ranks_per_aggregator)
     # The run directory's last part; run_dir is a URI string (no .name) on remote storage.
     run_name = run_dir.name if isinstance(run_dir, Path) else run_dir.rstrip("/").rsplit("/", 1)[-1]
     print(
@@ -495,7 +500,8 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     trainer = (partial(MeshTorchTrainer, counts=counts) if is_elastic(cfg) else LeanTorchTrainer)(
         _worker_entry,
         own_cluster=own_cluster(),
-        train_loop_config={"config": cfg.model_dump(), "collector": collector, "run_dir": str(run_dir),
+        train_loop_config={"config": cfg.model_dump(), "collector": collector, "aggregators": aggregators,
+                           "run_dir": str(run_dir),
                            "callbacks": list(callbacks or [])},
         torch_config=TorchConfig(backend=process_group_backend(cfg.ray.use_gpu, cfg.memory.cpu_offload)),
         **datasets,

@@ -405,7 +405,7 @@ class MetricsCollector:
         self._pending: dict[int, list[dict[str, Any]]] = {}  # step -> packed parts (pack_reports)
         self._seen: dict[int, set[int]] = {}  # step -> ranks with a pending report
         self._sizes: dict[int, int] = {}  # step -> ranks of its worker group
-        self.aggregator_dropped = 0
+        self._aggregator_dropped: dict[str, int] = {}
         self._lines: list[tuple[int | None, str]] = []  # (step it belongs to, text)
         self.errors: list[str] = []
         self.errors_total = 0
@@ -457,7 +457,8 @@ class MetricsCollector:
         packed: dict[str, Any] | None
         if isinstance(batch, dict):
             packed = batch
-            self.aggregator_dropped = max(self.aggregator_dropped, dropped)  # latest count of the sender
+            if dropped:  # the aggregator's own count so far
+                self._aggregator_dropped[packed.get("sender", "")] = dropped
         else:
             packed = pack_reports(batch, dropped) if batch else None
         if packed is not None and len(packed["objects"]):
@@ -544,9 +545,9 @@ class MetricsCollector:
             self._pending.clear()
             self._seen.clear()
             self._sizes.clear()
-            if self.aggregator_dropped:
-                self._error(f"the metrics aggregators dropped {self.aggregator_dropped} report(s): the collector "
-                            "was too slow")
+            if self._aggregator_dropped:
+                self._error(f"the metrics aggregators dropped {sum(self._aggregator_dropped.values())} report(s): "
+                            "the collector was too slow")
             for rank, n in sorted(self.dropped.items()):
                 self._error(f"rank {rank} dropped {n} report(s): the collector was too slow")
             self._skipped_steps = self._restarts = self._steps_run = 0

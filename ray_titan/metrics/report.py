@@ -79,11 +79,13 @@ def pack_reports(reports: list[dict[str, Any]], dropped: list[int] | int = 0) ->
     first report's ``coords``, in order, "moe": None or (int64 (n, layers), int64 (n, layers,
     experts)): ``moe_layers`` and ``expert_load`` of every report where all have one shape (then
     None in ``objects``)}``. Counts and bytes are exact in float64 up to 2**53.
-    ``dropped``: per report, or one count for all, the reports its rank had dropped."""
+    ``dropped``: per report, or one count for all, the reports its rank had dropped (a report's
+    own ``dropped`` key wins)."""
     n = len(reports)
     drops = [dropped] * n if isinstance(dropped, int) else dropped
     rows, objects = [], []
     for rep, d in zip(reports, drops):
+        d = rep.get("dropped", d)  # set by a MetricsAggregator: the sending rank's count
         c, m = rep["coords"], rep["memory"]
         rows.append((
             rep["step"], rep["rank"], c.get("pp", 0), c.get("dp_replicate", 0), c.get("dp_shard", 0), c.get("tp", 0),
@@ -214,7 +216,8 @@ class CollectorReporter(Reporter):
     Reports are sent in batches while fewer than ``max_inflight`` calls are unanswered, at most one
     call per ``interval_s`` seconds (the first report at once): a Ray call costs the worker ~0.6 ms
     and the collector ~0.75 ms of CPU time whether it carries one report or ten, so reports of
-    fast steps travel together (0: a call every step). Each
+    fast steps travel together (0: a call every step). ``pack``: send the batches in columns
+    (:func:`pack_reports`; a :class:`MetricsAggregator`'s delivery). Each
     answer names the collector's incarnation and, per attempt, the step up to which rows are on
     disk; held reports up to there are forgotten. A failed call (the collector died) or a new
     incarnation (it was restarted) makes every held report due again, sent after a back-off of
@@ -226,8 +229,10 @@ class CollectorReporter(Reporter):
     """
 
     def __init__(self, handle, max_inflight: int = 16, max_buffered: int = 10_000, retry_s: float = 1.0,
-                 interval_s: float = 0.0):
-        self.handle = handle
+                 interval_s: float = 0.0, pack: bool = False):
+        self.handle, self.pack = handle, pack
+        self._id = f"{os.getpid()}-{id(self)}"  # names this sender's own dropped count at the collector
+        self.durable: dict[float, int] = {}  # the collector's latest answer: steps on disk per attempt
         self.max_inflight, self.max_buffered = max_inflight, max_buffered
         self.interval_s, self._next_call = interval_s, 0.0
         self._pending: list = []
@@ -299,6 +304,7 @@ class CollectorReporter(Reporter):
     def _acknowledge(self, durable: dict[float, int]) -> None:
         if not durable:
             return
+        self.durable = durable
         kept = deque(r for r in self._held if r["step"] > durable.get(r.get("attempt_start_time", 0.0), 0))
         self._unsent = min(len(kept), self._unsent)
         self._held = kept
@@ -317,6 +323,8 @@ class CollectorReporter(Reporter):
         if self._unsent or flush:
             batch = self._queue
             self._unsent = 0
+            if self.pack:
+                batch = {**pack_reports(batch), "sender": self._id}  # type: ignore[assignment]
             self._pending.append(self.handle.report.remote(batch, self.dropped, flush))
             self._next_call = time.monotonic() + self.interval_s
 
@@ -366,76 +374,46 @@ class MetricsAggregator:
     ranks / ``expected`` calls a step instead of one per rank (a Ray call costs the collector
     ~0.25 ms of CPU whatever it carries, measured on this project's 2-core machine).
 
-    It holds nothing the workers need: a report is forgotten once forwarded, and the workers keep
-    every report until the collector's answer says it is on disk. Its answers carry the
-    collector's with ``incarnation`` = ``"<this aggregator's life>/<the collector's>"``, so a
-    restart of either makes the workers resend what they hold (a killed aggregator's calls fail,
-    which does too). Before the first answer of the collector it answers None (nothing
-    acknowledged). Bounded: at most ``max_inflight`` forwards unanswered (more reports wait here)
-    and ``max_buffered`` reports waiting; beyond that the oldest are dropped and counted in
-    :attr:`dropped` (sent to the collector, which records them as errors).
+    Its own delivery to the collector is a :class:`CollectorReporter` (packing its batches): it
+    holds what it forwarded until the collector has it on disk and resends it to a restarted
+    collector. Its answers carry its own incarnation and the collector's ``durable`` steps, so the
+    ranks forget a report only once it is on disk, and resend all they hold when this aggregator
+    was restarted (a new incarnation) or a call to it failed: a killed aggregator loses nothing.
+    Bounded: ``max_inflight`` forwards unanswered, ``max_buffered`` reports held (beyond, the
+    oldest unsent are dropped and counted, and the collector records them as errors).
 
     Args:
         collector: the collector actor's handle.
         expected: reports that make a full batch (the group's ranks): forwarded as soon as this
-            many wait, or ``interval_s`` seconds after the last forward, or on a ``flush``.
+            many wait, ``interval_s`` seconds after the last forward, or on a ``flush``.
     """
 
     def __init__(self, collector, expected: int, max_inflight: int = 4, max_buffered: int = 100_000,
                  interval_s: float = 1.0):
         import uuid
 
-        self.collector, self.expected = collector, expected
-        self.max_inflight, self.max_buffered, self.interval_s = max_inflight, max_buffered, interval_s
+        self.expected = expected
         self.incarnation = uuid.uuid4().hex
-        self._held: deque[tuple[list[dict[str, Any]], int]] = deque()  # (a rank's call's reports, its dropped)
-        self._count = 0
-        self._pending: list = []
-        self._answer: dict[str, Any] | None = None
-        self._last = time.monotonic()
-        self.dropped = 0
-        self.failed_calls = 0
+        self.out = CollectorReporter(collector, max_inflight, max_buffered, interval_s=interval_s, pack=True)
 
-    def report(self, batch: list[dict[str, Any]], dropped: int = 0, flush: bool = False) -> dict[str, Any] | None:
-        """Take one rank's call (see :meth:`MetricsCollector.report`); the collector's latest answer."""
-        if batch:
-            self._held.append((batch, dropped))
-            self._count += len(batch)
-        while self._count > self.max_buffered:
-            lost, _ = self._held.popleft()
-            self._count -= len(lost)
-            self.dropped += len(lost)
-        if flush or self._count >= self.expected or time.monotonic() - self._last >= self.interval_s:
-            self.forward(flush)
+    @property
+    def dropped(self) -> int:
+        return self.out.dropped
+
+    def report(self, batch: list[dict[str, Any]], dropped: int = 0, flush: bool = False) -> dict[str, Any]:
+        """Take one rank's call (see :meth:`MetricsCollector.report`); answer as the collector would."""
+        out = self.out
+        out._hold([{**r, "dropped": dropped} for r in batch] if dropped else batch)
+        if flush or out._unsent >= self.expected or time.monotonic() >= out._next_call:
+            out._send(flush)
         else:
-            self._poll()
-        if self._answer is None:
-            return None
-        return {**self._answer, "incarnation": f"{self.incarnation}/{self._answer['incarnation']}"}
+            out._poll()
+        return {"incarnation": self.incarnation, "durable": out.durable, "stop": out.stop_reason,
+                "write_failing": out._write_failing}
 
     def forward(self, flush: bool = False) -> None:
-        """Send what waits as one batch, unless ``max_inflight`` forwards are unanswered."""
-        self._poll()
-        if len(self._pending) >= self.max_inflight or not (self._held or flush):
-            return
-        reports = [r for batch, _ in self._held for r in batch]
-        drops = [d for batch, d in self._held for _ in batch]
-        self._held.clear()
-        self._count = 0
-        self._last = time.monotonic()
-        self._pending.append(self.collector.report.remote(pack_reports(reports, drops), self.dropped, flush))
-
-    def _poll(self) -> None:
-        import ray
-
-        if not self._pending:
-            return
-        ready, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
-        for ref in ready:
-            try:
-                self._answer = ray.get(ref)
-            except Exception:  # the collector died: the workers resend to its next life once it answers
-                self.failed_calls += 1
+        """Send what waits now (unless ``max_inflight`` forwards are unanswered)."""
+        self.out._send(flush)
 
 
 def create_aggregators(collector, world_size: int, ranks_per_aggregator: int, max_inflight: int = 4,
