@@ -326,8 +326,9 @@ class Metrics(_Section):
     """TensorBoard and W&B get every rank's memory series (``memory/rank<r>/...``) up to this many
     ranks; beyond, per pipeline stage and overall min / median / max of host and device memory,
     the count of ranks per memory verdict, and the series of each rank whose verdict is
-    ``growing`` (16,384 ranks would make ~100k tags a step, more than W&B accepts for a run).
-    The Parquet table keeps every rank's row whatever this is."""
+    ``growing`` (16,384 ranks would make ~100k tags a step, more than W&B accepts for a run);
+    for MoE models each layer's max / mean expert load, without every expert's share. The
+    Parquet table keeps every rank's row whatever this is."""
     ranks_per_aggregator: int = Field(64, ge=0)
     """Above this many ranks, each group of this many ranks reports to a metrics aggregator actor
     (``ray_titan.metrics.report.MetricsAggregator``) that forwards the group's reports to the

@@ -365,8 +365,9 @@ class MetricsCollector:
         wandb: :class:`~ray_titan.metrics.sinks.WandbSink`'s arguments (``wandb_settings``) to
             also log every step to Weights & Biases; None: no W&B.
         series_max_ranks: ``metrics.series_max_ranks``: TensorBoard and W&B get every rank's
-            memory series up to this many ranks; beyond, per-stage and overall summaries
-            (:func:`memory_summary_scalars`) and the ``growing`` ranks' own series.
+            memory series (and every expert's share of its MoE layer's load) up to this many
+            ranks; beyond, per-stage and overall summaries (:func:`memory_summary_scalars`), the
+            ``growing`` ranks' own series and each MoE layer's max / mean load.
     """
 
     MAX_ERRORS = 1000
@@ -782,11 +783,11 @@ class MetricsCollector:
             else:  # per stage and overall, and the growing ranks' own series
                 values_ = step_scalars(scalars, rows) + memory_summary_scalars(c, code)
             if self.wandb:
-                self.wandb.log(step, values_ + expert_load_scalars(load))
+                self.wandb.log(step, values_ + expert_load_scalars(load, shares=n <= self.series_max_ranks))
             if self.tb:
                 self._tensorboard(self.tb.add_scalars, step, values_)
                 if load and self.tb:
-                    self._tensorboard(self.tb.add_expert_load, step, load)
+                    self._tensorboard(self.tb.add_expert_load, step, load, n <= self.series_max_ranks)
                 if not self._mesh_written and self.tb and coords is not None:  # what ``rank{r}`` in the tags is
                     self._tensorboard(self.tb.add_text, "mesh/ranks", "\n".join(
                         f"- {describe_coords(r, co)}" for r, co in zip(ranks.tolist(), coords)), step)
@@ -817,10 +818,10 @@ class MetricsCollector:
             if not self.restarted:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    VERDICT_RANKS = 2048
-    """Ranks judged per step at most: a larger job's ranks are judged every ``ceil(ranks / this)``
-    steps each, in turn (:meth:`LeakMonitor.update_many`'s ``every``), so the verdict costs the
-    same at every step (~10 ms here) and a leak is named at most that many steps later."""
+    VERDICT_RANKS = 256
+    """Theil–Sen slopes refitted per step at most: a larger job's ranks each get theirs every
+    ``ceil(ranks / this)`` steps, in turn (:meth:`LeakMonitor.update_many`'s ``every``), so the
+    verdict costs about the same at every step; the verdict itself is exact at every step."""
 
     def _size_of(self, c: _Columns) -> int:
         """The worker group size of a step's reports (the run's for reports that do not say)."""

@@ -149,12 +149,14 @@ class SeriesBank:
             self.warmup_end = np.concatenate([self.warmup_end, np.zeros(extra, np.int64)])
 
     def update(self, ranks: np.ndarray, step: int, used: np.ndarray, free: np.ndarray,
-               evaluate: np.ndarray | None = None) -> None:
+               fit: np.ndarray | None = None) -> None:
         """Add the samples of ``step`` (``used``, bytes, shape ``(k,)``, one per rank of ``ranks``;
-        distinct ranks) and judge the ranks where ``evaluate`` (bool ``(k,)``; default all).
-        ``free``: what each rank may still allocate (bytes; NaN: unknown), for the OOM projection.
-        A sample of a step at or before one already held (a step replayed after a restart)
-        replaces the held ones from there."""
+        distinct ranks) and judge every one of them. ``free``: what each rank may still allocate
+        (bytes; NaN: unknown), for the OOM projection. ``fit`` (bool ``(k,)``; default all): the
+        ranks whose Theil–Sen slope is refitted now; the others keep their last one in
+        :attr:`slope` unless their verdict needs it (see :meth:`_evaluate`). A sample of a step
+        at or before one already held (a step replayed after a restart) replaces the held ones
+        from there."""
         self.grow(int(ranks.max()) + 1 if len(ranks) else 0)
         w = self.window
         valid = np.arange(w) < self.n[ranks, None]
@@ -168,20 +170,23 @@ class SeriesBank:
         self.x[ranks, n] = step
         self.y[ranks, n] = used
         self.n[ranks] = n + 1
-        if evaluate is not None:
-            ranks, free = ranks[evaluate], free[evaluate]
         if len(ranks):
-            self._evaluate(ranks, step, free)
+            self._evaluate(ranks, step, free, np.ones(len(ranks), bool) if fit is None else fit)
 
-    def _evaluate(self, ranks: np.ndarray, step: int, free: np.ndarray) -> None:
+    def _evaluate(self, ranks: np.ndarray, step: int, free: np.ndarray, fit: np.ndarray) -> None:
+        """Judge ``ranks``. The Theil–Sen slope (the costly part: a median of window² / 2 slopes
+        per rank) is fitted where ``fit`` says and wherever it can decide the verdict: a rank whose
+        three quarter-to-quarter rates all reach the threshold (it may be growing) or a growing
+        one whose rates do not all fall below half of it (it may stay growing). Elsewhere the
+        verdict is the same whatever the slope, so every rank's verdict is exact at every step."""
         n = self.n[ranks]
         k = len(ranks)
         slope, recent, sustained, typical = (np.full(k, np.nan) for _ in range(4))
+        old = self.slope[ranks]
+        thr = self.threshold
         for m in np.unique(n[n >= self.MIN_SAMPLES]):  # one group but after a replay or a late rank
             at = np.nonzero(n == m)[0]
             x, y = self.x[ranks[at], :m], self._without_releases(self.y[ranks[at], :m])
-            i, j = _pairs(int(m))
-            s = np.median((y[:, j] - y[:, i]) / (x[:, j] - x[:, i]), axis=1) / MiB  # Theil–Sen
             # A one-time level shift (a new allocator pool) tilts the slope of any window that
             # holds it; a leak raises every part of the window. So the growth that counts is the
             # smallest of the slopes between the medians of successive quarters of the window: a
@@ -190,13 +195,23 @@ class SeriesBank:
             mx = np.stack([np.median(x[:, a:b], axis=1) for a, b in zip(bounds, bounds[1:])], axis=1)
             my = np.stack([np.median(y[:, a:b], axis=1) for a, b in zip(bounds, bounds[1:])], axis=1)
             steps = np.diff(my, axis=1) / np.diff(mx, axis=1) / MiB
+            lo, hi = steps.min(axis=1), steps.max(axis=1)
+            need = fit[at] | (lo >= thr) | ((self.state[ranks[at]] == 2) & ~(hi < thr / 2))
+            s = old[at].copy()
+            if need.any():
+                i, j = _pairs(int(m))
+                xn, yn = x[need], y[need]
+                s[need] = np.median((yn[:, j] - yn[:, i]) / (xn[:, j] - xn[:, i]), axis=1) / MiB  # Theil–Sen
+            # Where the slope was not fitted it cannot decide: lo < thr, so not growing; and a
+            # growing rank's rates all under thr / 2 make it stable whatever the slope is.
+            sd = np.where(need, s, lo)
             slope[at], recent[at] = s, steps[:, -1]
-            sustained[at] = np.minimum(s, steps.min(axis=1))
-            typical[at] = np.median(np.column_stack([s, steps]), axis=1)
+            sustained[at] = np.minimum(sd, lo)
+            typical[at] = np.median(np.column_stack([sd, steps]), axis=1)
         state = self.state[ranks]
         with np.errstate(invalid="ignore"):
             warm = state == 0
-            flat = recent < self.threshold  # the newest quarter has flattened (NaN: not yet known)
+            flat = recent < thr  # the newest quarter has flattened (NaN: not yet known)
             end = warm & ((step >= self.warmup_max) | ((n == self.window) & flat))
             state[end] = 1
             self.warmup_end[ranks[end]] = step
@@ -204,9 +219,9 @@ class SeriesBank:
             # once the typical part rises at less than half of it (a leak near the threshold
             # would otherwise flap with the noise of one quarter).
             judged = (state != 0) & (n == self.window) & ~np.isnan(sustained)
-            grows = judged & (sustained >= self.threshold)
+            grows = judged & (sustained >= thr)
             state[grows] = 2
-            state[judged & ~grows & (typical < self.threshold / 2)] = 1
+            state[judged & ~grows & (typical < thr / 2)] = 1
             oom = np.full(k, np.nan)
             proj = (state == 2) & ~np.isnan(free) & (slope > 0)
             oom[proj] = step + np.ceil(np.maximum(free[proj], 0) / (slope[proj] * MiB))
@@ -331,9 +346,10 @@ class LeakMonitor:
         ``ranks``: distinct ranks, int ``(k,)``. ``mem``: the memory fields of
         ``ray_titan.metrics.report.MEMORY_FIELDS`` by name, float ``(k,)`` in bytes, NaN where a
         rank's report had None (device fields on CPU; malloc's free bytes without glibc).
-        ``every``: judge each rank every this many steps (rank ``r`` at steps where
-        ``(r + step) % every == 0``; the samples of the steps between are kept), so a verdict's
-        cost per step stays flat however many ranks there are; 1: every step.
+        ``every``: refit each rank's Theil–Sen slope (the ``slope`` reported) every this many
+        steps (rank ``r`` at steps where ``(r + step) % every == 0``), so the cost per step stays
+        flat however many ranks there are; the verdict itself is exact at every step
+        (:meth:`SeriesBank._evaluate` fits the slope wherever it could decide); 1: every step.
 
         Returns ``(code, slope, oom, changes)``: each rank's verdict (index into ``WARMING_UP,
         STABLE, GROWING``), slope (MiB/step, NaN: none) and projected OOM step (NaN: none), and
@@ -345,7 +361,7 @@ class LeakMonitor:
         if size > len(self._code):
             self._code = np.concatenate([self._code, np.full(size - len(self._code), -1, np.int8)])
             self._source = np.concatenate([self._source, np.zeros(size - len(self._source), np.int8)])
-        evaluate = None if every <= 1 else (ranks + step) % every == 0
+        fit = None if every <= 1 else (ranks + step) % every == 0
         nan = np.full(k, np.nan)
         states = np.full((3, k), -1, np.int8)  # per source, -1: the rank has no such series
         dev = mem.get("device_allocated_bytes", nan)
@@ -353,17 +369,17 @@ class LeakMonitor:
         if has.any():
             cap, reserved = mem.get("device_capacity_bytes", nan), mem.get("device_reserved_bytes", nan)
             free = cap - np.where(np.isnan(reserved), dev, reserved)  # NaN without a capacity
-            self._feed(0, ranks, has, step, dev, free, evaluate, states)
+            self._feed(0, ranks, has, step, dev, free, fit, states)
         rss = mem.get("host_rss_bytes", nan)
         heap_free = mem.get("host_heap_free_bytes", nan)
         avail = mem.get("host_available_bytes", nan)
         with_free = ~np.isnan(rss) & ~np.isnan(heap_free)
         if with_free.any():
             used, _ = host_series(rss, heap_free)
-            self._feed(1, ranks, with_free, step, used, avail, evaluate, states)
+            self._feed(1, ranks, with_free, step, used, avail, fit, states)
         rss_only = ~np.isnan(rss) & np.isnan(heap_free)
         if rss_only.any():
-            self._feed(2, ranks, rss_only, step, rss, avail, evaluate, states)
+            self._feed(2, ranks, rss_only, step, rss, avail, fit, states)
         host = np.where(states[1] >= 0, 1, 2)
         hstate = np.maximum(states[1], states[2])
         d = states[0]
@@ -382,10 +398,10 @@ class LeakMonitor:
         changes = [(int(ranks[i]), self._verdict(int(ranks[i]))) for i in changed.tolist()]
         return code, slope, oom, changes
 
-    def _feed(self, i: int, ranks, mask, step, used, free, evaluate, states) -> None:
+    def _feed(self, i: int, ranks, mask, step, used, free, fit, states) -> None:
         bank = self.banks[self.SOURCES[i]]
         r = ranks[mask]
-        bank.update(r, step, used[mask], free[mask], None if evaluate is None else evaluate[mask])
+        bank.update(r, step, used[mask], free[mask], None if fit is None else fit[mask])
         states[i, mask] = bank.state[r]
 
     def _verdict(self, rank: int) -> Verdict:

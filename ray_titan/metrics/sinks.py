@@ -226,15 +226,16 @@ def step_scalars(scalars: Mapping[str, float | None], rows: list[dict[str, Any]]
     return values
 
 
-def expert_load_scalars(load: dict[int, list[int]]) -> list[tuple[str, float]]:
-    """Per MoE layer: max over mean of the experts' token counts (1 = perfectly balanced) and
-    each expert's share of the layer's routed tokens."""
+def expert_load_scalars(load: dict[int, list[int]], shares: bool = True) -> list[tuple[str, float]]:
+    """Per MoE layer: max over mean of the experts' token counts (1 = perfectly balanced) and,
+    with ``shares``, each expert's share of the layer's routed tokens."""
     values = []
     for layer, counts in load.items():
         total = sum(counts)
         if total:
             values.append((f"moe/layer{layer}/load_max_over_mean", max(counts) * len(counts) / total))
-            values += [(f"moe/layer{layer}/expert{e}_share", c / total) for e, c in enumerate(counts)]
+            if shares:
+                values += [(f"moe/layer{layer}/expert{e}_share", c / total) for e, c in enumerate(counts)]
     return values
 
 
@@ -329,9 +330,9 @@ class TensorBoardSink:
 
         self._write(step, text_summary(tag, text))
 
-    def add_expert_load(self, step: int, load: dict[int, list[int]]) -> None:
+    def add_expert_load(self, step: int, load: dict[int, list[int]], shares: bool = True) -> None:
         """:func:`expert_load_scalars` at ``step``."""
-        self.add_scalars(step, expert_load_scalars(load))
+        self.add_scalars(step, expert_load_scalars(load, shares))
 
     def flush(self) -> None:
         """Write what is buffered and fsync it. Raises ``OSError`` (a full disk)."""

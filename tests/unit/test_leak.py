@@ -319,8 +319,8 @@ def test_device_leaks_are_found_on_the_device_series_while_the_host_is_flat(rate
 
 def test_the_verdict_of_many_ranks_at_once_is_each_ranks_own():
     """:meth:`LeakMonitor.update_many` over ranks with a leak, a ramp, a release, a flat line and
-    a replayed stretch gives each rank the verdicts and slopes a detector of its own gives; judged
-    every 3 steps (a large job's cadence), a leak is named at most 2 steps later."""
+    a release gives each rank the verdicts and slopes a detector of its own gives; with slopes
+    refitted every 3 steps only (a large job's cadence) the verdicts are the same at every step."""
     rng = np.random.default_rng(0)
     steps = np.arange(1, 121)
     series = np.stack([
@@ -333,12 +333,13 @@ def test_the_verdict_of_many_ranks_at_once_is_each_ranks_own():
     mon, every3 = LeakMonitor(**settings), LeakMonitor(**settings)
     dets = [LeakDetector(settings["window"], settings["host_threshold_mib_per_step"], settings["warmup_max_steps"],
                          "host") for _ in series]
-    first_growing: dict[str, dict[int, int]] = {"own": {}, "every3": {}}
+    first_growing: dict[int, int] = {}
     ranks = np.arange(len(series))
     for i, step in enumerate(steps.tolist()):
         mem = {"host_rss_bytes": series[:, i], "host_heap_free_bytes": np.zeros(len(series))}
         code, slope, _, _ = mon.update_many(step, ranks, mem)
         code3, _, _, _ = every3.update_many(step, ranks, mem, every=3)
+        assert np.array_equal(code3, code), step
         for r, det in enumerate(dets):
             v = det.update(step, series[r, i])
             assert v.verdict == ("warming_up", "stable", "growing")[code[r]], (r, step)
@@ -346,9 +347,5 @@ def test_the_verdict_of_many_ranks_at_once_is_each_ranks_own():
             if v.slope_mib_per_step is not None:
                 assert slope[r] == pytest.approx(v.slope_mib_per_step)
             if v.verdict == GROWING:
-                first_growing["own"].setdefault(r, step)
-            if code3[r] == 2:
-                first_growing["every3"].setdefault(r, step)
-    assert set(first_growing["own"]) == {1, 3}
-    for r, step in first_growing["own"].items():
-        assert step <= first_growing["every3"][r] <= step + 2
+                first_growing.setdefault(r, step)
+    assert sorted(first_growing) == [1, 3] and 50 < first_growing[1] <= 80
