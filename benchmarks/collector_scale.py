@@ -4,9 +4,10 @@
     python -m benchmarks.run collector_scale [--quick]
 
 A real :class:`~ray_titan.metrics.collector.MetricsCollector` actor (TensorBoard on, a Parquet part
-every step so a step's row is on disk as soon as it is assembled) receives one step per second
-from sender actors that play the ranks of a pp × dp_shard × tp mesh (tp = 8 innermost, ranks
-grouped by node of 8; the last stage's ranks carry a loss; MoE reports carry 4 layers × 16
+every step so a step's row is on disk as soon as it is assembled; run at this process's CPU
+priority, not Ray's nice 15 for workers, so a shared machine's other load does not set the lag)
+receives one step per second from sender actors that play the ranks of a pp × dp_shard × tp
+mesh (tp = 8 innermost, ranks grouped by node of 8; the last stage's ranks carry a loss; MoE reports carry 4 layers × 16
 experts of expert load; every memory field is filled, device ones included; rank 1 grows by
 2 MiB per step). Paths:
 
@@ -32,6 +33,7 @@ D: rank reports with no row on disk 30 s after the last step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -185,6 +187,11 @@ def measure(ranks: int, steps: int, path: str, moe: bool = True, senders: int = 
     Sender = _sender_class()
     actors = [Sender.options(enable_task_events=False).remote(collector, p, ranks, moe, path, group) for p in per]
     ray.get([a.__ray_ready__.remote() for a in actors])
+    # Ray starts its workers at nice 15: on a machine shared with other work the collector would
+    # measure the others' load; collector and senders run at this process's priority instead.
+    for p in [pid, *ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])]:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, p, os.getpriority(os.PRIO_PROCESS, 0))
     poller = _DiskPoller(run_dir / "metrics" / "parts")
     poller.start()
     warm = min(20, steps // 2)
