@@ -626,7 +626,7 @@ class MetricsCollector:
         for r in rows.select(["rank", "pp", "dp_shard", "ep"]).to_pylist():
             self.leak.coords[r["rank"]] = {a: r[a] for a in ("pp", "dp_shard", "ep")}
         steps = rows["step"].to_numpy()
-        for step in np.unique(steps).tolist():
+        for step in np.unique(steps)[-self.leak.banks["host"].window:].tolist():  # a window is all a verdict holds
             t = rows.filter(pa.array(steps == step))
             self.leak.update_many(step, t["rank"].to_numpy(), {
                 k: t[k].to_numpy(zero_copy_only=False).astype(float) for k in MEMORY_FIELDS})
