@@ -225,7 +225,7 @@ def _step_table(c: _Columns, objects: list[tuple], moe: tuple[np.ndarray, np.nda
     n = len(objects)
     cols: dict[str, pa.Array] = {}
     ints = np.where(c.nulls, 0.0, c.values).astype(np.int64)  # one conversion for every int column
-    any_null = c.nulls.any(axis=0)
+    any_null: np.ndarray = np.asarray(c.nulls.any(axis=0))
     for k, name in enumerate(PACKED_FIELDS):
         if name == "dropped":
             continue
