@@ -21,6 +21,9 @@ Names (default: every CPU benchmark, in this order):
   ``steps.parquet`` vs the whole table, up to 16,384 ranks (``benchmarks/metrics_scale.py``).
 - ``preflight_scale``: ``ray-titan memory plan``, the pre-flight checks and the elastic range of a
   16,384-rank job (``benchmarks/metrics_scale.py``).
+- ``collector_scale``: the metrics path at 1,024 / 4,096 / 16,384 simulated ranks through real Ray
+  calls: collector CPU per rank report, p99 lag to disk, RSS, dropped reports
+  (``benchmarks/collector_scale.py``, which also runs alone with its own flags). Not in the default set.
 - ``gpu``: the train loop without Ray on one CUDA GPU, debug model (fp32) and a ~1 B Llama
   (``training.mixed_precision = "bf16"``): tokens/s, MFU, peak memory. Not in the default set; needs a GPU.
 
@@ -63,14 +66,15 @@ from benchmarks.stats import Row, alternate, fmt_si, format_table, ratio_stats
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_NAMES = ["collector", "bare", "torchrun", "ray_train", "memory", "startup"]
-ALL_NAMES = [*CPU_NAMES, "compile", "torchtitan", "gpu", "parquet_rank_history", "preflight_scale"]
+ALL_NAMES = [*CPU_NAMES, "compile", "torchtitan", "gpu", "collector_scale", "parquet_rank_history",
+             "preflight_scale"]
 MiB = 2**20
 
 # Steps per run, (full, --quick). Long enough that the steady part dwarfs timer noise.
 STEPS = {
     "collector": (120, 12), "ray_train": (10, 8), "bare": (50, 12), "torchrun": (40, 12),
     "memory": (600, 40), "startup": (2, 2), "gpu": (50, 10),
-    "compile": (40, 8), "torchtitan": (40, 8),
+    "compile": (40, 8), "torchtitan": (40, 8), "collector_scale": (200, 20),
     "parquet_rank_history": (500, 20), "preflight_scale": (0, 0),  # steps of the 16,384-rank table; none
 }
 
@@ -611,10 +615,24 @@ def bench_gpu(bench: Bench) -> list[Row]:
     return gpu_rows(bench)
 
 
+def bench_collector_scale(bench: Bench) -> list[Row]:
+    """The metrics path at 1,024 / 4,096 / 16,384 simulated ranks (``benchmarks/collector_scale.py``;
+    --quick: 1,024 ranks, 20 steps). Not in the default set; its own flags choose sizes and steps."""
+    from benchmarks import collector_scale
+
+    bench.ray()
+    sizes, steps = ((1024,) if bench.quick else collector_scale.SIZES), bench.steps("collector_scale")
+    return [Row(f"collector_scale ranks={m['ranks']}", "µs of collector CPU per rank report",
+                f"{m['us_per_rank_report']:.1f}", target="≤ 25 µs at 16,384 ranks, p99 lag ≤ 2 s, nothing dropped",
+                note=f"lag p99 {m['lag_p99_s']:.2f} s, RSS {m['rss_mib'][0]:.0f}→{m['rss_mib'][1]:.0f} MiB, "
+                     f"dropped {m['dropped']}, {m['steps']} steps at 1/s, path {m['path']}", data=m)
+            for m in collector_scale.run(sizes, steps)]
+
+
 BENCHMARKS = {
     "startup": bench_startup, "collector": bench_collector, "ray_train": bench_ray_train,
     "bare": bench_bare, "torchrun": bench_torchrun, "memory": bench_memory, "gpu": bench_gpu,
-    "compile": bench_compile, "torchtitan": bench_torchtitan,
+    "compile": bench_compile, "torchtitan": bench_torchtitan, "collector_scale": bench_collector_scale,
     "parquet_rank_history": lambda b: metrics_scale.bench_parquet_rank_history(b.work, b.quick),
     "preflight_scale": lambda b: metrics_scale.bench_preflight_scale(b.work, b.quick),
 }

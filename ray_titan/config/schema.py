@@ -322,6 +322,20 @@ class Metrics(_Section):
     between carry the last read. RSS and device memory are read every step. glibc's
     ``mallinfo2`` costs ~0.55 ms in a Ray worker (``ray_titan.metrics.memory.MemorySampler``).
     0: every step."""
+    series_max_ranks: int = Field(64, ge=0)
+    """TensorBoard and W&B get every rank's memory series (``memory/rank<r>/...``) up to this many
+    ranks; beyond, per pipeline stage and overall min / median / max of host and device memory,
+    the count of ranks per memory verdict, and the series of each rank whose verdict is
+    ``growing`` (16,384 ranks would make ~100k tags a step, more than W&B accepts for a run);
+    for MoE models each layer's max / mean expert load, without every expert's share. The
+    Parquet table keeps every rank's row whatever this is."""
+    ranks_per_aggregator: int = Field(64, ge=0)
+    """Above this many ranks, each group of this many ranks reports to a metrics aggregator actor
+    (``ray_titan.metrics.report.MetricsAggregator``) that forwards the group's reports to the
+    collector as one columnar batch per step: a Ray call costs the collector ~0.25 ms of CPU
+    however much it carries, so 16,384 ranks calling it directly would need four collector-seconds
+    per step. The workers still hold every report until the collector has it on disk, so a
+    killed aggregator loses nothing. 0: every rank calls the collector."""
     max_inflight_reports: int = Field(16, gt=0)
     """Report batches a worker may have in flight to the collector before it buffers locally."""
     max_buffered_reports: int = Field(10_000, gt=0)

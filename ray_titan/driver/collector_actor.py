@@ -52,8 +52,21 @@ def start_collector(cfg: JobConfig, run_dir: Path | str, counts: list[int]) -> A
         cfg.metrics.log_freq, cfg.metrics.flush_every_steps, cfg.metrics.enable_tensorboard,
         leak=leak_settings(cfg.memory), on_leak=cfg.memory.on_leak,
         kill_at_step=cfg.debug.kill_collector_at_step, nice=cfg.metrics.collector_nice, wandb=wandb_settings(cfg),
+        series_max_ranks=cfg.metrics.series_max_ranks,
     )
     return collector
+
+
+def start_aggregators(cfg: JobConfig, collector: Any, counts: list[int]) -> list | None:
+    """The metrics aggregators between the ranks and the collector: one per
+    ``metrics.ranks_per_aggregator`` ranks of the largest worker count, forwarding a group's
+    reports as one columnar batch (:func:`ray_titan.metrics.report.create_aggregators`); None
+    without a collector or for a job no larger than one group."""
+    if collector is None:
+        return None
+    from ray_titan.metrics.report import create_aggregators
+
+    return create_aggregators(collector, max(counts), cfg.metrics.ranks_per_aggregator)
 
 
 def finish_collector(collector: Any, shown_step: int) -> RunOutcome:

@@ -40,6 +40,7 @@ from ray_titan.driver.collector_actor import (
     deliver_checkpoint_reports,
     end_collector,
     finish_collector,
+    start_aggregators,
     start_collector,
 )
 from ray_titan.driver.result import RunResult, say_outcome
@@ -144,8 +145,9 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     plan = job.record_plan(run_dir)
     counts = fitting_worker_counts(cfg)
     collector = start_collector(cfg, run_dir, counts)
+    aggregators = start_aggregators(cfg, collector, counts)
     _say_start(cfg, run_dir, counts, cpus)
-    trainer = _ray_trainer(cfg, run_dir, counts, cpus, collector, callbacks, datasets)
+    trainer = _ray_trainer(cfg, run_dir, counts, cpus, (collector, aggregators), callbacks, datasets)
     if collector is None:
         return _fit_without_metrics(trainer, cfg, run_dir, marks)
     failure, outcome = _fit(trainer, collector, cfg, run_dir, progress, marks)
@@ -174,10 +176,11 @@ def _say_start(cfg: JobConfig, run_dir: Path | str, counts: list[int], cpus: flo
     )
 
 
-def _ray_trainer(cfg: JobConfig, run_dir: Path | str, counts: list[int], cpus: float, collector: Any,
-                 callbacks: list | None, datasets: dict[str, Any]) -> Any:
+def _ray_trainer(cfg: JobConfig, run_dir: Path | str, counts: list[int], cpus: float,
+                 metrics: tuple[Any, list | None], callbacks: list | None, datasets: dict[str, Any]) -> Any:
     """Ray Train's trainer of the run: one worker per rank (``counts``' range for an elastic run),
-    each running :func:`ray_titan.trainer.ray_worker.worker_entry`."""
+    each running :func:`ray_titan.trainer.ray_worker.worker_entry`; ``metrics``: the collector and
+    the metrics aggregators (None: the ranks call the collector)."""
     from ray.train.torch import TorchConfig
 
     # Ray Train V2's classes (what ray.train exports at runtime), named so that mypy sees them too.
@@ -192,8 +195,8 @@ def _ray_trainer(cfg: JobConfig, run_dir: Path | str, counts: list[int], cpus: f
     return (partial(MeshTorchTrainer, counts=counts) if elastic else LeanTorchTrainer)(
         worker_entry,
         own_cluster=own_cluster(),
-        train_loop_config={"config": cfg.model_dump(), "collector": collector, "run_dir": str(run_dir),
-                           "callbacks": list(callbacks or [])},
+        train_loop_config={"config": cfg.model_dump(), "collector": metrics[0], "aggregators": metrics[1],
+                           "run_dir": str(run_dir), "callbacks": list(callbacks or [])},
         torch_config=TorchConfig(backend=process_group_backend(cfg.ray.use_gpu, cfg.memory.cpu_offload)),
         **datasets,
         scaling_config=ScalingConfig(

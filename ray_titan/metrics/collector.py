@@ -41,14 +41,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute
 
 from ray_titan import storage
 from ray_titan.metrics import ray_metrics
-from ray_titan.metrics.leak import GROWING, LeakMonitor, describe_coords, leak_settings
-from ray_titan.metrics.report import MEMORY_FIELDS
+from ray_titan.metrics.leak import GROWING, STABLE, WARMING_UP, LeakMonitor, Verdict, describe_coords, leak_settings
+from ray_titan.metrics.report import MEMORY_FIELDS, PACKED_FIELDS, pack_reports
 from ray_titan.metrics.sinks import (
+    STEP_SCHEMA,
     ParquetSink,
     TensorBoardSink,
     WandbSink,
@@ -59,8 +61,8 @@ from ray_titan.metrics.sinks import (
 )
 
 __all__ = [
-    "BREAKDOWN_FILE", "MetricsCollector", "counted_rows", "expert_load", "format_step_line", "read_breakdowns",
-    "validation_summary",
+    "BREAKDOWN_FILE", "CONSOLE_RANKS", "MetricsCollector", "counted_rows", "expert_load", "format_scale_line",
+    "format_step_line", "memory_summary_scalars", "read_breakdowns", "validation_summary",
 ]
 
 BREAKDOWN_FILE = "memory_breakdown.jsonl"
@@ -141,14 +143,224 @@ def format_step_line(step: int, total: int, s: dict[str, Any], rows: list[dict[s
     return line
 
 
-def _max_memory(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+CONSOLE_RANKS = 16
+"""Up to this many ranks the console line names every rank's memory; beyond, it summarises."""
+GROWING_CODE = 2  # index of GROWING in leak's codes
+_F = {name: i for i, name in enumerate(PACKED_FIELDS)}
+
+
+class _Columns:
+    """A step's packed reports (:func:`~ray_titan.metrics.report.pack_reports`) by column name."""
+
+    def __init__(self, values: np.ndarray, null: np.ndarray):
+        self.values, self.nulls = values, null
+
+    def get(self, name: str) -> np.ndarray:
+        """float64 ``(ranks,)``; NaN where a report had None."""
+        return self.values[:, _F[name]]
+
+    def null(self, name: str) -> np.ndarray:
+        return self.nulls[:, _F[name]]
+
+    def int(self, name: str) -> np.ndarray:
+        return np.nan_to_num(self.values[:, _F[name]]).astype(np.int64)
+
+
+def _expert_load(objects: list[tuple]) -> dict[int, list[int]]:
+    """:func:`expert_load` of the packed objects of a step's counted rows, summed in numpy by the
+    layers each rank holds (a pipeline stage's ranks hold the same layers)."""
+    groups: dict[tuple[int, ...], list] = {}
+    for o in objects:
+        if o[1]:
+            groups.setdefault(tuple(o[1]), []).append(o[2])
+    out: dict[int, np.ndarray] = {}
+    for layers, loads in groups.items():
+        try:
+            total = np.asarray(loads, dtype=np.int64).sum(axis=0)  # (layers, experts)
+        except ValueError:  # ragged: expert counts differ between layers
+            total = [np.sum([x[i] for x in loads], axis=0) for i in range(len(layers))]
+        for layer, counts in zip(layers, total):
+            out[layer] = out[layer] + counts if layer in out else np.asarray(counts)
+    return {layer: [int(x) for x in out[layer]] for layer in sorted(out)}
+
+
+_INT_TYPES = {f.name for f in STEP_SCHEMA if pa.types.is_integer(f.type)}
+_BOOL_TYPES = {f.name for f in STEP_SCHEMA if pa.types.is_boolean(f.type)}
+_VERDICTS = pa.array([WARMING_UP, STABLE, GROWING])
+
+
+def _moe_blocks(parts: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The parts' ``moe`` blocks stacked, or None where a part has none or their shapes differ."""
+    blocks = [p.get("moe") for p in parts]
+    if any(b is None for b in blocks) or len({(b[0].shape[1:], b[1].shape[1:]) for b in blocks}) > 1:  # type: ignore[index]
+        return None
+    return np.concatenate([b[0] for b in blocks]), np.concatenate([b[1] for b in blocks])  # type: ignore[index]
+
+
+def _expert_load_blocks(layers: np.ndarray, load: np.ndarray) -> dict[int, list[int]]:
+    """:func:`expert_load` of the counted rows' blocks: ``layers`` (ranks, L), ``load`` (ranks, L, E)."""
+    if not layers.size:
+        return {}
+    out: dict[int, np.ndarray] = {}
+    held, inverse = np.unique(layers, axis=0, return_inverse=True)  # one row per pipeline stage
+    for g, row in enumerate(held):
+        total = load[inverse.reshape(-1) == g].sum(axis=0)
+        for layer, counts in zip(row.tolist(), total):
+            out[layer] = out[layer] + counts if layer in out else counts
+    return {layer: out[layer].tolist() for layer in sorted(out)}
+
+
+def _block_column(block: np.ndarray, type_: pa.DataType) -> pa.Array:
+    """A list column (``(ranks, L)`` → list<int64>, ``(ranks, L, E)`` → list<list<int64>>) from
+    one numpy block, without a Python object per element."""
+    arr: pa.Array = pa.array(block.reshape(-1))
+    for dim in reversed(block.shape[1:]):
+        arr = pa.ListArray.from_arrays(pa.array(np.arange(0, len(arr) + 1, max(dim, 1), dtype=np.int32)
+                                                if dim else np.zeros(block.shape[0] + 1, np.int32)), arr)
+    return arr.cast(type_)
+
+
+def _step_table(c: _Columns, objects: list[tuple], moe: tuple[np.ndarray, np.ndarray] | None, s: dict[str, Any],
+                code: np.ndarray, slope: np.ndarray, oom: np.ndarray, size: int) -> pa.Table:
+    """A step's rows in :data:`STEP_SCHEMA`, built column by column."""
+    n = len(objects)
+    cols: dict[str, pa.Array] = {}
+    ints = np.where(c.nulls, 0.0, c.values).astype(np.int64)  # one conversion for every int column
+    any_null: np.ndarray = np.asarray(c.nulls.any(axis=0))
+    for k, name in enumerate(PACKED_FIELDS):
+        if name == "dropped":
+            continue
+        mask = c.nulls[:, k] if any_null[k] else None
+        if name in _INT_TYPES:
+            cols[name] = pa.array(ints[:, k], mask=mask)
+        elif name in _BOOL_TYPES:
+            cols[name] = pa.array(ints[:, k].astype(bool))
+        else:
+            cols[name] = pa.array(c.values[:, k], mask=mask)
+    cols["world_size"] = pa.array(np.full(n, size, np.int64)) if not c.null("world_size").all() else cols["world_size"]
+    for i, name in enumerate(("node", "moe_layers", "expert_load", "source_tokens")):
+        if moe is not None and name in ("moe_layers", "expert_load"):
+            cols[name] = _block_column(moe[i - 1], STEP_SCHEMA.field(name).type)
+        else:
+            cols[name] = pa.array([o[i] for o in objects], STEP_SCHEMA.field(name).type)
+    cols["memory_verdict"] = _VERDICTS.take(pa.array(code.astype(np.int64)))
+    cols["memory_slope_mib_per_step"] = pa.array(slope, mask=np.isnan(slope))
+    cols["memory_oom_step"] = pa.array(np.nan_to_num(oom).astype(np.int64), mask=np.isnan(oom))
+    cols["attempt"] = pa.array(np.zeros(n, np.int64))
+    for name, key in (("step_loss", "loss"), ("step_loss_max", "loss_max"), ("step_tokens", "tokens"),
+                      ("step_tokens_per_s", "tokens_per_s"), ("step_val_loss", "val/loss")):
+        cols[name] = pa.nulls(n, STEP_SCHEMA.field(name).type) if s[key] is None else pa.array(
+            np.full(n, s[key]), STEP_SCHEMA.field(name).type)
+    cols["step_source_tokens"] = pa.array([s["source_tokens"]] * n, pa.list_(pa.int64()))
+    return pa.Table.from_arrays([cols[f.name] for f in STEP_SCHEMA], schema=STEP_SCHEMA)
+
+
+def _max_memory(c: _Columns) -> dict[str, Any] | None:
     """The rank with the most memory: device peak reserved where there is a device, else host RSS."""
-    if rows[0].get("device_peak_reserved_bytes") is not None:
+    if not c.null("device_peak_reserved_bytes")[0]:
         key, kind = "device_peak_reserved_bytes", "dev peak"
     else:
         key, kind = "host_rss_bytes", "rss"
-    best = max((r for r in rows if r.get(key) is not None), key=lambda r: r[key], default=None)
-    return None if best is None else {"rank": best["rank"], "bytes": best[key], "kind": kind}
+    v = c.get(key)
+    if np.isnan(v).all():
+        return None
+    i = int(np.nanargmax(v))
+    return {"rank": int(c.get("rank")[i]), "bytes": int(v[i]), "kind": kind}
+
+
+def _extremes(c: _Columns, key: str, at: np.ndarray | None = None) -> str | None:
+    """``"min 2900 (r5) / med 3000 / max 3400 (r1)"`` of a memory field in MiB over the ranks
+    (``at``: a mask of them), None where no rank has it."""
+    v, ranks = c.get(key), c.get("rank")
+    if at is not None:
+        v, ranks = v[at], ranks[at]
+    ok = ~np.isnan(v)
+    if not ok.any():
+        return None
+    v, ranks = v[ok] / MiB, ranks[ok]
+    lo, hi = int(np.argmin(v)), int(np.argmax(v))
+    return f"min {v[lo]:.0f} (r{ranks[lo]:.0f}) / med {np.median(v):.0f} / max {v[hi]:.0f} (r{ranks[hi]:.0f})"
+
+
+def format_scale_line(step: int, total: int, s: dict[str, Any], c: _Columns, code: np.ndarray) -> str:
+    """The console line of a step of more than :data:`CONSOLE_RANKS` ranks: the step's figures as
+    :func:`format_step_line`'s, then min / median / max of host RSS and of device allocated and
+    peak reserved memory (MiB) with the ranks at the extremes, the verdict counts with every
+    ``growing`` rank named, and per pipeline stage the largest RSS and device peak."""
+    loss = "loss     n/a" if s["loss"] is None else f"loss {s['loss']:8.4f}"
+    line = (
+        f"step {step:>{len(str(total))}}/{total} | {loss} | {s['tokens_per_s']:9.0f} tok/s | "
+        f"step {s['step_time_s']:.3f}s | lr {s['lr']:.2e} | gnorm {s['grad_norm']:.3f} | "
+        f"{len(code)} ranks | rss MiB {_extremes(c, 'host_rss_bytes')}"
+    )
+    if s.get("moe_imbalance") is not None:
+        line += f" | moe load max/mean {s['moe_imbalance']:.2f}"
+    if s.get("val/loss") is not None:
+        line += f" | val loss {s['val/loss']:.4f} (ppl {s['val/perplexity']:.2f})"
+    if s.get("skipped"):
+        line += " | update skipped (non-finite)"
+    for key, what in (("device_allocated_bytes", "dev alloc"), ("device_peak_reserved_bytes", "dev peak")):
+        text = _extremes(c, key)
+        if text:
+            line += f" | {what} MiB {text}"
+    counts = np.bincount(code.astype(np.int64), minlength=3)
+    growing = c.get("rank")[code == GROWING_CODE].astype(np.int64).tolist()
+    line += f" | memory {counts[1]} stable, {counts[0]} warming_up, {counts[2]} growing"
+    if growing:
+        line += f" ({', '.join(f'r{r}' for r in growing)})"
+    pp = c.int("pp")
+    stages = []
+    dev = not c.null("device_peak_reserved_bytes").all()
+    for stage in np.unique(pp).tolist():
+        at = pp == stage
+        key = "device_peak_reserved_bytes" if dev else "host_rss_bytes"
+        v = c.get(key)[at]
+        i = int(np.nanargmax(v))
+        stages.append(f"pp{stage} {v[i] / MiB:.0f} (r{c.get('rank')[at][i]:.0f})")
+    line += f" | max {'dev peak' if dev else 'rss'} MiB by stage: " + ", ".join(stages)
+    return line
+
+
+def memory_summary_scalars(c: _Columns, code: np.ndarray) -> list[tuple[str, float]]:
+    """Per-rank series summarised for TensorBoard and W&B beyond ``metrics.series_max_ranks``
+    ranks: ``memory/all/<field>_{min,median,max}_mib`` and ``memory/pp<s>/<field>_{min,median,max}_mib``
+    for host RSS and device allocated / peak reserved memory, and ``memory/ranks_{verdict}``."""
+    out: list[tuple[str, float]] = []
+    pp = c.int("pp")
+    groups = [("all", None)] + [(f"pp{s}", pp == s) for s in np.unique(pp).tolist()]
+    for key in ("host_rss_bytes", "device_allocated_bytes", "device_peak_reserved_bytes"):
+        v = c.get(key)
+        if np.isnan(v).all():
+            continue
+        name = key.removesuffix("_bytes")
+        for g, at in groups:
+            x = (v if at is None else v[at]) / MiB
+            out += [(f"memory/{g}/{name}_min_mib", float(np.nanmin(x))),
+                    (f"memory/{g}/{name}_median_mib", float(np.nanmedian(x))),
+                    (f"memory/{g}/{name}_max_mib", float(np.nanmax(x)))]
+    counts = np.bincount(code.astype(np.int64), minlength=3)
+    out += [(f"memory/ranks_{v}", float(k)) for v, k in zip((WARMING_UP, STABLE, GROWING), counts.tolist())]
+    return out
+
+
+def _newest_reports(parts: list[dict[str, Any]]) -> tuple[_Columns, list[tuple], tuple | None, list[str]]:
+    """A step's packed reports (:func:`~ray_titan.metrics.report.pack_reports`, one part per call
+    that brought some) joined, keeping each rank's newest report (a resent duplicate collapses),
+    in rank order: the columns, each rank's objects, the MoE load blocks (None where ragged) and
+    the mesh axes."""
+    values = np.concatenate([p["values"] for p in parts])
+    null = np.concatenate([p["null"] for p in parts])
+    objects = [o for p in parts for o in p["objects"]]
+    moe = _moe_blocks(parts)
+    ranks_all = values[:, _F["rank"]].astype(np.int64)
+    rev = len(ranks_all) - 1 - np.unique(ranks_all[::-1], return_index=True)[1]
+    values, null = values[rev], null[rev]
+    objects = [objects[i] for i in rev.tolist()]
+    if moe is not None:
+        moe = (moe[0][rev], moe[1][rev])
+    else:  # ragged MoE shapes: element by element
+        objects = [(o[0], o[1] or [], o[2] or [], o[3], o[4]) for o in objects]
+    return _Columns(values, null), objects, moe, parts[0]["axes"]
 
 
 class MetricsCollector:
@@ -175,6 +387,10 @@ class MetricsCollector:
             actor (``metrics.collector_nice``), not for a collector inside a worker.
         wandb: :class:`~ray_titan.metrics.sinks.WandbSink`'s arguments (``wandb_settings``) to
             also log every step to Weights & Biases; None: no W&B.
+        series_max_ranks: ``metrics.series_max_ranks``: TensorBoard and W&B get every rank's
+            memory series (and every expert's share of its MoE layer's load) up to this many
+            ranks; beyond, per-stage and overall summaries (:func:`memory_summary_scalars`), the
+            ``growing`` ranks' own series and each MoE layer's max / mean load.
     """
 
     MAX_ERRORS = 1000
@@ -193,6 +409,7 @@ class MetricsCollector:
         kill_at_step: int | None = None,
         nice: int = 0,
         wandb: dict[str, Any] | None = None,
+        series_max_ranks: int = 64,
     ):
         if nice:
             os.nice(nice)
@@ -209,7 +426,10 @@ class MetricsCollector:
         self.parquet = ParquetSink(self.run_dir / "metrics")
         self.tb = TensorBoardSink(self.run_dir / "tb") if enable_tensorboard else None
         self.wandb = WandbSink(self.run_dir, **wandb) if wandb else None
-        self._pending: dict[int, dict[int, dict[str, Any]]] = {}
+        self._pending: dict[int, list[dict[str, Any]]] = {}  # step -> packed parts (pack_reports)
+        self._seen: dict[int, set[int]] = {}  # step -> ranks with a pending report
+        self._sizes: dict[int, int] = {}  # step -> ranks of its worker group
+        self._aggregator_dropped: dict[str, int] = {}
         self._lines: list[tuple[int | None, str]] = []  # (step it belongs to, text)
         self.errors: list[str] = []
         self.errors_total = 0
@@ -223,6 +443,7 @@ class MetricsCollector:
         self._mesh_written = False
         self.leak = LeakMonitor(**(leak or leak_settings()))
         self.on_leak = on_leak
+        self.series_max_ranks = series_max_ranks
         self.stop_reason: str | None = None
 
         self.incarnation = uuid.uuid4().hex
@@ -245,36 +466,70 @@ class MetricsCollector:
         self._resume()
 
     # -- worker-facing -------------------------------------------------------------------------
-    def report(self, batch: list[dict[str, Any]], dropped: int = 0, flush: bool = False) -> dict[str, Any]:
-        """Accept a batch of step reports (``StepReport.to_dict()``) from one rank; ``flush``
-        writes what is assembled to disk now.
+    def report(self, batch: list[dict[str, Any]] | dict[str, Any], dropped: int = 0,
+               flush: bool = False) -> dict[str, Any]:
+        """Accept a batch of step reports: a list of ``StepReport.to_dict()`` from one rank, or a
+        group's reports in columns (:func:`~ray_titan.metrics.report.pack_reports`, from a
+        :class:`~ray_titan.metrics.report.MetricsAggregator`, whose own dropped reports are
+        ``dropped``); ``flush`` writes what is assembled to disk now.
 
         Returns ``{"incarnation": id of this collector life, "durable": {attempt_start_time:
         step}, "stop": reason or None}``: every step up to ``step`` of that attempt is on disk;
         ``stop`` is set once the run must stop (the memory verdict under ``on_leak = "stop"``);
         ``write_failing``: the last flush failed, so rows wait in memory for room on disk.
         """
-        for rep in batch:
-            step, attempt = rep["step"], rep.get("attempt_start_time", 0.0)
-            if attempt > self._newest_attempt:
-                self._new_attempt(attempt, step)
-            if self._assembled_by(step) >= attempt:
-                continue  # a resent or superseded report of a step already assembled
-            if self._pending_attempt.get(step, attempt) < attempt:
-                self._pending.pop(step, None)  # a restarted worker group replays this step
-            elif self._pending_attempt.get(step, attempt) > attempt:
-                continue
-            self._pending_attempt[step] = attempt
-            self._pending.setdefault(step, {})[rep["rank"]] = rep
-            if dropped:
-                self.dropped[rep["rank"]] = dropped
-        for step in sorted(s for s, reps in self._pending.items() if len(reps) == self._size(reps)):
+        packed: dict[str, Any] | None
+        if isinstance(batch, dict):
+            packed = batch
+            if dropped:  # the aggregator's own count so far
+                self._aggregator_dropped[packed.get("sender", "")] = dropped
+        else:
+            packed = pack_reports(batch, dropped) if batch else None
+        if packed is not None and len(packed["objects"]):
+            self._accept(packed)
+        for step in sorted(s for s, seen in self._seen.items() if len(seen) == self._sizes[s]):
             self._pending_attempt.pop(step)
+            del self._seen[step], self._sizes[step]
             self._assemble(step, self._pending.pop(step))
         if flush:
             self.flush()
         return {"incarnation": self.incarnation, "durable": dict(self._durable), "stop": self.stop_reason,
                 "write_failing": self._write_failing}
+
+    def _accept(self, packed: dict[str, Any]) -> None:
+        """File a packed batch's reports under their steps: a step's reports of one attempt only
+        (a restarted worker group's replay supersedes the lost attempt's), none of a step already
+        assembled by that attempt or a newer one."""
+        v = packed["values"]
+        step_col, attempt_col, rank_col = v[:, _F["step"]], v[:, _F["attempt_start_time"]], v[:, _F["rank"]]
+        drops = v[:, _F["dropped"]]
+        for r in np.nonzero(drops > 0)[0].tolist():
+            self.dropped[int(rank_col[r])] = int(drops[r])
+        if (step_col == step_col[0]).all() and (attempt_col == attempt_col[0]).all():
+            pairs = [(float(attempt_col[0]), float(step_col[0]))]  # an aggregator's batch: one step
+        else:  # sorted by attempt, then step
+            pairs = np.unique(np.column_stack([attempt_col, step_col]), axis=0).tolist()
+        for attempt, fstep in pairs:
+            step = int(fstep)
+            if attempt > self._newest_attempt:
+                self._new_attempt(attempt, step)
+            if self._assembled_by(step) >= attempt:
+                continue  # resent or superseded reports of a step already assembled
+            if self._pending_attempt.get(step, attempt) < attempt:  # a restarted worker group replays this step
+                self._pending.pop(step, None)
+                self._seen.pop(step, None)
+            elif self._pending_attempt.get(step, attempt) > attempt:
+                continue
+            at = np.nonzero((step_col == fstep) & (attempt_col == attempt))[0]
+            part = at if len(at) < len(v) else slice(None)
+            self._pending_attempt[step] = attempt
+            self._pending.setdefault(step, []).append(
+                {"values": v[part], "null": packed["null"][part], "axes": packed["axes"],
+                 "moe": None if packed.get("moe") is None else (packed["moe"][0][part], packed["moe"][1][part]),
+                 "objects": packed["objects"] if isinstance(part, slice) else [packed["objects"][i] for i in at]})
+            self._seen.setdefault(step, set()).update(rank_col[part].astype(np.int64).tolist())
+            size = v[at[0], _F["world_size"]]
+            self._sizes[step] = self.world_size if np.isnan(size) or size <= 0 else int(size)
 
     def stop_run(self, reason: str) -> None:
         """A worker ended the run on purpose (a non-finite loss under ``on_nonfinite = "stop"``):
@@ -309,9 +564,14 @@ class MetricsCollector:
         """
         if not self._closed:
             for step in sorted(self._pending):
-                missing = sorted(set(range(self._size(self._pending[step]))) - set(self._pending[step]))
-                self._error(f"step {step}: no report from rank(s) {missing}")
+                missing = sorted(set(range(self._sizes[step])) - self._seen[step])
+                self._error(f"step {step}: no report from rank(s) {_span(missing) if len(missing) > 16 else missing}")
             self._pending.clear()
+            self._seen.clear()
+            self._sizes.clear()
+            if self._aggregator_dropped:
+                self._error(f"the metrics aggregators dropped {sum(self._aggregator_dropped.values())} report(s): "
+                            "the collector was too slow")
             for rank, n in sorted(self.dropped.items()):
                 self._error(f"rank {rank} dropped {n} report(s): the collector was too slow")
             self._skipped_steps = self._restarts = self._steps_run = 0
@@ -319,7 +579,7 @@ class MetricsCollector:
                 steps_path: Path = self.parquet.close()
                 self._check_complete(steps_path)
             except OSError as e:  # the flushed parts stay readable (read_steps)
-                lost = sorted({r["step"] for r in self.parquet._rows})
+                lost = self.parquet.unflushed_steps()
                 self._write_failed(e.strerror or str(e))
                 if lost:
                     self._error(f"metrics of steps {lost[0]}..{lost[-1]} could not be written; the steps "
@@ -384,8 +644,13 @@ class MetricsCollector:
         self._lines.append((None, f"ray_titan: metrics collector restarted; {self.assembled} steps were on disk "
                                   f"(up to step {self.last_step})"))
         # The memory verdicts carry on from the flushed rows, instead of warming up again.
-        for r in rows.select(["step", "rank", "pp", "dp_shard", "ep", *MEMORY_FIELDS]).to_pylist():
-            self.leak.update(r["step"], {**r, "coords": {a: r[a] for a in ("pp", "dp_shard", "ep")}})
+        for r in rows.select(["rank", "pp", "dp_shard", "ep"]).to_pylist():
+            self.leak.coords[r["rank"]] = {a: r[a] for a in ("pp", "dp_shard", "ep")}
+        steps = rows["step"].to_numpy()
+        for step in np.unique(steps)[-self.leak.banks["host"].window:].tolist():  # a window is all a verdict holds
+            t = rows.filter(pa.array(steps == step))
+            self.leak.update_many(step, t["rank"].to_numpy(), {
+                k: t[k].to_numpy(zero_copy_only=False).astype(float) for k in MEMORY_FIELDS})
         if self.tb:  # events after the last flush may be torn or partial: the resent reports redo them
             self.tb.close()
             self.tb = TensorBoardSink(self.run_dir / "tb", purge_step=self.last_step + 1)
@@ -442,91 +707,145 @@ class MetricsCollector:
             if missing:
                 self._error(f"step {step}: the metrics table has no row for rank(s) {missing}")
 
-    def _size(self, reps: dict[int, dict[str, Any]]) -> int:
-        """The worker group size of a step's reports (the run's for reports that do not say)."""
-        return next(iter(reps.values())).get("world_size") or self.world_size
-
-    def _layout(self, rows: list[dict[str, Any]]) -> str:
-        """``"ray_titan: layout of 4 ranks: node 1a2b3c4d: ranks 0-1 (pp=0 × dp_shard=0-1); ..."``."""
-        by_node: dict[str, list[dict[str, Any]]] = {}
-        for r in rows:
-            by_node.setdefault(r.get("node") or "?", []).append(r)
+    def _layout(self, ranks: np.ndarray, nodes: list[str | None], coords: list[dict[str, int]]) -> str:
+        """``"ray_titan: layout of 4 ranks: node 1a2b3c4d: ranks 0-1 (pp=0 × dp_shard=0-1); ..."``
+        (the first 16 nodes; how many more there are)."""
+        by_node: dict[str, list[int]] = {}
+        for i, node in enumerate(nodes):
+            by_node.setdefault(node or "?", []).append(i)
         parts = []
-        for node, rs in by_node.items():
-            axes = " × ".join(f"{a}={_span(sorted({r['coords'][a] for r in rs}))}" for a in rs[0]["coords"])
-            parts.append(f"node {node[:8]}: ranks {_span([r['rank'] for r in rs])} ({axes})")
-        return f"ray_titan: layout of {len(rows)} ranks on {len(by_node)} node(s): " + "; ".join(parts)
+        for node, idx in list(by_node.items())[:16]:
+            axes = " × ".join(f"{a}={_span(sorted({coords[i][a] for i in idx}))}" for a in coords[idx[0]])
+            parts.append(f"node {node[:8]}: ranks {_span([int(ranks[i]) for i in idx])} ({axes})")
+        more = f"; ... and {len(by_node) - 16} more nodes" if len(by_node) > 16 else ""
+        return f"ray_titan: layout of {len(ranks)} ranks on {len(by_node)} node(s): " + "; ".join(parts) + more
 
-    def _assemble(self, step: int, reps: dict[int, dict[str, Any]]) -> None:
-        rows = [reps[r] for r in sorted(reps)]
-        last_ranks = self.last_by_size.get(self._size(reps), self.last)
-        last = [reps[r] for r in last_ranks if r in reps]
-        for r in rows:
-            if r["rank"] in last_ranks and r["loss"] is None:
-                self._error(f"step {step}: last-stage rank {r['rank']} reported no loss")
-            if r["rank"] not in last_ranks and r["loss"] is not None:
-                self._error(f"step {step}: rank {r['rank']} is not on the last stage but reported a loss")
-        last = counted_rows(last)
-        with_loss = [r for r in last if r["loss"] is not None]
-        weights = [r["tokens"] if r.get("loss_tokens") is None else r["loss_tokens"] for r in with_loss]
-        tokens = sum(weights)
-        loss = sum(r["loss"] * w for r, w in zip(with_loss, weights)) / tokens if tokens else None
-        step_time = max(r["step_time_s"] for r in rows)
-        summary = {
+    def _assemble(self, step: int, parts: list[dict[str, Any]]) -> None:
+        """A step whose every rank has reported, in columns: the step's figures, each rank's
+        verdict, one Parquet row per rank, the sinks' scalars and the console lines."""
+        c, objects, moe, axes = _newest_reports(parts)
+        ranks = c.int("rank")
+        n = len(ranks)
+        size = self._size_of(c)
+        summary, last, counted = self._step_summary(step, c, objects, size)
+        load = (_expert_load_blocks(moe[0][counted], moe[1][counted]) if moe is not None
+                else _expert_load([objects[i] for i in np.nonzero(counted)[0].tolist()]))
+        aux = c.get("aux_loss")[counted & ~c.null("aux_loss")]
+        # Each DP replica's layers sum to its balance loss; average the replicas.
+        summary["moe/aux_loss"] = float(aux.sum() / max(1, int(last.sum()))) if len(aux) else None
+        summary["moe_imbalance"] = max(
+            (max(x) * len(x) / sum(x) for x in load.values() if sum(x)), default=None
+        )
+        for o in objects:
+            if o[4]:
+                self._breakdown(o[4])
+        attempt = float(c.get("attempt_start_time")[0])
+        coords = self._new_coords(c, ranks, axes, attempt)
+        mem = {k: c.get(k) for k in MEMORY_FIELDS}
+        code, slope, oom, changes = self.leak.update_many(step, ranks, mem, every=max(1, -(-n // self.VERDICT_RANKS)))
+        table = _step_table(c, objects, moe, summary, code, slope, oom, size)
+        self.parquet.add_table(table)
+        ray_metrics.export_step(self.run_dir.name, step, summary, c.int("pp"), ranks, mem)  # Prometheus / Grafana
+        messages = self._verdict_messages(step, changes)
+        growing = np.nonzero(code == GROWING_CODE)[0]
+        small = n <= max(CONSOLE_RANKS, self.series_max_ranks)
+        rows = table.to_pylist() if small else table.take(pa.array(growing)).to_pylist()
+        self._to_sinks(step, summary, rows, c, code, load, messages, ranks, coords)
+        if step % self.log_freq == 0 or step == self.total_steps or step == 1 or summary["val/loss"] is not None:
+            line = (format_step_line(step, self.total_steps, summary, rows) if n <= CONSOLE_RANKS
+                    else format_scale_line(step, self.total_steps, summary, c, code))
+            self._lines.append((step, line))
+        self._lines += [(step, m) for m in messages]
+        # Where each worker group runs, once per attempt (reports that name their node).
+        if objects[0][0] and attempt not in self._layout_shown and coords is not None:
+            self._layout_shown.add(attempt)
+            self._lines.append((step, self._layout(ranks, [o[0] for o in objects], coords)))
+        self._step_done(step, attempt, summary, c)
+
+    def _step_summary(self, step: int, c: _Columns, objects: list[tuple],
+                      size: int) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+        """The step's figures (loss over the last stage's counted ranks, token-weighted; tokens/s
+        over the slowest rank's step time; validation), with the masks of the last stage's
+        counted ranks and of the counted ranks (``tp = 0``); a last-stage rank without a loss or
+        another rank with one is recorded as an error."""
+        ranks = c.int("rank")
+        last_ranks = self.last_by_size.get(size, self.last)
+        on_last = np.isin(ranks, last_ranks)
+        has_loss = ~c.null("loss")
+        for r in ranks[on_last & ~has_loss].tolist():
+            self._error(f"step {step}: last-stage rank {r} reported no loss")
+        for r in ranks[~on_last & has_loss].tolist():
+            self._error(f"step {step}: rank {r} is not on the last stage but reported a loss")
+        counted = c.int("tp") == 0  # a tp group's ranks hold one data-parallel rank's figures
+        last = on_last & counted
+        with_loss = last & has_loss
+        weights = np.where(c.null("loss_tokens"), c.get("tokens"), c.get("loss_tokens"))[with_loss]
+        tokens_w = weights.sum()
+        loss = float((c.get("loss")[with_loss] * weights).sum() / tokens_w) if tokens_w else None
+        step_time = float(c.get("step_time_s").max())
+        summary: dict[str, Any] = {
             "loss": loss,
-            "loss_max": max((r["loss"] for r in with_loss), default=None),
-            "tokens": sum(r["tokens"] for r in last),
+            "loss_max": float(c.get("loss")[with_loss].max()) if with_loss.any() else None,
+            "tokens": int(c.get("tokens")[last].sum()),
             "step_time_s": step_time,
-            "lr": rows[0]["lr"],
-            "grad_norm": rows[0]["grad_norm"],
-            "skipped": rows[0].get("skipped_update", False),
+            "lr": float(c.get("lr")[0]),
+            "grad_norm": float(c.get("grad_norm")[0]),
+            "skipped": bool(c.get("skipped_update")[0]),
         }
         summary["tokens_per_s"] = summary["tokens"] / step_time if step_time > 0 else 0.0
-        summary.update(validation_summary(last))
-        mixed = [r["source_tokens"] for r in last if r.get("source_tokens")]  # one per data-parallel group
-        summary["source_tokens"] = [sum(c) for c in zip(*mixed)] if mixed else None
-        load = expert_load(counted_rows(rows))
-        aux = [r["aux_loss"] for r in counted_rows(rows) if r.get("aux_loss") is not None]
-        # Each DP replica's layers sum to its balance loss; average the replicas.
-        summary["moe/aux_loss"] = sum(aux) / max(1, len(last)) if aux else None
-        summary["moe_imbalance"] = max(
-            (max(c) * len(c) / sum(c) for c in load.values() if sum(c)), default=None
-        )
-        for r in rows:
-            if r.get("memory_breakdown"):
-                self._breakdown(r["memory_breakdown"])
-        flat = [self._row(r, summary) for r in rows]
-        changes = [self._verdict(step, r, row) for r, row in zip(rows, flat)]
-        self.parquet.add(flat)
-        ray_metrics.export_step(self.run_dir.name, step, summary, flat)  # Prometheus / Grafana (no-op without Ray)
+        val = last & ~c.null("val_loss") & (np.nan_to_num(c.get("val_tokens")) > 0)
+        val_tokens = c.get("val_tokens")[val].sum()
+        val_loss = float((c.get("val_loss")[val] * c.get("val_tokens")[val]).sum() / val_tokens) if val.any() else None
+        summary["val/loss"] = val_loss
+        summary["val/perplexity"] = None if val_loss is None else math.exp(min(val_loss, 700.0))
+        mixed = [objects[i][3] for i in np.nonzero(last)[0].tolist() if objects[i][3]]  # one per DP group
+        summary["source_tokens"] = [sum(x) for x in zip(*mixed)] if mixed else None
+        return summary, last, counted
+
+    def _new_coords(self, c: _Columns, ranks: np.ndarray, axes: list[str],
+                    attempt: float) -> list[dict[str, int]] | None:
+        """Each rank's mesh coordinates when the verdicts or the layout line need them (new ranks,
+        a new attempt), else None: building them per rank is the cost worth skipping per step."""
+        if len(self.leak.coords) >= len(ranks) and attempt in self._layout_shown:
+            return None
+        coords = [dict(zip(axes, map(int, row))) for row in
+                  c.values[:, [_F[a] for a in axes]].tolist()] if axes else [{} for _ in range(len(ranks))]
+        self.leak.coords.update(zip(ranks.tolist(), coords))
+        return coords
+
+    def _to_sinks(self, step: int, summary: dict[str, Any], rows: list[dict[str, Any]], c: _Columns,
+                  code: np.ndarray, load: dict[int, list[int]], messages: list[str], ranks: np.ndarray,
+                  coords: list[dict[str, int]] | None) -> None:
+        """The step's scalars to W&B and TensorBoard: per rank up to ``series_max_ranks`` ranks,
+        beyond that per stage and overall plus the growing ranks' own series (``rows``)."""
+        if not (self.wandb or self.tb):
+            return
         scalars = {k: summary[k] for k in ("loss", "loss_max", "tokens_per_s", "lr", "grad_norm", "step_time_s",
                                            "moe/aux_loss", "val/loss", "val/perplexity")}
+        per_rank = len(ranks) <= self.series_max_ranks
+        values = step_scalars(scalars, rows) + ([] if per_rank else memory_summary_scalars(c, code))
         if self.wandb:
-            self.wandb.log(step, step_scalars(scalars, flat) + expert_load_scalars(load))
-        if self.tb:
-            self._tensorboard(self.tb.add_step, step, scalars, flat)
-            if load and self.tb:
-                self._tensorboard(self.tb.add_expert_load, step, load)
-            if not self._mesh_written and self.tb:  # what ``rank{r}`` in the tags is on the mesh
-                self._tensorboard(self.tb.add_text, "mesh/ranks", "\n".join(
-                    f"- {describe_coords(r['rank'], r['coords'])}" for r in rows), step)
-                self._mesh_written = True
-            for message in filter(None, changes):
-                if self.tb:
-                    self._tensorboard(self.tb.add_text, "memory/verdict", message, step)
-        if step % self.log_freq == 0 or step == self.total_steps or step == 1 or summary["val/loss"] is not None:
-            self._lines.append((step, format_step_line(step, self.total_steps, summary, flat)))
-        self._lines += [(step, c) for c in changes if c]
-        # Where each worker group runs, once per attempt (reports that name their node).
-        if rows[0].get("node") and rows[0].get("attempt_start_time", 0.0) not in self._layout_shown:
-            self._layout_shown.add(rows[0].get("attempt_start_time", 0.0))
-            self._lines.append((step, self._layout(rows)))
+            self.wandb.log(step, values + expert_load_scalars(load, shares=per_rank))
+        if not self.tb:
+            return
+        self._tensorboard(self.tb.add_scalars, step, values)
+        if load:
+            self._tensorboard(self.tb.add_expert_load, step, load, per_rank)
+        if not self._mesh_written and coords is not None:  # what ``rank{r}`` in the tags is
+            self._tensorboard(self.tb.add_text, "mesh/ranks", "\n".join(
+                f"- {describe_coords(r, co)}" for r, co in zip(ranks.tolist(), coords)), step)
+            self._mesh_written = True
+        for message in messages:
+            self._tensorboard(self.tb.add_text, "memory/verdict", message, step)
+
+    def _step_done(self, step: int, attempt: float, summary: dict[str, Any], c: _Columns) -> None:
+        """Bookkeeping after a step is assembled: the newest step's figures, what is unflushed,
+        a flush every ``flush_every`` steps, and the injected collector kill."""
         self.assembled += 1
         if step >= self.last_step:  # the newest step's loss, None (and an error) if it had none
-            self.last_step, self.final_loss = step, loss
-            self.latest = {"step": step, "total": self.total_steps, "loss": loss,
-                           "tokens_per_s": summary["tokens_per_s"], "max_memory": _max_memory(flat)}
-        attempt = rows[0].get("attempt_start_time", 0.0)
+            self.last_step, self.final_loss = step, summary["loss"]
+            self.latest = {"step": step, "total": self.total_steps, "loss": summary["loss"],
+                           "tokens_per_s": summary["tokens_per_s"], "max_memory": _max_memory(c)}
         self._done[step] = attempt
         self._unflushed.append((attempt, step))
         self._since_flush += 1
@@ -536,19 +855,37 @@ class MetricsCollector:
             if not self.restarted:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    def _verdict(self, step: int, rep: dict[str, Any], row: dict[str, Any]) -> str | None:
-        """Put the rank's memory verdict into its row; the console message if it changed."""
-        v, message = self.leak.update(step, {**rep["memory"], "rank": rep["rank"], "coords": rep["coords"]})
-        row.update(memory_verdict=v.verdict, memory_slope_mib_per_step=v.slope_mib_per_step,
-                   memory_oom_step=v.oom_step)
-        if v.verdict == GROWING and self.on_leak == "stop" and self.stop_reason is None:
-            self.stop_reason = (
-                f"{self.leak.describe(rep['rank'])}: memory {self.leak.format(v)} since step {step}; "
-                "memory.on_leak = 'stop' ended the run"
-            )
-            message = (f"memory: {self.leak.describe(rep['rank'])} {self.leak.format(v)} at step {step}; "
-                       "memory.on_leak = 'stop' ends the run")
-        return message
+    VERDICT_RANKS = 256
+    """Theil–Sen slopes refitted per step at most: a larger job's ranks each get theirs every
+    ``ceil(ranks / this)`` steps, in turn (:meth:`LeakMonitor.update_many`'s ``every``), so the
+    verdict costs about the same at every step; the verdict itself is exact at every step."""
+
+    def _size_of(self, c: _Columns) -> int:
+        """The worker group size of a step's reports (the run's for reports that do not say)."""
+        size = c.get("world_size")[0]
+        return self.world_size if np.isnan(size) or size <= 0 else int(size)
+
+    def _verdict_messages(self, step: int, changes: list[tuple[int, Verdict]]) -> list[str]:
+        """The console messages of the ranks whose verdict changed: one per rank up to
+        :data:`CONSOLE_RANKS` changes, beyond that a count per verdict, and every ``growing`` rank
+        by name always. Under ``on_leak = "stop"`` a growing rank sets :attr:`stop_reason`."""
+        messages = []
+        named = changes if len(changes) <= CONSOLE_RANKS else [(r, v) for r, v in changes if v.verdict == GROWING]
+        for rank, v in named:
+            message = f"memory: {self.leak.describe(rank)} {self.leak.format(v)} at step {step}"
+            if v.verdict == GROWING and self.on_leak == "stop" and self.stop_reason is None:
+                self.stop_reason = (f"{self.leak.describe(rank)}: memory {self.leak.format(v)} since step {step}; "
+                                    "memory.on_leak = 'stop' ended the run")
+                message = (f"memory: {self.leak.describe(rank)} {self.leak.format(v)} at step {step}; "
+                           "memory.on_leak = 'stop' ends the run")
+            messages.append(message)
+        if len(changes) > CONSOLE_RANKS:
+            counts: dict[str, int] = {}
+            for _, v in changes:
+                counts[v.verdict] = counts.get(v.verdict, 0) + 1
+            messages += [f"memory: {k} rank(s) now {verdict} at step {step}" for verdict, k in counts.items()
+                         if verdict != GROWING]
+        return messages
 
     def _breakdown(self, breakdown: dict[str, Any]) -> None:
         """Keep a rank's measured memory breakdown, on disk at once (it survives a restart). A
@@ -624,28 +961,6 @@ class MetricsCollector:
             self.mirror.sync()
         except Exception as e:  # the staged copy is complete; the next sync retries
             self._error(f"upload of metrics to {self.mirror.destination} failed {when}: {e}")
-
-    @staticmethod
-    def _row(r: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
-        row = {k: r[k] for k in ("step", "rank", "is_last_stage", "loss", "tokens", "step_time_s",
-                                  "data_time_s", "fwd_bwd_time_s", "optim_time_s", "grad_norm",
-                                  "lr", "gc_pause_s", "time")}
-        row.update({axis: r["coords"].get(axis, 0) for axis in ("pp", "dp_replicate", "dp_shard", "tp", "ep")})
-        row.update(aux_loss=r.get("aux_loss"), moe_layers=r.get("moe_layers") or [],
-                   expert_load=r.get("expert_load") or [])
-        row["gc_generation"] = r.get("gc_generation")
-        row["metrics_time_s"] = r.get("metrics_time_s")
-        row["loss_tokens"] = r.get("loss_tokens")
-        row.update(source_tokens=r.get("source_tokens"), step_source_tokens=s["source_tokens"])
-        row.update(val_loss=r.get("val_loss"), val_tokens=r.get("val_tokens"), val_time_s=r.get("val_time_s"),
-                   step_val_loss=s["val/loss"])
-        row.update(node=r.get("node") or None, world_size=r.get("world_size") or None)
-        row.update(skipped_update=r.get("skipped_update", False), attempt=0,
-                   attempt_start_time=r.get("attempt_start_time", 0.0), pid=r.get("pid"))
-        row.update({k: r["memory"].get(k) for k in MEMORY_FIELDS})
-        row.update(step_loss=s["loss"], step_loss_max=s["loss_max"], step_tokens=s["tokens"],
-                   step_tokens_per_s=s["tokens_per_s"])
-        return row
 
 
 def _span(values: list[int]) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -56,13 +56,14 @@ def _gauge(name: str, description: str, tags: tuple[str, ...]) -> Any:
     return _gauges[name]
 
 
-def export_step(job: str, step: int, summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> None:
+def export_step(job: str, step: int, summary: Mapping[str, Any], pp: np.ndarray, ranks: np.ndarray,
+                memory: Mapping[str, np.ndarray]) -> None:
     """Set the gauges (module docstring) from one assembled step: ``summary``, the collector's
     step figures (``loss``, ``tokens_per_s``, ``step_time_s``, ``val/loss``; None leaves a gauge
-    at its last value), and ``rows``, one mapping per rank with ``pp``, ``rank``,
-    ``device_allocated_bytes`` (None without a device) and ``host_rss_bytes`` (bytes), read at
-    most every :data:`MEMORY_EVERY_S` seconds (one pass over the rows, a numpy sort, ~6 gauge
-    updates per stage; the scalars are set at every step). Does nothing when
+    at its last value), and the step's ranks in columns: ``pp`` and ``ranks`` (int, ``(ranks,)``)
+    and ``memory`` with ``device_allocated_bytes`` and ``host_rss_bytes`` (float ``(ranks,)``,
+    bytes, NaN where a rank has none), read at most every :data:`MEMORY_EVERY_S` seconds (a numpy
+    sort and ~6 gauge updates per stage; the scalars are set at every step). Does nothing when
     Ray is not initialised in this process; a failure (Ray's metrics agent gone) is printed once
     and the export stops, so the collector's own work goes on."""
     global _failed
@@ -70,25 +71,23 @@ def export_step(job: str, step: int, summary: Mapping[str, Any], rows: Sequence[
     if _failed or ray is None or not ray.is_initialized():
         return
     try:
-        _export(job, step, summary, rows)
+        _export(job, step, summary, pp, ranks, memory)
     except Exception as e:
         _failed = True
         print(f"ray_titan: warning: Ray metrics export stopped: {type(e).__name__}: {e}", file=sys.stderr)
 
 
-def _export(job: str, step: int, summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> None:
+def _export(job: str, step: int, summary: Mapping[str, Any], pp: np.ndarray, ranks: np.ndarray,
+            memory: Mapping[str, np.ndarray]) -> None:
     tags = {"job": job}
     _gauge("titan_step", "The last step assembled", ("job",)).set(step, tags=tags)
     for key, (name, description) in _SCALARS.items():
         if summary.get(key) is not None:
             _gauge(name, description, ("job",)).set(float(summary[key]), tags=tags)
     now = time.monotonic()
-    if not rows or now - _last_memory[0] < MEMORY_EVERY_S:
+    if not len(ranks) or now - _last_memory[0] < MEMORY_EVERY_S:
         return
     _last_memory[0] = now
-    # One pass over the rows; None (no device) becomes NaN in a float array.
-    pp, ranks, dev, host = zip(*[(r["pp"], r["rank"], r.get("device_allocated_bytes"), r.get("host_rss_bytes"))
-                                 for r in rows])
     stage = np.asarray(pp, np.int64)
     order = np.argsort(stage, kind="stable")
     stage, rank = stage[order], np.asarray(ranks, np.int64)[order]
@@ -97,8 +96,8 @@ def _export(job: str, step: int, summary: Mapping[str, Any], rows: Sequence[Mapp
                  ("job", "stage", "series", "stat"))
     arg = _gauge("titan_stage_memory_max_rank", "Per pipeline stage, the rank with the most memory",
                  ("job", "stage", "series"))
-    for series, values in (("device_allocated", dev), ("host_rss", host)):
-        vals = np.asarray(values, float)[order]
+    for series, column in _SERIES.items():
+        vals = np.asarray(memory[column], float)[order]
         if np.isnan(vals).all():
             continue
         for lo, hi in zip(bounds[:-1], bounds[1:]):

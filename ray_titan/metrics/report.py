@@ -19,15 +19,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "MEMORY_FIELDS",
+    "PACKED_FIELDS",
     "CollectorReporter",
     "JsonlReporter",
     "LocalReporter",
+    "MetricsAggregator",
     "Reporter",
     "StepReport",
+    "create_aggregators",
+    "pack_reports",
     "rank_reports_path",
     "read_rank_reports",
+    "reporting_target",
 ]
 
 # The memory sample of a StepReport (ray_titan.metrics.memory.MemorySampler fills it). Here, not
@@ -47,6 +54,67 @@ MEMORY_FIELDS = (
     "device_ooms",
     "device_capacity_bytes",
 )
+
+
+# A batch of reports in columns (:func:`pack_reports`): every scalar of a report, coordinates
+# and memory flattened, in one float64 matrix. One matrix pickles and crosses a Ray call for a
+# fraction of what a dict per report, or an Arrow record batch of 60 columns, costs the collector.
+COORD_AXES = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
+PACKED_FIELDS = (
+    "step", "rank", *COORD_AXES, "is_last_stage", "loss", "tokens", "step_time_s", "data_time_s",
+    "fwd_bwd_time_s", "optim_time_s", "grad_norm", "lr", "gc_pause_s", "time", "metrics_time_s", *MEMORY_FIELDS,
+    "aux_loss", "gc_generation", "loss_tokens", "val_loss", "val_tokens", "val_time_s", "world_size",
+    "skipped_update", "attempt_start_time", "pid", "dropped",
+)
+"""The columns of :func:`pack_reports`'s ``values`` matrix, in order. ``dropped``: the reports
+the sending rank had dropped when it sent this one."""
+PACKED_OBJECTS = ("node", "moe_layers", "expert_load", "source_tokens", "memory_breakdown")
+"""The per-report fields that are not one number, in ``objects``' tuples, in order."""
+
+
+def pack_reports(reports: list[dict[str, Any]], dropped: list[int] | int = 0) -> dict[str, Any]:
+    """Reports (``StepReport.to_dict()``) as columns: ``{"values": float64 (n, len(PACKED_FIELDS)),
+    "null": bool (n, len(PACKED_FIELDS)) (the report had None there), "objects": [(node,
+    moe_layers, expert_load, source_tokens, memory_breakdown)] * n, "axes": the mesh axes of the
+    first report's ``coords``, in order, "moe": None or (int64 (n, layers), int64 (n, layers,
+    experts)): ``moe_layers`` and ``expert_load`` of every report where all have one shape (then
+    None in ``objects``)}``. Counts and bytes are exact in float64 up to 2**53.
+    ``dropped``: per report, or one count for all, the reports its rank had dropped (a report's
+    own ``dropped`` key wins)."""
+    n = len(reports)
+    drops = [dropped] * n if isinstance(dropped, int) else dropped
+    rows, objects = [], []
+    for rep, d in zip(reports, drops):
+        d = rep.get("dropped", d)  # set by a MetricsAggregator: the sending rank's count
+        c, m = rep["coords"], rep["memory"]
+        rows.append((
+            rep["step"], rep["rank"], c.get("pp", 0), c.get("dp_replicate", 0), c.get("dp_shard", 0), c.get("tp", 0),
+            c.get("ep", 0), rep["is_last_stage"], rep["loss"], rep["tokens"], rep["step_time_s"], rep["data_time_s"],
+            rep["fwd_bwd_time_s"], rep["optim_time_s"], rep["grad_norm"], rep["lr"], rep["gc_pause_s"],
+            rep.get("time", 0.0), rep.get("metrics_time_s"), *(m.get(k) for k in MEMORY_FIELDS), rep.get("aux_loss"),
+            rep.get("gc_generation"), rep.get("loss_tokens"), rep.get("val_loss"), rep.get("val_tokens"),
+            rep.get("val_time_s"), rep.get("world_size") or None, rep.get("skipped_update", False),
+            rep.get("attempt_start_time", 0.0), rep.get("pid"), d,
+        ))
+        objects.append((rep.get("node") or None, rep.get("moe_layers") or [], rep.get("expert_load") or [],
+                        rep.get("source_tokens"), rep.get("memory_breakdown")))
+    raw = np.array(rows, dtype=object).reshape(n, len(PACKED_FIELDS))
+    null = raw == None  # noqa: E711 (elementwise)
+    raw[null] = np.nan
+    packed = {"values": raw.astype(np.float64), "null": null, "objects": objects,
+              "axes": tuple(reports[0]["coords"]) if reports else (), "moe": None}
+    # MoE: every rank's layers and expert load as two int blocks, (n, layers) and (n, layers,
+    # experts), where every report has the same shape (a MoE job's do): built here, on the
+    # sender's CPU, instead of element by element in the collector.
+    try:
+        layers = np.asarray([o[1] for o in objects], np.int64)
+        load = np.asarray([o[2] for o in objects], np.int64) if layers.size else np.zeros((n, 0, 0), np.int64)
+    except (ValueError, TypeError):  # ragged
+        return packed
+    if n and layers.ndim == 2 and load.ndim == 3 and load.shape[1] == layers.shape[1]:
+        packed["moe"] = (layers, load)
+        packed["objects"] = [(o[0], None, None, o[3], o[4]) for o in objects]
+    return packed
 
 
 @dataclass
@@ -148,7 +216,8 @@ class CollectorReporter(Reporter):
     Reports are sent in batches while fewer than ``max_inflight`` calls are unanswered, at most one
     call per ``interval_s`` seconds (the first report at once): a Ray call costs the worker ~0.6 ms
     and the collector ~0.75 ms of CPU time whether it carries one report or ten, so reports of
-    fast steps travel together (0: a call every step). Each
+    fast steps travel together (0: a call every step). ``pack``: send the batches in columns
+    (:func:`pack_reports`; a :class:`MetricsAggregator`'s delivery). Each
     answer names the collector's incarnation and, per attempt, the step up to which rows are on
     disk; held reports up to there are forgotten. A failed call (the collector died) or a new
     incarnation (it was restarted) makes every held report due again, sent after a back-off of
@@ -160,8 +229,10 @@ class CollectorReporter(Reporter):
     """
 
     def __init__(self, handle, max_inflight: int = 16, max_buffered: int = 10_000, retry_s: float = 1.0,
-                 interval_s: float = 0.0):
-        self.handle = handle
+                 interval_s: float = 0.0, pack: bool = False):
+        self.handle, self.pack = handle, pack
+        self._id = f"{os.getpid()}-{id(self)}"  # names this sender's own dropped count at the collector
+        self.durable: dict[float, int] = {}  # the collector's latest answer: steps on disk per attempt
         self.max_inflight, self.max_buffered = max_inflight, max_buffered
         self.interval_s, self._next_call = interval_s, 0.0
         self._pending: list = []
@@ -233,6 +304,7 @@ class CollectorReporter(Reporter):
     def _acknowledge(self, durable: dict[float, int]) -> None:
         if not durable:
             return
+        self.durable = durable
         kept = deque(r for r in self._held if r["step"] > durable.get(r.get("attempt_start_time", 0.0), 0))
         self._unsent = min(len(kept), self._unsent)
         self._held = kept
@@ -251,6 +323,8 @@ class CollectorReporter(Reporter):
         if self._unsent or flush:
             batch = self._queue
             self._unsent = 0
+            if self.pack:
+                batch = {**pack_reports(batch), "sender": self._id}  # type: ignore[assignment]
             self._pending.append(self.handle.report.remote(batch, self.dropped, flush))
             self._next_call = time.monotonic() + self.interval_s
 
@@ -291,6 +365,74 @@ class CollectorReporter(Reporter):
                 f"not confirmed on disk; last error: {self.last_error}",
                 file=sys.stderr, flush=True,
             )
+
+
+class MetricsAggregator:
+    """Between a group of ranks and the collector: the ranks' :class:`CollectorReporter` call it
+    as they would the collector (same :meth:`report` and answers), and it forwards the group's
+    reports to the collector as one columnar batch (:func:`pack_reports`), so the collector takes
+    ranks / ``expected`` calls a step instead of one per rank (a Ray call costs the collector
+    ~0.25 ms of CPU whatever it carries, measured on this project's 2-core machine).
+
+    Its own delivery to the collector is a :class:`CollectorReporter` (packing its batches): it
+    holds what it forwarded until the collector has it on disk and resends it to a restarted
+    collector. Its answers carry its own incarnation and the collector's ``durable`` steps, so the
+    ranks forget a report only once it is on disk, and resend all they hold when this aggregator
+    was restarted (a new incarnation) or a call to it failed: a killed aggregator loses nothing.
+    Bounded: ``max_inflight`` forwards unanswered, ``max_buffered`` reports held (beyond, the
+    oldest unsent are dropped and counted, and the collector records them as errors).
+
+    Args:
+        collector: the collector actor's handle.
+        expected: reports that make a full batch (the group's ranks): forwarded as soon as this
+            many wait, ``interval_s`` seconds after the last forward, or on a ``flush``.
+    """
+
+    def __init__(self, collector, expected: int, max_inflight: int = 4, max_buffered: int = 100_000,
+                 interval_s: float = 1.0):
+        import uuid
+
+        self.expected = expected
+        self.incarnation = uuid.uuid4().hex
+        self.out = CollectorReporter(collector, max_inflight, max_buffered, interval_s=interval_s, pack=True)
+
+    @property
+    def dropped(self) -> int:
+        return self.out.dropped
+
+    def report(self, batch: list[dict[str, Any]], dropped: int = 0, flush: bool = False) -> dict[str, Any]:
+        """Take one rank's call (see :meth:`MetricsCollector.report`); answer as the collector would."""
+        out = self.out
+        out._hold([{**r, "dropped": dropped} for r in batch] if dropped else batch)
+        if flush or out._unsent >= self.expected or time.monotonic() >= out._next_call:
+            out._send(flush)
+        else:
+            out._poll()
+        return {"incarnation": self.incarnation, "durable": out.durable, "stop": out.stop_reason,
+                "write_failing": out._write_failing}
+
+    def forward(self, flush: bool = False) -> None:
+        """Send what waits now (unless ``max_inflight`` forwards are unanswered)."""
+        self.out._send(flush)
+
+
+def create_aggregators(collector, world_size: int, ranks_per_aggregator: int, max_inflight: int = 4,
+                       max_buffered: int = 100_000) -> list | None:
+    """One :class:`MetricsAggregator` actor per ``ranks_per_aggregator`` ranks (``metrics.ranks_per_aggregator``),
+    owned by the caller (the driver), restarted by Ray whenever it dies; None when the job is no
+    larger than one group (or ``ranks_per_aggregator`` is 0): its ranks call the collector."""
+    import ray
+
+    if not ranks_per_aggregator or world_size <= ranks_per_aggregator:
+        return None
+    actor = ray.remote(MetricsAggregator).options(num_cpus=0, max_restarts=-1, enable_task_events=False)
+    return [actor.remote(collector, ranks_per_aggregator, max_inflight, max_buffered)
+            for _ in range(-(-world_size // ranks_per_aggregator))]
+
+
+def reporting_target(collector, aggregators: list | None, rank: int, ranks_per_aggregator: int):
+    """Whom ``rank``'s :class:`CollectorReporter` calls: its group's aggregator, else the collector."""
+    return aggregators[rank // ranks_per_aggregator] if aggregators else collector
 
 
 def _raise_if_stopped(reason: str | None) -> None:

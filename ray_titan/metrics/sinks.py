@@ -103,7 +103,7 @@ class ParquetSink:
         self.dir = Path(metrics_dir)
         self.parts = self.dir / "parts"
         self.parts.mkdir(parents=True, exist_ok=True)
-        self._rows: list[dict[str, Any]] = []
+        self._tables: list[pa.Table] = []
         # Continue after the highest existing part, so a restarted writer never overwrites one.
         existing = [int(p.stem.split("-")[1]) for p in self.parts.glob("part-*.parquet")]
         self._n = max(existing, default=-1) + 1
@@ -111,19 +111,28 @@ class ParquetSink:
 
     def add(self, rows: list[dict[str, Any]]) -> None:
         """Queue rows for the next part (held in memory until :meth:`flush`)."""
-        self._rows.extend(rows)
+        if rows:
+            self._tables.append(pa.Table.from_pylist(rows, schema=STEP_SCHEMA))
+
+    def add_table(self, table: pa.Table) -> None:
+        """Queue a table of :data:`STEP_SCHEMA` for the next part (a step assembled in columns)."""
+        self._tables.append(table)
+
+    def unflushed_steps(self) -> list[int]:
+        """The steps of the queued rows, sorted."""
+        return sorted({s for t in self._tables for s in t["step"].to_pylist()})
 
     def flush(self) -> None:
         """Write the queued rows as the next part file (atomically) and forget them. On a write
         error (a full disk) the partial file is removed, the rows are kept for the next flush, and
         ``OSError`` is raised naming the file and the cause."""
-        if not self._rows:
+        if not self._tables:
             return
-        table = pa.Table.from_pylist(self._rows, schema=STEP_SCHEMA)
+        table = pa.concat_tables(self._tables)
         path = self.parts / f"part-{self._n:05d}.parquet"
         _write_atomically(table, path)
         self._n += 1
-        self._rows = []
+        self._tables = []
 
     def close(self) -> Path:
         """Flush, write ``steps.parquet`` from all parts (one row per step and rank,
@@ -360,15 +369,16 @@ def step_scalars(scalars: Mapping[str, float | None], rows: list[dict[str, Any]]
     return values
 
 
-def expert_load_scalars(load: dict[int, list[int]]) -> list[tuple[str, float]]:
-    """Per MoE layer: max over mean of the experts' token counts (1 = perfectly balanced) and
-    each expert's share of the layer's routed tokens."""
+def expert_load_scalars(load: dict[int, list[int]], shares: bool = True) -> list[tuple[str, float]]:
+    """Per MoE layer: max over mean of the experts' token counts (1 = perfectly balanced) and,
+    with ``shares``, each expert's share of the layer's routed tokens."""
     values = []
     for layer, counts in load.items():
         total = sum(counts)
         if total:
             values.append((f"moe/layer{layer}/load_max_over_mean", max(counts) * len(counts) / total))
-            values += [(f"moe/layer{layer}/expert{e}_share", c / total) for e, c in enumerate(counts)]
+            if shares:
+                values += [(f"moe/layer{layer}/expert{e}_share", c / total) for e, c in enumerate(counts)]
     return values
 
 
@@ -445,9 +455,9 @@ class TensorBoardSink:
         self._events.write_event(Event(wall_time=time.time(), step=step, summary=summary))
 
     def add_step(self, step: int, scalars: dict[str, float], rows: list[dict[str, Any]]) -> None:
-        self._scalars(step, step_scalars(scalars, rows))
+        self.add_scalars(step, step_scalars(scalars, rows))
 
-    def _scalars(self, step: int, values: list[tuple[str, float]]) -> None:
+    def add_scalars(self, step: int, values: list[tuple[str, float]]) -> None:
         """All of a step's scalars as one event: one Summary with a value per tag, which
         TensorBoard reads as separate series (as TF1's merged summaries). ``add_scalar`` would
         make an event per tag: about 25 of them per step, each pickled through tensorboardX's
@@ -463,9 +473,9 @@ class TensorBoardSink:
 
         self._write(step, text_summary(tag, text))
 
-    def add_expert_load(self, step: int, load: dict[int, list[int]]) -> None:
+    def add_expert_load(self, step: int, load: dict[int, list[int]], shares: bool = True) -> None:
         """:func:`expert_load_scalars` at ``step``."""
-        self._scalars(step, expert_load_scalars(load))
+        self.add_scalars(step, expert_load_scalars(load, shares))
 
     def flush(self) -> None:
         """Write what is buffered and fsync it. Raises ``OSError`` (a full disk)."""

@@ -51,7 +51,13 @@ def worker_entry(loop_config: dict[str, Any]) -> None:
 
     from ray_titan.checkpoint import RayTrainCheckpointStorage
     from ray_titan.fault import NonFiniteError
-    from ray_titan.metrics.report import CollectorReporter, JsonlReporter, Reporter, rank_reports_path
+    from ray_titan.metrics.report import (
+        CollectorReporter,
+        JsonlReporter,
+        Reporter,
+        rank_reports_path,
+        reporting_target,
+    )
     from ray_titan.metrics.timing import write_timings
     from ray_titan.parallel.elastic import mesh_for_workers
     from ray_titan.trainer import train_loop
@@ -69,7 +75,9 @@ def worker_entry(loop_config: dict[str, Any]) -> None:
         reporter = Reporter()
     else:
         reporter = CollectorReporter(
-            loop_config["collector"], cfg.metrics.max_inflight_reports, cfg.metrics.max_buffered_reports,
+            reporting_target(loop_config["collector"], loop_config.get("aggregators"), rank,
+                             cfg.metrics.ranks_per_aggregator),
+            cfg.metrics.max_inflight_reports, cfg.metrics.max_buffered_reports,
             interval_s=cfg.metrics.report_interval_s,
         )
     if cfg.metrics.save_rank_reports:

@@ -251,3 +251,60 @@ def test_tensor_parallel_ranks_count_their_loss_and_tokens_once(tmp_path):
     t = read_steps(tmp_path)
     assert t["step_tokens"].to_pylist() == [400] * 8  # not 800: each DP rank's batch once
     assert t["tp"].to_pylist() == [0, 1] * 4 and t["dp_shard"].to_pylist() == [0, 0, 1, 1] * 2
+
+
+def _moe_report(step, rank, dims, **kw):
+    rep = _report(step, rank, dims, loss=2.0 + rank / 100 if dims.is_last_stage_rank(rank) else None, **kw)
+    rep.update(aux_loss=0.01 * rank, moe_layers=[2 * rep["coords"]["pp"], 2 * rep["coords"]["pp"] + 1],
+               expert_load=[[rank + step, 3], [1, 2 * rank]], source_tokens=[rank, 5],
+               val_loss=1.5 if step == 2 and dims.is_last_stage_rank(rank) else None,
+               val_tokens=7 if step == 2 else None, node=f"n{rank // 4}", world_size=dims.world_size)
+    rep["memory"] = dict(rep["memory"], device_allocated_bytes=(rank + 1) << 20,
+                         device_peak_reserved_bytes=(rank + 2) << 20)
+    return rep
+
+
+def test_a_groups_reports_in_columns_make_the_same_rows_as_one_call_per_rank(tmp_path):
+    """What a metrics aggregator forwards (a group's reports packed in columns) is assembled into
+    exactly the rows the ranks' own calls make: MoE load, mixtures, validation, device fields."""
+    from ray_titan.metrics.report import pack_reports
+
+    dims = ParallelDims(pp=2, dp_shard=4)
+    per_rank, packed = _collector(tmp_path / "a", dims, steps=3), _collector(tmp_path / "b", dims, steps=3)
+    for step in range(1, 4):
+        reps = [_moe_report(step, r, dims) for r in range(8)]
+        for rep in reps:
+            per_rank.report([rep])
+        for group in (reps[4:], reps[:4]):  # groups arrive in any order
+            packed.report(pack_reports(group))
+    assert per_rank.finish()["errors"] == [] and packed.finish()["errors"] == []
+    a, b = read_steps(tmp_path / "a"), read_steps(tmp_path / "b")
+    assert a.num_rows == 24 and a.equals(b)
+    assert a["expert_load"][0].as_py() == [[1, 3], [1, 0]] and a["step_val_loss"].to_pylist()[8] == 1.5
+
+
+def test_beyond_16_ranks_the_console_and_the_sinks_summarise(tmp_path):
+    """32 ranks (pp=2 × dp_shard=16), rank 7 leaking: the console line gives min / median / max of
+    memory with the extreme ranks, the verdict counts naming the growing rank and a per-stage
+    maximum; verdict changes of many ranks are counted, the growing one named; TensorBoard gets
+    per-rank series beyond ``series_max_ranks`` only for the growing rank, and stage summaries."""
+    dims = ParallelDims(pp=2, dp_shard=16)
+    leak = {"window": 8, "threshold_mib_per_step": 0.1, "host_threshold_mib_per_step": 0.1, "warmup_max_steps": 8}
+    c = _collector(tmp_path, dims, steps=20, log_freq=20, leak=leak, series_max_ranks=4)
+    logged: dict[int, dict[str, float]] = {}
+    c.tb.add_scalars = lambda step, values: logged.setdefault(step, {}).update(values)  # type: ignore[union-attr]
+    for step in range(1, 21):
+        c.report([_report(step, r, dims, loss=1.0 if dims.is_last_stage_rank(r) else None,
+                          rss=(100 << 20) + (step * 4 << 20 if r == 7 else 0)) for r in range(32)])
+    lines = c.finish()["lines"]
+    last = next(ln for ln in lines if ln.startswith("step 20/20"))
+    assert "32 ranks" in last and f"max {100 + 80:.0f} (r7)" in last and "min 100 (r0)" in last
+    assert "memory 31 stable, 0 warming_up, 1 growing (r7)" in last
+    assert "by stage: pp0 180 (r7), pp1 100 (r31)" in last
+    assert "r0:100" not in last  # no per-rank list
+    assert "memory: 32 rank(s) now warming_up at step 1" in lines
+    assert sum("growing" in ln and ln.startswith("memory: rank 7 (pp=0, dp_shard=7)") for ln in lines) == 1
+    tags = logged[20]
+    assert {t.split("/")[1] for t in tags if t.startswith("memory/rank") and "/" in t[7:]} == {"rank7"}
+    assert tags["memory/ranks_growing"] == 1 and tags["memory/pp0/host_rss_max_mib"] == pytest.approx(180)
+    assert tags["memory/all/host_rss_median_mib"] == pytest.approx(100)

@@ -315,3 +315,37 @@ def test_device_leaks_are_found_on_the_device_series_while_the_host_is_flat(rate
     host = run(0, rate)
     assert host.verdict == GROWING and host.source == "host"
     assert host.slope_mib_per_step == pytest.approx(rate, rel=0.25)
+
+
+def test_the_verdict_of_many_ranks_at_once_is_each_ranks_own():
+    """:meth:`LeakMonitor.update_many` over ranks with a leak, a ramp, a release, a flat line and
+    a release gives each rank the verdicts and slopes a detector of its own gives; with slopes
+    refitted every 3 steps only (a large job's cadence) the verdicts are the same at every step."""
+    rng = np.random.default_rng(0)
+    steps = np.arange(1, 121)
+    series = np.stack([
+        500 * MiB + rng.normal(0, 0.3 * MiB, 120),
+        500 * MiB + np.clip(steps - 50, 0, None) * 1.0 * MiB,
+        500 * MiB + np.minimum(steps, 20) * 3 * MiB,
+        500 * MiB + np.where(steps >= 70, -60 * MiB, 0) + steps * 0.5 * MiB,
+    ])
+    settings = leak_settings()
+    mon, every3 = LeakMonitor(**settings), LeakMonitor(**settings)
+    dets = [LeakDetector(settings["window"], settings["host_threshold_mib_per_step"], settings["warmup_max_steps"],
+                         "host") for _ in series]
+    first_growing: dict[int, int] = {}
+    ranks = np.arange(len(series))
+    for i, step in enumerate(steps.tolist()):
+        mem = {"host_rss_bytes": series[:, i], "host_heap_free_bytes": np.zeros(len(series))}
+        code, slope, _, _ = mon.update_many(step, ranks, mem)
+        code3, _, _, _ = every3.update_many(step, ranks, mem, every=3)
+        assert np.array_equal(code3, code), step
+        for r, det in enumerate(dets):
+            v = det.update(step, series[r, i])
+            assert v.verdict == ("warming_up", "stable", "growing")[code[r]], (r, step)
+            assert (v.slope_mib_per_step is None) == np.isnan(slope[r])
+            if v.slope_mib_per_step is not None:
+                assert slope[r] == pytest.approx(v.slope_mib_per_step)
+            if v.verdict == GROWING:
+                first_growing.setdefault(r, step)
+    assert sorted(first_growing) == [1, 3] and 50 < first_growing[1] <= 80
