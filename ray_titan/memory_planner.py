@@ -472,6 +472,7 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
     r = 2 if bf16 and dims.fsdp else _F32  # a stage's output (the residual stream): fp32 under autocast
     mb = tr.global_batch_size // dp_total // n
     tokens = mb * tr.seq_len  # per microbatch
+    sp = tp if tp > 1 and par.sequence_parallel else 1
     rule = SCHEDULES.get(par.pipeline_schedule)
     if pp > 1 and rule is None:
         raise ConfigError(f"parallelism.pipeline_schedule = {par.pipeline_schedule!r} has no in-flight rule; "
@@ -515,7 +516,7 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
             # Per token of one microbatch: what it keeps, and the most it holds while backward
             # runs (from the last block back: the blocks not yet done, the block being
             # recomputed, the block's backward temporaries).
-            kept_so_far, backward_peak, moe_part = 0.0, 0.0, 0.0
+            kept_so_far, backward_peak, moe_part, unsplit = 0.0, 0.0, 0.0, 0.0
             for i, layer in enumerate(split[s]):
                 blk = spec.block_activations(args, layer, e, tr.seq_len, device, rho, dims.ep)
                 how = _checkpointed(cfg, layer)
@@ -525,6 +526,7 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
                 kept_so_far += kept
                 backward_peak = max(backward_peak, kept_so_far + blk.recompute(how) + blk.backward)
                 moe_part += blk.experts(how)
+                unsplit += blk.unsplit(how)
                 lay = layer % cfg.activation_checkpoint.layer_freq == 0
                 act_modes["none"] += blk.none
                 act_modes["full"] += blk.input
@@ -542,11 +544,13 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
             for key in act_modes:
                 act_modes[key] += head
             per_token = kept_so_far + head + (_I64 if first else 0)
-            act[s] = per_token * tokens / tp
+            # Tensor parallel splits all but the projections' whole inputs (BlockActivations.whole).
+            act[s] = (per_token / tp + unsplit * (1 - 1 / tp)) * tokens
             expert_act[s] = moe_part * tokens / tp
             stage_transient[s] = max(0.0, backward_peak - per_token) * tokens / tp
             if pp > 1:
-                pipe += r * args.dim * tokens * n * ((0 if first else 1) + (0 if last else 1))
+                # Under sequence parallel a stage sends and receives its 1/tp of the sequence.
+                pipe += r * args.dim * tokens * n * ((0 if first else 1) + (0 if last else 1)) / sp
         # Model states and FSDP.
         local = sum(p.local for p in params.values())
         full = sum(p.full for p in params.values())
