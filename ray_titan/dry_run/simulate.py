@@ -151,8 +151,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.pipelining import stage as pp_stage
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.utils._pytree import tree_leaves
 
