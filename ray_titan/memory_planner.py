@@ -532,13 +532,16 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
                 act_modes["full"] += blk.input
                 act_modes["selective_op"] += blk.op
                 act_modes["selective_layer"] += blk.input if lay else blk.none
-            head = 0.0
+            head, loss_whole = 0.0, 0.0
             if last:  # final norm, output head's input, the loss's log-softmax
                 head = _F32 * (2 * args.dim + 1) + e * args.dim + _F32 * vocab
                 if pp > 1:
                     head += e * vocab  # the stage output (logits) waits for its backward
                 # The loss's backward: the gradient of the log-softmax and of the logits.
                 backward_peak = max(backward_peak, kept_so_far + head + (_F32 + e) * vocab)
+                if tp > 1 and not par.loss_parallel:  # replicated logits: the loss's are whole
+                    unsplit += _F32 * vocab + (e * vocab if pp > 1 else 0)
+                    loss_whole = (_F32 + e) * vocab
             elif pp > 1:
                 head = r * args.dim  # the stage's output waits for its backward
             for key in act_modes:
@@ -547,7 +550,7 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
             # Tensor parallel splits all but the projections' whole inputs (BlockActivations.whole).
             act[s] = (per_token / tp + unsplit * (1 - 1 / tp)) * tokens
             expert_act[s] = moe_part * tokens / tp
-            stage_transient[s] = max(0.0, backward_peak - per_token) * tokens / tp
+            stage_transient[s] = (max(0.0, backward_peak - per_token) / tp + loss_whole * (1 - 1 / tp)) * tokens
             if pp > 1:
                 # Under sequence parallel a stage sends and receives its 1/tp of the sequence.
                 pipe += r * args.dim * tokens * n * ((0 if first else 1) + (0 if last else 1)) / sp
