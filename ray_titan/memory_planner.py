@@ -564,7 +564,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     # Per token of one microbatch: what it keeps, and the most it holds while backward runs (from
     # the last block back: the blocks not yet done, the block being recomputed, the block's
     # backward temporaries).
-    kept_so_far, backward_peak, moe_part = 0.0, 0.0, 0.0
+    kept_so_far, backward_peak, moe_part, unsplit = 0.0, 0.0, 0.0, 0.0
     for i, layer in enumerate(j.split[s]):
         blk = j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep)
         how = _checkpointed(cfg, layer)
@@ -574,28 +574,35 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         kept_so_far += kept
         backward_peak = max(backward_peak, kept_so_far + blk.recompute(how) + blk.backward)
         moe_part += blk.experts(how)
+        unsplit += blk.unsplit(how)
         lay = layer % cfg.activation_checkpoint.layer_freq == 0
         act_modes["none"] += blk.none
         act_modes["full"] += blk.input
         act_modes["selective_op"] += blk.op
         act_modes["selective_layer"] += blk.input if lay else blk.none
-    head = 0.0
+    head, loss_whole = 0.0, 0.0
     if last:  # final norm, output head's input, the loss's log-softmax
         head = _F32 * (2 * args.dim + 1) + e * args.dim + _F32 * j.vocab
         if pp > 1:
             head += e * j.vocab  # the stage output (logits) waits for its backward
         # The loss's backward: the gradient of the log-softmax and of the logits.
         backward_peak = max(backward_peak, kept_so_far + head + (_F32 + e) * j.vocab)
+        if j.tp > 1 and not cfg.parallelism.loss_parallel:  # replicated logits: the loss's are whole
+            unsplit += _F32 * j.vocab + (e * j.vocab if pp > 1 else 0)
+            loss_whole = (_F32 + e) * j.vocab
     elif pp > 1:
         head = r * args.dim  # the stage's output waits for its backward
     for key in act_modes:
         act_modes[key] += head
     per_token = kept_so_far + head + (_I64 if first else 0)
     n = cfg.parallelism.microbatches
+    # Tensor parallel splits all but the projections' whole inputs (BlockActivations.whole); under
+    # sequence parallel a stage sends and receives its 1/tp of the sequence.
+    sp = j.tp if j.tp > 1 and cfg.parallelism.sequence_parallel else 1
     return _StageActivations(
-        kept=per_token * j.tokens / j.tp, experts=moe_part * j.tokens / j.tp,
-        transient=max(0.0, backward_peak - per_token) * j.tokens / j.tp,
-        pipe=r * args.dim * j.tokens * n * ((0 if first else 1) + (0 if last else 1)) if pp > 1 else 0.0)
+        kept=(per_token / j.tp + unsplit * (1 - 1 / j.tp)) * j.tokens, experts=moe_part * j.tokens / j.tp,
+        transient=(max(0.0, backward_peak - per_token) / j.tp + loss_whole * (1 - 1 / j.tp)) * j.tokens,
+        pipe=r * args.dim * j.tokens * n * ((0 if first else 1) + (0 if last else 1)) / sp if pp > 1 else 0.0)
 
 
 def _model_states(j: _Job, params: dict[int, _StageParams]) -> tuple[int, int, int, float, float]:

@@ -80,6 +80,7 @@ def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = 
     ``ray_titan.parallel.dims.process_group_backend``; False: NCCL only). Raises ``ConfigError`` for a bad job (before
     anything runs), :class:`~ray_titan.dry_run.shim.ShimError` when the simulated device cannot
     be built, :class:`DryRunError` for the first rank that fails."""
+    from ray_titan.checkpoint.huggingface import job_model_args
     from ray_titan.config import load_config
     from ray_titan.dry_run.shim import build_shim
     from ray_titan.memory_planner import memory_plan
@@ -91,7 +92,9 @@ def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = 
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
         raise DryRunError(f"rank {bad[0]} is not on the mesh of {world} ranks; valid: 0 to {world - 1}")
-    plan = {r.rank: r for r in memory_plan(cfg, device="cuda", levers=False).ranks}
+    # Planned with the vocabulary the simulation builds (the flavor's), not the tokenizer's.
+    vocab = job_model_args(cfg).vocab_size
+    plan = {r.rank: r for r in memory_plan(cfg, device="cuda", levers=False, vocab_size=vocab).ranks}
     shim = build_shim()
     results = []
     with tempfile.TemporaryDirectory(prefix="rt_dry_run_") as tmp:

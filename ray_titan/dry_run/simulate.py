@@ -20,7 +20,9 @@ collectives return at once). What is simulated, and why:
   the device mesh fails with the op, the tensor's device and the ray_titan frame that issued it
   (unless the job's groups have a host backend too: ``parallel.dims.process_group_backend``).
 - Attention: the fused SDPA kernel a GPU would choose (flash, or memory-efficient with a mask or
-  unequal head sizes), not the math path the fake device would pick.
+  unequal head sizes), not the math path (``seq × seq`` probabilities) the fake device would take.
+- DTensor's shape propagation runs each op on fakes of the global shapes in this fake mode: those
+  are not counted as device memory (no GPU holds them; counted, a 70B rank read 4× its peak).
 - ``Module.to_empty`` of parameters made under fake mode: new parameters instead of torch's
   swap, which a fake tensor's weakref refuses (a one-rank mesh, where no FSDP2 materialises them).
 - The checkpoint after the last step: its save and resume planned by DCP, nothing written
@@ -116,6 +118,31 @@ def _stub_torch_cuda(torch: Any) -> None:
         setattr(cuda, name, fn)
 
 
+def _fused_attention(torch: Any) -> Any:
+    """``F.scaled_dot_product_attention`` as a GPU runs it: a fused kernel, which saves no
+    ``seq × seq`` probabilities. The fake device would take the math path (a CPU build registers
+    no CUDA kernel chooser, so ``aten._fused_sdp_choice`` is never asked). Flash attention without
+    a mask and with equal query and value head sizes (grouped-query heads native), else
+    memory-efficient attention (a boolean mask made a float bias, grouped-query heads repeated:
+    both as PyTorch does)."""
+    aten = torch.ops.aten
+
+    def sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+             scale: float | None = None, enable_gqa: bool = False) -> Any:
+        if attn_mask is None and q.shape[-1] == v.shape[-1]:
+            return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        if k.shape[-3] != q.shape[-3]:
+            rep = q.shape[-3] // k.shape[-3]
+            k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(~attn_mask, float("-inf"))
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, grad, dropout_p, is_causal,
+                                                            scale=scale)[0]
+
+    return sdpa
+
+
 def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     """Build and train ``spec["rank"]`` for ``spec["steps"]`` steps (module docstring); returns
     the report. Call only in a process where the shim was loaded before torch."""
@@ -126,7 +153,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.pipelining import stage as pp_stage
     from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
-    from torch.nn.attention import SDPBackend
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.utils._pytree import tree_leaves
 
@@ -151,6 +178,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             self.current = self.peak = 0
             self.collectives = 0
             self.grouped_mm = 0
+            self.shadow = 0  # > 0 while DTensor propagates shapes on global-shape fakes of its own
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -160,13 +188,6 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             if func is torch.ops.aten._local_scalar_dense.default:
                 syncs[_site()] += 1
                 return 0.0 if args[0].is_floating_point() else 0
-            if func is torch.ops.aten._fused_sdp_choice.default:
-                # A GPU runs a fused kernel (no seq × seq matrix kept); the fake device would pick
-                # the math path. Flash without a mask and with equal head sizes, else efficient.
-                q, v = args[0], args[2]
-                mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-                flash = mask is None and q.shape[-1] == v.shape[-1]
-                return (SDPBackend.FLASH_ATTENTION if flash else SDPBackend.EFFICIENT_ATTENTION).value
             if func is torch.ops.aten._pin_memory.default:  # CPU offload pins host memory; fake has no pages
                 return args[0]
             if func is torch.ops.aten.is_pinned.default:
@@ -179,7 +200,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
                             f"{func} on a {t.device.type} tensor {tuple(t.shape)} {t.dtype} over a device "
                             f"(NCCL) group, issued at {_site()}: NCCL has no CPU backend")
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            for t in tree_leaves(out):
+            for t in tree_leaves(out) if not self.shadow else ():
                 if isinstance(t, FakeTensor) and t.device.type == "cuda":
                     self._count(t)
             return out
@@ -307,6 +328,19 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
     _patch(pp_stage.PipelineStage, "_send_meta", lambda self, meta, dst_stage: None)
     _patch(pp_stage.PipelineStage, "_recv_meta", recv_meta)
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def shadow_propagate(self: Any, op_schema: Any) -> Any:
+        # DTensor derives an op's output shape by running it on fakes of the *global* shapes in
+        # the active fake mode (this one): no GPU ever holds those, so they are not counted.
+        mode.shadow += 1
+        try:
+            return propagate(self, op_schema)
+        finally:
+            mode.shadow -= 1
+
+    _patch(ShardingPropagator, "_propagate_tensor_meta_non_cached", shadow_propagate)
+    _patch(torch.nn.functional, "scaled_dot_product_attention", _fused_attention(torch))
 
     rank = spec["rank"]
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)

@@ -65,7 +65,10 @@ class BlockActivations:
     """Bytes per token one block saves for backward: ``none`` (everything autograd saves),
     ``op`` (op-level selective AC: the block input and the outputs of matmuls and attention),
     ``input`` (full AC: the block input), and ``backward`` (the transient of its backward);
-    ``experts_none`` / ``experts_op``: the MoE dispatch and expert part of ``none`` / ``op``."""
+    ``experts_none`` / ``experts_op``: the MoE dispatch and expert part of ``none`` / ``op``;
+    ``whole``: the part of ``none`` and ``op`` that tensor parallel does not split, the inputs of
+    the column-parallel projections (under sequence parallel all-gathered over the sequence, and
+    saved so by the projection: measured on the simulated GPU, ``ray-titan dry-run``)."""
 
     none: float
     op: float
@@ -73,6 +76,11 @@ class BlockActivations:
     backward: float
     experts_none: float = 0.0
     experts_op: float = 0.0
+    whole: float = 0.0
+
+    def unsplit(self, checkpointed: str) -> float:
+        """Bytes per token within :meth:`kept` that every tensor-parallel rank keeps whole."""
+        return 0.0 if checkpointed == "full" else self.whole
 
     def experts(self, checkpointed: str) -> float:
         """Bytes per token of the MoE dispatch and expert activations within :meth:`kept`."""

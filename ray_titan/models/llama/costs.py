@@ -58,4 +58,5 @@ def llama_block_activations(a: Any, layer: int, e: int, seq: int, device: str, r
     none = norms + attention + e * 4 * f
     op = F32 * d + e * (q + 2 * kv) + e * q + F32 * h + e * d + e * 2 * f + e * d
     backward = e * 2 * f  # the SwiGLU's gradients
-    return BlockActivations(none, op, F32 * d, backward)
+    # The two norm outputs feed column-parallel projections: whole on every tensor-parallel rank.
+    return BlockActivations(none, op, F32 * d, backward, whole=e * 2 * d)
