@@ -118,15 +118,13 @@ def validation_summary(last: list[dict[str, Any]]) -> dict[str, float | None]:
     return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 700.0))}
 
 
-def format_step_line(step: int, total: int, s: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """The console line of a step: loss of the last stage, throughput, times, and every rank's
-    memory (host RSS, and device allocated / peak reserved where there is a device)."""
+def _step_figures(step: int, total: int, s: dict[str, Any], memory: str) -> str:
+    """The head of a step's console line: loss, throughput, step time, LR, gradient norm, then
+    ``memory`` (the ranks' host memory), the MoE imbalance, validation and a skipped update."""
     loss = "loss     n/a" if s["loss"] is None else f"loss {s['loss']:8.4f}"
-    mem = " ".join(f"r{r['rank']}:{r['host_rss_bytes'] / MiB:.0f}" for r in rows)
     line = (
         f"step {step:>{len(str(total))}}/{total} | {loss} | {s['tokens_per_s']:9.0f} tok/s | "
-        f"step {s['step_time_s']:.3f}s | lr {s['lr']:.2e} | gnorm {s['grad_norm']:.3f} | "
-        f"rss MiB {mem}"
+        f"step {s['step_time_s']:.3f}s | lr {s['lr']:.2e} | gnorm {s['grad_norm']:.3f} | {memory}"
     )
     if s.get("moe_imbalance") is not None:
         line += f" | moe load max/mean {s['moe_imbalance']:.2f}"
@@ -134,6 +132,14 @@ def format_step_line(step: int, total: int, s: dict[str, Any], rows: list[dict[s
         line += f" | val loss {s['val/loss']:.4f} (ppl {s['val/perplexity']:.2f})"
     if s.get("skipped"):
         line += " | update skipped (non-finite)"
+    return line
+
+
+def format_step_line(step: int, total: int, s: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The console line of a step: loss of the last stage, throughput, times, and every rank's
+    memory (host RSS, and device allocated / peak reserved where there is a device)."""
+    mem = " ".join(f"r{r['rank']}:{r['host_rss_bytes'] / MiB:.0f}" for r in rows)
+    line = _step_figures(step, total, s, f"rss MiB {mem}")
     if rows[0].get("device_allocated_bytes") is not None:
         dev = " ".join(
             f"r{r['rank']}:{r['device_allocated_bytes'] / MiB:.0f}/{r['device_peak_reserved_bytes'] / MiB:.0f}"
@@ -287,18 +293,7 @@ def format_scale_line(step: int, total: int, s: dict[str, Any], c: _Columns, cod
     :func:`format_step_line`'s, then min / median / max of host RSS and of device allocated and
     peak reserved memory (MiB) with the ranks at the extremes, the verdict counts with every
     ``growing`` rank named, and per pipeline stage the largest RSS and device peak."""
-    loss = "loss     n/a" if s["loss"] is None else f"loss {s['loss']:8.4f}"
-    line = (
-        f"step {step:>{len(str(total))}}/{total} | {loss} | {s['tokens_per_s']:9.0f} tok/s | "
-        f"step {s['step_time_s']:.3f}s | lr {s['lr']:.2e} | gnorm {s['grad_norm']:.3f} | "
-        f"{len(code)} ranks | rss MiB {_extremes(c, 'host_rss_bytes')}"
-    )
-    if s.get("moe_imbalance") is not None:
-        line += f" | moe load max/mean {s['moe_imbalance']:.2f}"
-    if s.get("val/loss") is not None:
-        line += f" | val loss {s['val/loss']:.4f} (ppl {s['val/perplexity']:.2f})"
-    if s.get("skipped"):
-        line += " | update skipped (non-finite)"
+    line = _step_figures(step, total, s, f"{len(code)} ranks | rss MiB {_extremes(c, 'host_rss_bytes')}")
     for key, what in (("device_allocated_bytes", "dev alloc"), ("device_peak_reserved_bytes", "dev peak")):
         text = _extremes(c, key)
         if text:
