@@ -107,7 +107,27 @@ def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = Fa
     workers load the checkpoint checked here and verify nothing again.
     """
     _check_settings(cfg)
-    par, tr = cfg.parallelism, cfg.training
+    _check_workers(cfg)
+    _probe_locations(cfg, check_data)
+    if check_data:
+        _check_dump_folder(cfg)
+    _check_extras(cfg)
+    margs = _model_args(cfg)
+    _check_expert_parallel(cfg, margs)
+    _check_schedule(cfg)
+    _check_tensor_parallel(cfg, margs)
+    _check_pipeline(cfg, margs)
+    _check_batch(cfg, margs)
+    _validate_memory(cfg)
+    if not check_data:
+        return cfg
+    return _check_files(cfg, has_dataset)
+
+
+def _check_workers(cfg: JobConfig) -> None:
+    """The worker count against the mesh (or the elastic range), restarts against checkpointing,
+    and the rank ``debug.kill_rank`` names against the mesh."""
+    par = cfg.parallelism
     axes = [a for a in ("pp", "dp_replicate", "dp_shard", "tp") if a in ("pp", "dp_shard") or getattr(par, a) > 1]
     mesh = (" × ".join(f"parallelism.{a}" for a in axes) + " = " + " × ".join(str(getattr(par, a)) for a in axes)
             + f" = {cfg.world_size}")
@@ -127,9 +147,10 @@ def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = Fa
         raise ConfigError(
             f"debug.kill_rank = {cfg.debug.kill_rank} but the mesh has ranks 0..{cfg.world_size - 1}"
         )
-    _probe_locations(cfg, check_data)
-    if check_data:
-        _check_dump_folder(cfg)
+
+
+def _check_extras(cfg: JobConfig) -> None:
+    """Settings that need a package not installed (wandb) or that the data source ignores."""
     if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
             "metrics.wandb = true but the wandb package is not installed; install it with "
@@ -140,7 +161,12 @@ def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = Fa
             f"data.path = {cfg.data.path!r} is set but data.source = 'python_stdlib' ignores it; "
             "set data.source = 'parquet' or 'jsonl' to train on it"
         )
-    margs = _model_args(cfg)
+
+
+def _check_expert_parallel(cfg: JobConfig, margs: Any) -> None:
+    """``parallelism.ep > 1`` needs a mixture-of-experts model, an ep dividing dp_shard and an ep
+    dividing the routed experts."""
+    par = cfg.parallelism
     if par.ep > 1:
         if not is_moe(cfg.model.name):
             raise ConfigError(
@@ -159,8 +185,10 @@ def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = Fa
                 f"of {cfg.model.name}/{cfg.model.flavor}; use a divisor of {margs.n_routed_experts}"
             )
 
-    _check_schedule(cfg)
-    _check_tensor_parallel(cfg, margs)
+
+def _check_pipeline(cfg: JobConfig, margs: Any) -> None:
+    """At least one layer per pipeline stage, and the microbatch count the pipeline schedule needs."""
+    par = cfg.parallelism
     if margs.n_layers < cfg.num_stages:
         raise ConfigError(
             f"model {cfg.model.name}/{cfg.model.flavor} has n_layers = {margs.n_layers}, fewer than "
@@ -187,6 +215,11 @@ def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = Fa
             f"parallelism.microbatches = {par.microbatches} with {par.pipeline_schedule} on pp = {par.pp}: "
             f"the schedule needs microbatches >= {least}; use {least} or more"
         )
+
+
+def _check_batch(cfg: JobConfig, margs: Any) -> None:
+    """The global batch splits evenly over microbatches × DP ranks; the sequence fits the model."""
+    par, tr = cfg.parallelism, cfg.training
     dp_names = "parallelism.dp_replicate × parallelism.dp_shard" if par.dp_replicate > 1 else "parallelism.dp_shard"
     dp_sizes = f"{par.dp_replicate} × {par.dp_shard}" if par.dp_replicate > 1 else f"{par.dp_shard}"
     per_step = par.microbatches * par.dp_replicate * par.dp_shard
@@ -201,9 +234,12 @@ def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = Fa
             f"training.seq_len = {tr.seq_len} exceeds the model's maximum sequence length "
             f"{margs.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}); use <= {margs.max_seq_len}"
         )
-    _validate_memory(cfg)
-    if not check_data:
-        return cfg
+
+
+def _check_files(cfg: JobConfig, has_dataset: bool) -> JobConfig:
+    """What reads files: the data sources, the chat template, the validation data, the tokenizer
+    (its ids against its vocabulary and the model's), the checkpoint to load and the Hugging Face
+    checkpoint. Returns ``cfg`` with ``checkpoint.load_path`` resolved."""
     _check_sources(cfg, has_dataset)
     if cfg.data.format == "messages":
         ChatTemplate(find_chat_template(cfg.data))
