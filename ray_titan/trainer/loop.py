@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,13 @@ from ray_titan.checkpoint import Checkpointer
 from ray_titan.config.schema import JobConfig
 from ray_titan.data.build import build_loader
 from ray_titan.data.documents import document_positions
-from ray_titan.data.tokenizer import build_tokenizer
+from ray_titan.data.tokenizer import Tokenizer, build_tokenizer
 from ray_titan.gc_schedule import GarbageCollection
 from ray_titan.metrics.memory import MemorySampler, MemorySnapshots, find_oom, host_memory, oom_site
 from ray_titan.metrics.profiling import StepProfiler
 from ray_titan.metrics.report import Reporter, StepReport
 from ray_titan.metrics.timing import StepClock
-from ray_titan.trainer.build import build, parallel_dims
+from ray_titan.trainer.build import TrainParts, build, parallel_dims
 from ray_titan.trainer.evaluate import Validator
 from ray_titan.trainer.step import train_step
 
@@ -65,6 +66,64 @@ def train_loop(
     when the rank runs out of memory, ``CheckpointError`` for a bad checkpoint and
     ``NonFiniteError`` under ``training.on_nonfinite = "stop"``.
     """
+    run = _set_up(cfg, reporter, device, run_dir, callbacks, checkpoint_storage, node)
+    error: BaseException | None = None
+    last_loss, step, tokens_per_step = None, 0, 0
+    metrics_time: float | None = None  # the previous step's sampling + reporting, seconds
+    try:
+        run.snapshots.start()
+        run.hooks.on_train_start()
+        for step in range(run.start_step + 1, cfg.training.steps + 1):
+            last_loss, tokens_per_step, metrics_time = _train_one_step(cfg, run, reporter, step, metrics_time)
+    except BaseException as e:
+        # An OOM of a pipeline stage's forward or backward arrives wrapped in the schedule's
+        # RuntimeError: look through the chain, not at the type.
+        oom = find_oom(e) if isinstance(e, Exception) else None  # Ctrl-C during an OOM stays Ctrl-C
+        if oom is None:
+            error = e
+            raise
+        parts = run.parts
+        error = run.snapshots.oom(step, oom, oom_site(e, parts.stages) if parts.schedule is not None else None)
+        raise error from e
+    finally:
+        _close(run, reporter, error)
+    return _summary(cfg, run, last_loss, tokens_per_step)
+
+
+@dataclass
+class _Rank:
+    """What :func:`_set_up` builds for one rank and the steps use: where it sits in the mesh,
+    its data, model and checkpointer, the step to resume after, and its memory, GC, profiling
+    and callback tools."""
+
+    clock: StepClock
+    rank: int
+    world: int
+    coords: dict[str, int]
+    node: str
+    device: torch.device
+    tokenizer: Tokenizer
+    loader: Any  # the data loader build_loader gives
+    validator: Validator | None
+    parts: TrainParts
+    ckpt: Checkpointer
+    start_step: int
+    allocator: str
+    gc_policy: GarbageCollection
+    snapshots: MemorySnapshots
+    profiler: StepProfiler
+    hooks: CallbackList
+    sampler: MemorySampler
+
+
+def _set_up(
+    cfg: JobConfig, reporter: Reporter, device: torch.device | None, run_dir: str | Path | None,
+    callbacks: list | None, checkpoint_storage: Any, node: str | None,
+) -> _Rank:
+    """Check the process group against the mesh, seed, build the data, the model and the
+    checkpointer (resuming from a checkpoint if there is one), then this rank's GC, memory,
+    profiling and callback tools. Raises ``RuntimeError`` when the process group does not match
+    the mesh and ``CheckpointError`` for a bad checkpoint."""
     clock = StepClock(cfg.training.steps)
     clock.mark("loop_start")
     dims = parallel_dims(cfg)
@@ -92,7 +151,7 @@ def train_loop(
     start_step = ckpt.restore()
     clock.mark("model_built")
 
-    mem, faults = cfg.memory, parts.faults
+    mem = cfg.memory
     allocator = active_allocator()
     if mem.allocator == "jemalloc" and allocator != "jemalloc" and rank == 0:
         print(f"ray_titan: warning: memory.allocator = 'jemalloc' but this worker runs {allocator} malloc: "
@@ -107,86 +166,92 @@ def train_loop(
     hooks = _callbacks(cfg, callbacks, CallbackContext(
         rank, coords, world, device, Path(run_dir) if run_dir is not None else None, cfg))
     sampler = MemorySampler(device, cfg.metrics.heap_stats_interval_s)
-    error: BaseException | None = None
-    last_loss, step, tokens_per_step = None, 0, 0
-    metrics_time: float | None = None  # the previous step's sampling + reporting, seconds
+    return _Rank(clock, rank, world, coords, node, device, tokenizer, loader, validator, parts, ckpt, start_step,
+                 allocator, gc_policy, snapshots, profiler, hooks, sampler)
+
+
+def _train_one_step(
+    cfg: JobConfig, run: _Rank, reporter: Reporter, step: int, metrics_time: float | None,
+) -> tuple[float | None, int, float | None]:
+    """One step: data → :func:`train_step` → GC → validation when due → memory sample and
+    :class:`StepReport` (``metrics_time``: the previous step's sampling + reporting, seconds) →
+    fault checks → checkpoint when due. Returns the step's loss (None off the last stage), its
+    tokens and this step's sampling + reporting seconds (None with ``metrics.enabled = false``:
+    the value passed in)."""
+    faults, loader, device = run.parts.faults, run.loader, run.device
+    faults.begin_step(step)
+    run.hooks.on_step_begin(step)
+    run.snapshots.before_step(step)
+    run.profiler.start(step)
+    t0 = time.perf_counter()
+    inputs, labels = next(loader)
+    positions = document_positions(inputs, run.tokenizer.bos_id).to(device) if cfg.training.document_mask else None
+    inputs, labels = inputs.to(device), labels.to(device)
+    t1 = time.perf_counter()
+    out = train_step(run.parts, inputs, labels, step, cfg.parallelism.microbatches, cfg.training.max_norm,
+                     loader.counted_tokens, positions)
+    t_export = time.perf_counter()
+    breakdown = run.profiler.stop(step)
+    export_s = time.perf_counter() - t_export  # writing traces and the memory timeline's analysis
+    gc_result = run.gc_policy.run(step)
+    t_val = time.perf_counter()
+    val = run.validator.run(run.parts) if run.validator is not None and run.validator.due(step) else None
+    t_val = time.perf_counter() - t_val  # kept out of the step time
+    if cfg.metrics.enabled:
+        t_sample = time.perf_counter()
+        memory = run.sampler.sample()
+        t4 = time.perf_counter() - t_val
+        report = StepReport(
+            step=step, rank=run.rank, coords=run.coords, is_last_stage=run.parts.is_last_stage, loss=out.loss,
+            tokens=labels.numel(), step_time_s=t4 - t0 - export_s, data_time_s=t1 - t0,
+            fwd_bwd_time_s=out.fwd_bwd_time_s, optim_time_s=out.optim_time_s,
+            grad_norm=out.grad_norm, lr=out.lr, memory=memory, gc_pause_s=gc_result.pause_s,
+            time=time.time(), gc_generation=gc_result.generation, aux_loss=out.aux_loss,
+            moe_layers=out.moe_layers, expert_load=out.expert_load, skipped_update=out.skipped,
+            attempt_start_time=faults.attempt_start_time, metrics_time_s=metrics_time,
+            memory_breakdown=breakdown, loss_tokens=out.loss_tokens, source_tokens=loader.source_tokens,
+            val_loss=val.loss if val else None, val_tokens=val.tokens if val else None,
+            val_time_s=val.time_s if val else None,
+            node=run.node, world_size=run.world,
+        )
+        t_hooks = time.perf_counter()
+        run.hooks.on_step_end(step, report)  # the user's callbacks: not the metrics path's cost
+        t_report = time.perf_counter()
+        reporter.report(report)
+        metrics_time = (t_hooks - t_sample) + (time.perf_counter() - t_report)
+    run.clock.step_end(step)
+    faults.end_step(step, run.ckpt.restarted)  # on_nonfinite = "stop"; debug.kill_at_step
+    if run.ckpt.due(step):
+        run.gc_policy.at_checkpoint()
+        run.ckpt.save(step)
+        run.gc_policy.at_checkpoint()
+    loss, tokens = out.loss, labels.numel()
+    del inputs, labels, positions
+    run.snapshots.after_step(step)
+    return loss, tokens, metrics_time
+
+
+def _close(run: _Rank, reporter: Reporter, error: BaseException | None) -> None:
+    """Close the profiler, the snapshots, the sampler and the GC policy, run the callbacks'
+    ``on_train_end(error)``, and close ``reporter`` even when a callback raises."""
+    run.profiler.close()
+    run.snapshots.close()
+    run.sampler.close()
+    run.gc_policy.close()
     try:
-        snapshots.start()
-        hooks.on_train_start()
-        for step in range(start_step + 1, cfg.training.steps + 1):
-            faults.begin_step(step)
-            hooks.on_step_begin(step)
-            snapshots.before_step(step)
-            profiler.start(step)
-            t0 = time.perf_counter()
-            inputs, labels = next(loader)
-            positions = document_positions(inputs, tokenizer.bos_id).to(device) if cfg.training.document_mask else None
-            inputs, labels = inputs.to(device), labels.to(device)
-            t1 = time.perf_counter()
-            out = train_step(parts, inputs, labels, step, cfg.parallelism.microbatches, cfg.training.max_norm,
-                             loader.counted_tokens, positions)
-            t_export = time.perf_counter()
-            breakdown = profiler.stop(step)
-            export_s = time.perf_counter() - t_export  # writing traces and the memory timeline's analysis
-            gc_result = gc_policy.run(step)
-            t_val = time.perf_counter()
-            val = validator.run(parts) if validator is not None and validator.due(step) else None
-            t_val = time.perf_counter() - t_val  # kept out of the step time
-            if cfg.metrics.enabled:
-                t_sample = time.perf_counter()
-                memory = sampler.sample()
-                t4 = time.perf_counter() - t_val
-                report = StepReport(
-                    step=step, rank=rank, coords=coords, is_last_stage=parts.is_last_stage, loss=out.loss,
-                    tokens=labels.numel(), step_time_s=t4 - t0 - export_s, data_time_s=t1 - t0,
-                    fwd_bwd_time_s=out.fwd_bwd_time_s, optim_time_s=out.optim_time_s,
-                    grad_norm=out.grad_norm, lr=out.lr, memory=memory, gc_pause_s=gc_result.pause_s,
-                    time=time.time(), gc_generation=gc_result.generation, aux_loss=out.aux_loss,
-                    moe_layers=out.moe_layers, expert_load=out.expert_load, skipped_update=out.skipped,
-                    attempt_start_time=faults.attempt_start_time, metrics_time_s=metrics_time,
-                    memory_breakdown=breakdown, loss_tokens=out.loss_tokens, source_tokens=loader.source_tokens,
-                    val_loss=val.loss if val else None, val_tokens=val.tokens if val else None,
-                    val_time_s=val.time_s if val else None,
-                    node=node, world_size=world,
-                )
-                t_hooks = time.perf_counter()
-                hooks.on_step_end(step, report)  # the user's callbacks: not the metrics path's cost
-                t_report = time.perf_counter()
-                reporter.report(report)
-                metrics_time = (t_hooks - t_sample) + (time.perf_counter() - t_report)
-            clock.step_end(step)
-            faults.end_step(step, ckpt.restarted)  # on_nonfinite = "stop"; debug.kill_at_step
-            if ckpt.due(step):
-                gc_policy.at_checkpoint()
-                ckpt.save(step)
-                gc_policy.at_checkpoint()
-            last_loss = out.loss
-            tokens_per_step = labels.numel()
-            del inputs, labels, positions
-            snapshots.after_step(step)
-    except BaseException as e:
-        # An OOM of a pipeline stage's forward or backward arrives wrapped in the schedule's
-        # RuntimeError: look through the chain, not at the type.
-        oom = find_oom(e) if isinstance(e, Exception) else None  # Ctrl-C during an OOM stays Ctrl-C
-        if oom is None:
-            error = e
-            raise
-        error = snapshots.oom(step, oom, oom_site(e, parts.stages) if parts.schedule is not None else None)
-        raise error from e
+        run.hooks.on_train_end(error)
     finally:
-        profiler.close()
-        snapshots.close()
-        sampler.close()
-        gc_policy.close()
-        try:
-            hooks.on_train_end(error)
-        finally:
-            reporter.close()
+        reporter.close()
+
+
+def _summary(cfg: JobConfig, run: _Rank, last_loss: float | None, tokens_per_step: int) -> dict[str, Any]:
+    """The summary :func:`train_loop` returns (its docstring lists the keys)."""
     rss, peak_rss = host_memory()
+    snapshots, profiler = run.snapshots, run.profiler
     return {
-        "rank": rank, "steps": cfg.training.steps, "last_loss": last_loss, **clock.summary(),
+        "rank": run.rank, "steps": cfg.training.steps, "last_loss": last_loss, **run.clock.summary(),
         "tokens_per_step": tokens_per_step, "host_rss_bytes": rss, "host_peak_rss_bytes": peak_rss,
-        "allocator": allocator,
+        "allocator": run.allocator,
         "snapshots": [str(p) for p in snapshots.paths] + [str(p) for p in profiler.paths if "/profile/" not in str(p)],
         "traces": [str(p) for p in profiler.paths if "/profile/" in str(p)],
     }
