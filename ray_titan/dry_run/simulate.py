@@ -42,6 +42,7 @@ import sys
 import time
 import traceback
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -146,90 +147,138 @@ def _fused_attention(torch: Any) -> Any:
 def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     """Build and train ``spec["rank"]`` for ``spec["steps"]`` steps (module docstring); returns
     the report. Call only in a process where the shim was loaded before torch."""
-    import numpy as np
     import torch
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.pipelining import stage as pp_stage
-    from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch.utils._pytree import tree_leaves
 
-    import ray_titan.models.deepseek_v2.model as moe_model
-    from ray_titan.checkpoint.huggingface import job_model_args
-    from ray_titan.config import load_config
-    from ray_titan.parallel.dims import ParallelDims, process_group_backend
-    from ray_titan.parallel.fsdp import resolve_mixed_precision
-    from ray_titan.trainer.build import build, parallel_dims
-    from ray_titan.trainer.step import train_step
-
+    _import_before_shims()
     _stub_torch_cuda(torch)
-    syncs: Counter[str] = Counter()
-    routed = [0]  # the tokens × top-k the current MoE dispatch routes
+    tally = _DeviceTally()
+    mode = _dry_run_mode(tally)
+    _install_torch_shims(mode, tally)
+    job = _Job.load(spec)
+    tally.host_backend = job.host_backend
+    _install_pipeline_shims(job, tally)
+    dist.init_process_group("fake", store=FakeStore(), rank=job.rank, world_size=job.dims.world_size)
+    return _train_and_report(spec, job, mode, tally)
+
+
+def _import_before_shims() -> None:
+    """Import every module the simulation uses before any shim is installed (and before
+    ``torch.cuda`` is stubbed), so a module that reads or binds a patched name at import time sees
+    torch's own, whichever function below imports it first."""
+    import numpy  # noqa: F401
+    import torch.distributed.device_mesh
+    import torch.distributed.pipelining._utils
+    import torch.distributed.pipelining.stage
+    import torch.distributed.tensor._sharding_prop
+    import torch.utils._pytree  # noqa: F401
+    from torch._subclasses import fake_tensor  # noqa: F401
+
+    import ray_titan.checkpoint.huggingface
+    import ray_titan.config
+    import ray_titan.models.deepseek_v2.model
+    import ray_titan.parallel.dims
+    import ray_titan.parallel.fsdp
+    import ray_titan.trainer.build
+    import ray_titan.trainer.step  # noqa: F401
+
+
+class _DeviceTally:
+    """What the dry run counts on the fake device (module docstring): host reads per call site
+    (``syncs``), collectives (each checked as NCCL would unless ``host_backend``), the experts'
+    grouped GEMMs, and the bytes of live fake CUDA storages (``current``) and their ``peak``."""
+
+    def __init__(self) -> None:
+        self.syncs: Counter[str] = Counter()
+        self.routed = 0  # the tokens × top-k the current MoE dispatch routes
+        self.host_backend = False  # the job's groups have a host backend beside NCCL: host tensors valid
+        self.live: dict[int, int] = {}  # bytes of each live fake CUDA storage, by its ``_cdata``
+        self.current = self.peak = 0
+        self.collectives = 0
+        self.grouped_mm = 0
+        self.shadow = 0  # > 0 while DTensor propagates shapes on global-shape fakes of its own
+
+    def count(self, t: Any) -> None:
+        """Count the storage of fake CUDA tensor ``t`` once, until it is freed."""
+        import weakref
+
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live:
+            return
+        self.live[key] = st.nbytes()
+        self.current += st.nbytes()
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def resized(self, st: Any, nbytes: int) -> None:
+        """FSDP2 frees and re-allocates its unsharded parameters by resizing their storage."""
+        key = st._cdata
+        if key in self.live:
+            self.current += nbytes - self.live[key]
+            self.live[key] = nbytes
+            self.peak = max(self.peak, self.current)
+
+
+def _dry_run_mode(tally: _DeviceTally) -> Any:
+    """A ``FakeTensorMode`` that reports every op to ``tally``: host reads answered 0 and counted,
+    host memory pinning answered as done, collectives counted and given host tensors refused with
+    :class:`HostCollectiveError`, outputs on the fake CUDA device counted as device memory. The
+    class is made here because torch may be imported only after the shim (:func:`main`)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.utils._pytree import tree_leaves
 
     class DryRunMode(FakeTensorMode):
         """Fake tensors plus the NCCL check, host-sync counting and the device-memory count."""
-
-        def __init__(self) -> None:
-            super().__init__(allow_non_fake_inputs=True)
-            self.live: dict[int, int] = {}
-            self.current = self.peak = 0
-            self.collectives = 0
-            self.grouped_mm = 0
-            self.shadow = 0  # > 0 while DTensor propagates shapes on global-shape fakes of its own
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             ns = func.namespace
             if func is torch.ops.aten._grouped_mm.default:  # the experts' grouped GEMM (forward and backward)
-                self.grouped_mm += 1
+                tally.grouped_mm += 1
             if func is torch.ops.aten._local_scalar_dense.default:
-                syncs[_site()] += 1
+                tally.syncs[_site()] += 1
                 return 0.0 if args[0].is_floating_point() else 0
             if func is torch.ops.aten._pin_memory.default:  # CPU offload pins host memory; fake has no pages
                 return args[0]
             if func is torch.ops.aten.is_pinned.default:
                 return True
             if ns in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
-                self.collectives += 1
-                for t in tree_leaves((args, kwargs)) if not host_backend else ():
+                tally.collectives += 1
+                for t in tree_leaves((args, kwargs)) if not tally.host_backend else ():
                     if isinstance(t, torch.Tensor) and t.device.type != "cuda":
                         raise HostCollectiveError(
                             f"{func} on a {t.device.type} tensor {tuple(t.shape)} {t.dtype} over a device "
                             f"(NCCL) group, issued at {_site()}: NCCL has no CPU backend")
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            for t in tree_leaves(out) if not self.shadow else ():
+            for t in tree_leaves(out) if not tally.shadow else ():
                 if isinstance(t, FakeTensor) and t.device.type == "cuda":
-                    self._count(t)
+                    tally.count(t)
             return out
 
-        def _count(self, t: torch.Tensor) -> None:
-            import weakref
+    return DryRunMode(allow_non_fake_inputs=True)
 
-            st = t.untyped_storage()
-            key = st._cdata
-            if key in self.live:
-                return
-            self.live[key] = st.nbytes()
-            self.current += st.nbytes()
-            self.peak = max(self.peak, self.current)
-            weakref.finalize(st, self._free, key)
 
-        def _free(self, key: int) -> None:
-            self.current -= self.live.pop(key, 0)
+def _install_torch_shims(mode: Any, tally: _DeviceTally) -> None:
+    """Torch-side shims (module docstring): ``torch.tensor`` from host data made fake under
+    ``mode``, storage resizes counted, device meshes built on real host tensors, fake parameters
+    materialised by :func:`_fake_to_empty`, host lists of fake tensors answered by
+    :func:`_balanced_tolist`, the MoE dispatch's routed tokens noted in ``tally``."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
 
-        def resized(self, st: Any, nbytes: int) -> None:
-            """FSDP2 frees and re-allocates its unsharded parameters by resizing their storage."""
-            key = st._cdata
-            if key in self.live:
-                self.current += nbytes - self.live[key]
-                self.live[key] = nbytes
-                self.peak = max(self.peak, self.current)
+    import ray_titan.models.deepseek_v2.model as moe_model
+    from ray_titan.parallel.dims import ParallelDims
 
-    # Torch-side shims (module docstring).
-    new_tensor = torch.tensor
+    new_tensor, storage_resize = torch.tensor, torch.UntypedStorage.resize_
+    mesh_init, build_mesh = DeviceMesh.__init__, ParallelDims.build_mesh
+    module_to_empty, host_list, route_tokens = torch.nn.Module.to_empty, torch.Tensor.tolist, moe_model.route_tokens
 
     def tensor(data: Any, *a: Any, device: Any = None, **k: Any) -> torch.Tensor:
         with unset_fake_temporarily():  # from host data: then made fake, then moved
@@ -237,156 +286,218 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         t = mode.from_tensor(t)
         return t.to(device) if device is not None else t
 
-    _patch(torch, "tensor", tensor)
-    storage_resize = torch.UntypedStorage.resize_
-
     def resize(self: Any, nbytes: int) -> Any:
         out = storage_resize(self, nbytes)
-        mode.resized(self, nbytes)
+        tally.resized(self, nbytes)
         return out
-
-    _patch(torch.UntypedStorage, "resize_", resize)
-    mesh_init = DeviceMesh.__init__
 
     def real_mesh_init(self: Any, *a: Any, **k: Any) -> None:
         with unset_fake_temporarily():  # a mesh's rank tables are real host tensors
             mesh_init(self, *a, **k)
 
-    _patch(DeviceMesh, "__init__", real_mesh_init)
-    build_mesh = ParallelDims.build_mesh
-
     def real_build_mesh(self: Any, device_type: str) -> Any:
         with unset_fake_temporarily():  # init_device_mesh's rank tensor, before DeviceMesh.__init__
             return build_mesh(self, device_type)
 
-    _patch(ParallelDims, "build_mesh", real_build_mesh)
-    module_to_empty = torch.nn.Module.to_empty
-
     def to_empty(self: torch.nn.Module, *, device: Any, recurse: bool = True) -> torch.nn.Module:
-        # Parameters made under FakeTensorMode carry a weakref, so Module._apply cannot swap them
-        # for their materialised copies ("Couldn't swap Embedding.weight"): on a one-rank mesh no
-        # FSDP2 materialises them first. New Parameters instead (tied ones stay one object).
         if not any(isinstance(p, FakeTensor) for p in self.parameters(recurse=recurse)):
             return module_to_empty(self, device=device, recurse=recurse)
-        new: dict[int, torch.nn.Parameter] = {}
-        with torch.no_grad():
-            for mod in self.modules() if recurse else [self]:
-                for name, p in mod._parameters.items():
-                    if p is not None:
-                        if id(p) not in new:
-                            new[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=device),
-                                                            requires_grad=p.requires_grad)
-                        mod._parameters[name] = new[id(p)]
-                for name, b in mod._buffers.items():
-                    if b is not None:
-                        mod._buffers[name] = torch.empty_like(b, device=device)
-        return self
-
-    _patch(torch.nn.Module, "to_empty", to_empty)
-    host_list = torch.Tensor.tolist
+        return _fake_to_empty(self, device, recurse)
 
     def tolist(self: torch.Tensor) -> Any:
         if not isinstance(self, FakeTensor):
             return host_list(self)
-        syncs[_site() + " (tolist)"] += 1
-        # Each row (the sent and the received counts of a dispatch) spread evenly.
-        n = max(1, self.shape[-1] if self.dim() else 1)
-        total = 0 if self.is_floating_point() else routed[0]
-        flat = [total // n + (1 if i < total % n else 0) for i in range(n)] * (self.numel() // n)
-        return np.array(flat).reshape(tuple(self.shape)).tolist()
-
-    _patch(torch.Tensor, "tolist", tolist)
-    _patch(FakeTensor, "tolist", tolist)  # its own answers element by element
-    route_tokens = moe_model.route_tokens
+        tally.syncs[_site() + " (tolist)"] += 1
+        return _balanced_tolist(self, tally.routed)
 
     def counted_route_tokens(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, *a: Any, **k: Any):
-        routed[0] = x.shape[0] * indices.shape[1]
+        tally.routed = x.shape[0] * indices.shape[1]
         return route_tokens(x, weights, indices, *a, **k)
 
+    _patch(torch, "tensor", tensor)
+    _patch(torch.UntypedStorage, "resize_", resize)
+    _patch(DeviceMesh, "__init__", real_mesh_init)
+    _patch(ParallelDims, "build_mesh", real_build_mesh)
+    _patch(torch.nn.Module, "to_empty", to_empty)
+    _patch(torch.Tensor, "tolist", tolist)
+    _patch(FakeTensor, "tolist", tolist)  # its own answers element by element
     _patch(moe_model, "route_tokens", counted_route_tokens)
 
-    cfg = load_config(spec["config"], spec["overrides"])
-    # The groups a GPU job makes: with a host backend beside NCCL, host tensors are valid.
-    host_backend = spec.get("host_backend")
-    if host_backend is None:
-        host_backend = "cpu:" in process_group_backend(True, cfg.memory.cpu_offload)
-    dims = parallel_dims(cfg)
-    margs = job_model_args(cfg)
-    local_batch = cfg.training.global_batch_size // dims.dp
-    sp = dims.tp > 1 and cfg.parallelism.sequence_parallel
-    hidden = (local_batch // cfg.parallelism.microbatches, cfg.training.seq_len // (dims.tp if sp else 1), margs.dim)
-    # What a stage hands the next: bf16 where FSDP2 computes in bf16; fp32 otherwise (autocast's
-    # residual stream stays fp32).
-    bf16 = resolve_mixed_precision(cfg.training.mixed_precision, "cuda") == "bf16" and dims.fsdp
-    hidden_dtype = torch.bfloat16 if bf16 else torch.float32
+
+def _fake_to_empty(module: Any, device: Any, recurse: bool) -> Any:
+    """``module.to_empty(device=device)`` for parameters made under fake mode: they carry a weakref,
+    so ``Module._apply`` cannot swap them for their materialised copies ("Couldn't swap
+    Embedding.weight"), and on a one-rank mesh no FSDP2 materialises them first. New Parameters
+    instead (tied ones stay one object); returns ``module``."""
+    import torch
+
+    new: dict[int, torch.nn.Parameter] = {}
+    with torch.no_grad():
+        for mod in module.modules() if recurse else [module]:
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    if id(p) not in new:
+                        new[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=device),
+                                                        requires_grad=p.requires_grad)
+                    mod._parameters[name] = new[id(p)]
+            for name, b in mod._buffers.items():
+                if b is not None:
+                    mod._buffers[name] = torch.empty_like(b, device=device)
+    return module
+
+
+def _balanced_tolist(t: Any, routed: int) -> Any:
+    """The host list of fake tensor ``t`` (nested as its shape): 0.0 for a floating tensor, else
+    ``routed`` tokens spread evenly over each row (the sent and the received counts of a MoE
+    dispatch: balanced routing)."""
+    import numpy as np
+
+    n = max(1, t.shape[-1] if t.dim() else 1)
+    total = 0 if t.is_floating_point() else routed
+    flat = [total // n + (1 if i < total % n else 0) for i in range(n)] * (t.numel() // n)
+    return np.array(flat).reshape(tuple(t.shape)).tolist()
+
+
+@dataclass
+class _Job:
+    """The job a rank simulates and the shapes the shims answer with: ``hidden`` is the hidden state
+    a pipeline stage hands the next, ``(microbatch, seq / tp under sequence parallel, dim)``, in
+    ``hidden_dtype``; ``host_backend``: the job's groups have a host backend beside NCCL."""
+
+    rank: int
+    cfg: Any
+    dims: Any
+    margs: Any
+    local_batch: int
+    host_backend: bool
+    hidden: tuple[int, int, int]
+    hidden_dtype: Any
+
+    @classmethod
+    def load(cls, spec: dict[str, Any]) -> _Job:
+        """The job of ``spec`` (config and overrides; ``host_backend`` None: the job's own)."""
+        import torch
+
+        from ray_titan.checkpoint.huggingface import job_model_args
+        from ray_titan.config import load_config
+        from ray_titan.parallel.dims import process_group_backend
+        from ray_titan.parallel.fsdp import resolve_mixed_precision
+        from ray_titan.trainer.build import parallel_dims
+
+        cfg = load_config(spec["config"], spec["overrides"])
+        # The groups a GPU job makes: with a host backend beside NCCL, host tensors are valid.
+        host_backend = spec.get("host_backend")
+        if host_backend is None:
+            host_backend = "cpu:" in process_group_backend(True, cfg.memory.cpu_offload)
+        dims = parallel_dims(cfg)
+        margs = job_model_args(cfg)
+        local_batch = cfg.training.global_batch_size // dims.dp
+        sp = dims.tp > 1 and cfg.parallelism.sequence_parallel
+        hidden = (local_batch // cfg.parallelism.microbatches, cfg.training.seq_len // (dims.tp if sp else 1),
+                  margs.dim)
+        # What a stage hands the next: bf16 where FSDP2 computes in bf16; fp32 otherwise (autocast's
+        # residual stream stays fp32).
+        bf16 = resolve_mixed_precision(cfg.training.mixed_precision, "cuda") == "bf16" and dims.fsdp
+        return cls(spec["rank"], cfg, dims, margs, local_batch, host_backend, hidden,
+                   torch.bfloat16 if bf16 else torch.float32)
+
+
+def _install_pipeline_shims(job: _Job, tally: _DeviceTally) -> None:
+    """Shims that need the job (module docstring): a pipeline stage's shape metadata answered
+    without its neighbour (``job.hidden`` forward, the stage's own outputs backward), DTensor's
+    shape propagation not counted as device memory, attention on a fused kernel."""
+    import torch
+    from torch.distributed.pipelining import stage as pp_stage
+    from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
 
     def recv_meta(self: Any, src: int) -> Any:
         if src < self.stage_index:
-            t = torch.empty(hidden, device=self.device, dtype=hidden_dtype, requires_grad=True)
+            t = torch.empty(job.hidden, device=self.device, dtype=job.hidden_dtype, requires_grad=True)
             return _StageForwardMeta(forward_metas=extract_tensor_metas((t,)) or ())
         return _StageBackwardMeta(backward_metas=self._stage_meta.outputs)
-
-    _patch(pp_stage.PipelineStage, "_send_meta", lambda self, meta, dst_stage: None)
-    _patch(pp_stage.PipelineStage, "_recv_meta", recv_meta)
-    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
 
     def shadow_propagate(self: Any, op_schema: Any) -> Any:
         # DTensor derives an op's output shape by running it on fakes of the *global* shapes in
         # the active fake mode (this one): no GPU ever holds those, so they are not counted.
-        mode.shadow += 1
+        tally.shadow += 1
         try:
             return propagate(self, op_schema)
         finally:
-            mode.shadow -= 1
+            tally.shadow -= 1
 
+    _patch(pp_stage.PipelineStage, "_send_meta", lambda self, meta, dst_stage: None)
+    _patch(pp_stage.PipelineStage, "_recv_meta", recv_meta)
     _patch(ShardingPropagator, "_propagate_tensor_meta_non_cached", shadow_propagate)
     _patch(torch.nn.functional, "scaled_dot_product_attention", _fused_attention(torch))
 
-    rank = spec["rank"]
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
 
-    class Shape:  # what build() reads of the data loader
-        pass
+class _LoaderShape:
+    """What ``build()`` and the checkpoint read of the data loader: the local batch and a constant
+    position."""
 
-    loader = Shape()
-    loader.local_batch = local_batch  # type: ignore[attr-defined]
-    loader.state_dict = lambda: {"epoch": 0, "doc_pos": 0, "offset": 0}  # type: ignore[attr-defined]
-    mode = DryRunMode()
+    def __init__(self, local_batch: int) -> None:
+        self.local_batch = local_batch
+
+    def state_dict(self) -> dict[str, int]:
+        """The loader's position (a constant: no data is read)."""
+        return {"epoch": 0, "doc_pos": 0, "offset": 0}
+
+
+def _train_and_report(spec: dict[str, Any], job: _Job, mode: Any, tally: _DeviceTally) -> dict[str, Any]:
+    """Build the rank under ``mode``, train ``spec["steps"]`` steps and plan the checkpoint; returns
+    the report: host syncs and grouped GEMMs per step counted over the steps after the first when
+    there are several (the steady state), held and peak device bytes, times in seconds."""
+    import torch
+
+    from ray_titan.trainer.build import build
+    from ray_titan.trainer.step import train_step
+
+    cfg, steps = job.cfg, spec["steps"]
+    loader = _LoaderShape(job.local_batch)
     t0 = time.perf_counter()
     with mode:
-        parts = build(cfg, rank, margs.vocab_size, loader, torch.device("cuda", 0))  # type: ignore[arg-type]
+        parts = build(cfg, job.rank, job.margs.vocab_size, loader, torch.device("cuda", 0))  # type: ignore[arg-type]
         built_s = time.perf_counter() - t0
-        after_build = mode.current
-        syncs.clear()
-        for step in range(1, spec["steps"] + 1):
-            tokens = torch.randint(0, margs.vocab_size, (local_batch, cfg.training.seq_len)).to("cuda")
+        after_build = tally.current
+        tally.syncs.clear()
+        for step in range(1, steps + 1):
+            tokens = torch.randint(0, job.margs.vocab_size, (job.local_batch, cfg.training.seq_len)).to("cuda")
             train_step(parts, tokens, tokens, step, cfg.parallelism.microbatches, cfg.training.max_norm)
-            if step == 1 and spec["steps"] > 1:
-                syncs.clear()  # steady state: the schedule's one-time p2p warm-up reads a flag in step 1
-                mode.grouped_mm = 0
-        step_syncs = dict(syncs)
+            if step == 1 and steps > 1:
+                tally.syncs.clear()  # steady state: the schedule's one-time p2p warm-up reads a flag in step 1
+                tally.grouped_mm = 0
+        step_syncs = dict(tally.syncs)
         t_ck = time.perf_counter()
-        checkpoint = _plan_checkpoint(cfg, parts, loader, margs.vocab_size, spec["steps"])
+        checkpoint = _plan_checkpoint(cfg, parts, loader, job.margs.vocab_size, steps)
         checkpoint["checkpoint_seconds"] = time.perf_counter() - t_ck
-    from ray_titan.parallel import local_tensor
-
-    def nbytes(tensors: Any) -> int:  # distinct device storages (views share one)
-        storages = {local_tensor(t).untyped_storage()._cdata: local_tensor(t).untyped_storage().nbytes()
-                    for t in tensors if isinstance(t, torch.Tensor) and local_tensor(t).device.type == "cuda"}
-        return sum(storages.values())
-
     state = [v for st in parts.optimizer.state.values() for v in st.values()]
     return {
-        "held_bytes": {"parameters": nbytes(parts.params), "gradients": nbytes(p.grad for p in parts.params),
-                       "optimizer_state": nbytes(state)},
-        "rank": rank, "coords": dims.coords(rank), "stages": sorted(parts.stages), "steps": spec["steps"],
+        "held_bytes": {"parameters": _device_bytes(parts.params),
+                       "gradients": _device_bytes(p.grad for p in parts.params),
+                       "optimizer_state": _device_bytes(state)},
+        "rank": job.rank, "coords": job.dims.coords(job.rank), "stages": sorted(parts.stages), "steps": steps,
         "build_seconds": built_s, "seconds": time.perf_counter() - t0,
-        "host_syncs_per_step": {k: v / max(1, spec["steps"] - 1) if spec["steps"] > 1 else v
+        "host_syncs_per_step": {k: v / max(1, steps - 1) if steps > 1 else v
                                 for k, v in sorted(step_syncs.items())}, **checkpoint,
-        "collectives": mode.collectives, "device_bytes_after_build": after_build,
-        "grouped_mm_per_step": mode.grouped_mm / max(1, spec["steps"] - 1),
-        "peak_device_bytes": mode.peak,
+        "collectives": tally.collectives, "device_bytes_after_build": after_build,
+        "grouped_mm_per_step": tally.grouped_mm / max(1, steps - 1),
+        "peak_device_bytes": tally.peak,
     }
+
+
+def _device_bytes(tensors: Any) -> int:
+    """Bytes of the distinct device storages of ``tensors`` (views share one; DTensors by their
+    local shard; host tensors and ``None`` not counted)."""
+    import torch
+
+    from ray_titan.parallel import local_tensor
+
+    storages = {local_tensor(t).untyped_storage()._cdata: local_tensor(t).untyped_storage().nbytes()
+                for t in tensors if isinstance(t, torch.Tensor) and local_tensor(t).device.type == "cuda"}
+    return sum(storages.values())
 
 
 def _plan_checkpoint(cfg: Any, parts: Any, loader: Any, vocab_size: int, step: int) -> dict[str, Any]:

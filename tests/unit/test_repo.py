@@ -192,15 +192,9 @@ def test_a_unit_test_starts_no_process():
         multiprocessing.get_context("spawn").Process(target=print).start()
 
 
-# Functions other changes are splitting now; each is to be split next and then leaves this list.
-_LONG_FUNCTIONS_TO_SPLIT = {
-    "ray_titan/dry_run/simulate.py::run_rank",
-}
-
-
 def test_every_function_reads_in_one_screen():
     """Every function of the ``ray_titan`` package is at most 80 lines, docstring included, so
-    each reads top to bottom; the allow-list names only functions still over it."""
+    each reads top to bottom."""
     import ast
 
     files = sorted((REPO / "ray_titan").rglob("*.py"))
@@ -208,8 +202,7 @@ def test_every_function_reads_in_one_screen():
             for f in files for n in ast.walk(ast.parse(f.read_text()))
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80}
     assert len(files) > 100 and "ray_titan/driver/run.py" in {f.relative_to(REPO).as_posix() for f in files}
-    assert set(long) - _LONG_FUNCTIONS_TO_SPLIT == set(), long
-    assert _LONG_FUNCTIONS_TO_SPLIT - set(long) == set(), "split: take it off _LONG_FUNCTIONS_TO_SPLIT"
+    assert long == {}, long
 
 
 @pytest.mark.parametrize("old, new", [("ray_titan.progress", "ray_titan.driver.progress"),
