@@ -195,6 +195,11 @@ _BOOL_TYPES = {f.name for f in STEP_SCHEMA if pa.types.is_boolean(f.type)}
 _VERDICTS = pa.array([WARMING_UP, STABLE, GROWING])
 
 
+def _with_moe_lists(objects: list[tuple], moe: tuple[np.ndarray, np.ndarray]) -> list[tuple]:
+    """A part's objects with ``moe_layers`` and ``expert_load`` taken back from its blocks."""
+    return [(o[0], layers, load, o[3], o[4]) for o, layers, load in zip(objects, moe[0].tolist(), moe[1].tolist())]
+
+
 def _moe_blocks(parts: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray] | None:
     """The parts' ``moe`` blocks stacked, or None where a part has none or their shapes differ."""
     blocks = [p.get("moe") for p in parts]
@@ -345,8 +350,11 @@ def _newest_reports(parts: list[dict[str, Any]]) -> tuple[_Columns, list[tuple],
     the mesh axes."""
     values = np.concatenate([p["values"] for p in parts])
     null = np.concatenate([p["null"] for p in parts])
-    objects = [o for p in parts for o in p["objects"]]
     moe = _moe_blocks(parts)
+    # Parts whose blocks differ in shape (pipeline stages holding different numbers of MoE
+    # layers, each rank's own call) go element by element: their blocks back into the objects.
+    objects = [o for p in parts for o in (p["objects"] if moe is not None or p.get("moe") is None
+                                          else _with_moe_lists(p["objects"], p["moe"]))]
     ranks_all = values[:, _F["rank"]].astype(np.int64)
     rev = len(ranks_all) - 1 - np.unique(ranks_all[::-1], return_index=True)[1]
     values, null = values[rev], null[rev]

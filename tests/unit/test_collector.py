@@ -283,6 +283,22 @@ def test_a_groups_reports_in_columns_make_the_same_rows_as_one_call_per_rank(tmp
     assert a["expert_load"][0].as_py() == [[1, 3], [1, 0]] and a["step_val_loss"].to_pylist()[8] == 1.5
 
 
+def test_stages_holding_different_numbers_of_moe_layers_keep_their_load(tmp_path):
+    """The MoE job's pipeline: stage 0 holds one MoE layer, stage 1 two. Each rank's own call
+    packs a block of its own shape; the step joins blocks of different shapes element by element."""
+    dims = ParallelDims(pp=2, dp_shard=2)
+    c = _collector(tmp_path, dims, steps=1)
+    for r in range(4):
+        rep = _moe_report(1, r, dims)
+        first = rep["coords"]["pp"] == 0
+        rep.update(moe_layers=[1] if first else [2, 3], expert_load=[[r, 1]] if first else [[r, 2], [3, r]])
+        c.report([rep])
+    assert c.finish()["errors"] == []
+    t = read_steps(tmp_path)
+    assert t["moe_layers"].to_pylist() == [[1], [1], [2, 3], [2, 3]]
+    assert t["expert_load"].to_pylist() == [[[0, 1]], [[1, 1]], [[2, 2], [3, 2]], [[3, 2], [3, 3]]]
+
+
 def test_beyond_16_ranks_the_console_and_the_sinks_summarise(tmp_path):
     """32 ranks (pp=2 × dp_shard=16), rank 7 leaking: the console line gives min / median / max of
     memory with the extreme ranks, the verdict counts naming the growing rank and a per-stage
