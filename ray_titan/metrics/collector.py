@@ -551,7 +551,7 @@ class MetricsCollector:
 
     def poll(self, shown_step: int = 0) -> dict[str, Any]:
         """``{"lines": drain_lines(shown_step), "latest": the newest assembled step's progress}``
-        (see :mod:`ray_titan.progress`), one call per driver refresh."""
+        (see :mod:`ray_titan.driver.progress`), one call per driver refresh."""
         return {"lines": self.drain_lines(shown_step), "latest": self.latest}
 
     def finish(self, shown_step: int = 0) -> dict[str, Any]:
