@@ -454,9 +454,6 @@ class TensorBoardSink:
 
         self._events.write_event(Event(wall_time=time.time(), step=step, summary=summary))
 
-    def add_step(self, step: int, scalars: dict[str, float], rows: list[dict[str, Any]]) -> None:
-        self.add_scalars(step, step_scalars(scalars, rows))
-
     def add_scalars(self, step: int, values: list[tuple[str, float]]) -> None:
         """All of a step's scalars as one event: one Summary with a value per tag, which
         TensorBoard reads as separate series (as TF1's merged summaries). ``add_scalar`` would
