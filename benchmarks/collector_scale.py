@@ -7,8 +7,9 @@ A real :class:`~ray_titan.metrics.collector.MetricsCollector` actor (TensorBoard
 every step so a step's row is on disk as soon as it is assembled; run at this process's CPU
 priority, not Ray's nice 15 for workers, so a shared machine's other load does not set the lag)
 receives one step per second from sender actors that play the ranks of a pp × dp_shard × tp
-mesh (tp = 8 innermost, ranks grouped by node of 8; the last stage's ranks carry a loss; MoE reports carry 4 layers × 16
-experts of expert load; every memory field is filled, device ones included; rank 1 grows by
+mesh (tp = 8 innermost, ranks grouped by node of 8; the last stage's ranks carry a loss; MoE
+reports carry 4 layers × 16 experts of expert load, 3 on the first stage, whose first layer is
+dense, so the step's blocks differ in shape; every memory field is filled, device ones included; rank 1 grows by
 2 MiB per step). Paths:
 
 - ``direct``: each rank has its own :class:`~ray_titan.metrics.report.CollectorReporter` calling
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -92,9 +94,10 @@ def _sender_class():
                                  step_time_s=0.9, data_time_s=0.01, fwd_bwd_time_s=0.7, optim_time_s=0.1,
                                  grad_norm=1.0, lr=3e-4, memory=mem, gc_pause_s=0.0, node=f"node{r // NODE:05d}",
                                  world_size=world, attempt_start_time=1.0, metrics_time_s=0.0004)
-                if moe:
-                    rep.aux_loss, rep.moe_layers = 0.01, [4 * coords["pp"] + i for i in range(4)]
-                    rep.expert_load = [[512] * 16 for _ in range(4)]
+                if moe:  # the first stage starts with a dense layer (DeepSeek's first_k_dense_replace)
+                    first = 1 if coords["pp"] == 0 else 0
+                    rep.aux_loss, rep.moe_layers = 0.01, [4 * coords["pp"] + i for i in range(first, 4)]
+                    rep.expert_load = [[512] * 16 for _ in rep.moe_layers]
                 self.base.append(rep.to_dict())
             if path == "direct":
                 self.reporters = [CollectorReporter(collector, interval_s=1.0) for _ in ranks]
@@ -197,6 +200,7 @@ def measure(ranks: int, steps: int, path: str, moe: bool = True, senders: int = 
     warm = min(20, steps // 2)
     cpu0, rss0 = _proc(pid)
     rss_warm = rss0
+    trace: list[tuple[int, float]] = []  # (step, collector RSS MiB) every 10 steps
     sent: dict[int, float] = {}
     t0 = time.monotonic()
     for step in range(1, steps + 1):
@@ -204,6 +208,8 @@ def measure(ranks: int, steps: int, path: str, moe: bool = True, senders: int = 
         sent[step] = max(ray.get([a.step.remote(step) for a in actors]))
         if step == warm:
             rss_warm = _proc(pid)[1]
+        if step % 10 == 0:
+            trace.append((step, _proc(pid)[1]))
     worker_dropped = sum(ray.get([a.drain.remote() for a in actors]))
     deadline = time.time() + 30
     while len(poller.on_disk) < steps and time.time() < deadline:
@@ -221,15 +227,31 @@ def measure(ranks: int, steps: int, path: str, moe: bool = True, senders: int = 
         "us_per_rank_report": (cpu1 - cpu0) / (ranks * steps) * 1e6,
         "lag_p99_s": float(np.percentile(lags, 99, method="higher")),
         "lag_p50_s": float(np.percentile(lags, 50, method="higher")),
-        "rss_mib": (rss_warm, rss1), "dropped": max(0, ranks * steps - poller.rows) + worker_dropped,
+        "rss_mib": (rss_warm, rss1), "rss_trace": trace, "rss_slope_mib_per_100": _late_slope(trace),
+        "dropped": max(0, ranks * steps - poller.rows) + worker_dropped,
         "run_dir": str(run_dir),
     }
+
+
+def _late_slope(trace: list[tuple[int, float]]) -> float:
+    """Theil–Sen slope (MiB per 100 steps) of the collector's RSS over the second half of the run:
+    ~0 when the memory is flat once warm (the verdict's windows, Arrow's pool and the TensorBoard
+    writer filled), > 0 when something grows with the steps."""
+    import numpy as np
+
+    late = trace[len(trace) // 2:]
+    if len(late) < 3:
+        return float("nan")
+    x, y = np.array([s for s, _ in late], float), np.array([r for _, r in late])
+    i, j = np.triu_indices(len(x), 1)
+    return float(np.median((y[j] - y[i]) / (x[j] - x[i]))) * 100
 
 
 def line(m: dict[str, Any]) -> str:
     """The printed line of one size."""
     return (f"collector_scale ranks={m['ranks']} us_per_rank_report={m['us_per_rank_report']:.1f} "
-            f"lag_s={m['lag_p99_s']:.2f} rss_mib={m['rss_mib'][0]:.0f}→{m['rss_mib'][1]:.0f} dropped={m['dropped']}")
+            f"lag_s={m['lag_p99_s']:.2f} rss_mib={m['rss_mib'][0]:.0f}→{m['rss_mib'][1]:.0f} "
+            f"rss_late_slope_mib_per_100_steps={m['rss_slope_mib_per_100']:.1f} dropped={m['dropped']}")
 
 
 def run(sizes=SIZES, steps: int = 200, path: str = "auto", moe: bool = True) -> list[dict[str, Any]]:
@@ -257,10 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--path", choices=["auto", "direct", "aggregated"], default="auto")
     ap.add_argument("--dense", action="store_true", help="dense reports (no MoE expert load)")
+    ap.add_argument("--json", type=Path, default=None, help="where to write every size's figures and RSS trace")
     args = ap.parse_args(argv)
     for n in args.ranks:
         mesh(n)
-    run(args.ranks, args.steps, args.path, not args.dense)
+    out = run(args.ranks, args.steps, args.path, not args.dense)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
     return 0
 
 

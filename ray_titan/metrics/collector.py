@@ -48,7 +48,7 @@ import pyarrow.compute
 from ray_titan import storage
 from ray_titan.metrics import ray_metrics
 from ray_titan.metrics.leak import GROWING, STABLE, WARMING_UP, LeakMonitor, Verdict, describe_coords, leak_settings
-from ray_titan.metrics.report import MEMORY_FIELDS, PACKED_FIELDS, pack_reports
+from ray_titan.metrics.report import MEMORY_FIELDS, MOE_PAD, PACKED_FIELDS, pack_reports
 from ray_titan.metrics.sinks import (
     STEP_SCHEMA,
     ParquetSink,
@@ -197,15 +197,33 @@ _VERDICTS = pa.array([WARMING_UP, STABLE, GROWING])
 
 def _with_moe_lists(objects: list[tuple], moe: tuple[np.ndarray, np.ndarray]) -> list[tuple]:
     """A part's objects with ``moe_layers`` and ``expert_load`` taken back from its blocks."""
-    return [(o[0], layers, load, o[3], o[4]) for o, layers, load in zip(objects, moe[0].tolist(), moe[1].tolist())]
+    keep = moe[0] != MOE_PAD
+    return [(o[0], lay[k].tolist(), load[k].tolist(), o[3], o[4])
+            for o, lay, load, k in zip(objects, moe[0], moe[1], keep)]
 
 
 def _moe_blocks(parts: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray] | None:
-    """The parts' ``moe`` blocks stacked, or None where a part has none or their shapes differ."""
+    """The parts' ``moe`` blocks stacked, padded to the most layers (:data:`MOE_PAD`: pipeline
+    stages hold different numbers of MoE layers); None where a part has none, or where layers
+    count different numbers of experts."""
     blocks = [p.get("moe") for p in parts]
-    if any(b is None for b in blocks) or len({(b[0].shape[1:], b[1].shape[1:]) for b in blocks}) > 1:  # type: ignore[index]
+    if any(b is None for b in blocks):
         return None
-    return np.concatenate([b[0] for b in blocks]), np.concatenate([b[1] for b in blocks])  # type: ignore[index]
+    most = max(b[0].shape[1] for b in blocks)  # type: ignore[index]
+    experts = {b[1].shape[2] for b in blocks if (b[0] != MOE_PAD).any()}  # type: ignore[index]
+    if len(experts) > 1:
+        return None
+    e = experts.pop() if experts else 0
+    layers, loads = [], []
+    for lay, load in blocks:  # type: ignore[misc]
+        n, k = lay.shape
+        if k != most or load.shape[2] != e:
+            padded = np.zeros((n, most, e), np.int64)
+            padded[:, :k] = load if load.shape[2] == e else 0
+            lay, load = np.pad(lay, ((0, 0), (0, most - k)), constant_values=MOE_PAD), padded
+        layers.append(lay)
+        loads.append(load)
+    return np.concatenate(layers), np.concatenate(loads)
 
 
 def _expert_load_blocks(layers: np.ndarray, load: np.ndarray) -> dict[int, list[int]]:
@@ -217,18 +235,22 @@ def _expert_load_blocks(layers: np.ndarray, load: np.ndarray) -> dict[int, list[
     for g, row in enumerate(held):
         total = load[inverse.reshape(-1) == g].sum(axis=0)
         for layer, counts in zip(row.tolist(), total):
-            out[layer] = out[layer] + counts if layer in out else counts
+            if layer != MOE_PAD:
+                out[layer] = out[layer] + counts if layer in out else counts
     return {layer: out[layer].tolist() for layer in sorted(out)}
 
 
-def _block_column(block: np.ndarray, type_: pa.DataType) -> pa.Array:
+def _block_column(block: np.ndarray, held: np.ndarray, type_: pa.DataType) -> pa.Array:
     """A list column (``(ranks, L)`` → list<int64>, ``(ranks, L, E)`` → list<list<int64>>) from
-    one numpy block, without a Python object per element."""
-    arr: pa.Array = pa.array(block.reshape(-1))
-    for dim in reversed(block.shape[1:]):
-        arr = pa.ListArray.from_arrays(pa.array(np.arange(0, len(arr) + 1, max(dim, 1), dtype=np.int32)
-                                                if dim else np.zeros(block.shape[0] + 1, np.int32)), arr)
-    return arr.cast(type_)
+    one numpy block, keeping the layers where ``held`` (bool ``(ranks, L)``: not padding), without
+    a Python object per element."""
+    inner = block[held]  # (k,) or (k, E)
+    arr: pa.Array = pa.array(inner.reshape(-1))
+    if inner.ndim == 2:
+        arr = pa.ListArray.from_arrays(pa.array(np.arange(len(inner) + 1, dtype=np.int32) * inner.shape[1]), arr)
+    offsets = np.zeros(len(block) + 1, np.int32)
+    np.cumsum(held.sum(axis=1), out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), arr).cast(type_)
 
 
 def _step_table(c: _Columns, objects: list[tuple], moe: tuple[np.ndarray, np.ndarray] | None, s: dict[str, Any],
@@ -251,7 +273,7 @@ def _step_table(c: _Columns, objects: list[tuple], moe: tuple[np.ndarray, np.nda
     cols["world_size"] = pa.array(np.full(n, size, np.int64)) if not c.null("world_size").all() else cols["world_size"]
     for i, name in enumerate(("node", "moe_layers", "expert_load", "source_tokens")):
         if moe is not None and name in ("moe_layers", "expert_load"):
-            cols[name] = _block_column(moe[i - 1], STEP_SCHEMA.field(name).type)
+            cols[name] = _block_column(moe[i - 1], moe[0] != MOE_PAD, STEP_SCHEMA.field(name).type)
         else:
             cols[name] = pa.array([o[i] for o in objects], STEP_SCHEMA.field(name).type)
     cols["memory_verdict"] = _VERDICTS.take(pa.array(code.astype(np.int64)))
@@ -351,8 +373,8 @@ def _newest_reports(parts: list[dict[str, Any]]) -> tuple[_Columns, list[tuple],
     values = np.concatenate([p["values"] for p in parts])
     null = np.concatenate([p["null"] for p in parts])
     moe = _moe_blocks(parts)
-    # Parts whose blocks differ in shape (pipeline stages holding different numbers of MoE
-    # layers, each rank's own call) go element by element: their blocks back into the objects.
+    # Where layers count different numbers of experts the step goes element by element: the
+    # parts' blocks back into the objects.
     objects = [o for p in parts for o in (p["objects"] if moe is not None or p.get("moe") is None
                                           else _with_moe_lists(p["objects"], p["moe"]))]
     ranks_all = values[:, _F["rank"]].astype(np.int64)

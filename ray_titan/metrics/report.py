@@ -23,6 +23,7 @@ import numpy as np
 
 __all__ = [
     "MEMORY_FIELDS",
+    "MOE_PAD",
     "PACKED_FIELDS",
     "CollectorReporter",
     "JsonlReporter",
@@ -72,13 +73,44 @@ PACKED_OBJECTS = ("node", "moe_layers", "expert_load", "source_tokens", "memory_
 """The per-report fields that are not one number, in ``objects``' tuples, in order."""
 
 
+MOE_PAD = -1
+"""The layer index of a padding row in a ``moe`` block: pipeline stages hold different numbers of
+MoE layers (DeepSeek's first dense layers), and the blocks of their ranks are padded to the most
+layers of the batch (padding layers count no tokens)."""
+
+
+def _padded_moe(objects: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
+    """``moe_layers`` and ``expert_load`` of packed objects as int64 blocks ``(n, L)`` and ``(n, L,
+    E)``, rows with fewer than the most layers ``L`` padded with layer :data:`MOE_PAD` and zero
+    load. Raises ValueError where the layers of the reports count different numbers of experts."""
+    n, most = len(objects), max((len(o[1]) for o in objects), default=0)
+    if all(len(o[1]) == most for o in objects):
+        layers = np.asarray([o[1] for o in objects], np.int64).reshape(n, most)
+        load = np.asarray([o[2] for o in objects], np.int64) if layers.size else np.zeros((n, 0, 0), np.int64)
+        return layers, load
+    experts = {len(x) for o in objects for x in o[2]}
+    if len(experts) > 1:
+        raise ValueError(f"expert counts differ between MoE layers: {sorted(experts)}")
+    e = experts.pop() if experts else 0
+    layers = np.full((n, most), MOE_PAD, np.int64)
+    load = np.zeros((n, most, e), np.int64)
+    for i, o in enumerate(objects):
+        k = len(o[1])
+        if len(o[2]) != k:
+            raise ValueError(f"{k} MoE layers but {len(o[2])} rows of expert load")
+        if k:
+            layers[i, :k], load[i, :k] = o[1], o[2]
+    return layers, load
+
+
 def pack_reports(reports: list[dict[str, Any]], dropped: list[int] | int = 0) -> dict[str, Any]:
     """Reports (``StepReport.to_dict()``) as columns: ``{"values": float64 (n, len(PACKED_FIELDS)),
     "null": bool (n, len(PACKED_FIELDS)) (the report had None there), "objects": [(node,
     moe_layers, expert_load, source_tokens, memory_breakdown)] * n, "axes": the mesh axes of the
     first report's ``coords``, in order, "moe": None or (int64 (n, layers), int64 (n, layers,
-    experts)): ``moe_layers`` and ``expert_load`` of every report where all have one shape (then
-    None in ``objects``)}``. Counts and bytes are exact in float64 up to 2**53.
+    experts)): ``moe_layers`` and ``expert_load`` of every report, padded where ranks hold
+    different numbers of MoE layers (:data:`MOE_PAD`; then None in ``objects``), None where the
+    layers count different numbers of experts}``. Counts and bytes are exact in float64 up to 2**53.
     ``dropped``: per report, or one count for all, the reports its rank had dropped (a report's
     own ``dropped`` key wins)."""
     n = len(reports)
@@ -104,12 +136,11 @@ def pack_reports(reports: list[dict[str, Any]], dropped: list[int] | int = 0) ->
     packed = {"values": raw.astype(np.float64), "null": null, "objects": objects,
               "axes": tuple(reports[0]["coords"]) if reports else (), "moe": None}
     # MoE: every rank's layers and expert load as two int blocks, (n, layers) and (n, layers,
-    # experts), where every report has the same shape (a MoE job's do): built here, on the
-    # sender's CPU, instead of element by element in the collector.
+    # experts), padded to one shape: built here, on the sender's CPU, instead of element by
+    # element in the collector.
     try:
-        layers = np.asarray([o[1] for o in objects], np.int64)
-        load = np.asarray([o[2] for o in objects], np.int64) if layers.size else np.zeros((n, 0, 0), np.int64)
-    except (ValueError, TypeError):  # ragged
+        layers, load = _padded_moe(objects)
+    except (ValueError, TypeError):  # ragged: expert counts differ between layers
         return packed
     if n and layers.ndim == 2 and load.ndim == 3 and load.shape[1] == layers.shape[1]:
         packed["moe"] = (layers, load)

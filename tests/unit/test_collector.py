@@ -8,7 +8,7 @@ import pytest
 
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.memory import MEMORY_FIELDS, host_memory, sample_memory
-from ray_titan.metrics.report import StepReport
+from ray_titan.metrics.report import MOE_PAD, StepReport, pack_reports
 from ray_titan.metrics.sinks import read_steps
 from ray_titan.parallel.dims import ParallelDims
 
@@ -284,15 +284,22 @@ def test_a_groups_reports_in_columns_make_the_same_rows_as_one_call_per_rank(tmp
 
 
 def test_stages_holding_different_numbers_of_moe_layers_keep_their_load(tmp_path):
-    """The MoE job's pipeline: stage 0 holds one MoE layer, stage 1 two. Each rank's own call
-    packs a block of its own shape; the step joins blocks of different shapes element by element."""
+    """The MoE job's pipeline: stage 0 holds one MoE layer, stage 1 two. Blocks of different
+    shapes (one call packing ranks of both stages, as an aggregator does, and each rank's own call)
+    are padded, not dropped, and the padding is neither written nor counted."""
     dims = ParallelDims(pp=2, dp_shard=2)
     c = _collector(tmp_path, dims, steps=1)
+    reps = []
     for r in range(4):
         rep = _moe_report(1, r, dims)
         first = rep["coords"]["pp"] == 0
         rep.update(moe_layers=[1] if first else [2, 3], expert_load=[[r, 1]] if first else [[r, 2], [3, r]])
-        c.report([rep])
+        reps.append(rep)
+    mixed = pack_reports([reps[0], reps[2]])["moe"]
+    assert mixed is not None and mixed[0].tolist() == [[1, MOE_PAD], [2, 3]]
+    c.report([reps[0], reps[2]])
+    c.report([reps[1]])
+    c.report([reps[3]])
     assert c.finish()["errors"] == []
     t = read_steps(tmp_path)
     assert t["moe_layers"].to_pylist() == [[1], [1], [2, 3], [2, 3]]
