@@ -331,3 +331,21 @@ def test_beyond_16_ranks_the_console_and_the_sinks_summarise(tmp_path):
     assert {t.split("/")[1] for t in tags if t.startswith("memory/rank") and "/" in t[7:]} == {"rank7"}
     assert tags["memory/ranks_growing"] == 1 and tags["memory/pp0/host_rss_max_mib"] == pytest.approx(180)
     assert tags["memory/all/host_rss_median_mib"] == pytest.approx(100)
+
+
+def test_the_completeness_check_names_missing_rows_and_counts_steps_in_batches(tmp_path):
+    """``steps.parquet`` read back in batches (16K ranks × 10k steps is 164M rows): a step with a
+    rank missing, a step with no row at all, a smaller elastic group, skipped updates, restarts."""
+    import pyarrow.parquet as pq
+
+    rows = [(s, r) for s in (1, 2, 4) for r in range(4) if (s, r) != (2, 1)] + [(5, r) for r in range(2)]
+    path = tmp_path / "steps.parquet"
+    pq.write_table(pa.table({
+        "step": [s for s, _ in rows], "rank": [r for _, r in rows],
+        "skipped_update": [s == 4 for s, _ in rows], "attempt": [int(s >= 4) for s, _ in rows],
+        "world_size": [2 if s == 5 else 4 for s, _ in rows]}), path, row_group_size=3)
+    c = _collector(tmp_path / "run", ParallelDims(pp=1, dp_shard=4))
+    c._check_complete(path)
+    assert c.errors == ["step 2: the metrics table has no row for rank(s) [1]",
+                        "step 3: the metrics table has no row for rank(s) [0, 1, 2, 3]"]
+    assert (c._steps_run, c._skipped_steps, c._restarts) == (4, 1, 1)
