@@ -15,12 +15,36 @@ from ray_titan.run_dir import under
 __all__ = ["RunResult", "say_outcome"]
 
 
-@dataclass
+class _StepsOnDisk:
+    """The ``steps`` field of :class:`RunResult`: a table given to it, or, given None, the run's
+    ``metrics/steps.parquet`` read on first access only. A 16,384-rank run of 10k steps has 164M
+    rows (tens of GB in Arrow): the driver reads none of them unless asked, and
+    :meth:`RunResult.losses` reads rank 0's row group alone."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> pa.Table:
+        if obj is None:  # the dataclass asking for a default: there is none
+            raise AttributeError(self.attr)
+        if obj.__dict__.get(self.attr) is None:
+            from ray_titan.metrics.sinks import read_steps
+
+            obj.__dict__[self.attr] = read_steps(obj.run_dir)
+        return obj.__dict__[self.attr]
+
+    def __set__(self, obj: Any, value: pa.Table | None) -> None:
+        obj.__dict__[self.attr] = value
+
+
+@dataclass(repr=False, eq=False)
 class RunResult:
     """What a run produced.
 
     ``steps``: the per-step, per-rank metrics (``metrics/steps.parquet``; schema
-    ``ray_titan.metrics.sinks.STEP_SCHEMA``). ``final_loss``: the last step's loss (token-weighted
+    ``ray_titan.metrics.sinks.STEP_SCHEMA``), read from the run directory on first access when
+    given None (``ray_titan.metrics.sinks.read_rank_history`` reads one rank's alone).
+    ``final_loss``: the last step's loss (token-weighted
     mean over the last pipeline stage's DP ranks, nats per token). ``errors``: steps the
     collector could not assemble or reports it found wrong (empty for a healthy run).
     ``run_dir``: a local :class:`~pathlib.Path`, or the URI string of a remote run directory.
@@ -30,8 +54,8 @@ class RunResult:
     """
 
     run_dir: Path | str
-    steps: pa.Table
-    final_loss: float | None
+    steps: _StepsOnDisk = _StepsOnDisk()  # required: the descriptor gives no default
+    final_loss: float | None  # type: ignore[misc]  # (mypy takes ``steps``' descriptor for a default)
     errors: list[str] = field(default_factory=list)
     config: JobConfig | None = None
     memory_verdicts: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -62,6 +86,10 @@ class RunResult:
     profiler_traces: list[Path] = field(default_factory=list)
     """Chrome traces of ``profiling.trace_steps``: ``<run_dir>/profile/rank{r}-step{s}.json``."""
 
+    def __repr__(self) -> str:  # not the steps table: it may be 164M rows on disk
+        return (f"RunResult(run_dir={str(self.run_dir)!r}, final_loss={self.final_loss}, "
+                f"steps_run={self.steps_run}, errors={len(self.errors)}, checkpoint={self.checkpoint})")
+
     def memory_peaks(self) -> dict[int, tuple[int | None, int | None]]:
         """``{rank: (predicted peak bytes, measured peak bytes)}``: the plan's and the breakdown's."""
         planned = {r["rank"]: r["peak"] for r in (self.memory_plan or {}).get("ranks", [])}
@@ -90,6 +118,10 @@ class RunResult:
     def step_column(self, column: str) -> list:
         """A step-level column (``step_loss``, ``grad_norm``, ``lr``, ...) in step order, one value
         per step (read from rank 0's rows; step-level values are the same on every rank)."""
+        if self.__dict__.get("_steps") is None:  # not read: rank 0's rows alone
+            from ray_titan.metrics.sinks import read_rank_history
+
+            return read_rank_history(self.run_dir, 0, columns=["step", column])[column].to_pylist()
         rows = self.steps.filter(pa.compute.equal(self.steps["rank"], 0))
         return rows.sort_by("step")[column].to_pylist()
 
@@ -102,7 +134,8 @@ class RunResult:
         """The validation losses (nats per counted token, token-weighted over the last stage's
         data-parallel ranks) by step, at the steps that evaluated (``[validation]``); empty
         without validation. Their perplexity is ``math.exp`` of each."""
-        if "step_val_loss" not in self.steps.column_names:
+        loaded = self.__dict__.get("_steps")
+        if loaded is not None and "step_val_loss" not in loaded.column_names:
             return {}
         steps, vals = self.step_column("step"), self.step_column("step_val_loss")
         return {s: v for s, v in zip(steps, vals) if v is not None}

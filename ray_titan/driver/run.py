@@ -298,7 +298,6 @@ def _result(cfg: JobConfig, run_dir: Path | str, outcome: RunOutcome, latest: Pa
     """The :class:`RunResult` of a finished run, its metrics errors printed (a non-finite final
     loss, never a success under ``training.on_nonfinite = "skip"``, is one); exports the last
     checkpoint to Hugging Face when ``checkpoint.last_save_hf`` asks."""
-    from ray_titan.metrics.sinks import read_steps
     from ray_titan.metrics.timing import read_timings
 
     if not outcome.final_loss_is_finite:
@@ -307,7 +306,7 @@ def _result(cfg: JobConfig, run_dir: Path | str, outcome: RunOutcome, latest: Pa
         print(f"ray_titan: metrics error: {err}", file=sys.stderr)
     local = run_dir if isinstance(run_dir, Path) else None
     return RunResult(
-        run_dir=run_dir, steps=read_steps(run_dir), final_loss=outcome.final_loss,
+        run_dir=run_dir, steps=None, final_loss=outcome.final_loss,
         errors=outcome.errors, config=cfg, checkpoint=latest,
         skipped_steps=outcome.skipped_steps, steps_run=outcome.steps_run, restarts=outcome.restarts,
         collector_restarted=outcome.collector_restarted, memory_verdicts=outcome.memory_verdicts,

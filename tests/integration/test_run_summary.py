@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pyarrow.compute
 import pytest
 
 from ray_titan.cli import main
@@ -83,3 +85,18 @@ def test_report_of_16k_ranks_draws_heatmaps_and_names_the_planted_outliers(tmp_p
     assert shown == {*memory, *slow}
     assert "(16380 of 16384 ranks not shown" in out
     assert (tmp_path / "report" / "ranks.csv").read_text().count("\n") == 16385  # a header and every rank
+
+
+def test_a_run_result_reads_its_steps_only_when_asked_and_its_losses_from_rank_0s_rows(tmp_path):
+    """The driver's RunResult of a large run holds no table: ``losses()`` reads rank 0's row group
+    (the same losses as the whole table's), ``steps`` the whole table on first access."""
+    from benchmarks.metrics_scale import write_synthetic_run
+    from ray_titan.driver.result import RunResult
+    from ray_titan.metrics.sinks import read_steps
+
+    write_synthetic_run(tmp_path, 1024, 6, steps_per_part=3)
+    whole = read_steps(tmp_path)
+    r = RunResult(run_dir=tmp_path, steps=None, final_loss=None)
+    expected = whole.filter(pa.compute.equal(whole["rank"], 0)).sort_by("step")["step_loss"].to_pylist()
+    assert r.losses() == expected and len(expected) == 6 and "_steps" in r.__dict__ and r.__dict__["_steps"] is None
+    assert "1024" not in repr(r) and r.steps.num_rows == 1024 * 6 and r.__dict__["_steps"] is not None
