@@ -101,10 +101,12 @@ def staged_counts(stderr: str) -> dict[str, int]:
 
 def stage_collectives_through_host(force: bool = False) -> None:
     """Route FSDP2's flat all-gather and reduce-scatter (``dist.all_gather_single``,
-    ``dist.reduce_scatter_single``) and the pipeline schedules' send/recv
-    (``torch.distributed.pipelining.schedules._batch_p2p``) through host copies when a tensor is
-    not on the CPU, so gloo can carry them; ``force``: for CPU tensors too (how the suite
-    exercises this code without a GPU). For this process only; call before the model is built."""
+    ``dist.reduce_scatter_single``), the pipeline schedules' send/recv
+    (``torch.distributed.pipelining.schedules._batch_p2p``) and the stages' blocking and object
+    send/recv (``dist.send``, ``dist.recv``, ``dist.send_object_list``, ``dist.recv_object_list``)
+    through host copies when a tensor is not on the CPU, so gloo can carry them; ``force``: for
+    CPU tensors too (how the suite exercises this code without a GPU). For this process only;
+    call before the model is built."""
     from torch.distributed.pipelining import schedules
 
     def need(*ts: torch.Tensor) -> bool:
@@ -146,6 +148,48 @@ def stage_collectives_through_host(force: bool = False) -> None:
 
     dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
     schedules._batch_p2p = batch_p2p  # type: ignore[assignment]
+    _stage_point_to_point(need, force)
+
+
+def _stage_point_to_point(need, force: bool) -> None:
+    """The blocking send/recv and the object send/recv of the pipeline stages' warm-up vote and
+    shape inference (``torch.distributed.pipelining.stage``), through the host as in
+    :func:`stage_collectives_through_host`."""
+    send, recv, send_objects, recv_objects = dist.send, dist.recv, dist.send_object_list, dist.recv_object_list
+
+    def send_(tensor, dst=None, group=None, tag=0, group_dst=None):
+        if not need(tensor):
+            return send(tensor, dst, group, tag, group_dst=group_dst)
+        STAGED["send"] += 1
+        return send(_host(tensor), dst, group, tag, group_dst=group_dst)
+
+    def recv_(tensor, src=None, group=None, tag=0, group_src=None):
+        if not need(tensor):
+            return recv(tensor, src, group, tag, group_src=group_src)
+        STAGED["recv"] += 1
+        h = torch.empty_like(tensor, device="cpu")
+        sender = recv(h, src, group, tag, group_src=group_src)
+        _Staged(copies=[(tensor, h)]).wait()
+        return sender
+
+    def on_host(device) -> bool:  # the objects are pickled into a tensor on `device`: keep it on the host
+        return device is not None and (force or torch.device(device).type != "cpu")
+
+    def objects_on_host(fn, name: str):
+        def call(*args, **kwargs):
+            # (object_list, peer, group, device, ...): the objects are pickled into a tensor on `device`
+            if len(args) > 3:
+                args, kwargs = args[:3], {"device": args[3], **kwargs}
+            if on_host(kwargs.get("device")):
+                STAGED[name] += 1
+                kwargs["device"] = None  # gloo's default: the host
+            return fn(*args, **kwargs)
+        return call
+
+    send_object_list = objects_on_host(send_objects, "send_object_list")
+    recv_object_list = objects_on_host(recv_objects, "recv_object_list")
+    dist.send, dist.recv = send_, recv_
+    dist.send_object_list, dist.recv_object_list = send_object_list, recv_object_list
 
 
 def rank_main(argv: list[str] | None = None) -> None:
