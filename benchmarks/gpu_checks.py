@@ -6,13 +6,12 @@ pass/fail with a one-line reason. The judging of a run is a separate pure functi
 can show that a check fails when the behaviour it checks is broken.
 
 Ranks on one GPU. NCCL refuses two ranks on one device, so when a job has more ranks than the
-machine has GPUs, every rank uses ``cuda:0`` over gloo. Gloo implements broadcast and all-reduce
-on CUDA tensors, not send/recv (pipeline P2P), reduce-scatter or all-gather of flat tensors
-(FSDP2): :func:`stage_collectives_through_host` routes those through host copies in the check's
-rank processes (the transport is not what is checked; the trainer's device code is). Expert
-parallelism's token exchange is a functional ``all_to_all_single`` that this shim cannot
-reach, so on one GPU the expert check runs one rank whose experts partly receive no tokens
-(the grouped GEMM's empty groups); with two or more GPUs the rank count is real, NCCL.
+machine has GPUs, every rank uses ``cuda:0`` over gloo. Gloo's CUDA support is partial (broadcast
+and all-reduce are documented; send/recv would hand gloo a device pointer), so in the check's
+rank processes :func:`stage_collectives_through_host` routes what else the trainer sends
+through host copies: pipeline P2P and the stages' warm-up and shape messages, FSDP2's flat
+all-gather and reduce-scatter, expert parallelism's all-to-alls. The transport is not what is
+checked; the trainer's device code is. With as many GPUs as ranks, NCCL, one GPU per rank.
 
 Rank processes start as ``torchrun ... -m benchmarks.gpu_checks --device cuda|cpu [--stage]
 --config X.toml [--section.key=value ...]``: ``ray_titan.launch`` with this process's device and
@@ -36,10 +35,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Check", "check_cpu_checkpoint_resumes", "check_cpu_offload_parity", "check_ep_expert_without_tokens",
-           "check_oom_under_pp", "check_steady_run", "judge_device_fields", "judge_device_memory_flat",
-           "judge_host_verdict", "judge_oom", "judge_parity", "rank_main", "stage_collectives_through_host",
-           "train_here"]
+from ray_titan.callbacks import Callback, CallbackContext
+
+__all__ = [
+    "Check", "ForceRouting", "check_cpu_checkpoint_resumes", "check_cpu_offload_parity",
+    "check_ep_expert_without_tokens", "check_ep_rank_without_tokens", "check_oom_under_pp", "check_steady_run",
+    "judge_device_fields", "judge_device_memory_flat", "judge_host_verdict", "judge_oom", "judge_parity",
+    "rank_main", "stage_collectives_through_host", "train_here",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -149,6 +152,36 @@ def stage_collectives_through_host(force: bool = False) -> None:
     dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
     schedules._batch_p2p = batch_p2p  # type: ignore[assignment]
     _stage_point_to_point(need, force)
+    _stage_all_to_all(need)
+
+
+def _stage_all_to_all(need) -> None:
+    """Expert parallelism's exchange (``ray_titan.parallel.expert``): the split sizes'
+    ``dist.all_to_all_single`` and the tokens' functional ``all_to_all_single_autograd``, whose
+    host copies (``.cpu()``, ``.to(device)``) are differentiable, so the backward's exchange
+    goes through the host too."""
+    from ray_titan.parallel import expert
+
+    a2a, split_sizes = expert.all_to_all_single_autograd, dist.all_to_all_single
+
+    def all_to_all_single_autograd(x, *args, **kwargs):
+        if not need(x):
+            return a2a(x, *args, **kwargs)
+        STAGED["all_to_all_single_autograd"] += 1
+        return a2a(x.cpu(), *args, **kwargs).to(x.device)
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        if not need(output, input):
+            return split_sizes(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        STAGED["all_to_all_single"] += 1
+        out = torch.empty_like(output, device="cpu")
+        split_sizes(out, _host(input), output_split_sizes, input_split_sizes, group=group)
+        _Staged(copies=[(output, out)]).wait()
+        return _Staged() if async_op else None
+
+    expert.all_to_all_single_autograd = all_to_all_single_autograd
+    dist.all_to_all_single = all_to_all_single
 
 
 def _stage_point_to_point(need, force: bool) -> None:
@@ -233,10 +266,11 @@ def job(work: Path, name: str, *overrides: str):
                                      "--metrics.log_freq=1000", *overrides, *JOB_OVERRIDES)
 
 
-def train_here(cfg, device: torch.device | str, storage: Any = None) -> dict[str, Any]:
+def train_here(cfg, device: torch.device | str, storage: Any = None, callbacks: list | None = None) -> dict[str, Any]:
     """``cfg`` on one rank in this process (``train_loop`` without Ray, the collector in
-    process with the job's leak settings). Returns ``summary`` (the rank's), ``outcome`` (the
-    collector's), ``run_dir`` and ``steps`` (the metrics table). Raises what ``train_loop`` raises."""
+    process with the job's leak settings; ``callbacks``: worker-side, after the job's). Returns
+    ``summary`` (the rank's), ``outcome`` (the collector's), ``run_dir`` and ``steps`` (the
+    metrics table). Raises what ``train_loop`` raises."""
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.leak import leak_settings
     from ray_titan.metrics.report import LocalReporter
@@ -253,7 +287,8 @@ def train_here(cfg, device: torch.device | str, storage: Any = None) -> dict[str
     collector = MetricsCollector(str(run_dir), 1, [0], cfg.training.steps, cfg.metrics.log_freq,
                                  cfg.metrics.flush_every_steps, False, leak_settings(cfg.memory), cfg.memory.on_leak)
     try:
-        summary = train_loop(cfg, LocalReporter(collector), device, run_dir, checkpoint_storage=storage)
+        summary = train_loop(cfg, LocalReporter(collector), device, run_dir, callbacks=callbacks,
+                             checkpoint_storage=storage)
     finally:
         outcome = collector.finish()
         if device.type == "cuda":
@@ -278,6 +313,14 @@ def launch_ranks(device: str, cfg, stage: bool = False, toml: str = "", timeout:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     run_dirs = sorted(p for p in dump.glob("*") if p.is_dir())
     return proc, (run_dirs[0] if run_dirs else None)
+
+
+def _expert_load(steps) -> dict[int, Any]:
+    """Each rank's ``expert_load`` of the last step (the metrics table's column)."""
+    import pyarrow.compute as pc
+
+    last = steps.filter(pc.equal(steps["step"], pc.max(steps["step"])))
+    return dict(zip(last["rank"].to_pylist(), last["expert_load"].to_pylist()))
 
 
 def _rank_losses(steps, rank: int = 0) -> list[float]:
@@ -393,8 +436,8 @@ def check_ep_expert_without_tokens(device: str, tokens: int = 64) -> Check:
     and backward on ``device`` (CUDA: bf16, where Hopper runs ``torch._grouped_mm`` with empty
     groups) against the fp32 per-expert loop on CPU. Pass: output and active experts' ``w1``
     gradient within 5 % (bf16; 1e-5 in fp32) of the reference, the idle experts' gradient
-    exactly zero. One rank: expert parallelism's exchange is a functional all-to-all that gloo
-    cannot carry on CUDA tensors (module docstring)."""
+    exactly zero. One rank, the layer alone: :func:`check_ep_rank_without_tokens` trains the
+    model under ep=2 in fp32, where the experts run the loop."""
     import copy
 
     from ray_titan.models.deepseek_v2.model import MoE, _use_grouped_mm, route_tokens
@@ -429,7 +472,7 @@ def judge_experts(got_y: torch.Tensor, got_g: torch.Tensor, want_y: torch.Tensor
     """Pass when ``got_y`` and the first ``active`` experts' gradients ``got_g[:active]`` are within
     ``rtol`` of the reference (relative to its largest magnitude) and the other experts'
     gradients are exactly zero (``got_g (n_experts, hidden, dim)``)."""
-    name = "experts receiving no tokens (an ep rank without tokens): forward + backward"
+    name = "MoE layer with experts receiving no tokens, bf16 (grouped GEMM's empty groups) vs fp32 loop"
     if not (torch.isfinite(got_y).all() and torch.isfinite(got_g).all()):
         return Check(name, False, f"{path}: a non-finite output or gradient")
     idle = got_g[active:].abs().max().item()
@@ -442,6 +485,61 @@ def judge_experts(got_y: torch.Tensor, got_g: torch.Tensor, want_y: torch.Tensor
         return Check(name, False, f"{path}: output off by {ey:.2e}, gradient by {eg:.2e} (> {rtol:g})", data)
     return Check(name, True, f"{path}, {n - active} of {n} experts idle: output within {ey:.1e}, gradient "
                              f"{eg:.1e} of the fp32 loop; idle experts' gradient exactly 0", data)
+
+
+class ForceRouting(Callback):
+    """Worker-side callback (``[[callbacks]] target = "benchmarks.gpu_checks:ForceRouting"``):
+    before every router's forward, its selection bias is ``bias`` on the first ``experts``
+    experts and 0 on the others, so (top-k ≤ ``experts``) only those receive tokens; under
+    ep=2 with 8 experts and ``experts = 2``, rank 1's four experts receive none. Needs
+    ``model.load_balance = "aux_free"`` (the bias takes part in the selection)."""
+
+    def __init__(self, experts: int = 2, bias: float = 9.0):
+        self.experts, self.bias = experts, bias
+        self._handle: Any = None
+
+    def on_train_start(self, ctx: CallbackContext) -> None:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if type(module).__name__ == "Router" and hasattr(module, "expert_bias"):
+                with torch.no_grad():
+                    module.expert_bias.zero_()[: self.experts] = self.bias
+
+        self._handle = register_module_forward_pre_hook(hook)
+
+    def on_train_end(self, ctx: CallbackContext, error: BaseException | None = None) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+
+def check_ep_rank_without_tokens(work: Path, device: str, stage: bool = False, steps: int = 3) -> Check:
+    """The MoE job's model (DeepSeek-V2 debug, 8 experts, top 2) on dp_shard=2 × ep=2, fp32, with
+    :class:`ForceRouting` sending every token to experts 0 and 1, so rank 1's experts receive
+    none: it trains and matches one rank under the same routing (losses within
+    :data:`PARITY_RTOL`). One GPU: the ranks' all-to-alls through host copies (module docstring)."""
+    common = ("--parallelism.pp=1", "--parallelism.microbatches=1", f"--training.steps={steps}",
+              "--training.mixed_precision=fp32", "--checkpoint.enable=false", "--model.name=deepseek_v2",
+              "--model.flavor=debug", "--model.load_balance=aux_free")
+    force = '[[callbacks]]\ntarget = "benchmarks.gpu_checks:ForceRouting"\n'
+    name = "expert-parallel step, rank 1 receiving no tokens: parity with one rank"
+    proc, run_dir = launch_ranks(device, job(work, "ep", *common, "--parallelism.dp_shard=2",
+                                             "--parallelism.ep=2"), stage, force)
+    if proc.returncode or run_dir is None:
+        return Check(name, False, f"the ep=2 run failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:200]}")
+    from ray_titan.metrics.sinks import read_steps
+
+    ref = train_here(job(work, "ep_ref", *common, "--parallelism.dp_shard=1"), device, callbacks=[ForceRouting()])
+    steps_table = read_steps(run_dir)
+    check = judge_parity(name, _rank_losses(steps_table), _rank_losses(ref["steps"]), what="of one rank")
+    load = _expert_load(steps_table).get(1) or []
+    check.data.update(staged=staged_counts(proc.stderr), expert_load=load)
+    idle = [sum(layer[len(layer) // 2:]) for layer in load]  # rank 1 holds the second half under ep=2
+    if check.passed and (not idle or any(idle)):
+        return Check(name, False, f"rank 1's experts received tokens (last step, per MoE layer: {idle})", check.data)
+    if check.passed:
+        check.reason += f"; rank 1's experts received 0 tokens in all {len(idle)} MoE layers"
+    return check
 
 
 # -- (e, f, g) a long run with the default settings ------------------------------------------------
@@ -511,6 +609,7 @@ def run_checks(work: Path, device: str, steps: int = 200, stage: bool = False) -
         ("OOM under PP", lambda: [check_oom_under_pp(work, device, stage)]),
         ("cpu_offload parity", lambda: [check_cpu_offload_parity(work, device, stage)]),
         ("CPU checkpoint resumed", lambda: [check_cpu_checkpoint_resumes(work, device)]),
+        ("ep rank without tokens", lambda: [check_ep_rank_without_tokens(work, device, stage)]),
         ("experts without tokens", lambda: [check_ep_expert_without_tokens(device)]),
         ("long run", lambda: check_steady_run(work, device, steps)),
     ):

@@ -9,17 +9,20 @@ from benchmarks import gpu_checks
 
 def test_every_check_runs_on_cpu_and_says_why(tmp_path, corpus_cache, monkeypatch):
     monkeypatch.setattr(gpu_checks, "JOB_OVERRIDES", [f"--data.cache_dir={corpus_cache}"])
-    oom, offload, resume, experts, verdict, flat, fields = gpu_checks.run_checks(tmp_path, "cpu", steps=16, stage=True)
-    reasons = [c.reason for c in (oom, offload, resume, experts, verdict, flat, fields)]
-    assert [c.passed for c in (oom, offload, resume, experts, verdict)] == [True] * 5, reasons
+    checks = gpu_checks.run_checks(tmp_path, "cpu", steps=16, stage=True)
+    oom, offload, _, ep, experts, _, flat, fields = checks
+    assert [c.passed for c in checks[:6]] == [True] * 6, [c.reason for c in checks]
     assert oom.data["snapshot"].endswith("rank1-oom-step3.json")
     assert experts.data["idle_experts"] == 6
+    assert all(layer[:2] != [0, 0] and layer[2:] == [0] * 6 for layer in ep.data["expert_load"])
     # On CPU the device-memory checks have nothing to read: they fail, saying so.
     assert not flat.passed and "nothing to fit" in flat.reason
     assert not fields.passed and "device_allocated_bytes × 16" in fields.reason
     # The host-staged collectives carried the pipeline's P2P (the schedule's, the stages' warm-up
-    # vote and shape inference) and FSDP2's all-gather and reduce-scatter.
+    # vote and shape inference), FSDP2's all-gather and reduce-scatter, and the experts' all-to-alls.
     for name in ("batch_p2p", "send", "recv", "send_object_list", "recv_object_list"):
         assert oom.data["staged"].get(name, 0) > 0, (name, oom.data["staged"])
     assert offload.data["staged"].get("all_gather_single", 0) > 0
     assert offload.data["staged"].get("reduce_scatter_single", 0) > 0
+    assert ep.data["staged"].get("all_to_all_single", 0) > 0
+    assert ep.data["staged"].get("all_to_all_single_autograd", 0) > 0
