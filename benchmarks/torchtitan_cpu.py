@@ -329,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def timed_step(*args, **kwargs):
         out = inner(*args, **kwargs)
+        if a.device == "cuda":  # the step's end is its kernels' end (ray_titan's step reads its loss)
+            torch.cuda.synchronize()
         clock.step_end(trainer.step)
         return out
 
