@@ -617,11 +617,15 @@ def run_checks(work: Path, device: str, steps: int = 200, stage: bool = False,
     ):
         if name in skip:
             continue
+        t0 = time.perf_counter()
         try:
-            out += fn()
+            new = fn()
         except Exception as e:
             first = (str(e).splitlines() or [""])[0][:200]
-            out.append(Check(name, False, f"raised {type(e).__name__}: {first}"))
+            new = [Check(name, False, f"raised {type(e).__name__}: {first}")]
+        for c in new:
+            c.data["seconds"] = round(time.perf_counter() - t0, 1)  # of the run the check judged
+        out += new
     return out
 
 
