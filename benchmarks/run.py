@@ -24,8 +24,10 @@ Names (default: every CPU benchmark, in this order):
 - ``collector_scale``: the metrics path at 1,024 / 4,096 / 16,384 simulated ranks through real Ray
   calls: collector CPU per rank report, p99 lag to disk, RSS, dropped reports
   (``benchmarks/collector_scale.py``, which also runs alone with its own flags). Not in the default set.
-- ``gpu``: the train loop without Ray on one CUDA GPU, debug model (fp32) and a ~1 B Llama
-  (``training.mixed_precision = "bf16"``): tokens/s, MFU, peak memory. Not in the default set; needs a GPU.
+- ``gpu``: the GPU acceptance run on one CUDA GPU (``benchmarks/gpu.py``): the main job's model and
+  Llama 3.2 1B in bf16, eager against torchtitan 0.3.0 (alternately) and compiled: tokens/s, MFU,
+  peak memory; then the checks only a GPU can make, each PASS/FAIL with its reason
+  (``benchmarks/gpu_checks.py``). Not in the default set; without CUDA it says so and exits 0.
 
 Every comparison runs both sides alternately in this one invocation (A B, B A, ...) and reports
 the median of the paired ratios with min and max (``benchmarks/stats.py``). Tokens/s is measured
@@ -195,11 +197,13 @@ def run_torchrun(bench: Bench, cfg) -> dict[str, Any]:
             "first_step_s": max(r["marks"]["step1_end"] - r["marks"]["model_built"] for r in ranks)}
 
 
-def run_torchtitan(bench: Bench, cfg) -> dict[str, Any]:
-    """torchtitan 0.3.0 at ``cfg``'s shape and mesh under ``torchrun`` (``benchmarks/torchtitan_cpu.py``)."""
+def run_torchtitan(bench: Bench, cfg, device: str = "cpu") -> dict[str, Any]:
+    """torchtitan 0.3.0 at ``cfg``'s shape and mesh under ``torchrun`` (``benchmarks/torchtitan_cpu.py``;
+    ``device`` ``"cuda"``: natively, one GPU per rank)."""
     out = bench.work / "runs" / f"torchtitan-{time.time_ns()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.world_size}",
-           "-m", "benchmarks.torchtitan_cpu", "--config-json", cfg.model_dump_json(), "--out", str(out)]
+           "-m", "benchmarks.torchtitan_cpu", "--config-json", cfg.model_dump_json(), "--out", str(out),
+           f"--device={device}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=baseline_env(cfg))
     if proc.returncode:
         out.mkdir(parents=True, exist_ok=True)
@@ -604,14 +608,17 @@ def bench_startup(bench: Bench) -> list[Row]:
 
 
 def bench_gpu(bench: Bench) -> list[Row]:
-    """The train loop without Ray on one CUDA GPU. Rows say 'unmeasured' without one."""
+    """The GPU acceptance run on one CUDA GPU (``benchmarks/gpu.py``): throughput beside
+    torchtitan's, and the checks only a GPU can make. Rows say 'unmeasured' without one."""
     import torch
 
-    if not torch.cuda.is_available():
-        return [Row(f"GPU: {m}", "tokens/s, MFU, peak memory", "unmeasured", note="no CUDA device here")
-                for m in ("debug Llama, fp32", "~1 B Llama (Llama 3.2 1B shape), bf16")]
-    from benchmarks.gpu import gpu_rows
+    from benchmarks.gpu import MODELS, gpu_rows
 
+    if not torch.cuda.is_available():
+        return [Row(f"GPU: {m[0]}, bf16, eager and compiled, vs torchtitan", "tokens/s, MFU", "unmeasured",
+                    note="no CUDA device here") for m in MODELS] + [
+                Row("GPU checks (OOM under PP, cpu_offload, CPU checkpoint on CUDA, experts without tokens, "
+                    "200-step memory)", "pass/fail", "unmeasured", note="no CUDA device here")]
     return gpu_rows(bench)
 
 

@@ -5,7 +5,9 @@ trains torchtitan's own Llama 3 (``Llama3Model`` built from its config helpers) 
 ``Trainer`` (parallelize, pipeline schedule, loss, optimizer container, LR schedule, train loop)
 at the shape, batch, optimizer, schedule and mesh of the given ray_titan job, and writes the
 step timing summary of each rank (ray_titan's :class:`~ray_titan.metrics.timing.StepClock`
-around torchtitan's ``train_step``) and the losses torchtitan logged.
+around torchtitan's ``train_step``) and the losses torchtitan logged. With ``--device cuda``
+(the ``gpu`` benchmark) it runs without the CPU shims below, as torchtitan runs on GPUs, and a
+job's ``training.mixed_precision = "bf16"`` becomes torchtitan's ``mixed_precision_param``.
 
 The shims, each the smallest change that lets torchtitan run here, and why:
 
@@ -180,7 +182,8 @@ def torchtitan_config(cfg, out_dir: Path):
                                                   min_lr_factor=cfg.lr_scheduler.min_lr_ratio),
         training=TrainingConfig(local_batch_size=local_batch, global_batch_size=t.global_batch_size,
                                 seq_len=t.seq_len, steps=t.steps, max_norm=t.max_norm, dtype="float32",
-                                mixed_precision_param="float32", gc_freq=t.gc_freq,
+                                mixed_precision_param="bfloat16" if t.mixed_precision == "bf16" else "float32",
+                                gc_freq=t.gc_freq,
                                 disable_cuda_graphs=True),
         parallelism=ParallelismConfig(
             data_parallel_shard_degree=par.dp_shard, pipeline_parallel_degree=par.pp,
@@ -289,8 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="torchtitan 0.3.0 on CPU at a ray_titan job's shape")
     ap.add_argument("--config-json", required=True, help="ray_titan JobConfig as JSON")
     ap.add_argument("--out", type=Path, required=True, help="folder for each rank's rank<r>.json")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: torchtitan as it runs on GPUs, without the CPU shims")
     a = ap.parse_args(argv)
-    install_shims()
+    if a.device == "cpu":
+        install_shims()
     _define_components()
     import torchtitan.distributed.utils as tt_dist_utils
 
@@ -323,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def timed_step(*args, **kwargs):
         out = inner(*args, **kwargs)
+        if a.device == "cuda":  # the step's end is its kernels' end (ray_titan's step reads its loss)
+            torch.cuda.synchronize()
         clock.step_end(trainer.step)
         return out
 

@@ -37,10 +37,16 @@ __all__ = ["local_cuda_device", "main"]
 
 
 def local_cuda_device() -> torch.device:
-    """``cuda:LOCAL_RANK`` (as torchrun sets it), made the current device; CPU without CUDA."""
+    """``cuda:LOCAL_RANK`` (as torchrun sets it), made the current device; CPU without CUDA.
+    Raises ``SystemExit`` when the node has fewer GPUs than this rank's ``LOCAL_RANK`` needs
+    (one GPU per rank: NCCL refuses two ranks on one GPU), before CUDA's own opaque error."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    local, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+    if local >= gpus:
+        raise SystemExit(f"local rank {local} needs GPU {local}, but this node has {gpus} GPU(s): launch at most "
+                         f"{gpus} process(es) per node (torchrun --nproc-per-node={gpus}), one GPU per rank")
+    dev = torch.device("cuda", local)
     torch.cuda.set_device(dev)
     return dev
 

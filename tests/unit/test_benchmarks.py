@@ -119,5 +119,49 @@ def test_gpu_benchmark_without_cuda_says_so_and_exits_0(tmp_path, capsys, monkey
     out = tmp_path / "gpu.json"
     assert main(["gpu", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]["gpu"]["rows"]
-    assert len(rows) == 2 and all(r["a_value"] == "unmeasured" and "no CUDA" in r["note"] for r in rows)
+    assert len(rows) == 3 and all(r["a_value"] == "unmeasured" and "no CUDA" in r["note"] for r in rows)
     assert "no CUDA device here" in capsys.readouterr().out
+
+
+def test_gpu_check_judges_fail_when_what_they_check_is_broken(tmp_path):
+    """Each judge of the GPU acceptance run passes on the intended outcome and fails, with its
+    reason, on the broken one: an OOM swallowed or leaving no snapshot, losses apart, device
+    memory growing or unrecorded, a growing verdict, idle experts with a gradient."""
+    import pyarrow as pa
+    import torch
+
+    from benchmarks.gpu_checks import (
+        judge_device_fields,
+        judge_device_memory_flat,
+        judge_experts,
+        judge_host_verdict,
+        judge_oom,
+        judge_parity,
+    )
+
+    snap = tmp_path / "rank1-oom-step3.pickle"
+    snap.write_bytes(b"x")
+    err = ("RankOutOfMemoryError: rank 1 (pp=1, dp_shard=0) ran out of memory at step 3 in the forward of "
+           f"pipeline stage 1: peak device allocated 1 MiB; memory snapshot: {snap} (OutOfMemoryError: ...)")
+    assert judge_oom(1, err, "cuda").passed
+    assert "swallowed" in judge_oom(0, "", "cuda").reason
+    assert not judge_oom(1, err, "cpu").passed  # a CPU run leaves a .json snapshot
+    assert not judge_oom(1, err.replace(str(snap), str(tmp_path / "missing.pickle")), "cuda").passed
+    assert not judge_oom(1, err.replace("stage 1", "stage 0"), "cuda").passed
+    assert judge_parity("p", [5.0, 4.0], [5.0, 4.0 * (1 + 1e-4)]).passed
+    assert not judge_parity("p", [5.0, 4.0], [5.0, 4.1]).passed
+    assert not judge_parity("p", [5.0, None], [5.0, 4.0]).passed
+    steps = list(range(1, 201))
+    noise = [(s * 7919) % 13 * 4096 for s in steps]  # ±50 KiB of allocator noise, no trend
+    assert judge_device_memory_flat(steps, [2**30 + n for n in noise], 100).passed
+    growing = judge_device_memory_flat(steps, [2**30 + n + s * 2 * 2**20 // 100 for s, n in zip(steps, noise)], 100)
+    assert not growing.passed and growing.data["slope_mib_per_100_steps"] > 1.9
+    assert not judge_device_memory_flat(steps, [None] * 200, 100).passed
+    full = pa.table({"step": [1, 2], "device_allocated_bytes": [1, 2], "device_ooms": [0, 0]})
+    assert judge_device_fields(full).passed
+    assert not judge_device_fields(full.set_column(2, "device_ooms", pa.array([0, None], pa.int64()))).passed
+    assert judge_host_verdict(["warming_up", "stable"]).passed
+    assert not judge_host_verdict(["warming_up", "stable", "growing"]).passed
+    y, g = torch.ones(4, 3), torch.ones(4, 2, 3)
+    assert judge_experts(y, g * torch.tensor([1.0, 1, 0, 0]).view(4, 1, 1), y, g, 2, 1e-5, "loop", 4).passed
+    assert "nonzero" in judge_experts(y, g, y, g, 2, 1e-5, "loop", 4).reason

@@ -86,3 +86,18 @@ def test_both_launchers_write_the_plan_ray_titan_memory_plan_prints(tmp_path, mo
     assert b'"world_size": 1' in cli and b'"microbatches": 2' in cli  # the overrides were planned
     for run_dir in run_dirs.values():
         assert (run_dir / "memory_plan.json").read_bytes() == cli
+
+
+def test_launcher_refuses_a_local_rank_without_its_own_gpu(monkeypatch):
+    """torchrun with more ranks per node than GPUs: a clear error naming the counts, not CUDA's
+    invalid device ordinal (found writing the GPU acceptance run's multi-rank checks)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert launch.local_cuda_device() == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit, match=r"local rank 1 needs GPU 1, but this node has 1 GPU\(s\).*--nproc-per-node=1"):
+        launch.local_cuda_device()
