@@ -17,7 +17,7 @@ dense, so the step's blocks differ in shape; every memory field is filled, devic
 - ``aggregated``: each group of ``metrics.ranks_per_aggregator`` ranks hands its reports to a
   :class:`~ray_titan.metrics.report.MetricsAggregator` (run here inside the sender actors, which
   play those aggregators as well as the ranks), which forwards the group's reports as one
-  columnar batch per step: the collector receives ranks / 64 calls per step.
+  columnar batch per step: the collector receives ranks / ``--group`` calls per step (default 256).
 - ``auto``: ``aggregated`` where this code has it, else ``direct``.
 
 Prints one line per size::
@@ -44,7 +44,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ray_titan.config.schema import Metrics
+
 SIZES = (1024, 4096, 16384)
+GROUP: int = Metrics.model_fields["ranks_per_aggregator"].default  # ranks per aggregator, as a job's
 NODE = 8  # ranks per node (8 GPUs)
 MiB = 2**20
 
@@ -166,7 +169,8 @@ class _DiskPoller(threading.Thread):
             time.sleep(0.1)
 
 
-def measure(ranks: int, steps: int, path: str, moe: bool = True, senders: int = 4) -> dict[str, Any]:
+def measure(ranks: int, steps: int, path: str, moe: bool = True, senders: int = 4,
+            group: int = GROUP) -> dict[str, Any]:
     """One size: the figures of the printed line (see the module docstring)."""
     import numpy as np
     import ray
@@ -182,7 +186,6 @@ def measure(ranks: int, steps: int, path: str, moe: bool = True, senders: int = 
     collector = ray.remote(MetricsCollector).options(num_cpus=0, max_restarts=0, enable_task_events=False).remote(
         str(run_dir), ranks, last, steps, log_freq=10, flush_every_steps=1, enable_tensorboard=True)
     pid = ray.get(collector.__ray_call__.remote(lambda self: os.getpid()))
-    group = 64
     per = [list(range(ranks))[i::senders] for i in range(senders)]
     if path == "aggregated":  # a sender plays whole groups
         gs = list(range(ranks // group))
@@ -254,7 +257,8 @@ def line(m: dict[str, Any]) -> str:
             f"rss_late_slope_mib_per_100_steps={m['rss_slope_mib_per_100']:.1f} dropped={m['dropped']}")
 
 
-def run(sizes=SIZES, steps: int = 200, path: str = "auto", moe: bool = True) -> list[dict[str, Any]]:
+def run(sizes=SIZES, steps: int = 200, path: str = "auto", moe: bool = True,
+        group: int = GROUP) -> list[dict[str, Any]]:
     """Measure every size in ``sizes`` on a Ray cluster (started here if none is), printing its line."""
     import shutil
 
@@ -265,7 +269,7 @@ def run(sizes=SIZES, steps: int = 200, path: str = "auto", moe: bool = True) -> 
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     out = []
     for n in sizes:
-        m = measure(n, steps, path, moe)
+        m = measure(n, steps, path, moe, group=group)
         print(line(m), flush=True)
         shutil.rmtree(m.pop("run_dir"), ignore_errors=True)
         out.append(m)
@@ -279,11 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--path", choices=["auto", "direct", "aggregated"], default="auto")
     ap.add_argument("--dense", action="store_true", help="dense reports (no MoE expert load)")
+    ap.add_argument("--group", type=int, default=GROUP,
+                    help=f"ranks per aggregator (default {GROUP}: metrics.ranks_per_aggregator's)")
     ap.add_argument("--json", type=Path, default=None, help="where to write every size's figures and RSS trace")
     args = ap.parse_args(argv)
     for n in args.ranks:
         mesh(n)
-    out = run(args.ranks, args.steps, args.path, not args.dense)
+    out = run(args.ranks, args.steps, args.path, not args.dense, args.group)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0
