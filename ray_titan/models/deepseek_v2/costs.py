@@ -50,7 +50,9 @@ def deepseek_flops_per_token(args: Any, seq_len: int) -> int:
 def moe_activations(a: Any, e: int, rho: float, ep: int, norm_in: float) -> BlockActivations:
     """Bytes per token an MoE feed-forward (``ray_titan.models.deepseek_v2.model.MoE``: router,
     dispatch, ``top_k`` routed experts, ``n_shared_experts`` shared) saves, ``norm_in`` (its input
-    norm's) included: ``none``, ``op``, ``backward`` and the experts' parts (``input`` unused)."""
+    norm's) included: ``none``, ``op``, ``backward`` (the larger of its backward's transient and
+    its forward's, at the combine of the routed outputs: measured on the simulated GPU) and the
+    experts' parts (``input`` unused)."""
     d = a.dim
     k, m, ns, n_exp = a.n_activated_experts, a.moe_inter_dim, a.n_shared_experts, a.n_routed_experts
     routed = rho * k if ep > 1 else k  # copies this rank's experts process per token
@@ -70,7 +72,12 @@ def moe_activations(a: Any, e: int, rho: float, ep: int, norm_in: float) -> Bloc
     none = norm_in + route + upcast + experts_none + e * 4 * ns * m
     op = F32 * n_exp + experts_op + e * (2 * ns * m + d)
     backward = e * (routed * (2 * m + 2 * d) + 2 * ns * m)
-    return BlockActivations(none, op, 0.0, backward, experts_none, experts_op)
+    # Its forward's transient where the routed outputs are combined (route_tokens): the weighted
+    # outputs in fp32, the outputs as received (bf16: its fp32 copy is what is saved), the
+    # dispatched copies (under EP not saved: the experts' input is the received one), and in
+    # bf16 the residual stream in and halfway through the block (the norms save fp32 copies).
+    forward = F32 * k * d + (e * k * d if e < F32 else 0) + (e * k * d if ep > 1 else 0) + (2 * e * d if e < F32 else 0)
+    return BlockActivations(none, op, 0.0, max(backward, forward), experts_none, experts_op)
 
 
 def deepseek_block_activations(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
