@@ -588,11 +588,13 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         head = _F32 * (2 * args.dim + 1) + e * args.dim + _F32 * j.vocab
         if pp > 1:
             head += e * j.vocab  # the stage output (logits) waits for its backward
-        # The loss's backward: the gradient of the log-softmax and of the logits.
-        backward_peak = max(backward_peak, kept_so_far + head + (_F32 + e) * j.vocab)
+        # The loss's backward: the gradients of the log-softmax and of the logits, both fp32 (the
+        # loss upcasts bf16 logits; measured on the simulated GPU).
+        loss_bwd = 2 * _F32 * j.vocab
+        backward_peak = max(backward_peak, kept_so_far + head + loss_bwd)
         if j.tp > 1 and not cfg.parallelism.loss_parallel:  # replicated logits: the loss's are whole
             unsplit += _F32 * j.vocab + (e * j.vocab if pp > 1 else 0)
-            loss_whole = (_F32 + e) * j.vocab
+            loss_whole = loss_bwd
     elif pp > 1:
         head = r * args.dim  # the stage's output waits for its backward
     for key in act_modes:

@@ -77,7 +77,10 @@ def moe_activations(a: Any, e: int, rho: float, ep: int, norm_in: float) -> Bloc
     # dispatched copies (under EP not saved: the experts' input is the received one), and in
     # bf16 the residual stream in and halfway through the block (the norms save fp32 copies).
     forward = F32 * k * d + (e * k * d if e < F32 else 0) + (e * k * d if ep > 1 else 0) + (2 * e * d if e < F32 else 0)
-    return BlockActivations(none, op, 0.0, max(backward, forward), experts_none, experts_op)
+    # Its backward's first step, the combine's: the weighted outputs' gradient (fp32), its product
+    # with the router weights and with the outputs (the weights' gradient), and the incoming one.
+    combine = 3 * F32 * k * d + e * d
+    return BlockActivations(none, op, 0.0, max(backward, forward, combine), experts_none, experts_op)
 
 
 def deepseek_block_activations(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
