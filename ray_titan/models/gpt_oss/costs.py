@@ -38,7 +38,8 @@ def gpt_oss_block_activations(a: Any, layer: int, e: int, seq: int, device: str,
     ``saved_tensors_hooks`` on torch 2.13: tests/unit/test_gpt_oss.py). Llama's formula counts
     the query width ``n_heads·head_dim`` (4096 on gpt-oss-20B, whose ``dim`` is 2880). The
     backward's transient is the attention's (the mask's gradient) or the MoE's, whichever is
-    larger: they are not alive together (measured on the simulated GPU, ``ray-titan dry-run``)."""
+    larger: they are not alive together, and the attention's backward runs after the MoE's saved
+    tensors are freed (measured on the simulated GPU, ``ray-titan dry-run``)."""
     attn = LlamaArgs(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
                      attn_head_dim=a.head_dim, ffn_dim=0, multiple_of=1, ffn_dim_multiplier=None)
     base = llama_block_activations(attn, layer, e, seq, device, rho, ep)
@@ -50,5 +51,5 @@ def gpt_oss_block_activations(a: Any, layer: int, e: int, seq: int, device: str,
     # experts' biases the expert of each routed row (int64): measured on the simulated GPU.
     router = F32 * (a.n_routed_experts + a.n_activated_experts) + I64 * routed
     return BlockActivations(base.none + mask + moe.none + clamp + router, base.op + mask + moe.op, base.input,
-                            max(base.backward + e * a.n_heads * (seq + 1), moe.backward),
+                            max(base.backward + e * a.n_heads * (seq + 1) - moe.none - clamp, moe.backward),
                             moe.experts_none + clamp, moe.experts_op)
