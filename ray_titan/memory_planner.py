@@ -662,13 +662,17 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
     a_peak = sum(c * acts[s].kept for c, s in zip(flight.peak, stage_ids))
     a_grads = sum(c * acts[s].kept for c, s in zip(flight.with_grads, stage_ids))
     transient = max(a.transient for a in acts.values())
-    # The first stage's backward ends with the embedding's whole gradient in the compute dtype
-    # beside FSDP2's fp32 accumulation of it (gpt-oss-120B rank 0: 1.1 GiB, on the simulated GPU).
-    emb_grad = j.e * j.vocab * j.args.dim / j.tp if 0 in stage_ids and dims.dp_shard > 1 else 0.0
     resident = 0.0 if j.offload else param_b + opt_b
     base = resident + gathered + pipe + buffers
     before_grads = base + a_peak + transient
-    with_grads = base + grads_during + a_grads + max(transient, emb_grad)
+    with_grads = base + grads_during + a_grads + transient
+    # The first stage's backward ends with the embedding's whole gradient in the compute dtype
+    # beside FSDP2's fp32 accumulation of it, the microbatch just done freed (gpt-oss-120B rank 0:
+    # 1.1 GiB, on the simulated GPU).
+    emb_grad = j.e * j.vocab * j.args.dim / j.tp if 0 in stage_ids and dims.dp_shard > 1 else 0.0
+    a_after = sum(max(c - 1, 0) * acts[s].kept for c, s in zip(flight.peak, stage_ids))
+    if emb_grad and base + grads_during + a_after + emb_grad > max(before_grads, with_grads):
+        with_grads, a_grads, transient = base + grads_during + a_after + emb_grad, a_after, emb_grad
     fwd_bwd = max(before_grads, with_grads)
     optim = (0.0 if j.offload else param_b + grads_after + opt_b) + pipe + buffers
     peak, phase = (fwd_bwd, "forward_backward") if fwd_bwd >= optim else (optim, "optimizer")
@@ -688,8 +692,7 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
             activations=int(a_peak if before_grads >= with_grads else a_grads),
             activations_by_ac_mode=dict(by_mode),
             expert_buffers=int(sum(c * acts[s].experts for c, s in zip(flight.peak, stage_ids))),
-            pipeline_buffers=int(pipe), buffers=int(buffers),
-            transient=int(max(transient, emb_grad) if with_grads >= before_grads else transient),
+            pipeline_buffers=int(pipe), buffers=int(buffers), transient=int(transient),
             peak=int(peak), peak_phase=phase,
             offloaded=int(param_b + grads_after + opt_b) if off else 0,
             peak_grads=int(peak_grads if phase == "forward_backward" else grads_after),
