@@ -80,7 +80,10 @@ def moe_activations(a: Any, e: int, rho: float, ep: int, norm_in: float) -> Bloc
     # Its backward's first step, the combine's: the weighted outputs' gradient (fp32), its product
     # with the router weights and with the outputs (the weights' gradient), and the incoming one.
     combine = 3 * F32 * k * d + e * d
-    return BlockActivations(none, op, 0.0, max(backward, forward, combine), experts_none, experts_op)
+    # Under expert parallelism, when the outputs come back (run_remote_experts' second all-to-all):
+    # the dispatched copies, the received ones, the outputs in received order and as returned.
+    returned = e * (2 * k + 2 * routed) * d if ep > 1 else 0.0
+    return BlockActivations(none, op, 0.0, max(backward, forward, combine, returned), experts_none, experts_op)
 
 
 def deepseek_block_activations(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
