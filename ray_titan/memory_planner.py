@@ -166,6 +166,9 @@ def _stage_params(whole: Any, layers: list[int], first: bool, last: bool, dp: in
             if parts[1] not in keep:
                 continue
             layer = int(parts[1])
+            if ".experts." in name and tp > 1 and len(shape) == 3:  # split by hidden units over tp
+                hidden = 2 if parts[-1] == "w2" else 1  # w1, w3 (n, hidden, dim); w2 (n, dim, hidden)
+                shape = tuple(math.ceil(n / tp) if i == hidden else n for i, n in enumerate(shape))
             if ".experts." in name and ep > 1:
                 shape = (shape[0] // ep, *shape[1:])
                 if mod_ep > 1 or bf16:
