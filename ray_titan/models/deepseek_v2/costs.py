@@ -83,7 +83,11 @@ def moe_activations(a: Any, e: int, rho: float, ep: int, norm_in: float) -> Bloc
     # Under expert parallelism, when the outputs come back (run_remote_experts' second all-to-all):
     # the dispatched copies, the received ones, the outputs in received order and as returned.
     returned = e * (2 * k + 2 * routed) * d if ep > 1 else 0.0
-    return BlockActivations(none, op, 0.0, max(backward, forward, combine, returned), experts_none, experts_op)
+    # Under tensor parallel the MoE's input is gathered whole (every tp rank routes the whole
+    # sequence) and only the experts' hidden units are split: all but the norm and those is whole.
+    whole = none - norm_in - e * 4 * m * (routed + ns)
+    return BlockActivations(none, op, 0.0, max(backward, forward, combine, returned), experts_none, experts_op,
+                            whole)
 
 
 def deepseek_block_activations(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
