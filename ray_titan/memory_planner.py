@@ -137,13 +137,14 @@ class _StageParams:
     blocks: dict[int, _Group] = field(default_factory=dict)
     experts: dict[int, _Group] = field(default_factory=dict)  # only where FSDP groups them apart
     buffers: int = 0  # bytes of module buffers (rotary tables, router statistics)
+    unmanaged: int = 0  # elements FSDP leaves out (routed experts expert parallelism alone holds)
 
     def groups(self) -> list[_Group]:
         return [self.root, *self.blocks.values(), *self.experts.values()]
 
     @property
     def local(self) -> int:
-        return sum(g.local for g in self.groups())
+        return sum(g.local for g in self.groups()) + self.unmanaged
 
     @property
     def full(self) -> int:
@@ -151,8 +152,10 @@ class _StageParams:
 
 
 def _stage_params(whole: Any, layers: list[int], first: bool, last: bool, dp: int, ep: int,
-                  tp: int) -> _StageParams:
-    """Elements per FSDP group of one stage on one rank. ``whole``: the model on meta."""
+                  tp: int, bf16: bool) -> _StageParams:
+    """Elements per FSDP group of one stage on one rank. ``whole``: the model on meta; ``bf16``:
+    FSDP2's bf16 policy, under which it wraps the routed experts even where expert parallelism
+    leaves one rank to shard them over (``ray_titan.parallel.fsdp.apply_fsdp``)."""
     out = _StageParams()
     mod_ep = dp // ep
     keep = {str(i) for i in layers}
@@ -163,12 +166,15 @@ def _stage_params(whole: Any, layers: list[int], first: bool, last: bool, dp: in
             if parts[1] not in keep:
                 continue
             layer = int(parts[1])
+            if ".experts." in name and tp > 1 and len(shape) == 3:  # split by hidden units over tp
+                hidden = 2 if parts[-1] == "w2" else 1  # w1, w3 (n, hidden, dim); w2 (n, dim, hidden)
+                shape = tuple(math.ceil(n / tp) if i == hidden else n for i, n in enumerate(shape))
             if ".experts." in name and ep > 1:
                 shape = (shape[0] // ep, *shape[1:])
-                if mod_ep > 1:
+                if mod_ep > 1 or bf16:
                     out.experts.setdefault(layer, _Group()).add(shape, mod_ep)
-                else:  # left out of FSDP: each rank holds its experts whole
-                    out.blocks.setdefault(layer, _Group()).add(shape, 1)
+                else:  # left out of FSDP: each rank holds its experts whole, never gathered
+                    out.unmanaged += math.prod(shape)
                 continue
             if tp > 1 and len(shape) == 2:  # tensor parallel splits the block's matrices
                 shape = (math.ceil(shape[0] / tp), shape[1])
@@ -585,11 +591,13 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         head = _F32 * (2 * args.dim + 1) + e * args.dim + _F32 * j.vocab
         if pp > 1:
             head += e * j.vocab  # the stage output (logits) waits for its backward
-        # The loss's backward: the gradient of the log-softmax and of the logits.
-        backward_peak = max(backward_peak, kept_so_far + head + (_F32 + e) * j.vocab)
+        # The loss's backward: the gradients of the log-softmax and of the logits, both fp32 (the
+        # loss upcasts bf16 logits; measured on the simulated GPU).
+        loss_bwd = 2 * _F32 * j.vocab
+        backward_peak = max(backward_peak, kept_so_far + head + loss_bwd)
         if j.tp > 1 and not cfg.parallelism.loss_parallel:  # replicated logits: the loss's are whole
             unsplit += _F32 * j.vocab + (e * j.vocab if pp > 1 else 0)
-            loss_whole = (_F32 + e) * j.vocab
+            loss_whole = loss_bwd
     elif pp > 1:
         head = r * args.dim  # the stage's output waits for its backward
     for key in act_modes:
@@ -626,7 +634,9 @@ def _model_states(j: _Job, params: dict[int, _StageParams]) -> tuple[int, int, i
             gathered = pe * (sum(p.root.full for p in params.values()) + 2 * biggest)
         # Accumulated unsharded gradients are kept in the reduce dtype (fp32); one microbatch:
         # a block's gradient in the parameter dtype and its fp32 copy for the reduce-scatter.
-        grads_during = _F32 * full if n > 1 else _F32 * local + (pe + _F32) * biggest
+        # Experts FSDP leaves out keep their gradients in place (fp32), as any unsharded one.
+        unmanaged = sum(p.unmanaged for p in params.values())
+        grads_during = _F32 * (full + unmanaged) if n > 1 else _F32 * local + (pe + _F32) * biggest
     else:
         # Autocast's cache: a bf16 copy of every weight, alive until the step's region ends.
         gathered, grads_during = (2.0 * local if j.bf16 and not dims.fsdp else 0.0), float(grads_after)
@@ -644,8 +654,8 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
     stage_ids = local_stages(j.rule.placement, pp, v, pp_rank) if pp > 1 and j.rule is not None else [0]
     flight = j.rule.in_flight(pp, v, n, pp_rank) if pp > 1 and j.rule is not None else \
         InFlight((1,), (1 if n > 1 else 0,))
-    params = {s: _stage_params(j.whole, j.split[s], s == 0, s == dims.num_stages - 1, dims.dp_shard, dims.ep, j.tp)
-              for s in stage_ids}
+    params = {s: _stage_params(j.whole, j.split[s], s == 0, s == dims.num_stages - 1, dims.dp_shard, dims.ep, j.tp,
+                               j.bf16) for s in stage_ids}
     act_modes = dict.fromkeys(("none", "full", "selective_op", "selective_layer"), 0.0)
     acts = {s: _stage_activations(j, s, act_modes) for s in stage_ids}
     pipe = sum(a.pipe for a in acts.values())
@@ -659,6 +669,13 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
     base = resident + gathered + pipe + buffers
     before_grads = base + a_peak + transient
     with_grads = base + grads_during + a_grads + transient
+    # The first stage's backward ends with the embedding's whole gradient in the compute dtype
+    # beside FSDP2's fp32 accumulation of it, the microbatch just done freed (gpt-oss-120B rank 0:
+    # 1.1 GiB, on the simulated GPU).
+    emb_grad = j.e * j.vocab * j.args.dim / j.tp if 0 in stage_ids and dims.dp_shard > 1 else 0.0
+    a_after = sum(max(c - 1, 0) * acts[s].kept for c, s in zip(flight.peak, stage_ids))
+    if emb_grad and base + grads_during + a_after + emb_grad > max(before_grads, with_grads):
+        with_grads, a_grads, transient = base + grads_during + a_after + emb_grad, a_after, emb_grad
     fwd_bwd = max(before_grads, with_grads)
     optim = (0.0 if j.offload else param_b + grads_after + opt_b) + pipe + buffers
     peak, phase = (fwd_bwd, "forward_backward") if fwd_bwd >= optim else (optim, "optimizer")

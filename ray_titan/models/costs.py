@@ -64,7 +64,8 @@ def transformer_flops_per_token(
 class BlockActivations:
     """Bytes per token one block saves for backward: ``none`` (everything autograd saves),
     ``op`` (op-level selective AC: the block input and the outputs of matmuls and attention),
-    ``input`` (full AC: the block input), and ``backward`` (the transient of its backward);
+    ``input`` (full AC: the block input), and ``backward`` (the transient of its backward, or of
+    its forward where that is larger: an MoE layer's combine of the routed outputs);
     ``experts_none`` / ``experts_op``: the MoE dispatch and expert part of ``none`` / ``op``;
     ``whole``: the part of ``none`` and ``op`` that tensor parallel does not split, the inputs of
     the column-parallel projections (under sequence parallel all-gathered over the sequence, and

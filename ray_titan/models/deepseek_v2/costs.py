@@ -6,10 +6,19 @@ Llama's, the KV latent ``e·(r_kv + r_rope)``, its norm ``4·r_kv + e·r_kv``, q
 ``2e·h·d_qk``, values and output ``2e·h·d_v``, and either ``4h`` (fused attention) or ``e·h·s``
 (the attention probabilities of PyTorch's math kernel, which the CPU takes when ``d_qk ≠ d_v``).
 Dense feed-forward as Llama's; MoE feed-forward (:func:`moe_activations`): router scores ``4·E``,
-routing indices ``24·k`` (int64), the ``k`` dispatched copies of each token ``3e·k·d`` (gathered,
-expert output, weighted), each expert's SwiGLU ``4e·m`` per routed copy and the shared experts'
-``4e·n_s·m``. Under expert parallel a rank's experts receive ``ρ·k`` copies per token, ρ the
-routing imbalance (max over mean tokens per rank, 1 = balanced; ``routing_imbalance``).
+routing indices ``24·k`` (int64), the ``k`` dispatched copies of each token ``e·k·d`` (the experts'
+input), the expert outputs ``4·k·d`` (``route_tokens`` weights them in fp32: in bf16 a new fp32
+copy) and the weighted copies ``e·k·d``, each expert's SwiGLU ``4e·m`` per routed copy and the
+shared experts' ``4e·n_s·m``. Under expert parallel a rank's experts receive ``ρ·k`` copies per
+token, ρ the routing imbalance (max over mean tokens per rank, 1 = balanced; ``routing_imbalance``).
+
+In bf16 (FSDP2's mixed precision) an RMSNorm saves an fp32 copy of its input (``4`` bytes per
+element, not ``e``), the router an fp32 copy of its input ``4·d``, and the MoE's bf16 input
+(the feed-forward norm's output) is saved only by the shared experts. These bf16 terms, and the
+values' storage (the ``wkv_b`` output, ``h·(d_nope + d_v)``, of which ``v`` is a view) under a
+fused kernel, were measured on the simulated GPU (``ray-titan dry-run``: the storages autograd
+saves in one block's forward on fake CUDA tensors, torch 2.13), the fp32 terms on the CPU
+(``tests/integration/test_memory_plan.py``).
 """
 
 from __future__ import annotations
@@ -41,18 +50,44 @@ def deepseek_flops_per_token(args: Any, seq_len: int) -> int:
 def moe_activations(a: Any, e: int, rho: float, ep: int, norm_in: float) -> BlockActivations:
     """Bytes per token an MoE feed-forward (``ray_titan.models.deepseek_v2.model.MoE``: router,
     dispatch, ``top_k`` routed experts, ``n_shared_experts`` shared) saves, ``norm_in`` (its input
-    norm's) included: ``none``, ``op``, ``backward`` and the experts' parts (``input`` unused)."""
+    norm's) included: ``none``, ``op``, ``backward`` (the larger of its backward's transient and
+    its forward's, at the combine of the routed outputs: measured on the simulated GPU) and the
+    experts' parts (``input`` unused)."""
     d = a.dim
     k, m, ns, n_exp = a.n_activated_experts, a.moe_inter_dim, a.n_shared_experts, a.n_routed_experts
     routed = rho * k if ep > 1 else k  # copies this rank's experts process per token
     route = F32 * n_exp + 3 * I64 * k + F32 * k
-    dispatched = e * (routed * d + 2 * k * d) + (I64 * routed if ep > 1 else 0)
+    if a.norm_topk_prob and k > 1 and a.topk_method != "topk_softmax":  # the renormalisation saves the
+        # chosen scores and their sum (gpt-oss's softmax over the top k: its costs.py)
+        route += F32 * (k + 1)
+    # The experts' input, their outputs in fp32 (a copy in bf16) and the weighted outputs; under
+    # expert parallel also the received rows' permutation and the experts' outputs in received
+    # order (``run_remote_experts``' ``index_copy``, whose backward formula saves its source).
+    dispatched = e * routed * d + (F32 + e) * k * d + ((I64 + e * d) * routed if ep > 1 else 0)
     experts_none = dispatched + e * 4 * m * routed
     experts_op = e * routed * (2 * m + d)
-    none = norm_in + route + experts_none + e * 4 * ns * m
+    # bf16: the router's fp32 copy of its input; the MoE's bf16 input (the norm's output, which
+    # ``norm_in`` or the caller's norms count) is saved only where shared experts read it.
+    upcast = 0 if e == F32 else F32 * d - (0 if ns else e * d)
+    none = norm_in + route + upcast + experts_none + e * 4 * ns * m
     op = F32 * n_exp + experts_op + e * (2 * ns * m + d)
     backward = e * (routed * (2 * m + 2 * d) + 2 * ns * m)
-    return BlockActivations(none, op, 0.0, backward, experts_none, experts_op)
+    # Its forward's transient where the routed outputs are combined (route_tokens): the weighted
+    # outputs in fp32, the outputs as received (bf16: its fp32 copy is what is saved), the
+    # dispatched copies (under EP not saved: the experts' input is the received one), and in
+    # bf16 the residual stream in and halfway through the block (the norms save fp32 copies).
+    forward = F32 * k * d + (e * k * d if e < F32 else 0) + (e * k * d if ep > 1 else 0) + (2 * e * d if e < F32 else 0)
+    # Its backward's first step, the combine's: the weighted outputs' gradient (fp32), its product
+    # with the router weights and with the outputs (the weights' gradient), and the incoming one.
+    combine = 3 * F32 * k * d + e * d
+    # Under expert parallelism, when the outputs come back (run_remote_experts' second all-to-all):
+    # the dispatched copies, the received ones, the outputs in received order and as returned.
+    returned = e * (2 * k + 2 * routed) * d if ep > 1 else 0.0
+    # Under tensor parallel the MoE's input is gathered whole (every tp rank routes the whole
+    # sequence) and only the experts' hidden units are split: all but the norm and those is whole.
+    whole = none - norm_in - e * 4 * m * (routed + ns)
+    return BlockActivations(none, op, 0.0, max(backward, forward, combine, returned), experts_none, experts_op,
+                            whole)
 
 
 def deepseek_block_activations(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
@@ -65,9 +100,11 @@ def deepseek_block_activations(a: Any, layer: int, e: int, seq: int, device: str
     qk, vd, r_kv, r_rope = a.qk_head_dim, a.v_head_dim, a.kv_lora_rank, a.qk_rope_head_dim
     norm_in = F32 * (2 * d + 1) + e * d  # x, x̂, RMS; norm output
     q = (F32 * 2 * a.q_lora_rank + F32 + e * a.q_lora_rank) if a.q_lora_rank else 0
-    kv = e * (r_kv + r_rope) + F32 * (r_kv + 1) + e * r_kv
-    if fused_attention(a, device):
-        core = e * (2 * h * qk + 2 * h * vd) + F32 * h
+    # The latent (its norm's input: in bf16 the norm's fp32 copy of the r_kv part), its RMS and
+    # normalised value, and the norm's output.
+    kv = (e * (r_kv + r_rope) if e == F32 else F32 * r_kv) + F32 * (r_kv + 1) + e * r_kv
+    if fused_attention(a, device):  # q, k; v's storage (the wkv_b output, no-rope keys too); output
+        core = e * (2 * h * qk + h * (a.qk_nope_head_dim + vd) + h * vd) + F32 * h
         core_op = e * h * vd + F32 * h
     else:  # math kernel: q, kᵀ, probabilities, v, and the output's copy for wo
         core = e * (2 * h * qk + h * seq + 2 * h * vd)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray_titan.models.costs import BlockActivations, transformer_flops_per_token
+from ray_titan.models.costs import F32, I64, BlockActivations, transformer_flops_per_token
 from ray_titan.models.deepseek_v2.costs import moe_activations
 from ray_titan.models.llama.args import LlamaArgs
 from ray_titan.models.llama.costs import llama_block_activations
@@ -36,13 +36,20 @@ def gpt_oss_block_activations(a: Any, layer: int, e: int, seq: int, device: str,
     :func:`~ray_titan.models.deepseek_v2.costs.moe_activations` with the clamped SwiGLU's three
     more hidden-sized tensors per routed copy than SwiGLU's (seven in all, measured with
     ``saved_tensors_hooks`` on torch 2.13: tests/unit/test_gpt_oss.py). Llama's formula counts
-    the query width ``n_heads·head_dim`` (4096 on gpt-oss-20B, whose ``dim`` is 2880)."""
+    the query width ``n_heads·head_dim`` (4096 on gpt-oss-20B, whose ``dim`` is 2880). The
+    backward's transient is the attention's (the mask's gradient) or the MoE's, whichever is
+    larger: they are not alive together, and the attention's backward runs after the MoE's saved
+    tensors are freed (measured on the simulated GPU, ``ray-titan dry-run``)."""
     attn = LlamaArgs(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
                      attn_head_dim=a.head_dim, ffn_dim=0, multiple_of=1, ffn_dim_multiplier=None)
     base = llama_block_activations(attn, layer, e, seq, device, rho, ep)
     mask = e * a.n_heads * (seq + 1) + e * 2 * a.n_kv_heads * a.head_dim
     moe = moe_activations(a, e, rho, ep, 0.0)
-    clamp = e * 3 * a.moe_inter_dim * (rho * a.n_activated_experts if ep > 1 else a.n_activated_experts)
-    return BlockActivations(base.none + mask + moe.none + clamp, base.op + mask + moe.op, base.input,
-                            base.backward + moe.backward + e * a.n_heads * (seq + 1),
+    routed = rho * a.n_activated_experts if ep > 1 else a.n_activated_experts
+    clamp = e * 3 * a.moe_inter_dim * routed
+    # Its router (routing.topk_softmax) saves the biased logits and the softmax over the top k; the
+    # experts' biases the expert of each routed row (int64): measured on the simulated GPU.
+    router = F32 * (a.n_routed_experts + a.n_activated_experts) + I64 * routed
+    return BlockActivations(base.none + mask + moe.none + clamp + router, base.op + mask + moe.op, base.input,
+                            max(base.backward + e * a.n_heads * (seq + 1) - moe.none - clamp, moe.backward),
                             moe.experts_none + clamp, moe.experts_op)

@@ -41,4 +41,4 @@ def qwen3_moe_block_activations(a: Any, layer: int, e: int, seq: int, device: st
     base = llama_block_activations(dataclasses.replace(attn, ffn_dim=0), layer, e, seq, device, rho, ep)
     moe = moe_activations(a, e, rho, ep, 0.0)  # the norms are in Llama's formula
     return BlockActivations(base.none + moe.none, base.op + moe.op, base.input, base.backward + moe.backward,
-                            moe.experts_none, moe.experts_op)
+                            moe.experts_none, moe.experts_op, base.whole + moe.whole)
