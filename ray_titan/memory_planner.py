@@ -247,12 +247,15 @@ class RankPlan:
         params = self.parameters + self.fsdp_unsharded_params
         grads = self.peak_grads
         opt = sum(self.optimizer_state.values())
-        return {"parameters": params, "gradients": grads, "optimizer_state": opt,
-                "activations": self.activations,
-                "temporaries": self.peak - params - grads - opt - self.activations}
+        acts = self.activations - self.activations_freed_at_peak
+        return {"parameters": params, "gradients": grads, "optimizer_state": opt, "activations": acts,
+                "temporaries": self.peak - params - grads - opt - acts}
 
     peak_grads: int = 0
     """Gradient bytes alive at the peak (unsharded accumulated ones under FSDP)."""
+    activations_freed_at_peak: int = 0
+    """Of ``activations``, the bytes backward has freed by the transient's moment: at the peak
+    they are the backward's temporaries (the plan's peak is unchanged; only its split)."""
 
 
 @dataclass
@@ -547,13 +550,16 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
 @dataclass
 class _StageActivations:
     """One stage's activations of one microbatch, bytes: what it keeps for backward (``kept``),
-    the MoE experts' share of it, the transient above it while backward runs, and its pipeline
-    receive buffers over the step's microbatches."""
+    the MoE experts' share of it, the transient above it while backward runs, its pipeline
+    receive buffers over the step's microbatches, and ``freed``: the part of ``kept`` already
+    freed at the transient's moment (the blocks after the one whose backward peaks, and the
+    head), which the peak's split counts as temporaries (``RankPlan.categories``)."""
 
     kept: float
     experts: float
     transient: float
     pipe: float
+    freed: float = 0.0  # of ``kept``, freed by the transient's moment (the split of the peak)
 
 
 def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageActivations:
@@ -565,6 +571,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     # the last block back: the blocks not yet done, the block being recomputed, the block's
     # backward temporaries).
     kept_so_far, backward_peak, moe_part, unsplit = 0.0, 0.0, 0.0, 0.0
+    kept_at_peak = 0.0  # what is still kept at the backward's peak moment (the blocks up to it)
     for i, layer in enumerate(j.split[s]):
         blk = j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep)
         how = _checkpointed(cfg, layer)
@@ -572,7 +579,8 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         if i == 0 and not first:
             kept -= r * args.dim  # its input is the pipeline's receive buffer
         kept_so_far += kept
-        backward_peak = max(backward_peak, kept_so_far + blk.recompute(how) + blk.backward)
+        if kept_so_far + blk.recompute(how) + blk.backward > backward_peak:
+            backward_peak, kept_at_peak = kept_so_far + blk.recompute(how) + blk.backward, kept_so_far
         moe_part += blk.experts(how)
         unsplit += blk.unsplit(how)
         lay = layer % cfg.activation_checkpoint.layer_freq == 0
@@ -586,7 +594,8 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         if pp > 1:
             head += e * j.vocab  # the stage output (logits) waits for its backward
         # The loss's backward: the gradient of the log-softmax and of the logits.
-        backward_peak = max(backward_peak, kept_so_far + head + (_F32 + e) * j.vocab)
+        if kept_so_far + head + (_F32 + e) * j.vocab >= backward_peak:
+            backward_peak, kept_at_peak = kept_so_far + head + (_F32 + e) * j.vocab, kept_so_far + head
         if j.tp > 1 and not cfg.parallelism.loss_parallel:  # replicated logits: the loss's are whole
             unsplit += _F32 * j.vocab + (e * j.vocab if pp > 1 else 0)
             loss_whole = (_F32 + e) * j.vocab
@@ -595,6 +604,9 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     for key in act_modes:
         act_modes[key] += head
     per_token = kept_so_far + head + (_I64 if first else 0)
+    # At the transient's moment (a block's backward) the blocks after it and the head are freed
+    # already: kept bytes that the plan's split counts as temporaries then, not activations.
+    freed = per_token - (_I64 if first else 0) - kept_at_peak if backward_peak > per_token else 0.0
     n = cfg.parallelism.microbatches
     # Tensor parallel splits all but the projections' whole inputs (BlockActivations.whole); under
     # sequence parallel a stage sends and receives its 1/tp of the sequence.
@@ -602,6 +614,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     return _StageActivations(
         kept=(per_token / j.tp + unsplit * (1 - 1 / j.tp)) * j.tokens, experts=moe_part * j.tokens / j.tp,
         transient=(max(0.0, backward_peak - per_token) / j.tp + loss_whole * (1 - 1 / j.tp)) * j.tokens,
+        freed=max(0.0, freed) * j.tokens / j.tp,
         pipe=r * args.dim * j.tokens * n * ((0 if first else 1) + (0 if last else 1)) / sp if pp > 1 else 0.0)
 
 
@@ -654,7 +667,7 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
     buffers = sum(p.buffers for p in params.values()) + batch_bytes
     a_peak = sum(c * acts[s].kept for c, s in zip(flight.peak, stage_ids))
     a_grads = sum(c * acts[s].kept for c, s in zip(flight.with_grads, stage_ids))
-    transient = max(a.transient for a in acts.values())
+    transient, freed = max((a.transient, a.freed) for a in acts.values())
     resident = 0.0 if j.offload else param_b + opt_b
     base = resident + gathered + pipe + buffers
     before_grads = base + a_peak + transient
@@ -682,6 +695,7 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
             peak=int(peak), peak_phase=phase,
             offloaded=int(param_b + grads_after + opt_b) if off else 0,
             peak_grads=int(peak_grads if phase == "forward_backward" else grads_after),
+            activations_freed_at_peak=int(min(freed, a_peak if before_grads >= with_grads else a_grads)),
         ))
     return plans
 
