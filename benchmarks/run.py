@@ -76,6 +76,7 @@ STEPS = {
     "memory": (600, 40), "startup": (2, 2), "gpu": (50, 10),
     "compile": (40, 8), "torchtitan": (40, 8), "collector_scale": (200, 20),
     "parquet_rank_history": (500, 20), "preflight_scale": (0, 0),  # steps of the 16,384-rank table; none
+    "dry_run_matrix": (2, 2),  # simulated steps per rank
 }
 
 

@@ -7,6 +7,9 @@ fake tensors (PyTorch's ``FakeTensorMode``: shapes, dtypes and devices, no data)
 process group of the job's world size (``torch.testing._internal.distributed.fake_pg``, whose
 collectives return at once). What is simulated, and why:
 
+- The few aten ops a CPU build has no CUDA kernel for but a math definition (``silu_backward``):
+  a placeholder CUDA kernel, so the op reaches fake mode whole, as a GPU runs it
+  (:func:`_register_cuda_kernels`).
 - ``torch.cuda``'s Python functions a CPU build lacks (device properties of an H100, streams,
   events, rng state, memory counters): answered with constants.
 - A host read of a device value (``.item()``, ``.tolist()``): counted per call site (over the
@@ -159,6 +162,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     _import_before_shims()
+    _register_cuda_kernels(torch)
     _stub_torch_cuda(torch)
     tally = _DeviceTally()
     mode = _dry_run_mode(tally)
@@ -168,6 +172,30 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     _install_pipeline_shims(job, tally)
     dist.init_process_group("fake", store=FakeStore(), rank=job.rank, world_size=job.dims.world_size)
     return _train_and_report(spec, job, mode, tally)
+
+
+_CUDA_KERNELS: list[Any] = []  # the torch.library registrations, kept alive
+
+
+def _register_cuda_kernels(torch: Any) -> None:
+    """On a CPU-only build, a CUDA kernel for each aten op that a CUDA build runs as one kernel
+    but a CPU build, lacking it, decomposes into its math definition before fake mode sees it
+    (ops with a CPU kernel and a ``CompositeImplicitAutograd`` one and no CUDA kernel:
+    ``silu_backward``, whose math form made 6 f-wide temporaries at a SwiGLU's backward). Fake
+    mode then handles the op whole; the kernel itself never runs (it raises if it does)."""
+    if torch.backends.cuda.is_built():
+        return
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    lib = torch.library.Library("aten", "IMPL")
+
+    def never(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("a placeholder CUDA kernel of the dry run ran outside fake mode")
+
+    for name in torch._C._dispatch_get_all_op_names():
+        if (name.startswith("aten::") and has(name, "CPU") and has(name, "CompositeImplicitAutograd")
+                and not has(name, "CUDA")):
+            lib.impl(name.split("::", 1)[1], never, "CUDA")
+    _CUDA_KERNELS.append(lib)
 
 
 def _import_before_shims() -> None:
