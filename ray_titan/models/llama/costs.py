@@ -12,8 +12,9 @@ bf16 policy the residual stream is bf16, yet ``e = 2`` equals what autograd save
 (``34·s·b·h + 5·a·s²·b`` bytes) differs in the MLP (SwiGLU has three matrices) and in attention
 (fused kernels save no ``s²`` scores). The transient of a block's backward is the SwiGLU's at
 silu's derivative: the gradients of ``h = silu(a)·b``, of ``silu(a)``, of ``b`` and of ``a``,
-``4e·f`` (autograd's derivatives of ``mul`` and ``silu``; the simulated GPU, ``ray-titan
-dry-run``, sees them at a dense rank's peak, 2026-11-26).
+``4e·f`` (autograd's derivatives of ``mul`` and ``silu``), less ``h`` (``e·f``, saved for
+``w2``'s weight gradient and freed once it is made): ``3e·f`` above what the block keeps (the
+simulated GPU, ``ray-titan dry-run``, sees them at a dense rank's peak, 2026-11-26).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def llama_block_activations(a: Any, layer: int, e: int, seq: int, device: str, r
     none = norms + attention + e * 4 * f
     op = F32 * d + e * (q + 2 * kv) + e * q + F32 * h + e * d + e * 2 * f + e * d
     # The SwiGLU's backward, out = w2(h), h = silu(a)·b: at silu's backward the gradients of h,
-    # silu(a), b and a are alive at once (autograd's derivatives of mul and silu), 4 f-wide.
-    backward = e * 4 * f
+    # silu(a), b and a are alive at once (autograd's derivatives of mul and silu), 4 f-wide, and
+    # h itself, saved for w2's weight gradient, is freed by then: 3 f-wide above what is kept.
+    backward = e * 3 * f
     # The two norm outputs feed column-parallel projections: whole on every tensor-parallel rank.
     return BlockActivations(none, op, F32 * d, backward, whole=e * 2 * d)
