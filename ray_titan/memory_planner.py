@@ -639,7 +639,13 @@ def _model_states(j: _Job, params: dict[int, _StageParams]) -> tuple[int, int, i
             gathered = pe * (sum(p.root.full for p in params.values()) + 2 * biggest)
         # Accumulated unsharded gradients are kept in the reduce dtype (fp32); one microbatch:
         # a block's gradient in the parameter dtype and its fp32 copy for the reduce-scatter.
-        grads_during = _F32 * full if n > 1 else _F32 * local + (pe + _F32) * biggest
+        # Interleaved (loop placement): a rank runs its last stage's backward first, and its
+        # other stages' only after the next rounds: at the peak (the first backward after the
+        # warm-up) only that stage's gradients are accumulated (simulated: ray-titan dry-run).
+        # The V placement's two stages are consecutive on the rank and start backward together.
+        loop = j.rule is not None and j.rule.placement == "loop" and len(params) > 1
+        first_bwd = params[max(params)].full if loop else full
+        grads_during = _F32 * first_bwd if n > 1 else _F32 * local + (pe + _F32) * biggest
     else:
         # Autocast's cache: a bf16 copy of every weight, alive until the step's region ends.
         gathered, grads_during = (2.0 * local if j.bf16 and not dims.fsdp else 0.0), float(grads_after)
