@@ -253,12 +253,15 @@ class RankPlan:
         params = self.parameters + self.fsdp_unsharded_params
         grads = self.peak_grads
         opt = sum(self.optimizer_state.values())
-        return {"parameters": params, "gradients": grads, "optimizer_state": opt,
-                "activations": self.activations,
-                "temporaries": self.peak - params - grads - opt - self.activations}
+        acts = self.activations - self.activations_freed_at_peak
+        return {"parameters": params, "gradients": grads, "optimizer_state": opt, "activations": acts,
+                "temporaries": self.peak - params - grads - opt - acts}
 
     peak_grads: int = 0
     """Gradient bytes alive at the peak (unsharded accumulated ones under FSDP)."""
+    activations_freed_at_peak: int = 0
+    """Of ``activations``, the bytes backward has freed by the transient's moment: at the peak
+    they are the backward's temporaries (the plan's peak is unchanged; only its split)."""
 
 
 @dataclass
@@ -553,13 +556,16 @@ def _plan_ranks(cfg: JobConfig, device: str, rho: float,
 @dataclass
 class _StageActivations:
     """One stage's activations of one microbatch, bytes: what it keeps for backward (``kept``),
-    the MoE experts' share of it, the transient above it while backward runs, and its pipeline
-    receive buffers over the step's microbatches."""
+    the MoE experts' share of it, the transient above it while backward runs, its pipeline
+    receive buffers over the step's microbatches, and ``freed``: the part of ``kept`` already
+    freed at the transient's moment (the blocks after the one whose backward peaks, and the
+    head), which the peak's split counts as temporaries (``RankPlan.categories``)."""
 
     kept: float
     experts: float
     transient: float
     pipe: float
+    freed: float = 0.0  # of ``kept``, freed by the transient's moment (the split of the peak)
 
 
 def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageActivations:
@@ -571,6 +577,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     # the last block back: the blocks not yet done, the block being recomputed, the block's
     # backward temporaries).
     kept_so_far, backward_peak, moe_part, unsplit = 0.0, 0.0, 0.0, 0.0
+    kept_at_peak = 0.0  # what is still kept at the backward's peak moment (the blocks up to it)
     for i, layer in enumerate(j.split[s]):
         blk = j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep)
         how = _checkpointed(cfg, layer)
@@ -578,7 +585,8 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         if i == 0 and not first:
             kept -= r * args.dim  # its input is the pipeline's receive buffer
         kept_so_far += kept
-        backward_peak = max(backward_peak, kept_so_far + blk.recompute(how) + blk.backward)
+        if kept_so_far + blk.recompute(how) + blk.backward > backward_peak:
+            backward_peak, kept_at_peak = kept_so_far + blk.recompute(how) + blk.backward, kept_so_far
         moe_part += blk.experts(how)
         unsplit += blk.unsplit(how)
         lay = layer % cfg.activation_checkpoint.layer_freq == 0
@@ -594,7 +602,8 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         # The loss's backward: the gradients of the log-softmax and of the logits, both fp32 (the
         # loss upcasts bf16 logits; measured on the simulated GPU).
         loss_bwd = 2 * _F32 * j.vocab
-        backward_peak = max(backward_peak, kept_so_far + head + loss_bwd)
+        if kept_so_far + head + loss_bwd >= backward_peak:
+            backward_peak, kept_at_peak = kept_so_far + head + loss_bwd, kept_so_far + head
         if j.tp > 1 and not cfg.parallelism.loss_parallel:  # replicated logits: the loss's are whole
             unsplit += _F32 * j.vocab + (e * j.vocab if pp > 1 else 0)
             loss_whole = loss_bwd
@@ -603,6 +612,9 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     for key in act_modes:
         act_modes[key] += head
     per_token = kept_so_far + head + (_I64 if first else 0)
+    # At the transient's moment (a block's backward) the blocks after it and the head are freed
+    # already: kept bytes that the plan's split counts as temporaries then, not activations.
+    freed = per_token - (_I64 if first else 0) - kept_at_peak if backward_peak > per_token else 0.0
     n = cfg.parallelism.microbatches
     # Tensor parallel splits all but the projections' whole inputs (BlockActivations.whole); under
     # sequence parallel a stage sends and receives its 1/tp of the sequence.
@@ -610,6 +622,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     return _StageActivations(
         kept=(per_token / j.tp + unsplit * (1 - 1 / j.tp)) * j.tokens, experts=moe_part * j.tokens / j.tp,
         transient=(max(0.0, backward_peak - per_token) / j.tp + loss_whole * (1 - 1 / j.tp)) * j.tokens,
+        freed=max(0.0, freed) * j.tokens / j.tp,
         pipe=r * args.dim * j.tokens * n * ((0 if first else 1) + (0 if last else 1)) / sp if pp > 1 else 0.0)
 
 
@@ -635,8 +648,15 @@ def _model_states(j: _Job, params: dict[int, _StageParams]) -> tuple[int, int, i
         # Accumulated unsharded gradients are kept in the reduce dtype (fp32); one microbatch:
         # a block's gradient in the parameter dtype and its fp32 copy for the reduce-scatter.
         # Experts FSDP leaves out keep their gradients in place (fp32), as any unsharded one.
-        unmanaged = sum(p.unmanaged for p in params.values())
-        grads_during = _F32 * (full + unmanaged) if n > 1 else _F32 * local + (pe + _F32) * biggest
+        # Interleaved (loop placement): a rank runs its last stage's backward first, and its
+        # other stages' only after the next rounds: at the peak (the first backward after the
+        # warm-up) only that stage's gradients are accumulated (simulated: ray-titan dry-run).
+        # The V placement's two stages are consecutive on the rank and start backward together.
+        loop = j.rule is not None and j.rule.placement == "loop" and len(params) > 1
+        last = params[max(params)]
+        held = [last] if loop else list(params.values())
+        first_bwd, unmanaged = (last.full if loop else full), sum(p.unmanaged for p in held)
+        grads_during = _F32 * (first_bwd + unmanaged) if n > 1 else _F32 * local + (pe + _F32) * biggest
     else:
         # Autocast's cache: a bf16 copy of every weight, alive until the step's region ends.
         gathered, grads_during = (2.0 * local if j.bf16 and not dims.fsdp else 0.0), float(grads_after)
@@ -664,7 +684,7 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
     buffers = sum(p.buffers for p in params.values()) + batch_bytes
     a_peak = sum(c * acts[s].kept for c, s in zip(flight.peak, stage_ids))
     a_grads = sum(c * acts[s].kept for c, s in zip(flight.with_grads, stage_ids))
-    transient = max(a.transient for a in acts.values())
+    transient, freed = max((a.transient, a.freed) for a in acts.values())
     resident = 0.0 if j.offload else param_b + opt_b
     base = resident + gathered + pipe + buffers
     before_grads = base + a_peak + transient
@@ -699,6 +719,7 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
             peak=int(peak), peak_phase=phase,
             offloaded=int(param_b + grads_after + opt_b) if off else 0,
             peak_grads=int(peak_grads if phase == "forward_backward" else grads_after),
+            activations_freed_at_peak=int(min(freed, a_peak if before_grads >= with_grads else a_grads)),
         ))
     return plans
 

@@ -51,7 +51,11 @@ class RankResult:
     checkpoint after the last step as DCP planned its
     save (nothing written): ``checkpoint_keys``, ``checkpoint_bytes`` (the tensors' bytes by device
     type: ``cuda``, ``cpu``), ``resume_read_items`` (the items DCP plans to read resuming it) and
-    ``checkpoint_seconds`` (wall, that planning's)."""
+    ``checkpoint_seconds`` (wall, that planning's); ``peak_by_category``: the live storages at the
+    peak of the build and the steps by the plan's categories (bytes; tagged as
+    :class:`ray_titan.dry_run.simulate._DeviceTally` says), ``peak_top_ops``: their largest
+    makers, ``[category, "phase:op", bytes]``, and ``plan_by_category``: the plan's
+    (``RankPlan.categories``)."""
 
     rank: int
     coords: dict[str, int]
@@ -70,6 +74,9 @@ class RankResult:
     resume_read_items: int = 0
     checkpoint_seconds: float = 0.0
     grouped_mm_per_step: float = 0.0
+    peak_by_category: dict[str, int] = field(default_factory=dict)
+    peak_top_ops: list[list[Any]] = field(default_factory=list)
+    plan_by_category: dict[str, int] = field(default_factory=dict)
 
 
 def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = None, steps: int = 2,
@@ -112,7 +119,9 @@ def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = 
             got: dict[str, Any] = json.loads(out.read_text())
             if "error" in got:
                 raise DryRunError(f"rank {rank}: {got['error']}\n{got['traceback']}")
-            results.append(RankResult(**got, plan_peak_bytes=plan[rank].peak if rank in plan else None))
+            planned = plan.get(rank)
+            results.append(RankResult(**got, plan_peak_bytes=planned.peak if planned else None,
+                                      plan_by_category=planned.categories() if planned else {}))
     return results
 
 
@@ -129,7 +138,8 @@ def representative_ranks(cfg: JobConfig) -> list[int]:
 
 
 def format_results(results: list[RankResult]) -> str:
-    """A table, one line per simulated rank, then each rank's host synchronisation sites."""
+    """A table, one line per simulated rank, then each rank's peak by the plan's categories
+    (simulated / planned), its checkpoint's planning and its host synchronisation sites."""
     from ray_titan.memory_planner import format_bytes
 
     lines = [f"{'rank':>5}  {'coords':<28} {'stages':<8} {'steps':>5} {'seconds':>8} {'syncs/step':>10} "
@@ -140,6 +150,11 @@ def format_results(results: list[RankResult]) -> str:
         lines.append(f"{r.rank:>5}  {coords:<28} {','.join(map(str, r.stages)):<8} {r.steps:>5} {r.seconds:>8.1f} "
                      f"{sum(r.host_syncs_per_step.values()):>10.1f} {r.collectives:>11} "
                      f"{format_bytes(r.peak_device_bytes):>12} {plan:>10}")
+    for r in results:
+        if r.peak_by_category:
+            cells = ", ".join(f"{c} {format_bytes(n)} / {format_bytes(r.plan_by_category.get(c, 0))}"
+                              for c, n in r.peak_by_category.items())
+            lines.append(f"rank {r.rank} peak by category, simulated / planned: {cells}")
     for r in results:
         saved = ", ".join(f"{format_bytes(n)} on {d}" for d, n in sorted(r.checkpoint_bytes.items()))
         lines.append(f"rank {r.rank} checkpoint (DCP save planned, nothing written): {r.checkpoint_keys} keys, "

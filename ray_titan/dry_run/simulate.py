@@ -7,6 +7,9 @@ fake tensors (PyTorch's ``FakeTensorMode``: shapes, dtypes and devices, no data)
 process group of the job's world size (``torch.testing._internal.distributed.fake_pg``, whose
 collectives return at once). What is simulated, and why:
 
+- The few aten ops a CPU build has no CUDA kernel for but a math definition (``silu_backward``):
+  a placeholder CUDA kernel, so the op reaches fake mode whole, as a GPU runs it
+  (:func:`_register_cuda_kernels`).
 - ``torch.cuda``'s Python functions a CPU build lacks (device properties of an H100, streams,
   events, rng state, memory counters): answered with constants.
 - A host read of a device value (``.item()``, ``.tolist()``): counted per call site (over the
@@ -23,12 +26,19 @@ collectives return at once). What is simulated, and why:
   unequal head sizes), not the math path (``seq × seq`` probabilities) the fake device would take.
 - DTensor's shape propagation runs each op on fakes of the global shapes in this fake mode: those
   are not counted as device memory (no GPU holds them; counted, a 70B rank read 4× its peak).
+- A DTensor shard's global offsets (``compute_local_shape_and_global_offset``: DCP's save
+  planning, tp × FSDP's strided shards) are index arithmetic on host tensors, computed on real
+  ones: as fake ops they cost most of a large rank's dry run.
+- ``init_weights`` copies a tensor of this rank's shard's shape (computed on the host) into each
+  sharded parameter instead of slicing the full fake tensor (values are meaningless here; the
+  slicing, as fake ops, cost a 70B rank more than its step).
 - ``Module.to_empty`` of parameters made under fake mode: new parameters instead of torch's
   swap, which a fake tensor's weakref refuses (a one-rank mesh, where no FSDP2 materialises them).
 - The checkpoint after the last step: its save and resume planned by DCP, nothing written
   (:func:`_plan_checkpoint`); the data loader's position is a constant.
 - Device memory: the bytes of live fake CUDA storages after every op (and every storage resize,
-  by which FSDP2 frees and re-gathers its unsharded parameters), and their peak.
+  by which FSDP2 frees and re-gathers its unsharded parameters), their peak, and what held it,
+  by the memory plan's categories (:class:`_DeviceTally`).
 
 The result is one JSON object written to the spec's ``out`` path (see :func:`ray_titan.dry_run.dry_run`).
 """
@@ -152,6 +162,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     _import_before_shims()
+    _register_cuda_kernels(torch)
     _stub_torch_cuda(torch)
     tally = _DeviceTally()
     mode = _dry_run_mode(tally)
@@ -163,11 +174,36 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     return _train_and_report(spec, job, mode, tally)
 
 
+_CUDA_KERNELS: list[Any] = []  # the torch.library registrations, kept alive
+
+
+def _register_cuda_kernels(torch: Any) -> None:
+    """On a CPU-only build, a CUDA kernel for each aten op that a CUDA build runs as one kernel
+    but a CPU build, lacking it, decomposes into its math definition before fake mode sees it
+    (ops with a CPU kernel and a ``CompositeImplicitAutograd`` one and no CUDA kernel:
+    ``silu_backward``, whose math form made 6 f-wide temporaries at a SwiGLU's backward). Fake
+    mode then handles the op whole; the kernel itself never runs (it raises if it does)."""
+    if torch.backends.cuda.is_built():
+        return
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    lib = torch.library.Library("aten", "IMPL")
+
+    def never(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("a placeholder CUDA kernel of the dry run ran outside fake mode")
+
+    for name in torch._C._dispatch_get_all_op_names():
+        if (name.startswith("aten::") and has(name, "CPU") and has(name, "CompositeImplicitAutograd")
+                and not has(name, "CUDA")):
+            lib.impl(name.split("::", 1)[1], never, "CUDA")
+    _CUDA_KERNELS.append(lib)
+
+
 def _import_before_shims() -> None:
     """Import every module the simulation uses before any shim is installed (and before
     ``torch.cuda`` is stubbed), so a module that reads or binds a patched name at import time sees
     torch's own, whichever function below imports it first."""
     import numpy  # noqa: F401
+    import torch.distributed.checkpoint.planner_helpers
     import torch.distributed.device_mesh
     import torch.distributed.pipelining._utils
     import torch.distributed.pipelining.stage
@@ -187,41 +223,158 @@ def _import_before_shims() -> None:
 class _DeviceTally:
     """What the dry run counts on the fake device (module docstring): host reads per call site
     (``syncs``), collectives (each checked as NCCL would unless ``host_backend``), the experts'
-    grouped GEMMs, and the bytes of live fake CUDA storages (``current``) and their ``peak``."""
+    grouped GEMMs, and the bytes of live fake CUDA storages (``current``) and their ``peak``.
+
+    Each live storage is tagged with the phase that made it (``build``, ``forward``,
+    ``backward``, ``optimizer``, ``step``: outside those) and the op. At the first free after a
+    new peak (a local maximum: the peak's moment) the live storages are copied, and at the next
+    op classified (:meth:`classify`) into the memory plan's categories
+    (``RankPlan.categories``): the storages of parameters, gradients, optimizer state, module
+    and pipeline buffers found by reference (``owners``: :func:`_owned_storages`), the rest by
+    phase (forward: ``activations``; else ``temporaries``). A copy is taken only when the peak
+    grew ``SNAPSHOT_STEP`` over the last copy's (a bounded number of copies), so the categories
+    are of a moment within that share of the peak."""
+
+    SNAPSHOT_STEP = 0.002
 
     def __init__(self) -> None:
         self.syncs: Counter[str] = Counter()
         self.routed = 0  # the tokens × top-k the current MoE dispatch routes
         self.host_backend = False  # the job's groups have a host backend beside NCCL: host tensors valid
-        self.live: dict[int, int] = {}  # bytes of each live fake CUDA storage, by its ``_cdata``
+        # Each live fake CUDA storage, by its ``_cdata``: (bytes, phase that made it, op).
+        self.live: dict[int, tuple[int, str, str]] = {}
         self.current = self.peak = 0
         self.collectives = 0
         self.grouped_mm = 0
         self.shadow = 0  # > 0 while DTensor propagates shapes on global-shape fakes of its own
+        self.depth = 0  # > 0 inside an op (its decomposition's parts)
+        self.sites = bool(os.environ.get("RAY_TITAN_DRY_RUN_SITES"))  # tag storages with their ray_titan line
+        self.phase = "build"
+        self.owners: Any = None  # () -> {storage key: category}, once the rank is built
+        self.pending = False  # the peak grew since the last copy: copy at the next free
+        self.raw: dict[int, tuple[int, str, str]] | None = None  # the copy, not yet classified
+        self.snap_bytes = 0
+        self.by_category: dict[str, int] = {}
+        self.top_ops: list[tuple[str, str, int]] = []
 
-    def count(self, t: Any) -> None:
-        """Count the storage of fake CUDA tensor ``t`` once, until it is freed."""
+    def count(self, t: Any, op: str) -> None:
+        """Count the storage of fake CUDA tensor ``t`` (made by ``op``) once, until it is freed."""
         import weakref
+
+        import torch
 
         st = t.untyped_storage()
         key = st._cdata
         if key in self.live:
             return
-        self.live[key] = st.nbytes()
-        self.current += st.nbytes()
-        self.peak = max(self.peak, self.current)
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else self.phase
+        if self.sites:  # where it was made (a Python stack per storage: slow, for diagnosis)
+            op = f"{op}@{_site()}"
+        n = st.nbytes()
+        self.live[key] = (n, phase, op)
+        self._grow(n)
         weakref.finalize(st, self._free, key)
 
+    def _grow(self, n: int) -> None:
+        self.current += n
+        if self.current > self.peak:
+            self.peak = self.current
+            self.pending = self.pending or self.peak > self.snap_bytes * (1 + self.SNAPSHOT_STEP)
+
+    def _copy(self) -> None:
+        """The live storages now (at a local maximum of a grown peak), for :meth:`classify`."""
+        self.raw, self.pending, self.snap_bytes = dict(self.live), False, self.current
+
     def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
+        if self.pending:
+            self._copy()
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[0]
 
     def resized(self, st: Any, nbytes: int) -> None:
         """FSDP2 frees and re-allocates its unsharded parameters by resizing their storage."""
         key = st._cdata
-        if key in self.live:
-            self.current += nbytes - self.live[key]
-            self.live[key] = nbytes
-            self.peak = max(self.peak, self.current)
+        entry = self.live.get(key)
+        if entry is not None:
+            if nbytes < entry[0] and self.pending:
+                self._copy()
+            self.live[key] = (nbytes, entry[1], "resize_" if nbytes else entry[2])
+            self._grow(nbytes - entry[0])
+
+    def classify(self) -> None:
+        """Split the pending copy of the live storages into the plan's categories (class
+        docstring): ``by_category`` (bytes) and ``top_ops`` (category, ``phase:op``, bytes: the
+        largest makers of each category)."""
+        raw, self.raw = self.raw, None
+        if raw is None:
+            return
+        owned = self.owners() if self.owners is not None else {}
+        cats: Counter[str] = Counter()
+        makers: Counter[tuple[str, str]] = Counter()
+        for key, (n, phase, op) in raw.items():
+            cat = owned.get(key) or ("parameters" if op == "_to_copy(parameter)" else
+                                     "activations" if phase == "forward" else "temporaries")
+            cats[cat] += n
+            makers[(cat, f"{phase}:{op}")] += n
+        self.by_category = {c: cats.get(c, 0) for c in CATEGORIES}
+        top: list[tuple[str, str, int]] = []
+        for c in CATEGORIES:
+            top += [(c, m, n) for (cc, m), n in makers.most_common() if cc == c][:4]
+        self.top_ops = top
+
+    def finish(self) -> None:
+        """Classify the last copy (and the live storages, where the peak came last)."""
+        if self.pending:
+            self._copy()
+        self.classify()
+
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+"""The memory plan's categories of a peak (``ray_titan.memory_planner.RankPlan.categories``)."""
+
+
+def _owned_storages(parts: Any) -> dict[int, str]:
+    """Storage key -> category of the fake CUDA storages the rank holds by reference: optimizer
+    state, gradients (FSDP2's sharded and unsharded ones, its accumulated unsharded ones),
+    parameters (sharded, and FSDP2's all-gathered), module buffers and pipeline receive buffers
+    (``temporaries``, as the plan counts them)."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    out: dict[int, str] = {}
+
+    def add(t: Any, cat: str) -> None:
+        t = getattr(t, "_local_tensor", t)
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            out.setdefault(t.untyped_storage()._cdata, cat)
+
+    for state in parts.optimizer.state.values():
+        for v in state.values():
+            add(v, "optimizer_state")
+    for stage in parts.stages.values():
+        for m in stage.modules():
+            groups = m._get_fsdp_state()._fsdp_param_groups if isinstance(m, FSDPModule) else ()
+            for fp in (fp for g in groups for fp in g.fsdp_params):
+                unsharded = getattr(fp, "_unsharded_param", None)
+                add(fp.unsharded_accumulated_grad, "gradients")
+                add(fp.sharded_param.grad, "gradients")
+                add(getattr(unsharded, "grad", None), "gradients")
+                add(fp.sharded_param, "parameters")
+                add(unsharded, "parameters")
+                for t in fp.all_gather_outputs:
+                    add(t, "parameters")
+        for p in stage.parameters():
+            add(p.grad, "gradients")
+            add(p, "parameters")
+        for b in stage.buffers():
+            add(b, "temporaries")
+    sched = parts.schedule
+    for pstage in getattr(sched, "_stages", None) or ([sched._stage] if sched is not None else []):
+        for infos in [*pstage.args_recv_info.values(), *pstage.grad_recv_info.values()]:
+            for info in infos:
+                add(getattr(info, "buffer", None), "temporaries")
+    return out
 
 
 def _dry_run_mode(tally: _DeviceTally) -> Any:
@@ -233,11 +386,15 @@ def _dry_run_mode(tally: _DeviceTally) -> Any:
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.utils._pytree import tree_leaves
 
+    to_copy, Parameter = torch.ops.aten._to_copy.default, torch.nn.Parameter
+
     class DryRunMode(FakeTensorMode):
         """Fake tensors plus the NCCL check, host-sync counting and the device-memory count."""
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if tally.raw is not None:  # a peak's live storages, copied at a free: classified here
+                tally.classify()
             ns = func.namespace
             if func is torch.ops.aten._grouped_mm.default:  # the experts' grouped GEMM (forward and backward)
                 tally.grouped_mm += 1
@@ -255,10 +412,21 @@ def _dry_run_mode(tally: _DeviceTally) -> Any:
                         raise HostCollectiveError(
                             f"{func} on a {t.device.type} tensor {tuple(t.shape)} {t.dtype} over a device "
                             f"(NCCL) group, issued at {_site()}: NCCL has no CPU backend")
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            for t in tree_leaves(out) if not tally.shadow else ():
+            tally.depth += 1
+            try:
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                tally.depth -= 1
+            if tally.shadow or tally.depth:
+                # An op that fake mode decomposes runs its parts through here again: a GPU runs
+                # it as one kernel, whose intermediates never reach the allocator. Only the
+                # outermost op's outputs are device memory.
+                return out
+            # An fp32 parameter cast (autocast's cached bf16 weights): the plan counts it as parameters.
+            op = "_to_copy(parameter)" if func is to_copy and isinstance(args[0], Parameter) else func.__name__
+            for t in tree_leaves(out):
                 if isinstance(t, FakeTensor) and t.device.type == "cuda":
-                    tally.count(t)
+                    tally.count(t, op)
             return out
 
     return DryRunMode(allow_non_fake_inputs=True)
@@ -270,13 +438,19 @@ def _install_torch_shims(mode: Any, tally: _DeviceTally) -> None:
     materialised by :func:`_fake_to_empty`, host lists of fake tensors answered by
     :func:`_balanced_tolist`, the MoE dispatch's routed tokens noted in ``tally``."""
     import torch
+    import torch.distributed.checkpoint.planner_helpers as dcp_helpers
+    import torch.distributed.tensor._utils as dtensor_utils
     from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
+    import ray_titan.models.decoder as decoder
     import ray_titan.models.deepseek_v2.model as moe_model
     from ray_titan.parallel.dims import ParallelDims
 
     new_tensor, storage_resize = torch.tensor, torch.UntypedStorage.resize_
+    shard_offsets = dtensor_utils.compute_local_shape_and_global_offset
+    copy_full_into = decoder._copy_full_into
     mesh_init, build_mesh = DeviceMesh.__init__, ParallelDims.build_mesh
     module_to_empty, host_list, route_tokens = torch.nn.Module.to_empty, torch.Tensor.tolist, moe_model.route_tokens
 
@@ -314,7 +488,26 @@ def _install_torch_shims(mode: Any, tally: _DeviceTally) -> None:
         tally.routed = x.shape[0] * indices.shape[1]
         return route_tokens(x, weights, indices, *a, **k)
 
+    def host_shard_offsets(*a: Any, **k: Any) -> Any:
+        # A DTensor shard's global offsets are index arithmetic on host tensors (``arange``,
+        # chunks, ``tolist``); under fake mode each op dispatches as a fake one: 175 of the 70B
+        # rank's 242 profiled seconds went there (DCP's save planning, tp × FSDP strided shards).
+        with unset_fake_temporarily():
+            return shard_offsets(*a, **k)
+
+    def copy_shard_into(param: torch.Tensor, full: torch.Tensor) -> None:
+        # init_weights slices each full (here: fake) tensor into this rank's shard. The values
+        # are meaningless on the fake device and the shard's shape is host arithmetic: copy a
+        # tensor of that shape (a shard that does not fit the parameter fails as it would).
+        if not isinstance(param, DTensor):
+            return copy_full_into(param, full)
+        shape, _ = host_shard_offsets(full.shape, param.device_mesh, param.placements)
+        param.to_local().copy_(torch.empty(shape, dtype=full.dtype, device=full.device))
+
     _patch(torch, "tensor", tensor)
+    _patch(decoder, "_copy_full_into", copy_shard_into)
+    _patch(dtensor_utils, "compute_local_shape_and_global_offset", host_shard_offsets)
+    _patch(dcp_helpers, "compute_local_shape_and_global_offset", host_shard_offsets)
     _patch(torch.UntypedStorage, "resize_", resize)
     _patch(DeviceMesh, "__init__", real_mesh_init)
     _patch(ParallelDims, "build_mesh", real_build_mesh)
@@ -451,9 +644,20 @@ def _train_and_report(spec: dict[str, Any], job: _Job, mode: Any, tally: _Device
     the report: host syncs and grouped GEMMs per step counted over the steps after the first when
     there are several (the steady state), held and peak device bytes, times in seconds."""
     import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+    import ray_titan.trainer.step as step_mod
     from ray_titan.trainer.build import build
     from ray_titan.trainer.step import train_step
+
+    forward_backward = step_mod._forward_backward
+
+    def tagged_forward_backward(*a: Any, **k: Any) -> Any:
+        out = forward_backward(*a, **k)
+        tally.phase = "step"  # clipping and the rest of the step until the optimizer's hooks
+        return out
+
+    _patch(step_mod, "_forward_backward", tagged_forward_backward)
 
     cfg, steps = job.cfg, spec["steps"]
     loader = _LoaderShape(job.local_batch)
@@ -463,12 +667,23 @@ def _train_and_report(spec: dict[str, Any], job: _Job, mode: Any, tally: _Device
         built_s = time.perf_counter() - t0
         after_build = tally.current
         tally.syncs.clear()
+        tally.owners = lambda: _owned_storages(parts)
+        tally.phase = "forward"  # the step's ops outside backward (by autograd's graph task) and the optimizer
+        pre = register_optimizer_step_pre_hook(lambda *a: setattr(tally, "phase", "optimizer"))
+        post = register_optimizer_step_post_hook(lambda *a: setattr(tally, "phase", "step"))
         for step in range(1, steps + 1):
+            tally.phase = "step"
             tokens = torch.randint(0, job.margs.vocab_size, (job.local_batch, cfg.training.seq_len)).to("cuda")
+            tally.phase = "forward"
             train_step(parts, tokens, tokens, step, cfg.parallelism.microbatches, cfg.training.max_norm)
             if step == 1 and steps > 1:
                 tally.syncs.clear()  # steady state: the schedule's one-time p2p warm-up reads a flag in step 1
                 tally.grouped_mm = 0
+        pre.remove()
+        post.remove()
+        tally.phase = "checkpoint"
+        tally.finish()
+        step_peak = tally.peak  # of the build and the steps, as planned (not the checkpoint's planning)
         step_syncs = dict(tally.syncs)
         t_ck = time.perf_counter()
         checkpoint = _plan_checkpoint(cfg, parts, loader, job.margs.vocab_size, steps)
@@ -484,7 +699,8 @@ def _train_and_report(spec: dict[str, Any], job: _Job, mode: Any, tally: _Device
                                 for k, v in sorted(step_syncs.items())}, **checkpoint,
         "collectives": tally.collectives, "device_bytes_after_build": after_build,
         "grouped_mm_per_step": tally.grouped_mm / max(1, steps - 1),
-        "peak_device_bytes": tally.peak,
+        "peak_device_bytes": step_peak, "peak_by_category": tally.by_category,
+        "peak_top_ops": [list(t) for t in tally.top_ops],
     }
 
 

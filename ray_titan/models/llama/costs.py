@@ -10,7 +10,11 @@ its per-head RMS, in fp32 (``rms_norm`` upcasts): ``4·(2q + h) + 4·(2kv + n_kv
 bf16 policy the residual stream is bf16, yet ``e = 2`` equals what autograd saves on CPU, torch
 2.13 (``rms_norm`` saves its input and normalised output upcast to fp32). Korthikanti's GPT count
 (``34·s·b·h + 5·a·s²·b`` bytes) differs in the MLP (SwiGLU has three matrices) and in attention
-(fused kernels save no ``s²`` scores).
+(fused kernels save no ``s²`` scores). The transient of a block's backward is the SwiGLU's at
+silu's derivative: the gradients of ``h = silu(a)·b``, of ``silu(a)``, of ``b`` and of ``a``,
+``4e·f`` (autograd's derivatives of ``mul`` and ``silu``), less ``h`` (``e·f``, saved for
+``w2``'s weight gradient and freed once it is made): ``3e·f`` above what the block keeps (the
+simulated GPU, ``ray-titan dry-run``, sees them at a dense rank's peak, 2026-11-26).
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ def llama_block_activations(a: Any, layer: int, e: int, seq: int, device: str, r
         attention += F32 * (2 * q + h) + F32 * (2 * kv + a.n_kv_heads)
     none = norms + attention + e * 4 * f
     op = F32 * d + e * (q + 2 * kv) + e * q + F32 * h + e * d + e * 2 * f + e * d
-    backward = e * 2 * f  # the SwiGLU's gradients
+    # The SwiGLU's backward, out = w2(h), h = silu(a)·b: at silu's backward the gradients of h,
+    # silu(a), b and a are alive at once (autograd's derivatives of mul and silu), 4 f-wide, and
+    # h itself, saved for w2's weight gradient, is freed by then: 3 f-wide above what is kept.
+    backward = e * 3 * f
     # The two norm outputs feed column-parallel projections: whole on every tensor-parallel rank.
     return BlockActivations(none, op, F32 * d, backward, whole=e * 2 * d)

@@ -1,0 +1,208 @@
+"""The memory plan against the simulated GPU over the composition matrix:
+``python -m benchmarks.run dry_run_matrix [--quick] [--json PATH]`` (or ``python -m
+benchmarks.dry_run_matrix [--quick] [--filter S] [--json PATH]``).
+
+For the debug Llama (untied) and the debug Qwen3 (tied embeddings, per-head q/k norms) it runs
+``ray-titan dry-run`` (:func:`ray_titan.dry_run.dry_run`: each rank built and trained for two
+steps on fake CUDA tensors) over a covering design of the composition matrix, not its cross
+product: every value of every axis (pp × dp_replicate × dp_shard × tp with sequence parallel,
+every pipeline schedule of ``ray_titan.parallel.schedules.SCHEDULES``, activation checkpointing
+none / selective op / selective layer / full, ``memory.cpu_offload``, tied embeddings, bf16 and
+fp32) appears at least once beside realistic companions. Per case it simulates the first rank
+and the last (first and last pipeline stage, last shard and tp rank) and compares the live
+device storages at the simulated peak, by the plan's categories (parameters, gradients,
+optimizer state, activations, temporaries), with the memory plan of that rank
+(``RankPlan.categories``).
+
+Error of a category: (planned − simulated) / the simulated peak, so every row of the plan is
+judged against the rank's measured peak; the case PASSes when every category's and the
+total's error is within 10 %. Sequences are short (the fake tensors cost nothing per element,
+but the plan's terms must all be visible), two steps (the plan is of a steady step: AdamW's
+state exists from the first optimizer step on). ``--quick``: four cases, first rank only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "debug_llama.toml")
+MiB = 2**20
+THRESHOLD = 0.10
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One composition: a short ``name`` and the overrides on ``configs/debug_llama.toml``."""
+
+    name: str
+    overrides: tuple[str, ...]
+
+
+def _case(name: str, *, model: str = "llama", pp: int = 1, dp_rep: int = 1, dp: int = 1, tp: int = 1,
+          sched: str = "1F1B", v: int = 1, n: int = 1, ac: str = "none", offload: bool = False,
+          bf16: bool = False, seq: int = 256, mb: int = 2, extra: tuple[str, ...] = ()) -> Case:
+    """A :class:`Case`: mesh sizes, schedule, ``v`` stages per rank, ``n`` microbatches of ``mb``
+    sequences of ``seq`` tokens, AC mode (``none``, ``op``, ``layer``, ``full``)."""
+    ac_over = {"none": ["--activation_checkpoint.mode=none"], "full": ["--activation_checkpoint.mode=full"],
+               "op": ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=op"],
+               "layer": ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=layer",
+                         "--activation_checkpoint.layer_freq=2"]}[ac]
+    over = [f"--model.name={model}", "--model.flavor=debug", f"--parallelism.pp={pp}",
+            f"--parallelism.dp_replicate={dp_rep}", f"--parallelism.dp_shard={dp}", f"--parallelism.tp={tp}",
+            f"--parallelism.pipeline_schedule={sched}", f"--parallelism.stages_per_rank={v}",
+            f"--parallelism.microbatches={n}", f"--training.seq_len={seq}",
+            f"--training.global_batch_size={mb * n * dp * dp_rep}",
+            f"--training.mixed_precision={'bf16' if bf16 else 'fp32'}", f"--memory.cpu_offload={str(offload).lower()}",
+            *ac_over, *extra]
+    return Case(name, tuple(over))
+
+
+# The covering design: every value of every axis at least once, with realistic companions.
+CASES: list[Case] = [
+    _case("fsdp2 fp32", dp=2),
+    _case("fsdp2 bf16 full-AC", dp=2, bf16=True, ac="full"),
+    _case("fsdp4 tp2 bf16 sel-op", dp=4, tp=2, bf16=True, ac="op"),
+    _case("hsdp 2x2 fp32 sel-layer n2", dp_rep=2, dp=2, n=2, ac="layer"),
+    _case("fsdp2 bf16 cpu-offload", dp=2, bf16=True, offload=True),
+    _case("tp2 fp32 (no FSDP)", tp=2),
+    _case("1 rank bf16 (autocast)", bf16=True),
+    _case("pp2 dp2 GPipe fp32", pp=2, dp=2, sched="GPipe", n=2),
+    _case("pp2 dp2 1F1B bf16", pp=2, dp=2, n=4, bf16=True),
+    _case("pp2 dp2 tp2 1F1B bf16 sel-op", pp=2, dp=2, tp=2, n=2, bf16=True, ac="op"),
+    _case("pp2 v2 dp2 Interleaved1F1B fp32 full-AC", pp=2, dp=2, sched="Interleaved1F1B", v=2, n=2, ac="full"),
+    _case("pp2 v2 dp2 InterleavedZeroBubble bf16", pp=2, dp=2, sched="InterleavedZeroBubble", v=2, n=2,
+          bf16=True),
+    _case("pp2 dp2 ZBVZeroBubble fp32 sel-layer", pp=2, dp=2, sched="ZBVZeroBubble", v=2, n=4, ac="layer"),
+    _case("pp2 dp2 DualPipeV bf16", pp=2, dp=2, sched="DualPipeV", v=2, n=4, bf16=True),
+    _case("pp2 hsdp 2x2 1F1B bf16", pp=2, dp_rep=2, dp=2, n=2, bf16=True),
+    _case("pp4 1F1B fp32 (no FSDP)", pp=4, n=4),
+    _case("pp2 dp2 tp2 replicated loss bf16", pp=2, dp=2, tp=2, n=2, bf16=True,
+          extra=("--parallelism.loss_parallel=false",)),
+    _case("pp2 dp2 1F1B bf16 cpu-offload full-AC", pp=2, dp=2, n=2, bf16=True, offload=True, ac="full"),
+    _case("qwen3 tied fsdp2 fp32", model="qwen3", dp=2),
+    _case("qwen3 tied fsdp2 tp2 bf16 sel-op", model="qwen3", dp=2, tp=2, bf16=True, ac="op"),
+    _case("qwen3 tied pp2 dp2 1F1B bf16", model="qwen3", pp=2, dp=2, n=2, bf16=True),
+    _case("qwen3 tied pp2 dp2 GPipe fp32 full-AC", model="qwen3", pp=2, dp=2, sched="GPipe", n=2, ac="full"),
+]
+QUICK = ["fsdp2 fp32", "pp2 dp2 1F1B bf16", "pp2 dp2 tp2 1F1B bf16 sel-op", "qwen3 tied fsdp2 tp2 bf16 sel-op"]
+
+
+def _ranks(case: Case, quick: bool) -> list[int]:
+    """The first rank and the last of ``case``'s mesh (the first only with ``quick``)."""
+    from ray_titan.config import load_config
+
+    world = load_config(CONFIG, list(case.overrides)).world_size
+    return [0] if quick or world == 1 else [0, world - 1]
+
+
+def run_case(case: Case, ranks: list[int] | None = None, steps: int = 2) -> list[dict[str, Any]]:
+    """Dry-run ``case``'s ``ranks`` (default: the first and the last) for ``steps`` steps; one
+    dict per rank: ``case``, ``rank``, ``stages``, ``simulated`` and ``planned`` bytes by category
+    (and ``peak``), ``error`` by category and ``total`` ((planned − simulated) / simulated peak),
+    ``worst`` (the category with the largest |error|), ``passed`` (every |error| ≤ 10 %),
+    ``top_ops`` (the largest makers of each simulated category), ``seconds``. Raises
+    ``DryRunError`` where the simulation fails."""
+    from ray_titan.dry_run import dry_run
+
+    results = dry_run(CONFIG, list(case.overrides), ranks if ranks is not None else _ranks(case, False), steps=steps)
+    rows = []
+    for r in results:
+        sim = {c: r.peak_by_category.get(c, 0) for c in CATEGORIES}
+        plan = {c: r.plan_by_category.get(c, 0) for c in CATEGORIES}
+        peak = max(1, sum(sim.values()))
+        error = {c: (plan[c] - sim[c]) / peak for c in CATEGORIES}
+        error["total"] = ((r.plan_peak_bytes or 0) - r.peak_device_bytes) / max(1, r.peak_device_bytes)
+        worst = max(error, key=lambda c: abs(error[c]))
+        rows.append({"case": case.name, "rank": r.rank, "stages": r.stages,
+                     "simulated": sim | {"peak": r.peak_device_bytes},
+                     "planned": plan | {"peak": r.plan_peak_bytes}, "error": error, "worst": worst,
+                     "passed": abs(error[worst]) <= THRESHOLD, "top_ops": r.peak_top_ops,
+                     "seconds": r.seconds, "overrides": list(case.overrides)})
+    return rows
+
+
+def run(quick: bool = False, name_filter: str = "", workers: int = 2) -> list[dict[str, Any]]:
+    """Every case of :data:`CASES` (``quick``: :data:`QUICK`, first rank; ``name_filter``: those
+    whose name contains it), ``workers`` cases at a time; rows as :func:`run_case`'s, a failed
+    simulation as a row with ``error`` a message and ``passed`` False."""
+    cases = [c for c in CASES if (not quick or c.name in QUICK) and name_filter in c.name]
+
+    def one(case: Case) -> list[dict[str, Any]]:
+        try:
+            return run_case(case, _ranks(case, quick))
+        except Exception as e:  # one broken composition must not lose the others' rows
+            return [{"case": case.name, "rank": None, "error": f"{type(e).__name__}: {str(e)[:400]}",
+                     "passed": False, "overrides": list(case.overrides)}]
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:  # each rank is its own child process
+        return [row for rows in pool.map(one, cases) for row in rows]
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """One line per case and rank: simulated / planned MiB by category, the worst error, PASS/FAIL."""
+    short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "acts",
+             "temporaries": "temps"}
+    head = (f"{'case':<42} {'rank':>4}  " + " ".join(f"{short[c]:>13}" for c in CATEGORIES)
+            + f" {'peak':>13}  {'worst':>16}  verdict")
+    lines = [head, "(MiB simulated/planned; error = (planned - simulated) / simulated peak)"]
+    for r in rows:
+        if r.get("rank") is None:
+            lines.append(f"{r['case']:<42} {'-':>4}  FAIL: {r['error']}")
+            continue
+        cells = " ".join(f"{r['simulated'][c] / MiB:>6.2f}/{r['planned'][c] / MiB:<6.2f}"
+                         for c in [*CATEGORIES, "peak"])
+        worst = f"{r['worst']} {r['error'][r['worst']]:+.1%}"
+        lines.append(f"{r['case']:<42} {r['rank']:>4}  {cells}  {worst:>16}  {'PASS' if r['passed'] else 'FAIL'}")
+    passed = sum(1 for r in rows if r["passed"])
+    lines.append(f"{passed} of {len(rows)} rows within {THRESHOLD:.0%}")
+    return "\n".join(lines)
+
+
+def rows_for_runner(quick: bool) -> list[Any]:
+    """The runner's rows (``benchmarks.run``'s table): one per case and rank."""
+    from benchmarks.stats import Row
+
+    rows = run(quick)
+    print(format_rows(rows), file=sys.stderr, flush=True)
+    out = []
+    for r in rows:
+        if r.get("rank") is None:
+            out.append(Row(f"dry_run_matrix {r['case']}", "failed", r["error"], data=r))
+            continue
+        sim, plan = r["simulated"], r["planned"]
+        out.append(Row(f"dry_run_matrix {r['case']} rank {r['rank']}", "peak simulated / planned",
+                       f"{sim['peak'] / MiB:.2f} / {(plan['peak'] or 0) / MiB:.2f} MiB",
+                       target=f"every category within {THRESHOLD:.0%} of the simulated peak",
+                       note=f"worst {r['worst']} {r['error'][r['worst']]:+.1%}: {'PASS' if r['passed'] else 'FAIL'}",
+                       data=r))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.dry_run_matrix", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="four cases, first rank only")
+    ap.add_argument("--filter", default="", help="only the cases whose name contains this")
+    ap.add_argument("--workers", type=int, default=2, help="cases simulated at a time (default 2)")
+    ap.add_argument("--json", type=Path, default=None, help="where to write the rows")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    rows = run(args.quick, args.filter, args.workers)
+    print(format_rows(rows))
+    print(f"{time.time() - t0:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["passed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
