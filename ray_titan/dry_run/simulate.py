@@ -438,19 +438,13 @@ def _install_torch_shims(mode: Any, tally: _DeviceTally) -> None:
     materialised by :func:`_fake_to_empty`, host lists of fake tensors answered by
     :func:`_balanced_tolist`, the MoE dispatch's routed tokens noted in ``tally``."""
     import torch
-    import torch.distributed.checkpoint.planner_helpers as dcp_helpers
-    import torch.distributed.tensor._utils as dtensor_utils
     from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
 
-    import ray_titan.models.decoder as decoder
     import ray_titan.models.deepseek_v2.model as moe_model
     from ray_titan.parallel.dims import ParallelDims
 
     new_tensor, storage_resize = torch.tensor, torch.UntypedStorage.resize_
-    shard_offsets = dtensor_utils.compute_local_shape_and_global_offset
-    copy_full_into = decoder._copy_full_into
     mesh_init, build_mesh = DeviceMesh.__init__, ParallelDims.build_mesh
     module_to_empty, host_list, route_tokens = torch.nn.Module.to_empty, torch.Tensor.tolist, moe_model.route_tokens
 
@@ -488,6 +482,31 @@ def _install_torch_shims(mode: Any, tally: _DeviceTally) -> None:
         tally.routed = x.shape[0] * indices.shape[1]
         return route_tokens(x, weights, indices, *a, **k)
 
+    _patch(torch, "tensor", tensor)
+    _patch(torch.UntypedStorage, "resize_", resize)
+    _patch(DeviceMesh, "__init__", real_mesh_init)
+    _patch(ParallelDims, "build_mesh", real_build_mesh)
+    _patch(torch.nn.Module, "to_empty", to_empty)
+    _patch(torch.Tensor, "tolist", tolist)
+    _patch(FakeTensor, "tolist", tolist)  # its own answers element by element
+    _patch(moe_model, "route_tokens", counted_route_tokens)
+    _install_shard_shims()
+
+
+def _install_shard_shims() -> None:
+    """DTensor shards' shapes and offsets computed on real host tensors (DCP's save planning,
+    ``init_weights``' shard copies): index arithmetic, which under fake mode costs a fake op each."""
+    import torch
+    import torch.distributed.checkpoint.planner_helpers as dcp_helpers
+    import torch.distributed.tensor._utils as dtensor_utils
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.tensor import DTensor
+
+    import ray_titan.models.decoder as decoder
+
+    shard_offsets = dtensor_utils.compute_local_shape_and_global_offset
+    copy_full_into = decoder._copy_full_into
+
     def host_shard_offsets(*a: Any, **k: Any) -> Any:
         # A DTensor shard's global offsets are index arithmetic on host tensors (``arange``,
         # chunks, ``tolist``); under fake mode each op dispatches as a fake one: 175 of the 70B
@@ -504,17 +523,9 @@ def _install_torch_shims(mode: Any, tally: _DeviceTally) -> None:
         shape, _ = host_shard_offsets(full.shape, param.device_mesh, param.placements)
         param.to_local().copy_(torch.empty(shape, dtype=full.dtype, device=full.device))
 
-    _patch(torch, "tensor", tensor)
     _patch(decoder, "_copy_full_into", copy_shard_into)
     _patch(dtensor_utils, "compute_local_shape_and_global_offset", host_shard_offsets)
     _patch(dcp_helpers, "compute_local_shape_and_global_offset", host_shard_offsets)
-    _patch(torch.UntypedStorage, "resize_", resize)
-    _patch(DeviceMesh, "__init__", real_mesh_init)
-    _patch(ParallelDims, "build_mesh", real_build_mesh)
-    _patch(torch.nn.Module, "to_empty", to_empty)
-    _patch(torch.Tensor, "tolist", tolist)
-    _patch(FakeTensor, "tolist", tolist)  # its own answers element by element
-    _patch(moe_model, "route_tokens", counted_route_tokens)
 
 
 def _fake_to_empty(module: Any, device: Any, recurse: bool) -> Any:
