@@ -20,8 +20,20 @@ from typing import Any
 
 from ray_titan.models.rope import RopeScaling
 
-__all__ = ["FLOAT_FIELDS", "SIZE_FIELDS", "HFConfigError", "Source", "StateDictAdapter", "float_field", "required",
-           "rope_from_hf", "rope_to_hf", "rotary_rows", "size_field"]
+__all__ = [
+    "FLOAT_FIELDS",
+    "SIZE_FIELDS",
+    "HFConfigError",
+    "Source",
+    "StateDictAdapter",
+    "attention_heads",
+    "float_field",
+    "required",
+    "rope_from_hf",
+    "rope_to_hf",
+    "rotary_rows",
+    "size_field",
+]
 
 
 class HFConfigError(ValueError):
@@ -54,6 +66,32 @@ class Source:
     optional: bool = False
     cols: tuple[int, int] | None = None
     transpose: bool = False
+
+
+def attention_heads(config: dict[str, Any]) -> tuple[int, int, int, int]:
+    """``(dim, n_heads, n_kv_heads, head_dim)`` of a Hugging Face ``config.json`` with grouped-query
+    attention (``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` defaulting to
+    the heads, ``head_dim`` defaulting to ``hidden_size / num_attention_heads``), checked for the
+    shapes the model derives from them: a whole head size, an even one (rotary embeddings rotate
+    pairs), key/value heads that divide the heads, and a width of at most :data:`MAX_WIDTH`.
+    Raises :class:`HFConfigError` naming the field, its value and what is valid."""
+    dim, n_heads = size_field(config, "hidden_size"), size_field(config, "num_attention_heads")
+    n_kv_heads = size_field(config, "num_key_value_heads", n_heads)
+    head_dim = size_field(config, "head_dim", 0)
+    if not head_dim and dim % n_heads:
+        raise HFConfigError(f"config.json hidden_size = {dim} is not divisible by num_attention_heads = "
+                            f"{n_heads} and there is no head_dim; valid: a multiple of {n_heads}, or a head_dim")
+    head_dim = head_dim or dim // n_heads
+    if head_dim % 2:
+        raise HFConfigError(f"config.json: the head size is {head_dim} (head_dim, or hidden_size / "
+                            "num_attention_heads); valid: an even size (rotary embeddings rotate pairs)")
+    if n_heads % n_kv_heads:
+        raise HFConfigError(f"config.json num_attention_heads = {n_heads} is not a multiple of "
+                            f"num_key_value_heads = {n_kv_heads}; valid: a divisor of {n_heads}")
+    if n_heads * head_dim > MAX_WIDTH:
+        raise HFConfigError(f"config.json num_attention_heads × head_dim = {n_heads} × {head_dim} exceeds "
+                            f"{MAX_WIDTH}; valid: at most {MAX_WIDTH}")
+    return dim, n_heads, n_kv_heads, head_dim
 
 
 def rotary_rows(n_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -28,10 +28,10 @@ from typing import Any
 from ray_titan.models.deepseek_v2.state_dict_adapter import ROUTER_BIAS_FILE
 from ray_titan.models.gpt_oss.args import LAYER_TYPES, GptOssArgs
 from ray_titan.models.state_dict_adapter import (
-    MAX_WIDTH,
     HFConfigError,
     Source,
     StateDictAdapter,
+    attention_heads,
     float_field,
     rope_from_hf,
     rope_to_hf,
@@ -73,21 +73,8 @@ class GptOssAdapter(StateDictAdapter):
             raise HFConfigError(f"config.json quantization_config.quant_method = {method!r} is not supported; "
                                 "valid: 'mxfp4' (the released files' experts, dequantised on import) or no "
                                 "quantization_config")
-        dim, n_heads, n_layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
-        n_kv_heads, head_dim = need("num_key_value_heads", n_heads), need("head_dim", 0)
-        if not head_dim and dim % n_heads:
-            raise HFConfigError(f"config.json hidden_size = {dim} is not divisible by num_attention_heads = "
-                                f"{n_heads} and there is no head_dim; valid: a multiple of {n_heads}, or a head_dim")
-        head_dim = head_dim or dim // n_heads
-        if head_dim % 2:
-            raise HFConfigError(f"config.json head_dim = {head_dim} is odd; valid: an even size (rotary "
-                                "embeddings rotate pairs)")
-        if n_heads % n_kv_heads:
-            raise HFConfigError(f"config.json num_attention_heads = {n_heads} is not a multiple of "
-                                f"num_key_value_heads = {n_kv_heads}; valid: a divisor of {n_heads}")
-        if n_heads * head_dim > MAX_WIDTH:
-            raise HFConfigError(f"config.json num_attention_heads × head_dim = {n_heads} × {head_dim} exceeds "
-                                f"{MAX_WIDTH}; valid: at most {MAX_WIDTH}")
+        dim, n_heads, n_kv_heads, head_dim = attention_heads(config)
+        n_layers = need("num_hidden_layers")
         experts_field = "num_experts" if config.get("num_local_experts") is None and "num_experts" in config \
             else "num_local_experts"
         n_experts = need(experts_field)

@@ -15,10 +15,10 @@ from typing import Any
 
 from ray_titan.models.llama.args import LlamaArgs
 from ray_titan.models.state_dict_adapter import (
-    MAX_WIDTH,
     HFConfigError,
     Source,
     StateDictAdapter,
+    attention_heads,
     float_field,
     rope_from_hf,
     rope_to_hf,
@@ -44,23 +44,7 @@ class LlamaAdapter(StateDictAdapter):
                             ("use_sliding_window", False)):
             if config.get(name, valid) != valid:
                 raise HFConfigError(f"config.json {name} = {config[name]!r} is not supported; valid: {valid!r}")
-        dim, n_heads = need("hidden_size"), need("num_attention_heads")
-        n_kv_heads, head_dim = need("num_key_value_heads", n_heads), need("head_dim", 0)
-        # The shapes the model derives from these: heads of dim // n_heads without head_dim,
-        # rotary pairs, grouped-query attention's repeat of each key/value head.
-        if not head_dim and dim % n_heads:
-            raise HFConfigError(f"config.json hidden_size = {dim} is not divisible by num_attention_heads = "
-                                f"{n_heads} and there is no head_dim; valid: a multiple of {n_heads}, or a head_dim")
-        head_dim = head_dim or dim // n_heads
-        if head_dim % 2:
-            raise HFConfigError(f"config.json: the head size is {head_dim} (head_dim, or hidden_size / "
-                                "num_attention_heads); valid: an even size (rotary embeddings rotate pairs)")
-        if n_heads % n_kv_heads:
-            raise HFConfigError(f"config.json num_attention_heads = {n_heads} is not a multiple of "
-                                f"num_key_value_heads = {n_kv_heads}; valid: a divisor of {n_heads}")
-        if n_heads * head_dim > MAX_WIDTH:
-            raise HFConfigError(f"config.json num_attention_heads × head_dim = {n_heads} × {head_dim} exceeds "
-                                f"{MAX_WIDTH}; valid: at most {MAX_WIDTH}")
+        dim, n_heads, n_kv_heads, head_dim = attention_heads(config)
         theta, scaling = rope_from_hf(config, ("llama3",), 10_000.0)
         return LlamaArgs(
             dim=dim, n_layers=need("num_hidden_layers"), n_heads=n_heads,
