@@ -118,12 +118,17 @@ class RunResult:
     def step_column(self, column: str) -> list:
         """A step-level column (``step_loss``, ``grad_norm``, ``lr``, ...) in step order, one value
         per step (read from rank 0's rows; step-level values are the same on every rank)."""
-        if self.__dict__.get("_steps") is None:  # not read: rank 0's rows alone
+        return self._rank0(column)[column].to_pylist()
+
+    def _rank0(self, *columns: str) -> pa.Table:
+        """Rank 0's rows of ``columns`` (and ``step``), in step order: from the loaded table, or
+        else from rank 0's row group alone."""
+        if self.__dict__.get("_steps") is None:
             from ray_titan.metrics.sinks import read_rank_history
 
-            return read_rank_history(self.run_dir, 0, columns=["step", column])[column].to_pylist()
+            return read_rank_history(self.run_dir, 0, columns=list(dict.fromkeys(["step", *columns])))
         rows = self.steps.filter(pa.compute.equal(self.steps["rank"], 0))
-        return rows.sort_by("step")[column].to_pylist()
+        return rows.sort_by("step")
 
     def losses(self) -> list[float]:
         """The step losses (nats per token) in step order."""
@@ -137,8 +142,8 @@ class RunResult:
         loaded = self.__dict__.get("_steps")
         if loaded is not None and "step_val_loss" not in loaded.column_names:
             return {}
-        steps, vals = self.step_column("step"), self.step_column("step_val_loss")
-        return {s: v for s, v in zip(steps, vals) if v is not None}
+        rows = self._rank0("step_val_loss")
+        return {s: v for s, v in zip(rows["step"].to_pylist(), rows["step_val_loss"].to_pylist()) if v is not None}
 
 
 
