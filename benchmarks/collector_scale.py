@@ -240,14 +240,12 @@ def _late_slope(trace: list[tuple[int, float]]) -> float:
     """Theil–Sen slope (MiB per 100 steps) of the collector's RSS over the second half of the run:
     ~0 when the memory is flat once warm (the verdict's windows, Arrow's pool and the TensorBoard
     writer filled), > 0 when something grows with the steps."""
-    import numpy as np
+    from ray_titan.metrics.leak import theil_sen_slope
 
     late = trace[len(trace) // 2:]
     if len(late) < 3:
         return float("nan")
-    x, y = np.array([s for s, _ in late], float), np.array([r for _, r in late])
-    i, j = np.triu_indices(len(x), 1)
-    return float(np.median((y[j] - y[i]) / (x[j] - x[i]))) * 100
+    return theil_sen_slope([s for s, _ in late], [r for _, r in late]) * 100
 
 
 def line(m: dict[str, Any]) -> str:
