@@ -271,9 +271,10 @@ def _step_table(c: _Columns, objects: list[tuple], moe: tuple[np.ndarray, np.nda
         else:
             cols[name] = pa.array(c.values[:, k], mask=mask)
     cols["world_size"] = pa.array(np.full(n, size, np.int64)) if not c.null("world_size").all() else cols["world_size"]
+    held = None if moe is None else moe[0] != MOE_PAD  # not padding
     for i, name in enumerate(("node", "moe_layers", "expert_load", "source_tokens")):
-        if moe is not None and name in ("moe_layers", "expert_load"):
-            cols[name] = _block_column(moe[i - 1], moe[0] != MOE_PAD, STEP_SCHEMA.field(name).type)
+        if moe is not None and held is not None and name in ("moe_layers", "expert_load"):
+            cols[name] = _block_column(moe[i - 1], held, STEP_SCHEMA.field(name).type)
         else:
             cols[name] = pa.array([o[i] for o in objects], STEP_SCHEMA.field(name).type)
     cols["memory_verdict"] = _VERDICTS.take(pa.array(code.astype(np.int64)))
