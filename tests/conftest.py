@@ -60,7 +60,7 @@ class LaunchRun:
 
     def __init__(self, config: str | Path, overrides: list[str], dump: Path, nproc: int = 1):
         from ray_titan.config import merge_overrides
-        from ray_titan.metrics.sinks import read_steps
+        from ray_titan.driver import RunResult
         from tests.support.ranks import launch
 
         dump.mkdir(parents=True, exist_ok=True)
@@ -72,12 +72,14 @@ class LaunchRun:
         self.tensorboard_dir = run_dir / "tb"
         self.errors = [line.removeprefix("metrics error: ") for line in proc.stdout.splitlines()
                        if line.startswith("metrics error: ")]
-        self.steps = read_steps(run_dir)
+        self._result = RunResult(run_dir=run_dir, steps=None, final_loss=None)
+
+    @property
+    def steps(self):
+        return self._result.steps
 
     def step_column(self, column: str) -> list:
-        from ray_titan.driver import RunResult
-
-        return RunResult.step_column(self, column)  # type: ignore[arg-type]
+        return self._result.step_column(column)
 
 
 def _tier(item: pytest.Item) -> int:
