@@ -76,6 +76,15 @@ def _median_rows(a: np.ndarray) -> np.ndarray:
     return (p[:, k // 2 - 1] + p[:, k // 2]) / 2
 
 
+def _quarter_medians(a: np.ndarray, bounds: list[int]) -> np.ndarray:
+    """The median of each row's quarters ``a[:, bounds[q]:bounds[q + 1]]``, ``(rows, 4)``: one
+    partition when the quarters are of one length (a full window of a multiple of 4 steps)."""
+    q = bounds[1]
+    if all(b - a_ == q for a_, b in zip(bounds, bounds[1:])) and q:
+        return _median_rows(a[:, :4 * q].reshape(-1, q)).reshape(len(a), 4)
+    return np.stack([_median_rows(a[:, lo:hi]) for lo, hi in zip(bounds, bounds[1:])], axis=1)
+
+
 @functools.lru_cache(maxsize=64)
 def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.triu_indices(n, k=1)
@@ -202,8 +211,7 @@ class SeriesBank:
             # smallest of the slopes between the medians of successive quarters of the window: a
             # shift falls into at most two of those three steps, a leak lifts all three.
             bounds = [round(q * int(m) / 4) for q in range(5)]
-            mx = np.stack([_median_rows(x[:, a:b]) for a, b in zip(bounds, bounds[1:])], axis=1)
-            my = np.stack([_median_rows(y[:, a:b]) for a, b in zip(bounds, bounds[1:])], axis=1)
+            mx, my = np.split(_quarter_medians(np.concatenate([x, y]), bounds), 2)
             steps = np.diff(my, axis=1) / np.diff(mx, axis=1) / MiB
             lo, hi = steps.min(axis=1), steps.max(axis=1)
             need = fit[at] | (lo >= thr) | ((self.state[ranks[at]] == 2) & ~(hi < thr / 2))
@@ -394,8 +402,9 @@ class LeakMonitor:
         hstate = np.maximum(states[1], states[2])
         d = states[0]
         # growing first (device first), then warming up, then device, then host.
-        src = np.select([d == 2, hstate == 2, d == 0, hstate == 0, d >= 0, hstate >= 0],
-                        [0, host, 0, host, 0, host], -1)
+        # (np.select's own overhead is ~100 µs a call: the cascade as nested wheres.)
+        src = np.where(d == 2, 0, np.where(hstate == 2, host, np.where(d == 0, 0, np.where(
+            hstate == 0, host, np.where(d >= 0, 0, np.where(hstate >= 0, host, -1))))))
         code = np.where(src == 0, d, np.where(src >= 1, hstate, 0)).astype(np.int8)
         slope, oom = np.full(k, np.nan), np.full(k, np.nan)
         for i, name in enumerate(self.SOURCES):
