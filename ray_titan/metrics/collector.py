@@ -50,7 +50,6 @@ from ray_titan.metrics import ray_metrics
 from ray_titan.metrics.leak import GROWING, STABLE, WARMING_UP, LeakMonitor, Verdict, describe_coords, leak_settings
 from ray_titan.metrics.report import MEMORY_FIELDS, MOE_PAD, PACKED_FIELDS, pack_reports
 from ray_titan.metrics.sinks import (
-    STEP_SCHEMA,
     ParquetSink,
     TensorBoardSink,
     WandbSink,
@@ -59,6 +58,7 @@ from ray_titan.metrics.sinks import (
     read_raw_parts,
     step_scalars,
 )
+from ray_titan.metrics.step_table import StepColumns, StepTableBuffer
 
 __all__ = [
     "BREAKDOWN_FILE", "CONSOLE_RANKS", "MetricsCollector", "counted_rows", "expert_load", "format_scale_line",
@@ -169,7 +169,9 @@ class _Columns:
         return self.nulls[:, _F[name]]
 
     def int(self, name: str) -> np.ndarray:
-        return np.nan_to_num(self.values[:, _F[name]]).astype(np.int64)
+        """int64 ``(ranks,)``; 0 where a report had None."""
+        k = _F[name]
+        return np.where(self.nulls[:, k], 0.0, self.values[:, k]).astype(np.int64)
 
 
 def _expert_load(objects: list[tuple]) -> dict[int, list[int]]:
@@ -188,11 +190,6 @@ def _expert_load(objects: list[tuple]) -> dict[int, list[int]]:
         for layer, counts in zip(layers, total):
             out[layer] = out[layer] + counts if layer in out else np.asarray(counts)
     return {layer: [int(x) for x in out[layer]] for layer in sorted(out)}
-
-
-_INT_TYPES = {f.name for f in STEP_SCHEMA if pa.types.is_integer(f.type)}
-_BOOL_TYPES = {f.name for f in STEP_SCHEMA if pa.types.is_boolean(f.type)}
-_VERDICTS = pa.array([WARMING_UP, STABLE, GROWING])
 
 
 def _with_moe_lists(objects: list[tuple], moe: tuple[np.ndarray, np.ndarray]) -> list[tuple]:
@@ -240,53 +237,27 @@ def _expert_load_blocks(layers: np.ndarray, load: np.ndarray) -> dict[int, list[
     return {layer: out[layer].tolist() for layer in sorted(out)}
 
 
-def _block_column(block: np.ndarray, held: np.ndarray, type_: pa.DataType) -> pa.Array:
-    """A list column (``(ranks, L)`` → list<int64>, ``(ranks, L, E)`` → list<list<int64>>) from
-    one numpy block, keeping the layers where ``held`` (bool ``(ranks, L)``: not padding), without
-    a Python object per element."""
-    inner = block[held]  # (k,) or (k, E)
-    arr: pa.Array = pa.array(inner.reshape(-1))
-    if inner.ndim == 2:
-        arr = pa.ListArray.from_arrays(pa.array(np.arange(len(inner) + 1, dtype=np.int32) * inner.shape[1]), arr)
-    offsets = np.zeros(len(block) + 1, np.int32)
-    np.cumsum(held.sum(axis=1), out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), arr).cast(type_)
+_SINK_FIELDS = ("rank", "host_rss_bytes", "host_peak_rss_bytes", "device_allocated_bytes", "device_reserved_bytes",
+                "device_peak_active_bytes", "device_peak_reserved_bytes", "gc_generation", "gc_pause_s")
+_SINK_INDEX = np.array([_F[k] for k in _SINK_FIELDS])
+_VERDICT_NAMES = (WARMING_UP, STABLE, GROWING)
 
 
-def _step_table(c: _Columns, objects: list[tuple], moe: tuple[np.ndarray, np.ndarray] | None, s: dict[str, Any],
-                code: np.ndarray, slope: np.ndarray, oom: np.ndarray, size: int) -> pa.Table:
-    """A step's rows in :data:`STEP_SCHEMA`, built column by column."""
-    n = len(objects)
-    cols: dict[str, pa.Array] = {}
-    ints = np.where(c.nulls, 0.0, c.values).astype(np.int64)  # one conversion for every int column
-    any_null: np.ndarray = np.asarray(c.nulls.any(axis=0))
-    for k, name in enumerate(PACKED_FIELDS):
-        if name == "dropped":
-            continue
-        mask = c.nulls[:, k] if any_null[k] else None
-        if name in _INT_TYPES:
-            cols[name] = pa.array(ints[:, k], mask=mask)
-        elif name in _BOOL_TYPES:
-            cols[name] = pa.array(ints[:, k].astype(bool))
-        else:
-            cols[name] = pa.array(c.values[:, k], mask=mask)
-    cols["world_size"] = pa.array(np.full(n, size, np.int64)) if not c.null("world_size").all() else cols["world_size"]
-    held = None if moe is None else moe[0] != MOE_PAD  # not padding
-    for i, name in enumerate(("node", "moe_layers", "expert_load", "source_tokens")):
-        if moe is not None and held is not None and name in ("moe_layers", "expert_load"):
-            cols[name] = _block_column(moe[i - 1], held, STEP_SCHEMA.field(name).type)
-        else:
-            cols[name] = pa.array([o[i] for o in objects], STEP_SCHEMA.field(name).type)
-    cols["memory_verdict"] = _VERDICTS.take(pa.array(code.astype(np.int64)))
-    cols["memory_slope_mib_per_step"] = pa.array(slope, mask=np.isnan(slope))
-    cols["memory_oom_step"] = pa.array(np.nan_to_num(oom).astype(np.int64), mask=np.isnan(oom))
-    cols["attempt"] = pa.array(np.zeros(n, np.int64))
-    for name, key in (("step_loss", "loss"), ("step_loss_max", "loss_max"), ("step_tokens", "tokens"),
-                      ("step_tokens_per_s", "tokens_per_s"), ("step_val_loss", "val/loss")):
-        cols[name] = pa.nulls(n, STEP_SCHEMA.field(name).type) if s[key] is None else pa.array(
-            np.full(n, s[key]), STEP_SCHEMA.field(name).type)
-    cols["step_source_tokens"] = pa.array([s["source_tokens"]] * n, pa.list_(pa.int64()))
-    return pa.Table.from_arrays([cols[f.name] for f in STEP_SCHEMA], schema=STEP_SCHEMA)
+def _sink_rows(c: _Columns, code: np.ndarray, slope: np.ndarray, at: np.ndarray) -> list[dict[str, Any]]:
+    """The rows of the step's ranks ``at`` (indices, int ``(k,)``) with the fields the console
+    line and the per-rank series read (:func:`format_step_line`,
+    :func:`~ray_titan.metrics.sinks.step_scalars`): rank, memory (bytes), GC, verdict and slope
+    (MiB per step); None where a report had none."""
+    values = c.values[np.ix_(at, _SINK_INDEX)].tolist()
+    nulls = c.nulls[np.ix_(at, _SINK_INDEX)].tolist()
+    rows = []
+    for i, vs, ns in zip(at.tolist(), values, nulls):
+        row: dict[str, Any] = {k: None if null else v if k == "gc_pause_s" else int(v)
+                               for k, v, null in zip(_SINK_FIELDS, vs, ns)}
+        row["memory_verdict"] = _VERDICT_NAMES[int(code[i])]
+        row["memory_slope_mib_per_step"] = None if math.isnan(slope[i]) else float(slope[i])
+        rows.append(row)
+    return rows
 
 
 def _max_memory(c: _Columns) -> dict[str, Any] | None:
@@ -379,12 +350,13 @@ def _newest_reports(parts: list[dict[str, Any]]) -> tuple[_Columns, list[tuple],
     objects = [o for p in parts for o in (p["objects"] if moe is not None or p.get("moe") is None
                                           else _with_moe_lists(p["objects"], p["moe"]))]
     ranks_all = values[:, _F["rank"]].astype(np.int64)
-    rev = len(ranks_all) - 1 - np.unique(ranks_all[::-1], return_index=True)[1]
-    values, null = values[rev], null[rev]
-    objects = [objects[i] for i in rev.tolist()]
-    if moe is not None:
-        moe = (moe[0][rev], moe[1][rev])
-    else:  # ragged MoE shapes: element by element
+    if len(ranks_all) > 1 and not (ranks_all[1:] > ranks_all[:-1]).all():  # not already one per rank in order
+        rev = len(ranks_all) - 1 - np.unique(ranks_all[::-1], return_index=True)[1]
+        values, null = values[rev], null[rev]
+        objects = [objects[i] for i in rev.tolist()]
+        if moe is not None:
+            moe = (moe[0][rev], moe[1][rev])
+    if moe is None:  # ragged MoE shapes: element by element
         objects = [(o[0], o[1] or [], o[2] or [], o[3], o[4]) for o in objects]
     return _Columns(values, null), objects, moe, parts[0]["axes"]
 
@@ -447,9 +419,11 @@ class MetricsCollector:
         self.last_by_size = ({n: sorted(r) for n, r in last_stage_ranks.items()} if isinstance(last_stage_ranks, dict)
                              else {world_size: sorted(last_stage_ranks)})
         self.world_size, self.last = world_size, self.last_by_size[world_size]
+        self._last_tables: dict[int, np.ndarray] = {}
         self._layout_shown: set[float] = set()
         self.total_steps, self.log_freq, self.flush_every = total_steps, log_freq, flush_every_steps
         self.parquet = ParquetSink(self.run_dir / "metrics")
+        self.rows = StepTableBuffer()  # assembled steps until the next flush
         self.tb = TensorBoardSink(self.run_dir / "tb") if enable_tensorboard else None
         self.wandb = WandbSink(self.run_dir, **wandb) if wandb else None
         self._pending: dict[int, list[dict[str, Any]]] = {}  # step -> packed parts (pack_reports)
@@ -601,6 +575,7 @@ class MetricsCollector:
             for rank, n in sorted(self.dropped.items()):
                 self._error(f"rank {rank} dropped {n} report(s): the collector was too slow")
             self._skipped_steps = self._restarts = self._steps_run = 0
+            self._stage_rows()
             try:
                 steps_path: Path = self.parquet.close()
                 self._check_complete(steps_path)
@@ -800,13 +775,12 @@ class MetricsCollector:
         coords = self._new_coords(c, ranks, axes, attempt)
         mem = {k: c.get(k) for k in MEMORY_FIELDS}
         code, slope, oom, changes = self.leak.update_many(step, ranks, mem, every=max(1, -(-n // self.VERDICT_RANKS)))
-        table = _step_table(c, objects, moe, summary, code, slope, oom, size)
-        self.parquet.add_table(table)
+        self.rows.add(StepColumns(c.values, c.nulls, objects, moe, summary, code, slope, oom, size))
         ray_metrics.export_step(self.run_dir.name, step, summary, c.int("pp"), ranks, mem)  # Prometheus / Grafana
         messages = self._verdict_messages(step, changes)
         growing = np.nonzero(code == GROWING_CODE)[0]
         small = n <= max(CONSOLE_RANKS, self.series_max_ranks)
-        rows = table.to_pylist() if small else table.take(pa.array(growing)).to_pylist()
+        rows = _sink_rows(c, code, slope, np.arange(n) if small else growing)
         self._to_sinks(step, summary, rows, c, code, load, messages, ranks, coords)
         if step % self.log_freq == 0 or step == self.total_steps or step == 1 or summary["val/loss"] is not None:
             line = (format_step_line(step, self.total_steps, summary, rows) if n <= CONSOLE_RANKS
@@ -826,8 +800,7 @@ class MetricsCollector:
         counted ranks and of the counted ranks (``tp = 0``); a last-stage rank without a loss or
         another rank with one is recorded as an error."""
         ranks = c.int("rank")
-        last_ranks = self.last_by_size.get(size, self.last)
-        on_last = np.isin(ranks, last_ranks)
+        on_last = self._last_stage_mask(size, ranks)
         has_loss = ~c.null("loss")
         for r in ranks[on_last & ~has_loss].tolist():
             self._error(f"step {step}: last-stage rank {r} reported no loss")
@@ -858,6 +831,18 @@ class MetricsCollector:
         mixed = [objects[i][3] for i in np.nonzero(last)[0].tolist() if objects[i][3]]  # one per DP group
         summary["source_tokens"] = [sum(x) for x in zip(*mixed)] if mixed else None
         return summary, last, counted
+
+    def _last_stage_mask(self, size: int, ranks: np.ndarray) -> np.ndarray:
+        """bool ``(ranks,)``: which of ``ranks`` hold the last stage in a worker group of ``size``
+        (a lookup table per size: ``np.isin`` costs ~0.1 ms a step at any size)."""
+        table = self._last_tables.get(size)
+        top = int(ranks.max()) + 1 if len(ranks) else 0
+        if table is None or len(table) < top:
+            last = self.last_by_size.get(size, self.last)
+            table = np.zeros(max(top, max(last, default=-1) + 1), bool)
+            table[last] = True
+            self._last_tables[size] = table
+        return table[ranks]
 
     def _new_coords(self, c: _Columns, ranks: np.ndarray, axes: list[str],
                     attempt: float) -> list[dict[str, int]] | None:
@@ -975,6 +960,7 @@ class MetricsCollector:
         full disk) is recorded once, naming the file and the cause; the rows stay in memory and
         the next flush tries again, so nothing that fits on disk later is lost."""
         self._since_flush = 0
+        self._stage_rows()
         try:
             self.parquet.flush()
         except OSError as e:
@@ -990,6 +976,12 @@ class MetricsCollector:
             self._advance_durable(attempt)
         self._unflushed = []
         self._sync("after a flush")
+
+    def _stage_rows(self) -> None:
+        """The assembled steps' rows, built into one table, to the Parquet sink's queue."""
+        table = self.rows.take()
+        if table is not None:
+            self.parquet.add_table(table)
 
     def _write_failed(self, message: str) -> None:
         """Record a failed write once per message (a full disk fails every flush alike)."""

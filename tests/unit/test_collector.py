@@ -306,6 +306,33 @@ def test_stages_holding_different_numbers_of_moe_layers_keep_their_load(tmp_path
     assert t["expert_load"].to_pylist() == [[[0, 1]], [[1, 1]], [[2, 2], [3, 2]], [[3, 2], [3, 3]]]
 
 
+def test_steps_of_one_flush_keep_their_own_moe_shapes_and_missing_figures(tmp_path):
+    """The rows of a flush are built in one go over its steps (``ray_titan.metrics.step_table``):
+    steps whose MoE reports pack into blocks, ragged ones (expert counts differ between layers)
+    and dense ones keep their own layers and load; a NaN loss stays NaN while a step without a
+    loss has null, and a group size reported at one step only is in that step's rows only."""
+    dims = ParallelDims(pp=1, dp_shard=2)
+    c = _collector(tmp_path, dims, steps=4, flush_every_steps=10)
+    for step in range(1, 5):
+        reps = [_report(step, r, dims, loss=[1.0, float("nan"), None, 2.0][step - 1]) for r in range(2)]
+        if step == 1:  # blocks: two layers of two experts
+            for r, rep in enumerate(reps):
+                rep.update(moe_layers=[0, 1], expert_load=[[r, 1], [2, r]], world_size=2)
+        if step == 2:  # ragged: the layers count 2 and 3 experts
+            for r, rep in enumerate(reps):
+                rep.update(moe_layers=[0, 1], expert_load=[[r, 1], [2, r, 4]])
+        c.report(reps)
+    errors = c.finish()["errors"]
+    assert errors == ["step 3: last-stage rank 0 reported no loss", "step 3: last-stage rank 1 reported no loss"]
+    t = read_steps(tmp_path).sort_by([("step", "ascending"), ("rank", "ascending")])
+    assert t["moe_layers"].to_pylist() == [[0, 1]] * 4 + [[]] * 4
+    assert t["expert_load"].to_pylist() == [[[0, 1], [2, 0]], [[1, 1], [2, 1]], [[0, 1], [2, 0, 4]],
+                                            [[1, 1], [2, 1, 4]]] + [[]] * 4
+    loss = t["step_loss"].to_pylist()
+    assert loss[:2] == [1.0, 1.0] and all(x != x for x in loss[2:4]) and loss[4:6] == [None, None]
+    assert t["world_size"].to_pylist() == [2, 2] + [None] * 6
+
+
 def test_beyond_16_ranks_the_console_and_the_sinks_summarise(tmp_path):
     """32 ranks (pp=2 × dp_shard=16), rank 7 leaking: the console line gives min / median / max of
     memory with the extreme ranks, the verdict counts naming the growing rank and a per-stage
