@@ -4,7 +4,8 @@ A step's numbers arrive as one float64 matrix (:func:`~ray_titan.metrics.report.
 Turning it into Arrow costs one ``pa.array`` per column, about sixty a step, whatever the number
 of ranks: ~1.5 ms a step at 4 ranks, more than the collector's whole step before issue 31.
 :class:`StepTableBuffer` keeps each assembled step's matrices and objects until the collector
-flushes, then builds every held step's rows with one ``pa.array`` per column.
+flushes (or until they hold a few thousand rows), then builds their rows with one ``pa.array``
+per column.
 """
 
 from __future__ import annotations
@@ -91,25 +92,31 @@ class StepColumns:
 
 
 class StepTableBuffer:
-    """Assembled steps held until the next flush (:meth:`take`), as numpy; bounded by the
-    collector's ``flush_every_steps``."""
+    """Assembled steps held until the next flush (:meth:`take`): as numpy until they hold
+    ``chunk_rows`` rows, then as an Arrow table. Small steps share the per-column cost; a large
+    step (a 16K-rank job's) is built at once, in cache-sized pieces, and no Python object per
+    rank outlives it. Bounded by the collector's ``flush_every_steps``."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_rows: int = 4096) -> None:
+        self.chunk_rows = chunk_rows
         self._steps: list[StepColumns] = []
-
-    def __len__(self) -> int:
-        return len(self._steps)
+        self._rows = 0
+        self._tables: list[pa.Table] = []
 
     def add(self, step: StepColumns) -> None:
         self._steps.append(step)
+        self._rows += len(step.values)
+        if self._rows >= self.chunk_rows:
+            self._tables.append(_table(self._steps))
+            self._steps, self._rows = [], 0
 
     def take(self) -> pa.Table | None:
         """Every held step's rows in :data:`STEP_SCHEMA`, in the order added; None if none is
         held. The buffer is empty afterwards."""
-        if not self._steps:
-            return None
-        steps, self._steps = self._steps, []
-        return _table(steps)
+        if self._steps:
+            self._tables.append(_table(self._steps))
+        tables, self._tables, self._steps, self._rows = self._tables, [], [], 0
+        return pa.concat_tables(tables) if tables else None
 
 
 def _table(steps: list[StepColumns]) -> pa.Table:

@@ -306,13 +306,16 @@ def test_stages_holding_different_numbers_of_moe_layers_keep_their_load(tmp_path
     assert t["expert_load"].to_pylist() == [[[0, 1]], [[1, 1]], [[2, 2], [3, 2]], [[3, 2], [3, 3]]]
 
 
-def test_steps_of_one_flush_keep_their_own_moe_shapes_and_missing_figures(tmp_path):
-    """The rows of a flush are built in one go over its steps (``ray_titan.metrics.step_table``):
+@pytest.mark.parametrize("chunk_rows", [4096, 3])
+def test_steps_of_one_flush_keep_their_own_moe_shapes_and_missing_figures(tmp_path, chunk_rows):
+    """The rows of a flush are built in one go over its steps, or over chunks of them
+    (``ray_titan.metrics.step_table``; ``chunk_rows`` = 3 splits the 8 rows unevenly):
     steps whose MoE reports pack into blocks, ragged ones (expert counts differ between layers)
     and dense ones keep their own layers and load; a NaN loss stays NaN while a step without a
     loss has null, and a group size reported at one step only is in that step's rows only."""
     dims = ParallelDims(pp=1, dp_shard=2)
     c = _collector(tmp_path, dims, steps=4, flush_every_steps=10)
+    c.rows.chunk_rows = chunk_rows
     for step in range(1, 5):
         reps = [_report(step, r, dims, loss=[1.0, float("nan"), None, 2.0][step - 1]) for r in range(2)]
         if step == 1:  # blocks: two layers of two experts
