@@ -625,8 +625,11 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         act_modes[key] += head
     per_token = kept_so_far + head + (_I64 if first else 0)
     # At the transient's moment (a block's backward) the blocks after it and the head are freed
-    # already: kept bytes that the plan's split counts as temporaries then, not activations.
-    freed = per_token - (_I64 if first else 0) - kept_at_peak if backward_peak > per_token else 0.0
+    # already: kept bytes that the plan's split counts as temporaries then, not activations. Not
+    # a last stage's logits under PP: the stage output, held by torch's backward_one_chunk until
+    # it returns (simulated GPU, Interleaved1F1B).
+    stays = e * j.vocab if last and pp > 1 else 0.0
+    freed = per_token - (_I64 if first else 0) - kept_at_peak - stays if backward_peak > per_token else 0.0
     n = cfg.parallelism.microbatches
     # Tensor parallel splits all but the projections' whole inputs (BlockActivations.whole); under
     # sequence parallel a stage sends and receives its 1/tp of the sequence.
@@ -756,9 +759,10 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
     if emb_grad and base + grads_during + a_after + emb_grad > max(before_grads, with_grads):
         with_grads, a_grads, transient = base + grads_during + a_after + emb_grad, a_after, emb_grad
     in_flight = {s: c for c, s in zip(flight.peak, stage_ids)}
-    if pp > 1 and j.rule is not None and j.rule.zero_bubble:
-        # Split backwards: the peak's moment found by walking the rank's actions (what stays
-        # from each input-gradient step to its weight-gradient step; _zero_bubble_peak).
+    if pp > 1 and j.rule is not None and j.rule.stages_per_rank != 1:
+        # Several stages per rank (interleaved, zero-bubble, DualPipeV): the peak's moment found
+        # by walking the rank's actions, each stage's backward with what is in flight then, and
+        # what stays from each input-gradient step to its weight-gradient step (_zero_bubble_peak).
         zb = _zero_bubble_peak(j, pp_rank, stage_ids, acts, params, grads_during)
         before_grads = with_grads = base + zb.activations + zb.transient + zb.grads
         a_peak = a_grads = zb.activations
@@ -811,7 +815,8 @@ def _zero_bubble_peak(j: _Job, pp_rank: int, stage_ids: list[int], acts: dict[in
     above the resident states: a forward adds its stage's kept activations; an input-gradient
     step ``I`` of a stage that is not the first runs its transient and then keeps ``held`` until
     its ``W``; ``W`` (on the first stage a full backward) and a full backward ``B`` run theirs and
-    end the microbatch. Gradients count from a stage's first ``W`` or ``B`` on: FSDP2's
+    end the microbatch. Gradients count from a stage's first ``W`` or ``B`` on (a full backward's
+    from its end, when its transient is gone; a ``W``'s beside what it keeps at its end): FSDP2's
     unsharded accumulation of that stage (more than one microbatch), else its sharded ones
     (``_StageActivations``, :func:`_zero_bubble_terms`)."""
     from ray_titan.parallel.schedules import rank_actions
@@ -853,10 +858,11 @@ def _zero_bubble_peak(j: _Job, pp_rank: int, stage_ids: list[int], acts: dict[in
             done.add(s)
             moment(a.weight_transient)
             in_flight[s] -= 1
-        else:  # a full backward: B, or W of the first stage
-            done.add(s)
+        else:  # a full backward (B, or W of the first stage): its weight gradients come at its end
             moment(a.transient, a.freed)
             in_flight[s] -= 1
+            done.add(s)
+            moment(0.0)
     return best
 
 
