@@ -576,6 +576,9 @@ class _StageActivations:
     held: float = 0.0
     input_transient: float = 0.0
     weight_transient: float = 0.0
+    # The backward's moments, last first (the head on the last stage, then each block): bytes
+    # kept up to it, its transient, its layer (-1: the head); for _fsdp_backward_moment.
+    scan: list[tuple[float, float, int]] = field(default_factory=list)
 
 
 def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageActivations:
@@ -589,6 +592,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     kept_so_far, backward_peak, moe_part, unsplit = 0.0, 0.0, 0.0, 0.0
     kept_at_peak = 0.0  # what is still kept at the backward's peak moment (the blocks up to it)
     blocks = []  # (block, how checkpointed, layer), for the zero-bubble terms
+    scan: list[tuple[float, float, int]] = []  # per block: kept up to it, its backward's transient, layer
     for i, layer in enumerate(j.split[s]):
         blk = j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep)
         how = _checkpointed(cfg, layer)
@@ -597,6 +601,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         if i == 0 and not first:
             kept -= r * args.dim  # its input is the pipeline's receive buffer
         kept_so_far += kept
+        scan.append((kept_so_far, blk.recompute(how) + blk.backward, layer))
         if kept_so_far + blk.recompute(how) + blk.backward > backward_peak:
             backward_peak, kept_at_peak = kept_so_far + blk.recompute(how) + blk.backward, kept_so_far
         moe_part += blk.experts(how)
@@ -614,6 +619,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         # The loss's backward: the gradients of the log-softmax and of the logits, both fp32 (the
         # loss upcasts bf16 logits; measured on the simulated GPU).
         loss_bwd = 2 * _F32 * j.vocab
+        scan.append((kept_so_far + head, loss_bwd, -1))
         if kept_so_far + head + loss_bwd >= backward_peak:
             backward_peak, kept_at_peak = kept_so_far + head + loss_bwd, kept_so_far + head
         if j.tp > 1 and not cfg.parallelism.loss_parallel:  # replicated logits: the loss's are whole
@@ -643,7 +649,8 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         transient=(max(0.0, backward_peak - per_token) / j.tp + loss_whole * (1 - 1 / j.tp)) * j.tokens,
         freed=max(0.0, freed) * j.tokens / j.tp,
         pipe=r * args.dim * j.tokens * n * ((0 if first else 1) + (0 if last else 1)) / sp if pp > 1 else 0.0,
-        held=held, input_transient=input_t, weight_transient=weight_t)
+        held=held, input_transient=input_t, weight_transient=weight_t,
+        scan=[(k * j.tokens / j.tp, t * j.tokens / j.tp, layer) for k, t, layer in scan])
 
 
 def _zero_bubble_terms(j: _Job, s: int, blocks: list[tuple[Any, str, int]],
@@ -759,6 +766,13 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
     if emb_grad and base + grads_during + a_after + emb_grad > max(before_grads, with_grads):
         with_grads, a_grads, transient = base + grads_during + a_after + emb_grad, a_after, emb_grad
     in_flight = {s: c for c, s in zip(flight.peak, stage_ids)}
+    if pp == 1 and dims.dp_shard > 1:
+        # FSDP2 without PP: the gradient-syncing microbatch's backward, block by block
+        # (_fsdp_backward_moment); the first microbatch's (no gradients) is before_grads.
+        fb = _fsdp_backward_moment(j, acts[0], params[0])
+        if base + fb.activations + fb.transient + fb.grads >= before_grads:
+            with_grads = base + fb.activations + fb.transient + fb.grads
+            a_grads, transient, freed, grads_during = fb.activations, fb.transient, 0.0, fb.grads
     if pp > 1 and j.rule is not None and j.rule.stages_per_rank != 1:
         # Several stages per rank (interleaved, zero-bubble, DualPipeV): the peak's moment found
         # by walking the rank's actions, each stage's backward with what is in flight then, and
@@ -806,6 +820,43 @@ class _Moment:
     freed: float
     grads: float
     in_flight: dict[int, int]
+
+
+def _fsdp_backward_moment(j: _Job, a: _StageActivations, p: _StageParams) -> _Moment:
+    """The most memory above the resident states while FSDP2 (no PP) runs the backward of the
+    microbatch that syncs gradients (the last; the only one with one microbatch), from the head
+    to the first block (``a.scan``): what is still kept up to the block, its transient, the
+    gradients, and the reduce-scatter's buffers of the block finished just before (its gradient
+    in the parameter dtype and the fp32 copy reduced, ``(e + 4)·G`` for the largest block ``G``;
+    from the second block on: the head's groups are reduced last, with the root). Gradients: with
+    several microbatches the accumulated unsharded ones (fp32) less what the finished blocks'
+    reduce-scatters freed (their shards stay, on the host under CPU offload); with one, the
+    finished blocks' shards and the root's unsharded ones. Measured on the simulated GPU
+    (``ray-titan dry-run``, 2026-11-26): the peak at a checkpointed block's recomputation, the
+    buffers ``(e + 4)·G`` of the block after it beside it (fsdp2 bf16 full AC, HSDP fp32
+    selective layer)."""
+    n, pe = j.cfg.parallelism.microbatches, j.e
+    biggest = max((g.full for g in [*p.blocks.values(), *p.experts.values()]), default=0)
+    extra = a.kept - (a.scan[-1][0] if a.scan else 0.0)  # kept outside the blocks (the token ids)
+    groups = dict(p.blocks)
+    total_full = sum(g.full for g in p.groups()) + p.unmanaged
+    best: _Moment | None = None
+    finished: list[int] = []
+    for kept, t, layer in reversed(a.scan):
+        done = [groups[x] for x in finished if x in groups]
+        shards = 0.0 if j.offload else _F32 * sum(g.local for g in done)  # CPU offload: on the host
+        if n > 1:
+            grads = _F32 * (total_full - sum(g.full for g in done)) + shards
+        else:
+            grads = shards + pe * p.root.full
+        rs = (pe + _F32) * biggest if done else 0.0
+        m = _Moment(kept + extra, t + rs, 0.0, grads, {0: 1})
+        if best is None or m.activations + m.transient + m.grads > best.activations + best.transient + best.grads:
+            best = m
+        if layer >= 0:
+            finished.append(layer)
+    assert best is not None
+    return best
 
 
 def _zero_bubble_peak(j: _Job, pp_rank: int, stage_ids: list[int], acts: dict[int, _StageActivations],
