@@ -52,3 +52,29 @@ def test_zbv_weight_step_of_a_checkpointed_block_holds_its_recomputations():
     assert rank.in_flight == {1: 2, 2: 2}
     assert rank.transient == pytest.approx(7 * recompute, rel=1e-6)
     assert rank.categories()["temporaries"] >= 7 * recompute
+
+
+def test_fsdp_without_pp_peaks_at_a_recomputed_block_beside_the_reduce_scatter_of_the_next():
+    # pp = 1, dp_shard = 2, 2 microbatches, selective layer AC (layers 0 and 2 checkpointed). In
+    # the second microbatch's backward, layer 3's backward is first (nothing reduced yet); at
+    # layer 2's recomputation layer 3 has been reduce-scattered: its buffers (fp32: 4 + 4 bytes
+    # per element of the block) beside layer 2's recomputation and backward, layers 0 and 1 kept.
+    cfg = load_config(None, [
+        "--model.name=llama", "--model.flavor=debug", "--parallelism.pp=1", "--parallelism.dp_shard=2",
+        "--parallelism.microbatches=2", "--training.seq_len=256", "--training.global_batch_size=8",
+        "--training.mixed_precision=fp32", "--activation_checkpoint.mode=selective",
+        "--activation_checkpoint.selective_option=layer", "--activation_checkpoint.layer_freq=2"])
+    rank = memory_plan(cfg, device="cuda", levers=False, vocab_size=258).ranks[0]
+    args, tokens = FLAVORS["debug"], 2 * 256
+    blk = llama_block_activations(args, 2, 4, 256, "cuda", 1.0, 1)
+    rows = {"wq": args.n_heads * args.head_dim, "wk": args.n_kv_heads * args.head_dim,
+            "wv": args.n_kv_heads * args.head_dim, "wo": args.dim, "w1": args.ffn_hidden_dim,
+            "w3": args.ffn_hidden_dim, "w2": args.dim}
+    cols = {"wq": args.dim, "wk": args.dim, "wv": args.dim, "wo": args.n_heads * args.head_dim,
+            "w1": args.dim, "w3": args.dim, "w2": args.ffn_hidden_dim}
+    # FSDP2 pads each parameter's rows to a multiple of the 2 shards; two norm weights of d.
+    block_elements = sum(2 * -(-rows[k] // 2) * cols[k] for k in rows) + 2 * 2 * -(-args.dim // 2)
+    kept = (2 * blk.input + blk.none + 8) * tokens  # layers 0 and 2: inputs; layer 1 whole; the token ids
+    assert rank.activations - rank.activations_freed_at_peak == pytest.approx(kept, rel=1e-6)
+    assert rank.transient == pytest.approx((blk.none - blk.input + blk.backward) * tokens + 8 * block_elements,
+                                           rel=1e-6)
