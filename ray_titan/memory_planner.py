@@ -37,6 +37,10 @@ pipeline buffers      receive buffers a pipeline stage allocates once per microb
 transient             the largest short-lived allocation of the step: the loss's gradient over
                       the vocabulary on the last stage, a block's backward, the block that
                       activation checkpointing recomputes, the optimizer's gradient temporaries.
+                      Zero-bubble schedules (split backwards): what each input-gradient step
+                      keeps until its weight-gradient step, and the recomputations a weight step
+                      of checkpointed blocks keeps, at the moment found by walking the rank's
+                      actions in torch's order (``_zero_bubble_peak``, ``_zero_bubble_terms``).
 peak                  ``max`` of the forward/backward phase (everything above) and the optimizer
                       phase (parameters, gradients, optimizer state).
 ====================  ===========================================================================
@@ -566,6 +570,15 @@ class _StageActivations:
     transient: float
     pipe: float
     freed: float = 0.0  # of ``kept``, freed by the transient's moment (the split of the peak)
+    # Zero-bubble schedules, a stage whose backward is split (not the first): what an input-
+    # gradient step keeps for its weight-gradient step, and the two steps' transients
+    # (:func:`_zero_bubble_terms`).
+    held: float = 0.0
+    input_transient: float = 0.0
+    weight_transient: float = 0.0
+    # The backward's moments, last first (the head on the last stage, then each block): bytes
+    # kept up to it, its transient, its layer (-1: the head); for _fsdp_backward_moment.
+    scan: list[tuple[float, float, int]] = field(default_factory=list)
 
 
 def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageActivations:
@@ -578,13 +591,17 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     # backward temporaries).
     kept_so_far, backward_peak, moe_part, unsplit = 0.0, 0.0, 0.0, 0.0
     kept_at_peak = 0.0  # what is still kept at the backward's peak moment (the blocks up to it)
+    blocks = []  # (block, how checkpointed, layer), for the zero-bubble terms
+    scan: list[tuple[float, float, int]] = []  # per block: kept up to it, its backward's transient, layer
     for i, layer in enumerate(j.split[s]):
         blk = j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep)
         how = _checkpointed(cfg, layer)
+        blocks.append((blk, how, layer))
         kept = blk.kept(how)
         if i == 0 and not first:
             kept -= r * args.dim  # its input is the pipeline's receive buffer
         kept_so_far += kept
+        scan.append((kept_so_far, blk.recompute(how) + blk.backward, layer))
         if kept_so_far + blk.recompute(how) + blk.backward > backward_peak:
             backward_peak, kept_at_peak = kept_so_far + blk.recompute(how) + blk.backward, kept_so_far
         moe_part += blk.experts(how)
@@ -602,6 +619,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         # The loss's backward: the gradients of the log-softmax and of the logits, both fp32 (the
         # loss upcasts bf16 logits; measured on the simulated GPU).
         loss_bwd = 2 * _F32 * j.vocab
+        scan.append((kept_so_far + head, loss_bwd, -1))
         if kept_so_far + head + loss_bwd >= backward_peak:
             backward_peak, kept_at_peak = kept_so_far + head + loss_bwd, kept_so_far + head
         if j.tp > 1 and not cfg.parallelism.loss_parallel:  # replicated logits: the loss's are whole
@@ -613,17 +631,68 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         act_modes[key] += head
     per_token = kept_so_far + head + (_I64 if first else 0)
     # At the transient's moment (a block's backward) the blocks after it and the head are freed
-    # already: kept bytes that the plan's split counts as temporaries then, not activations.
-    freed = per_token - (_I64 if first else 0) - kept_at_peak if backward_peak > per_token else 0.0
+    # already: kept bytes that the plan's split counts as temporaries then, not activations. Not
+    # a last stage's logits under PP: the stage output, held by torch's backward_one_chunk until
+    # it returns (simulated GPU, Interleaved1F1B).
+    stays = e * j.vocab if last and pp > 1 else 0.0
+    freed = per_token - (_I64 if first else 0) - kept_at_peak - stays if backward_peak > per_token else 0.0
     n = cfg.parallelism.microbatches
     # Tensor parallel splits all but the projections' whole inputs (BlockActivations.whole); under
     # sequence parallel a stage sends and receives its 1/tp of the sequence.
     sp = j.tp if j.tp > 1 and cfg.parallelism.sequence_parallel else 1
+    held = input_t = weight_t = 0.0
+    if pp > 1 and j.rule is not None and j.rule.zero_bubble and not first:
+        loss_t = 2.0 * _F32 * j.vocab if last else 0.0
+        held, input_t, weight_t = (x * j.tokens / j.tp for x in _zero_bubble_terms(j, s, blocks, loss_t))
     return _StageActivations(
         kept=(per_token / j.tp + unsplit * (1 - 1 / j.tp)) * j.tokens, experts=moe_part * j.tokens / j.tp,
         transient=(max(0.0, backward_peak - per_token) / j.tp + loss_whole * (1 - 1 / j.tp)) * j.tokens,
         freed=max(0.0, freed) * j.tokens / j.tp,
-        pipe=r * args.dim * j.tokens * n * ((0 if first else 1) + (0 if last else 1)) / sp if pp > 1 else 0.0)
+        pipe=r * args.dim * j.tokens * n * ((0 if first else 1) + (0 if last else 1)) / sp if pp > 1 else 0.0,
+        held=held, input_transient=input_t, weight_transient=weight_t,
+        scan=[(k * j.tokens / j.tp, t * j.tokens / j.tp, layer) for k, t, layer in scan])
+
+
+def _zero_bubble_terms(j: _Job, s: int, blocks: list[tuple[Any, str, int]],
+                       loss_bwd: float) -> tuple[float, float, float]:
+    """Per token of one microbatch on stage ``s`` (not the first) of a zero-bubble schedule, bytes:
+    what its input-gradient step ``I`` keeps until its weight-gradient step ``W``, the most ``I``
+    holds above that and the kept activations, and the most ``W`` holds. ``blocks``: the stage's
+    (block activations, how checkpointed, layer); ``loss_bwd``: the loss's backward on the last
+    stage (0 elsewhere).
+
+    Read from torch (``torch/distributed/pipelining``, 2.13): ``stage.backward_one_chunk(...,
+    full_backward=False)`` runs ``_backward.stage_backward_input``, one ``autograd.grad`` to the
+    stage input with ``retain_graph=True``: every saved activation stays (the graph is kept for
+    ``W``, so nothing is freed as a full backward frees it) and each parameter group keeps the
+    gradients flowing into its intermediate node, the output gradient of each weight-consuming op
+    (``BlockActivations.weight_step_inputs``; on the last stage also the logits' gradient ``e·V``
+    and the final norm's, ``4·d + e·d``). The first stage skips ``I`` and runs a full backward at
+    ``W`` (``backward_weight_one_chunk``, ``stage_index == 0``): no terms here. ``W``
+    (``stage_backward_weight``) calls ``autograd.grad`` once per parameter group, one per
+    parameter tensor of a block: for a checkpointed block each call is a new graph task, so
+    ``torch.utils.checkpoint`` (non-reentrant) recomputes the block each time and keeps every
+    recomputed tensor whose saved-tensor holder is still alive until the graph dies at the step's
+    end. Measured on the CPU (real tensors, one stage of debug blocks) and on the simulated GPU:
+    ``W`` holds ``(G − 3)·R`` per checkpointed block plus one recomputation ``R`` in progress,
+    ``G`` the block's parameter tensors and ``R`` its recomputed bytes (Llama: 6.9 R for one
+    block, G = 9; 6.1 R per block over four; Qwen3 8.1 R, G = 11; DeepSeek-V2's dense block 7.8
+    R, G = 10; its MoE block 7.5 R, G = 14, overestimated by this count)."""
+    args, e, last = j.args, j.e, s == j.dims.num_stages - 1
+    held = [blk.weight_step_inputs() for blk, _, _ in blocks]
+    if blocks and not last:
+        held[-1] -= j.r * args.dim  # the last block's output gradient is the received one (a pipeline buffer)
+    head = e * j.vocab + _F32 * args.dim + e * args.dim if last else 0.0
+    # I: from the last block back, each block's backward above the gradients already held.
+    so_far, input_t = head, loss_bwd
+    for (blk, how, _), h in zip(reversed(blocks), reversed(held)):
+        input_t = max(input_t, so_far + blk.recompute(how) + blk.backward)
+        so_far += h
+    input_t = max(input_t, so_far)
+    recomputed = [(sum(1 for _ in j.whole.layers[str(layer)].parameters()), blk.recompute(how))
+                  for blk, how, layer in blocks if how != "none"]
+    leak = sum(max(0, g - 3) * r for g, r in recomputed) + max((r for _, r in recomputed), default=0.0)
+    return so_far, input_t, leak
 
 
 def _model_states(j: _Job, params: dict[int, _StageParams]) -> tuple[int, int, int, float, float]:
@@ -696,13 +765,28 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
     a_after = sum(max(c - 1, 0) * acts[s].kept for c, s in zip(flight.peak, stage_ids))
     if emb_grad and base + grads_during + a_after + emb_grad > max(before_grads, with_grads):
         with_grads, a_grads, transient = base + grads_during + a_after + emb_grad, a_after, emb_grad
+    in_flight = {s: c for c, s in zip(flight.peak, stage_ids)}
+    if pp == 1 and dims.dp_shard > 1:
+        # FSDP2 without PP: the gradient-syncing microbatch's backward, block by block
+        # (_fsdp_backward_moment); the first microbatch's (no gradients) is before_grads.
+        fb = _fsdp_backward_moment(j, acts[0], params[0])
+        if base + fb.activations + fb.transient + fb.grads >= before_grads:
+            with_grads = base + fb.activations + fb.transient + fb.grads
+            a_grads, transient, freed, grads_during = fb.activations, fb.transient, 0.0, fb.grads
+    if pp > 1 and j.rule is not None and j.rule.stages_per_rank != 1:
+        # Several stages per rank (interleaved, zero-bubble, DualPipeV): the peak's moment found
+        # by walking the rank's actions, each stage's backward with what is in flight then, and
+        # what stays from each input-gradient step to its weight-gradient step (_zero_bubble_peak).
+        zb = _zero_bubble_peak(j, pp_rank, stage_ids, acts, params, grads_during)
+        before_grads = with_grads = base + zb.activations + zb.transient + zb.grads
+        a_peak = a_grads = zb.activations
+        transient, freed, in_flight, grads_during = zb.transient, zb.freed, zb.in_flight, zb.grads
     fwd_bwd = max(before_grads, with_grads)
     optim = (0.0 if j.offload else param_b + grads_after + opt_b) + pipe + buffers
     peak, phase = (fwd_bwd, "forward_backward") if fwd_bwd >= optim else (optim, "optimizer")
     peak_grads = grads_during if with_grads >= before_grads else 0.0
     off, plans = j.offload, []
     act_mb = {s: int(acts[s].kept) for s in stage_ids}
-    in_flight = {s: c for c, s in zip(flight.peak, stage_ids)}
     by_mode = {k: int(x * j.tokens / j.tp) for k, x in act_modes.items()}
     per_pp = dims.world_size // dims.pp  # pp is the mesh's outermost axis: a pp rank's ranks are one block
     for rank in range(pp_rank * per_pp, (pp_rank + 1) * per_pp):
@@ -722,6 +806,115 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
             activations_freed_at_peak=int(min(freed, a_peak if before_grads >= with_grads else a_grads)),
         ))
     return plans
+
+
+@dataclass
+class _Moment:
+    """The peak's moment of a zero-bubble rank (:func:`_zero_bubble_peak`), bytes: the kept
+    activations, the transient (what input-gradient steps hold for their weight-gradient steps
+    and the running step's own), the part of ``activations`` a full backward has freed by then,
+    the gradients, and the microbatches in flight per stage."""
+
+    activations: float
+    transient: float
+    freed: float
+    grads: float
+    in_flight: dict[int, int]
+
+
+def _fsdp_backward_moment(j: _Job, a: _StageActivations, p: _StageParams) -> _Moment:
+    """The most memory above the resident states while FSDP2 (no PP) runs the backward of the
+    microbatch that syncs gradients (the last; the only one with one microbatch), from the head
+    to the first block (``a.scan``): what is still kept up to the block, its transient, the
+    gradients, and the reduce-scatter's buffers of the block finished just before (its gradient
+    in the parameter dtype and the fp32 copy reduced, ``(e + 4)·G`` for the largest block ``G``;
+    from the second block on: the head's groups are reduced last, with the root). Gradients: with
+    several microbatches the accumulated unsharded ones (fp32) less what the finished blocks'
+    reduce-scatters freed (their shards stay, on the host under CPU offload); with one, the
+    finished blocks' shards and the root's unsharded ones. Measured on the simulated GPU
+    (``ray-titan dry-run``, 2026-11-26): the peak at a checkpointed block's recomputation, the
+    buffers ``(e + 4)·G`` of the block after it beside it (fsdp2 bf16 full AC, HSDP fp32
+    selective layer)."""
+    n, pe = j.cfg.parallelism.microbatches, j.e
+    biggest = max((g.full for g in [*p.blocks.values(), *p.experts.values()]), default=0)
+    extra = a.kept - (a.scan[-1][0] if a.scan else 0.0)  # kept outside the blocks (the token ids)
+    groups = dict(p.blocks)
+    total_full = sum(g.full for g in p.groups()) + p.unmanaged
+    best: _Moment | None = None
+    finished: list[int] = []
+    for kept, t, layer in reversed(a.scan):
+        done = [groups[x] for x in finished if x in groups]
+        shards = 0.0 if j.offload else _F32 * sum(g.local for g in done)  # CPU offload: on the host
+        if n > 1:
+            grads = _F32 * (total_full - sum(g.full for g in done)) + shards
+        else:
+            grads = shards + pe * p.root.full
+        rs = (pe + _F32) * biggest if done else 0.0
+        m = _Moment(kept + extra, t + rs, 0.0, grads, {0: 1})
+        if best is None or m.activations + m.transient + m.grads > best.activations + best.transient + best.grads:
+            best = m
+        if layer >= 0:
+            finished.append(layer)
+    assert best is not None
+    return best
+
+
+def _zero_bubble_peak(j: _Job, pp_rank: int, stage_ids: list[int], acts: dict[int, _StageActivations],
+                      params: dict[int, _StageParams], grads_during: float) -> _Moment:
+    """Walk pp rank ``pp_rank``'s actions of one step as torch orders them
+    (``ray_titan.parallel.schedules.rank_actions``) and return the moment of the most memory
+    above the resident states: a forward adds its stage's kept activations; an input-gradient
+    step ``I`` of a stage that is not the first runs its transient and then keeps ``held`` until
+    its ``W``; ``W`` (on the first stage a full backward) and a full backward ``B`` run theirs and
+    end the microbatch. Gradients count from a stage's first ``W`` or ``B`` on (a full backward's
+    from its end, when its transient is gone; a ``W``'s beside what it keeps at its end): FSDP2's
+    unsharded accumulation of that stage (more than one microbatch), else its sharded ones
+    (``_StageActivations``, :func:`_zero_bubble_terms`)."""
+    from ray_titan.parallel.schedules import rank_actions
+
+    dims, n = j.dims, j.cfg.parallelism.microbatches
+    fsdp_acc = dims.dp_shard > 1 and n > 1
+
+    def stage_grads(s: int) -> float:
+        p = params[s]
+        return _F32 * (p.full + p.unmanaged) if fsdp_acc else _F32 * p.local
+
+    per_stage = {s: stage_grads(s) for s in stage_ids}
+    scale = grads_during / max(1.0, sum(per_stage.values()))  # FSDP2 with one microbatch: its own count
+    in_flight, held = dict.fromkeys(stage_ids, 0), dict.fromkeys(stage_ids, 0)
+    done: set[int] = set()
+    best = _Moment(0.0, 0.0, 0.0, 0.0, dict(in_flight))
+
+    def moment(t: float, freed: float = 0.0) -> None:
+        nonlocal best
+        kept = sum(in_flight[x] * acts[x].kept for x in stage_ids)
+        grads = sum(per_stage[x] for x in done) * (1.0 if fsdp_acc or dims.dp_shard == 1 else scale)
+        transient = t + sum(held[x] * acts[x].held for x in stage_ids)
+        if kept + transient + grads > best.activations + best.transient + best.grads:
+            best = _Moment(kept, transient, min(freed, kept), grads, dict(in_flight))
+
+    for kind, s, _ in rank_actions(j.cfg.parallelism.pipeline_schedule, dims.pp, dims.stages_per_rank, n, pp_rank):
+        a, first = acts[s], s == 0
+        if kind == "F":
+            in_flight[s] += 1
+            moment(0.0)
+        elif kind == "I":
+            moment(0.0 if first else a.input_transient)
+            held[s] += 0 if first else 1
+        elif kind == "W" and not first:
+            # W consumes the held gradients as it makes the weight gradients: at its start the
+            # one, at its end the other and (checkpointed blocks) the recomputations it keeps.
+            moment(0.0)
+            held[s] -= 1
+            done.add(s)
+            moment(a.weight_transient)
+            in_flight[s] -= 1
+        else:  # a full backward (B, or W of the first stage): its weight gradients come at its end
+            moment(a.transient, a.freed)
+            in_flight[s] -= 1
+            done.add(s)
+            moment(0.0)
+    return best
 
 
 def _detect_device_memory() -> tuple[int | None, str]:

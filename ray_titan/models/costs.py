@@ -69,7 +69,9 @@ class BlockActivations:
     ``experts_none`` / ``experts_op``: the MoE dispatch and expert part of ``none`` / ``op``;
     ``whole``: the part of ``none`` and ``op`` that tensor parallel does not split, the inputs of
     the column-parallel projections (under sequence parallel all-gathered over the sequence, and
-    saved so by the projection: measured on the simulated GPU, ``ray-titan dry-run``)."""
+    saved so by the projection: measured on the simulated GPU, ``ray-titan dry-run``);
+    ``weight_step``: what a zero-bubble schedule's input-gradient step keeps for the block's
+    weight-gradient step (:meth:`weight_step_inputs`)."""
 
     none: float
     op: float
@@ -78,6 +80,17 @@ class BlockActivations:
     experts_none: float = 0.0
     experts_op: float = 0.0
     whole: float = 0.0
+    weight_step: float | None = None
+
+    def weight_step_inputs(self) -> float:
+        """Bytes per token a zero-bubble input-gradient step (``I``) keeps until the block's
+        weight-gradient step (``W``): the gradient of every weight-consuming op's output
+        (``torch.distributed.pipelining._backward.stage_backward_input`` keeps each parameter
+        group's ``grads``: the gradients flowing into the autograd nodes where the input's and
+        the weight's paths meet, the linear layers' and the norms' products). A family's own
+        count where it gives one, else ``op`` (the outputs of the matmuls and attention, the same
+        shapes)."""
+        return self.op if self.weight_step is None else self.weight_step
 
     def unsplit(self, checkpointed: str) -> float:
         """Bytes per token within :meth:`kept` that every tensor-parallel rank keeps whole."""

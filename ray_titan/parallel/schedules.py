@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Literal
 
 from torch.distributed.pipelining.schedules import (
@@ -30,9 +31,10 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
+    _ComputationType,
 )
 
-__all__ = ["SCHEDULES", "InFlight", "Schedule", "local_stages"]
+__all__ = ["SCHEDULES", "InFlight", "Schedule", "local_stages", "rank_actions"]
 
 
 @dataclass(frozen=True)
@@ -138,3 +140,31 @@ def local_stages(placement: str, pp: int, v: int, pp_rank: int) -> list[int]:
     if placement == "v":
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + j * pp for j in range(v)]
+
+
+_KINDS = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B",
+          _ComputationType.BACKWARD_INPUT: "I", _ComputationType.BACKWARD_WEIGHT: "W"}
+
+
+def rank_actions(name: str, pp: int, v: int, n: int, r: int) -> list[tuple[str, int, int]]:
+    """The compute actions pp rank ``r`` runs in one step of the multi-stage schedule ``name``
+    (interleaved, zero-bubble, DualPipeV) with ``v`` stages per rank and ``n`` microbatches, in
+    order, as torch builds them (the schedules' own ``_calculate_single_rank_operations``, called
+    without process groups; torch runs this list, less its idle slots):
+    ``(kind, stage, microbatch)``, kind ``F`` (forward), ``B`` (full backward), ``I``
+    (input-gradient half) or ``W`` (weight-gradient half); DualPipeV's overlapped pairs as their
+    forward then their backward. Raises ``KeyError`` for a name not in :data:`SCHEDULES`,
+    ``ValueError`` for a single-stage schedule (GPipe, 1F1B)."""
+    cls = SCHEDULES[name].torch_class
+    if not issubclass(cls, PipelineScheduleMulti):
+        raise ValueError(f"rank_actions: {name} is a single-stage schedule; its in-flight rule says it all")
+    rounds = max(1, n // pp)
+    ns = SimpleNamespace(pp_group_size=pp, n_local_stages=v, _n_microbatches=n, number_of_rounds=rounds,
+                         microbatches_per_round=n // rounds, num_stages=pp * v)
+    order = cls._calculate_single_rank_operations(ns, r)  # type: ignore[attr-defined]
+    out = []
+    for a in order:
+        for sub in (a.sub_actions if a is not None and a.sub_actions else [a]):
+            if sub is not None and sub.computation_type in _KINDS:
+                out.append((_KINDS[sub.computation_type], sub.stage_index, sub.microbatch_index))
+    return out

@@ -14,7 +14,11 @@ bf16 policy the residual stream is bf16, yet ``e = 2`` equals what autograd save
 silu's derivative: the gradients of ``h = silu(a)·b``, of ``silu(a)``, of ``b`` and of ``a``,
 ``4e·f`` (autograd's derivatives of ``mul`` and ``silu``), less ``h`` (``e·f``, saved for
 ``w2``'s weight gradient and freed once it is made): ``3e·f`` above what the block keeps (the
-simulated GPU, ``ray-titan dry-run``, sees them at a dense rank's peak, 2026-11-26).
+simulated GPU, ``ray-titan dry-run``, sees them at a dense rank's peak, 2026-11-26). A
+zero-bubble schedule's input-gradient step keeps, per token until the weight-gradient step, the
+output gradients of the block's weight-consuming ops: ``e·(q + 2kv)`` (wq, wk, wv), ``2e·d``
+(wo, w2), ``2e·f`` (w1, w3) and ``4·2d`` for the two norms' weight products (fp32), with q/k norms
+``4·(q + kv)`` more (``BlockActivations.weight_step``).
 """
 
 from __future__ import annotations
@@ -65,5 +69,11 @@ def llama_block_activations(a: Any, layer: int, e: int, seq: int, device: str, r
     # silu(a), b and a are alive at once (autograd's derivatives of mul and silu), 4 f-wide, and
     # h itself, saved for w2's weight gradient, is freed by then: 3 f-wide above what is kept.
     backward = e * 3 * f
+    # Kept from a zero-bubble I step to its W step: the output gradients of wq, wk, wv (e·(q +
+    # 2kv)), wo and w2 (e·d each), w1 and w3 (e·f each) and of the two norms' weight products
+    # (fp32: rms_norm upcasts), q/k norms' too (measured on the CPU and the simulated GPU).
+    weight_step = e * (q + 2 * kv) + 2 * e * d + 2 * e * f + 2 * F32 * d
+    if a.qk_norm:
+        weight_step += F32 * (q + kv)
     # The two norm outputs feed column-parallel projections: whole on every tensor-parallel rank.
-    return BlockActivations(none, op, F32 * d, backward, whole=e * 2 * d)
+    return BlockActivations(none, op, F32 * d, backward, whole=e * 2 * d, weight_step=weight_step)
