@@ -474,6 +474,18 @@ def _validate_memory(cfg: JobConfig) -> None:
             f"{cfg.parallelism.dp_shard} applies no FSDP2; use dp_shard >= 2 or cpu_offload = false"
         )
     ac = cfg.activation_checkpoint
+    schedule = cfg.parallelism.pipeline_schedule
+    if cfg.parallelism.pp > 1 and SCHEDULES[schedule].zero_bubble and ac.mode == "selective" \
+            and ac.selective_option == "op":
+        # The input-gradient half runs backward with retain_graph and the weight half again over
+        # the same region; torch's selective checkpoint allows one backward per region.
+        raise ConfigError(
+            f"activation_checkpoint.selective_option = 'op' with pipeline_schedule = {schedule!r}: a "
+            "zero-bubble schedule runs each backward in two parts, and torch's selective op checkpoint "
+            "allows one backward per region (the step fails with 'Trying to backward an extra time'); "
+            "use activation_checkpoint.mode = 'full', selective_option = 'layer', or a schedule without "
+            "the split (1F1B, Interleaved1F1B)"
+        )
     if ac.mode == "selective" and ac.selective_option == "layer":
         n_layers = _model_args(cfg).n_layers
         if ac.layer_freq > n_layers:

@@ -524,8 +524,9 @@ class ActivationCheckpoint(_Section):
     ``selective``: see ``selective_option``."""
     selective_option: Literal["op", "layer"] = "op"
     """``op``: every block saves the outputs of matrix multiplications and attention and
-    recomputes the cheap ones (norms, rotary embeddings, activations, products); ``layer``:
-    full checkpointing of every ``layer_freq``-th block."""
+    recomputes the cheap ones (norms, rotary embeddings, activations, products); not with the
+    zero-bubble pipeline schedules (torch's selective checkpoint allows one backward per region;
+    they run two). ``layer``: full checkpointing of every ``layer_freq``-th block."""
     layer_freq: int = Field(2, gt=0)
     """With ``selective_option = "layer"``: blocks whose index in the whole model is a multiple
     of this are checkpointed (1 = every block = ``full``)."""

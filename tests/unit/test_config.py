@@ -108,6 +108,11 @@ def _cfg(*overrides: str) -> JobConfig:
         (["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=layer",
           "--activation_checkpoint.layer_freq=9"],
          r"activation_checkpoint.layer_freq = 9 exceeds the model's 4 layers"),
+        (["--parallelism.pipeline_schedule=ZBVZeroBubble", "--parallelism.stages_per_rank=2",
+          "--parallelism.microbatches=4", "--activation_checkpoint.mode=selective",
+          "--activation_checkpoint.selective_option=op"],
+         r"selective_option = 'op' with pipeline_schedule = 'ZBVZeroBubble': a zero-bubble schedule runs each "
+         r"backward in two parts"),
         (["--memory.on_leak=halt"], r"memory.on_leak = 'halt': Input should be 'warn' or 'stop'"),
         (["--activation_checkpoint.mode=partial"], r"activation_checkpoint.mode = 'partial'"),
         # Well-typed values that cannot mean anything, or would be ignored (docs/reliability.md).
