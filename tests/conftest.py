@@ -82,6 +82,23 @@ class LaunchRun:
         return self._result.step_column(column)
 
 
+# Steps of the shared one-process Llama run: all in the main job's LR warm-up (20 steps), whose
+# rates do not depend on the run's length, so they are the first steps of any run of that job.
+LLAMA_ONE_WORKER_STEPS = 10
+
+
+@pytest.fixture(scope="session")
+def llama_one_worker(tmp_path_factory, corpus_cache) -> LaunchRun:
+    """The README's main job (``configs/debug_llama.toml``: model, seed, data, batch) on one
+    process without Ray, no PP, no FSDP, for ``LLAMA_ONE_WORKER_STEPS`` steps: the parity reference
+    of the Ray runs of that job (``tests/integration/test_main_job.py``, ``tests/integration/test_multinode.py``),
+    run once for the session."""
+    return LaunchRun(REPO / "configs" / "debug_llama.toml", [
+        "--job.name=llama_one_worker", f"--data.cache_dir={corpus_cache}", f"--training.steps={LLAMA_ONE_WORKER_STEPS}",
+        "--metrics.log_freq=1000", "--memory.breakdown_step=0", "--parallelism.pp=1", "--parallelism.dp_shard=1",
+    ], tmp_path_factory.mktemp("llama_one_worker"))
+
+
 def _tier(item: pytest.Item) -> int:
     """0: the static checks (seconds), 1: the unit tier, 2: integration (processes, Ray)."""
     if item.get_closest_marker("static"):

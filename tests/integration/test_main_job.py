@@ -15,22 +15,19 @@ import ray_titan
 from ray_titan.config import load_config
 from ray_titan.metrics.leak import theil_sen_slope
 from ray_titan.metrics.report import read_rank_reports
-from tests.conftest import REPO, LaunchRun
+from tests.conftest import LLAMA_ONE_WORKER_STEPS, REPO, LaunchRun
 
 pytestmark = pytest.mark.ray
 
 MAIN_STEPS = 300
-# The reference's steps: the main job's first ones are in the LR warm-up (20 steps), whose rates
-# do not depend on the run's length, so a 10-step run of one worker is its first 10 steps.
-STEPS = 10
+# The reference's steps (tests/conftest.py's llama_one_worker): the main job's first ones.
+STEPS = LLAMA_ONE_WORKER_STEPS
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus_cache):
+def reference(llama_one_worker):
     """One process without Ray, no PP, no FSDP: the same model, seed and data."""
-    return LaunchRun(REPO / "configs" / "debug_llama.toml", [
-        "--job.name=ref", f"--data.cache_dir={corpus_cache}", f"--training.steps={STEPS}", "--metrics.log_freq=1000",
-        "--memory.breakdown_step=0", "--parallelism.pp=1", "--parallelism.dp_shard=1"], tmp_path_factory.mktemp("ref"))
+    return llama_one_worker
 
 
 @pytest.fixture(scope="module")

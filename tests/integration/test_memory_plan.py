@@ -25,7 +25,7 @@ from ray_titan.metrics.sinks import read_steps
 from ray_titan.models.registry import build_model, get_spec
 from ray_titan.parallel.schedules import SCHEDULES, local_stages
 from tests.conftest import REPO
-from tests.support.ranks import launch
+from tests.support.ranks import forkserver, launch
 
 MiB = 2**20
 
@@ -161,11 +161,11 @@ def _measured(tmp_path, config, *overrides):
 ])
 def test_plan_is_within_15_percent_of_the_measured_peak_in_one_process(tmp_path, corpus_cache, config, overrides):
     # In a fresh process: the profiler's categories once counted 400 KiB more parameters after
-    # the whole suite had run in this one.
+    # the whole suite had run in this one. A child of the session's forkserver is as fresh (it
+    # only imported torch and ray_titan) and skips a spawned interpreter's imports.
     import concurrent.futures
-    import multiprocessing
 
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=forkserver()) as pool:
         planned, measured = pool.submit(_measured, tmp_path, config, f"--data.cache_dir={corpus_cache}",
                                         *overrides).result(timeout=600)
     assert measured["step"] == 2 and set(measured["at_peak"]) >= {"parameters", "gradients", "activations"}

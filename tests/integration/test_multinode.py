@@ -20,13 +20,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from ray_titan.config import ConfigError, load_config, merge_overrides
+from ray_titan.config import ConfigError, load_config
 from ray_titan.parallel.elastic import fitting_worker_counts, mesh_for_workers
 from ray_titan.preflight import validate_job
-from tests.conftest import REPO, LaunchRun
+from tests.conftest import LLAMA_ONE_WORKER_STEPS, REPO
 
 STEPS, INTERVAL = 8, 3
 # pp=2 × dp_shard=2: two workers (0.5 CPU each) fill a worker node.
@@ -122,12 +123,12 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_process(root, corpus_cache):
-    """The same model, seed and data on one process without Ray (pp = dp_shard = 1)."""
-    dump = root / "one_process"
-    flags = merge_overrides(["--job.name=one", f"--data.cache_dir={corpus_cache}", *JOB],
-                            ["--parallelism.pp=1", "--parallelism.dp_shard=1"])
-    return LaunchRun(REPO / "configs" / "debug_llama.toml", flags, dump).steps
+def one_process(llama_one_worker):
+    """The same model, seed and data on one process without Ray (pp = dp_shard = 1): the
+    session's (tests/conftest.py), whose first ``STEPS`` steps are this job's (its checkpoints and
+    metrics settings do not change the curve)."""
+    assert STEPS <= LLAMA_ONE_WORKER_STEPS
+    return llama_one_worker.steps.filter(pc.less_equal(llama_one_worker.steps["step"], STEPS))
 
 
 @pytest.fixture(scope="module")
