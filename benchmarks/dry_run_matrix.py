@@ -41,29 +41,38 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temp
 
 @dataclass(frozen=True)
 class Case:
-    """One composition: a short ``name`` and the overrides on ``configs/debug_llama.toml``."""
+    """One composition: a short ``name``, the overrides on ``config`` (default
+    ``configs/debug_llama.toml``) and the simulated ``steps``."""
 
     name: str
     overrides: tuple[str, ...]
+    config: str = CONFIG
+    steps: int = 2
 
 
-def _case(name: str, *, model: str = "llama", pp: int = 1, dp_rep: int = 1, dp: int = 1, tp: int = 1,
-          sched: str = "1F1B", v: int = 1, n: int = 1, ac: str = "none", offload: bool = False,
-          bf16: bool = False, seq: int = 256, mb: int = 2, extra: tuple[str, ...] = ()) -> Case:
-    """A :class:`Case`: mesh sizes, schedule, ``v`` stages per rank, ``n`` microbatches of ``mb``
-    sequences of ``seq`` tokens, AC mode (``none``, ``op``, ``layer``, ``full``)."""
+def _case(name: str, *, model: str = "llama", flavor: str = "debug", pp: int = 1, dp_rep: int = 1, dp: int = 1,
+          tp: int = 1, ep: int = 1, sched: str = "1F1B", v: int = 1, n: int = 1, ac: str = "none",
+          offload: bool = False, bf16: bool = False, seq: int = 256, mb: int = 2, steps: int = 2,
+          extra: tuple[str, ...] = ()) -> Case:
+    """A :class:`Case`: model and flavor, mesh sizes, schedule, ``v`` stages per rank, ``n``
+    microbatches of ``mb`` sequences of ``seq`` tokens, AC mode (``none``, ``op``, ``layer``,
+    ``full``), ``steps`` simulated. The debug MoE flavors run on their own configs
+    (``configs/debug_<model>.toml``: load balancing as their users run it)."""
     ac_over = {"none": ["--activation_checkpoint.mode=none"], "full": ["--activation_checkpoint.mode=full"],
                "op": ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=op"],
                "layer": ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=layer",
                          "--activation_checkpoint.layer_freq=2"]}[ac]
-    over = [f"--model.name={model}", "--model.flavor=debug", f"--parallelism.pp={pp}",
+    over = [f"--model.name={model}", f"--model.flavor={flavor}", f"--parallelism.pp={pp}",
             f"--parallelism.dp_replicate={dp_rep}", f"--parallelism.dp_shard={dp}", f"--parallelism.tp={tp}",
+            f"--parallelism.ep={ep}",
             f"--parallelism.pipeline_schedule={sched}", f"--parallelism.stages_per_rank={v}",
             f"--parallelism.microbatches={n}", f"--training.seq_len={seq}",
             f"--training.global_batch_size={mb * n * dp * dp_rep}",
             f"--training.mixed_precision={'bf16' if bf16 else 'fp32'}", f"--memory.cpu_offload={str(offload).lower()}",
             *ac_over, *extra]
-    return Case(name, tuple(over))
+    moe_config = REPO / "configs" / f"debug_{'deepseek' if model == 'deepseek_v2' else model}.toml"
+    config = str(moe_config) if flavor == "debug" and model != "llama" and moe_config.exists() else CONFIG
+    return Case(name, tuple(over), config, steps)
 
 
 # The covering design: every value of every axis at least once, with realistic companions.
@@ -93,6 +102,66 @@ CASES: list[Case] = [
     _case("qwen3 tied pp2 dp2 1F1B bf16", model="qwen3", pp=2, dp=2, n=2, bf16=True),
     _case("qwen3 tied pp2 dp2 GPipe fp32 full-AC", model="qwen3", pp=2, dp=2, sched="GPipe", n=2, ac="full"),
 ]
+# One realistic mesh per flavor of every family, bf16, 1F1B, no activation checkpointing, one
+# sequence per microbatch: the meshes docs/benchmarks.md uses for the MoE flavors and the 70B / 8B
+# rows. The debug dense flavors are the composition matrix's (CASES).
+_MOE_DEBUG = dict(pp=2, dp=2, ep=2, n=4, seq=128, bf16=True)
+FLAVOR_CASES: list[Case] = [
+    *[_case(f"{m} debug pp2 dp2 ep2", model=m, **_MOE_DEBUG)  # type: ignore[arg-type]
+      for m in ("deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss")],
+    _case("qwen3 0.6B fsdp8 seq4096", model="qwen3", flavor="0.6B", dp=8, seq=4096, mb=1, bf16=True),
+    _case("qwen3 1.7B fsdp8 seq4096", model="qwen3", flavor="1.7B", dp=8, seq=4096, mb=1, bf16=True),
+    _case("llama 3.2-1B pp2 dp4 tp2 seq2048", model="llama", flavor="3.2-1B", pp=2, dp=4, tp=2, n=4, mb=1,
+          seq=2048, bf16=True),
+    _case("llama 3.2-3B pp2 dp4 tp2 seq2048", model="llama", flavor="3.2-3B", pp=2, dp=4, tp=2, n=4, mb=1,
+          seq=2048, bf16=True),
+    _case("qwen3 4B pp2 dp4 tp2 seq4096", model="qwen3", flavor="4B", pp=2, dp=4, tp=2, n=4, mb=1, seq=4096,
+          bf16=True),
+    _case("qwen3 8B pp2 dp4 tp2 seq4096", model="qwen3", flavor="8B", pp=2, dp=4, tp=2, n=4, mb=1, seq=4096,
+          bf16=True),
+    _case("llama 3.1-8B pp2 dp2 tp2 seq2048", model="llama", flavor="3.1-8B", pp=2, dp=2, tp=2, n=4, mb=2,
+          seq=2048, bf16=True, extra=("--parallelism.loss_parallel=false",)),
+    _case("gpt_oss 20B pp2 dp4 ep4 seq2048", model="gpt_oss", flavor="20B", pp=2, dp=4, ep=4, n=2, mb=1,
+          seq=2048, bf16=True),
+    _case("deepseek_v2 V2-Lite pp2 dp8 ep8 seq4096", model="deepseek_v2", flavor="V2-Lite", pp=2, dp=8, ep=8,
+          n=2, mb=1, seq=4096, bf16=True),
+    _case("deepseek_v3 16B pp2 dp8 ep8 seq4096", model="deepseek_v3", flavor="16B", pp=2, dp=8, ep=8, n=2,
+          mb=1, seq=4096, bf16=True),
+    _case("qwen3_moe 30B-A3B pp4 dp8 ep8 seq4096", model="qwen3_moe", flavor="30B-A3B", pp=4, dp=8, ep=8, n=8,
+          mb=1, seq=4096, bf16=True),
+    _case("gpt_oss 120B pp4 dp8 ep8 seq2048", model="gpt_oss", flavor="120B", pp=4, dp=8, ep=8, n=4, mb=1,
+          seq=2048, bf16=True),
+    # The byte tokenizer's 258 tokens do not split over tp=8 (pre-flight refuses loss parallel).
+    _case("llama 3.1-70B pp8 dp64 tp8 seq8192", model="llama", flavor="3.1-70B", pp=8, dp=64, tp=8, n=8, mb=1,
+          seq=8192, bf16=True, extra=("--parallelism.loss_parallel=false",)),
+    _case("qwen3_moe 235B-A22B pp8 dp16 ep16 seq4096", model="qwen3_moe", flavor="235B-A22B", pp=8, dp=16,
+          ep=16, n=8, mb=1, seq=4096, bf16=True),
+    _case("deepseek_v2 V2 pp8 dp16 ep16 seq4096", model="deepseek_v2", flavor="V2", pp=8, dp=16, ep=16, n=8,
+          mb=1, seq=4096, bf16=True),
+    _case("deepseek_v3 671B pp16 dp64 ep64 seq4096", model="deepseek_v3", flavor="671B", pp=16, dp=64, ep=64,
+          n=16, mb=1, seq=4096, bf16=True),
+    _case("deepseek_v3 kimi_k2 pp16 dp64 ep64 seq4096", model="deepseek_v3", flavor="kimi_k2", pp=16, dp=64,
+          ep=64, n=16, mb=1, seq=4096, bf16=True),
+]
+# Flavors that are another flavor's shape (same LlamaArgs but RoPE scaling, which allocates
+# nothing per step) share its row.
+FLAVOR_ALIASES = {("llama", "3-8B"): ("llama", "3.1-8B"), ("llama", "8B"): ("llama", "3.1-8B")}
+
+
+def flavors_uncovered() -> list[tuple[str, str]]:
+    """The ``(family, flavor)`` pairs of the model registry that neither :data:`FLAVOR_CASES` nor
+    (for the debug dense flavors) :data:`CASES` measures; empty when every flavor has a row."""
+    from ray_titan.models.registry import MODELS
+
+    def key(case: Case) -> tuple[str, str]:
+        opts = dict(o.removeprefix("--").split("=", 1) for o in case.overrides)
+        return opts["model.name"], opts["model.flavor"]
+
+    covered = {key(c) for c in [*CASES, *FLAVOR_CASES]}
+    return [(m, f) for m, spec in MODELS.items() for f in spec.flavors
+            if FLAVOR_ALIASES.get((m, f), (m, f)) not in covered]
+
+
 QUICK = ["fsdp2 fp32", "pp2 dp2 1F1B bf16", "pp2 dp2 tp2 1F1B bf16 sel-op", "qwen3 tied fsdp2 tp2 bf16 sel-op"]
 
 
@@ -100,12 +169,13 @@ def _ranks(case: Case, quick: bool) -> list[int]:
     """The first rank and the last of ``case``'s mesh (the first only with ``quick``)."""
     from ray_titan.config import load_config
 
-    world = load_config(CONFIG, list(case.overrides)).world_size
+    world = load_config(case.config, list(case.overrides)).world_size
     return [0] if quick or world == 1 else [0, world - 1]
 
 
-def run_case(case: Case, ranks: list[int] | None = None, steps: int = 2) -> list[dict[str, Any]]:
-    """Dry-run ``case``'s ``ranks`` (default: the first and the last) for ``steps`` steps; one
+def run_case(case: Case, ranks: list[int] | None = None, steps: int | None = None) -> list[dict[str, Any]]:
+    """Dry-run ``case``'s ``ranks`` (default: the first and the last) for ``steps`` steps (default
+    the case's); one
     dict per rank: ``case``, ``rank``, ``stages``, ``simulated`` and ``planned`` bytes by category
     (and ``peak``), ``error`` by category and ``total`` ((planned − simulated) / simulated peak),
     ``worst`` (the category with the largest |error|), ``passed`` (every |error| ≤ 10 %),
@@ -113,7 +183,8 @@ def run_case(case: Case, ranks: list[int] | None = None, steps: int = 2) -> list
     ``DryRunError`` where the simulation fails."""
     from ray_titan.dry_run import dry_run
 
-    results = dry_run(CONFIG, list(case.overrides), ranks if ranks is not None else _ranks(case, False), steps=steps)
+    results = dry_run(case.config, list(case.overrides), ranks if ranks is not None else _ranks(case, False),
+                      steps=case.steps if steps is None else steps)
     rows = []
     for r in results:
         sim = {c: r.peak_by_category.get(c, 0) for c in CATEGORIES}
@@ -130,11 +201,14 @@ def run_case(case: Case, ranks: list[int] | None = None, steps: int = 2) -> list
     return rows
 
 
-def run(quick: bool = False, name_filter: str = "", workers: int = 2) -> list[dict[str, Any]]:
-    """Every case of :data:`CASES` (``quick``: :data:`QUICK`, first rank; ``name_filter``: those
-    whose name contains it), ``workers`` cases at a time; rows as :func:`run_case`'s, a failed
-    simulation as a row with ``error`` a message and ``passed`` False."""
-    cases = [c for c in CASES if (not quick or c.name in QUICK) and name_filter in c.name]
+def run(quick: bool = False, name_filter: str = "", workers: int = 2, flavors: bool = False) -> list[dict[str, Any]]:
+    """Every case of :data:`CASES` (``flavors``: of :data:`FLAVOR_CASES`; ``quick``: :data:`QUICK`
+    or the debug flavors, first rank; ``name_filter``: those whose name contains it), ``workers``
+    cases at a time; rows as :func:`run_case`'s, a failed simulation as a row with ``error`` a
+    message and ``passed`` False."""
+    quick_names = [c.name for c in FLAVOR_CASES[:4]] if flavors else QUICK  # flavors: the debug MoE ones
+    cases = [c for c in (FLAVOR_CASES if flavors else CASES)
+             if (not quick or c.name in quick_names) and name_filter in c.name]
 
     def one(case: Case) -> list[dict[str, Any]]:
         try:
@@ -167,11 +241,12 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def rows_for_runner(quick: bool) -> list[Any]:
-    """The runner's rows (``benchmarks.run``'s table): one per case and rank."""
+def rows_for_runner(quick: bool, flavors: bool = False) -> list[Any]:
+    """The runner's rows (``benchmarks.run``'s table): one per case and rank (``flavors``: of
+    :data:`FLAVOR_CASES`, ``quick`` then keeping the debug and the ≤ 8B ones)."""
     from benchmarks.stats import Row
 
-    rows = run(quick)
+    rows = run(quick, flavors=flavors)
     print(format_rows(rows), file=sys.stderr, flush=True)
     out = []
     for r in rows:
@@ -191,12 +266,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.dry_run_matrix", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="four cases, first rank only")
+    ap.add_argument("--flavors", action="store_true",
+                    help="one realistic mesh per flavor of every family (FLAVOR_CASES) instead of the matrix")
     ap.add_argument("--filter", default="", help="only the cases whose name contains this")
     ap.add_argument("--workers", type=int, default=2, help="cases simulated at a time (default 2)")
     ap.add_argument("--json", type=Path, default=None, help="where to write the rows")
     args = ap.parse_args(argv)
     t0 = time.time()
-    rows = run(args.quick, args.filter, args.workers)
+    if args.flavors and (missing := flavors_uncovered()):
+        print(f"flavors without a row: {missing}", file=sys.stderr)
+    rows = run(args.quick, args.filter, args.workers, args.flavors)
     print(format_rows(rows))
     print(f"{time.time() - t0:.0f} s")
     if args.json:

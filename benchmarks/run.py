@@ -69,7 +69,7 @@ from benchmarks.stats import Row, alternate, fmt_si, format_table, ratio_stats
 REPO = Path(__file__).resolve().parents[1]
 CPU_NAMES = ["collector", "bare", "torchrun", "ray_train", "memory", "startup"]
 ALL_NAMES = [*CPU_NAMES, "compile", "torchtitan", "gpu", "collector_scale", "parquet_rank_history",
-             "preflight_scale", "dry_run_matrix"]
+             "preflight_scale", "dry_run_matrix", "dry_run_flavors"]
 MiB = 2**20
 
 # Steps per run, (full, --quick). Long enough that the steady part dwarfs timer noise.
@@ -79,6 +79,7 @@ STEPS = {
     "compile": (40, 8), "torchtitan": (40, 8), "collector_scale": (200, 20),
     "parquet_rank_history": (500, 20), "preflight_scale": (0, 0),  # steps of the 16,384-rank table; none
     "dry_run_matrix": (2, 2),  # simulated steps per rank
+    "dry_run_flavors": (2, 2),
 }
 
 
@@ -644,6 +645,7 @@ BENCHMARKS = {
     "parquet_rank_history": lambda b: metrics_scale.bench_parquet_rank_history(b.work, b.quick),
     "preflight_scale": lambda b: metrics_scale.bench_preflight_scale(b.work, b.quick),
     "dry_run_matrix": lambda b: dry_run_matrix.rows_for_runner(b.quick),
+    "dry_run_flavors": lambda b: dry_run_matrix.rows_for_runner(b.quick, flavors=True),
 }
 
 

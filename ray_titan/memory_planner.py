@@ -183,7 +183,10 @@ def _stage_params(whole: Any, layers: list[int], first: bool, last: bool, dp: in
             if tp > 1 and len(shape) == 2:  # tensor parallel splits the block's matrices
                 shape = (math.ceil(shape[0] / tp), shape[1])
             out.blocks.setdefault(layer, _Group()).add(shape, dp)
-        elif (parts[0] == "tok_embeddings" and first) or (parts[0] in ("norm", "output") and last):
+        # A tied head's last stage (not the first) holds its own copy of the embedding
+        # (ray_titan.parallel.pipeline.build_stage_module), absent from a tied model's parameters.
+        elif ((parts[0] == "tok_embeddings" and (first or (last and getattr(whole, "tied", False))))
+              or (parts[0] in ("norm", "output") and last)):
             if tp > 1 and len(shape) == 2:
                 shape = (math.ceil(shape[0] / tp), shape[1])
             out.root.add(shape, dp)

@@ -165,3 +165,17 @@ def test_gpu_check_judges_fail_when_what_they_check_is_broken(tmp_path):
     y, g = torch.ones(4, 3), torch.ones(4, 2, 3)
     assert judge_experts(y, g * torch.tensor([1.0, 1, 0, 0]).view(4, 1, 1), y, g, 2, 1e-5, "loop", 4).passed
     assert "nonzero" in judge_experts(y, g, y, g, 2, 1e-5, "loop", 4).reason
+
+
+def test_every_flavor_of_every_family_has_a_dry_run_row(monkeypatch):
+    """``python -m benchmarks.dry_run_matrix --flavors`` measures every registered flavor (issue
+    29): a flavor added to a family without a row, or whose row is dropped, fails here; the
+    debug MoE flavors run on their own configs (their load balancing)."""
+    from benchmarks import dry_run_matrix as m
+    from ray_titan.models.registry import MODELS
+
+    assert m.flavors_uncovered() == []
+    monkeypatch.setitem(MODELS["qwen3"].flavors, "new", MODELS["qwen3"].flavors["8B"])
+    assert m.flavors_uncovered() == [("qwen3", "new")]
+    debug = {c.name: c for c in m.FLAVOR_CASES}["deepseek_v2 debug pp2 dp2 ep2"]
+    assert debug.config.endswith("configs/debug_deepseek.toml")

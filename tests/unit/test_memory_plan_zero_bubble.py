@@ -78,3 +78,23 @@ def test_fsdp_without_pp_peaks_at_a_recomputed_block_beside_the_reduce_scatter_o
     assert rank.activations - rank.activations_freed_at_peak == pytest.approx(kept, rel=1e-6)
     assert rank.transient == pytest.approx((blk.none - blk.input + blk.backward) * tokens + 8 * block_elements,
                                            rel=1e-6)
+
+
+def test_a_tied_heads_last_stage_counts_its_copy_of_the_embedding():
+    """With a tied head under PP the last stage (not the first) holds its own ``output``, a copy
+    of the embedding (``build_stage_module``); the plan left it out, so Llama 3.2-1B's last rank
+    on pp=2 × dp_shard=4 × tp=2 read −25 % against the simulated peak (parameters, gradients and
+    optimizer state each one vocab × dim matrix short). Planned elements = the stage module's."""
+    import torch
+
+    from ray_titan.memory_planner import _stage_params
+    from ray_titan.models.registry import build_model
+    from ray_titan.parallel.pipeline import build_stage_module
+
+    with torch.device("meta"):
+        whole = build_model("qwen3", "debug")
+    assert whole.tied
+    for first, last, layers in ((True, False, [0, 1]), (False, True, [2, 3])):
+        stage = build_stage_module(whole, layers, first, last)
+        planned = _stage_params(whole, layers, first, last, dp=1, ep=1, tp=1, bf16=False)
+        assert planned.full == sum(p.numel() for p in stage.parameters()), (first, last)
