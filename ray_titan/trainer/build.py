@@ -201,7 +201,11 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
             cfg.parallelism.pipeline_schedule, stages, dims.num_stages, n_mb, loss_fn, device, pp_group,
             dims.stage_to_rank_mapping(),
         )
-        if moe.active:
+        # Every stage must run the dummy step or none (it is a pipeline step: p2p and shape
+        # messages): a stage without MoE layers (DeepSeek's first dense layers) asks the others.
+        any_moe = torch.tensor([float(moe.active)], device=device)
+        dist.all_reduce(any_moe, op=dist.ReduceOp.MAX, group=pp_group)
+        if any_moe.item() > 0:
             # The schedule infers stage shapes at its first step by running every stage once,
             # on uninitialised inputs past stage 0: MoE routers would count those phantom tokens
             # in step 1. So infer now, on a dummy batch, and forget what it counted.

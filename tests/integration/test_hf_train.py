@@ -24,7 +24,7 @@ from ray_titan.metrics.sinks import read_steps
 from ray_titan.models.registry import build_model
 from ray_titan.preflight import validate_job
 from ray_titan.trainer import train_loop
-from tests.support.hf_models import SEQ, VOCAB, corpus_lines
+from tests.support.hf_models import SEQ, VOCAB, corpus_lines, make_hf_model
 from tests.support.ranks import launch
 
 transformers = pytest.importorskip("transformers")
@@ -69,11 +69,12 @@ def _torchrun(root, data, family, dump, *extra):
     return _launch(4, dump, *_overrides(root, data, family, dump, *extra))
 
 
-def _launch(nproc, dump, *overrides):
+def _launch(nproc, dump, *overrides, timeout=600):
     """The launcher on ``nproc`` ranks (torchrun when more than one); returns (the first
     last-stage rank's step losses, run directory)."""
     dump.mkdir(parents=True, exist_ok=True)
-    out = launch(list(overrides), nproc, cwd=dump.parent)  # tests/support/ranks.py: torchrun's ranks, forked
+    # tests/support/ranks.py: torchrun's ranks, forked
+    out = launch(list(overrides), nproc, cwd=dump.parent, timeout=timeout)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     (run_dir,) = dump.glob("*-*")
     steps = read_steps(run_dir)
@@ -194,6 +195,20 @@ def test_moe_import_onto_a_mesh_matches_one_process(models, tmp_path, family, me
     root, data = models
     single, _ = _in_process(root, data, family, tmp_path / "one", "--training.steps=1")
     losses, _ = _torchrun(root, data, family, tmp_path / "mesh", "--training.steps=1", *mesh)
+    np.testing.assert_allclose(losses, single, rtol=1e-5)
+
+
+def test_pp_stage_without_moe_layers_matches_one_process(models, tmp_path):
+    """A 2-layer DeepSeek-V2 (first layer dense) on pp=2: stage 0 holds no MoE layer. Only MoE
+    stages used to run the shape-inference dummy step, desynchronising the pipeline (a hang at
+    step 1 or 2, killed by the timeout here)."""
+    _, data = models
+    root = tmp_path / "m"
+    make_hf_model("deepseek_v2", root / "deepseek_v2", num_hidden_layers=2)
+    single, _ = _in_process(root, data, "deepseek_v2", tmp_path / "one", "--training.steps=2")
+    losses, _ = _launch(2, tmp_path / "mesh", *_overrides(root, data, "deepseek_v2", tmp_path / "mesh",
+                                                          "--training.steps=2", "--parallelism.pp=2",
+                                                          "--parallelism.dp_shard=1"), timeout=240)
     np.testing.assert_allclose(losses, single, rtol=1e-5)
 
 
