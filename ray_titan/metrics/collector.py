@@ -47,7 +47,14 @@ import pyarrow.compute
 
 from ray_titan import storage
 from ray_titan.metrics import ray_metrics
-from ray_titan.metrics.leak import GROWING, STABLE, WARMING_UP, LeakMonitor, Verdict, describe_coords, leak_settings
+from ray_titan.metrics.leak import (
+    GROWING,
+    VERDICTS,
+    LeakMonitor,
+    Verdict,
+    describe_coords,
+    leak_settings,
+)
 from ray_titan.metrics.report import MEMORY_FIELDS, MOE_PAD, PACKED_FIELDS, pack_reports
 from ray_titan.metrics.sinks import (
     ParquetSink,
@@ -240,7 +247,6 @@ def _expert_load_blocks(layers: np.ndarray, load: np.ndarray) -> dict[int, list[
 _SINK_FIELDS = ("rank", "host_rss_bytes", "host_peak_rss_bytes", "device_allocated_bytes", "device_reserved_bytes",
                 "device_peak_active_bytes", "device_peak_reserved_bytes", "gc_generation", "gc_pause_s")
 _SINK_INDEX = np.array([_F[k] for k in _SINK_FIELDS])
-_VERDICT_NAMES = (WARMING_UP, STABLE, GROWING)
 
 
 def _sink_rows(c: _Columns, code: np.ndarray, slope: np.ndarray, at: np.ndarray) -> list[dict[str, Any]]:
@@ -254,7 +260,7 @@ def _sink_rows(c: _Columns, code: np.ndarray, slope: np.ndarray, at: np.ndarray)
     for i, vs, ns in zip(at.tolist(), values, nulls):
         row: dict[str, Any] = {k: None if null else v if k == "gc_pause_s" else int(v)
                                for k, v, null in zip(_SINK_FIELDS, vs, ns)}
-        row["memory_verdict"] = _VERDICT_NAMES[int(code[i])]
+        row["memory_verdict"] = VERDICTS[int(code[i])]
         row["memory_slope_mib_per_step"] = None if math.isnan(slope[i]) else float(slope[i])
         rows.append(row)
     return rows
@@ -333,7 +339,7 @@ def memory_summary_scalars(c: _Columns, code: np.ndarray) -> list[tuple[str, flo
                     (f"memory/{g}/{name}_median_mib", float(np.nanmedian(x))),
                     (f"memory/{g}/{name}_max_mib", float(np.nanmax(x)))]
     counts = np.bincount(code.astype(np.int64), minlength=3)
-    out += [(f"memory/ranks_{v}", float(k)) for v, k in zip((WARMING_UP, STABLE, GROWING), counts.tolist())]
+    out += [(f"memory/ranks_{v}", float(k)) for v, k in zip(VERDICTS, counts.tolist())]
     return out
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "GROWING",
     "SERIES_NAMES",
     "STABLE",
+    "VERDICTS",
     "WARMING_UP",
     "LeakDetector",
     "LeakMonitor",
@@ -122,7 +123,8 @@ class Verdict:
     source: str
 
 
-_CODES = (WARMING_UP, STABLE, GROWING)
+VERDICTS = (WARMING_UP, STABLE, GROWING)
+"""The verdicts by code: the index the vectorised verdict (:meth:`LeakMonitor.update_many`) returns."""
 """A verdict's code in the arrays of :class:`SeriesBank` (and :data:`VERDICT_CODES` of the sinks)."""
 
 
@@ -150,7 +152,7 @@ class SeriesBank:
         self.x = np.zeros((0, window))  # steps of each rank's window, oldest first; ``n`` valid
         self.y = np.zeros((0, window))  # bytes
         self.n = np.zeros(0, np.int64)
-        self.state = np.zeros(0, np.int8)  # index into _CODES
+        self.state = np.zeros(0, np.int8)  # index into VERDICTS
         self.slope = np.zeros(0)  # MiB/step of the last evaluation, NaN: none yet
         self.oom = np.zeros(0)  # projected OOM step, NaN: none
         self.warmup_end = np.zeros(0, np.int64)  # 0: still warming up
@@ -268,7 +270,7 @@ class SeriesBank:
     def verdict(self, rank: int) -> Verdict:
         """The verdict of ``rank`` as of its last evaluation."""
         slope, oom = self.slope[rank], self.oom[rank]
-        return Verdict(_CODES[self.state[rank]], None if np.isnan(slope) else float(slope),
+        return Verdict(VERDICTS[self.state[rank]], None if np.isnan(slope) else float(slope),
                        None if np.isnan(oom) else int(oom), self.source)
 
 
@@ -285,7 +287,7 @@ class LeakDetector:
 
     @property
     def state(self) -> str:
-        return _CODES[self._bank.state[0]] if len(self._bank.n) else WARMING_UP
+        return VERDICTS[self._bank.state[0]] if len(self._bank.n) else WARMING_UP
 
     @property
     def warmup_end(self) -> int | None:
@@ -429,7 +431,7 @@ class LeakMonitor:
             return Verdict(WARMING_UP, None, None, "host")
         bank = self.banks[self.SOURCES[self._source[rank]]]
         v = bank.verdict(rank) if rank < len(bank.n) and bank.n[rank] else Verdict(WARMING_UP, None, None, bank.source)
-        v.verdict = _CODES[code]  # a rank without any series reads warming_up
+        v.verdict = VERDICTS[code]  # a rank without any series reads warming_up
         return v
 
     def update(self, step: int, row: dict[str, Any]) -> tuple[Verdict, str | None]:

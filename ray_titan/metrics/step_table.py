@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ray_titan.metrics.leak import GROWING, STABLE, WARMING_UP
+from ray_titan.metrics.leak import VERDICTS
 from ray_titan.metrics.report import MOE_PAD, PACKED_FIELDS
 from ray_titan.metrics.sinks import STEP_SCHEMA
 
@@ -24,7 +24,7 @@ __all__ = ["StepColumns", "StepTableBuffer"]
 
 _INT_TYPES = {f.name for f in STEP_SCHEMA if pa.types.is_integer(f.type)}
 _BOOL_TYPES = {f.name for f in STEP_SCHEMA if pa.types.is_boolean(f.type)}
-_VERDICTS = pa.array([WARMING_UP, STABLE, GROWING])
+_VERDICTS = pa.array(VERDICTS)
 _OBJECT_COLUMNS = ("node", "moe_layers", "expert_load", "source_tokens")
 # Step-level figures repeated in every row of the step: (column, key of the step's summary).
 _STEP_LEVEL = (("step_loss", "loss"), ("step_loss_max", "loss_max"), ("step_tokens", "tokens"),
