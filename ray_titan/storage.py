@@ -242,12 +242,26 @@ def check_writable(uri: str | Path, timeout_s: float) -> None:
     if local is None:
         _probe_in_child(uri, timeout_s, "cannot write there", _REMOTE_PROBE, PROBE_NAME)
         return
+    for attempt in range(3):
+        # Another job probing the same new directory may remove it between our mkdir and our
+        # probe (it created it; we found it): try again, and take no mkdir race as a failure.
+        if _probe_local(local, last=attempt == 2):
+            return
+
+
+def _probe_local(local: Path, last: bool) -> bool:
+    """One try of :func:`check_writable` on a local directory; False when the directory vanished
+    under it (a concurrent probe removed what it had created) and ``last`` is False."""
     created, doing = [], "cannot create it"
     try:
         for parent in [local, *local.parents][::-1]:
             if not parent.exists():
-                parent.mkdir()
-                created.append(parent)
+                try:
+                    parent.mkdir()
+                    created.append(parent)
+                except FileExistsError:
+                    if not parent.is_dir():  # a file of that name: say so below
+                        raise
         doing = "cannot write there"
         probe = local / f"{PROBE_NAME}{uuid.uuid4().hex}"
         with open(probe, "wb") as f:
@@ -255,7 +269,10 @@ def check_writable(uri: str | Path, timeout_s: float) -> None:
             f.flush()
             os.fsync(f.fileno())
         probe.unlink()
+        return True
     except OSError as e:
+        if e.errno == errno.ENOENT and not last and not local.exists():
+            return False
         where = str(e.filename or local)
         named = where != str(local) and PROBE_NAME not in where  # a parent directory that failed
         cause = e.strerror or str(e)

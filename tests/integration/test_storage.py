@@ -143,6 +143,20 @@ def test_dump_folder_probe_leaves_nothing_and_refuses_a_read_only_mount(tmp_path
         subprocess.run(["umount", str(ro)], check=True)
 
 
+def test_jobs_probing_one_new_dump_folder_at_once_all_pass(tmp_path):
+    """Two jobs launched together with the default ``outputs`` found each other's half-made
+    directory ("cannot create it: File exists") or lost it to the other's clean-up ("cannot
+    write there: No such file or directory"). Eight probes at once, many rounds: none refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def probe(i: int) -> None:
+        storage.check_writable(tmp_path / f"round{i // 8}" / "runs", 5)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(probe, range(8 * 40)))
+    assert not list(tmp_path.rglob(f"{storage.PROBE_NAME}*"))  # every probe file removed
+
+
 def test_rank_reports_need_a_local_dump_folder(monkeypatch):
     from ray_titan.preflight import validate_job
 
