@@ -458,14 +458,18 @@ def _vocab_size(cfg: JobConfig, args: Any) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_model(name: str, flavor: str, vocab: int, extra: tuple[tuple[str, Any], ...]) -> Any:
-    """The whole model on the meta device (nothing allocated); cached, since levers re-plan."""
+def _meta_model(name: str, flavor: str, vocab: int, extra: tuple[tuple[str, Any], ...], hf_source: str = "") -> Any:
+    """The whole model on the meta device (nothing allocated); cached, since levers re-plan.
+    ``hf_source``: a Hugging Face checkpoint whose ``config.json`` gives the arguments (a job
+    with ``checkpoint.initial_load_hf``: flavor ``hf``), instead of the flavor's."""
     import torch
 
+    from ray_titan.checkpoint.huggingface import hf_model
     from ray_titan.models.registry import build_model
 
+    args = hf_model(hf_source)[1] if hf_source else None
     with torch.device("meta"):
-        return build_model(name, flavor, vocab_size=vocab, **dict(extra))
+        return build_model(name, flavor, vocab_size=vocab, args=args, **dict(extra))
 
 
 @dataclass(frozen=True)
@@ -500,7 +504,8 @@ class _Job:
 def _job(cfg: JobConfig, device: str, rho: float, vocab_size: int | None) -> _Job:
     """The job as the plan reads it; builds the model on the meta device (cached). Raises
     :class:`ConfigError` for a pipeline schedule without an in-flight rule."""
-    from ray_titan.models.registry import get_model_args, get_spec
+    from ray_titan.checkpoint.huggingface import job_model_args
+    from ray_titan.models.registry import get_spec
     from ray_titan.parallel.dims import parallel_dims
     from ray_titan.parallel.fsdp import resolve_mixed_precision, resolve_reshard_after_forward
     from ray_titan.parallel.pipeline import split_layers
@@ -510,9 +515,11 @@ def _job(cfg: JobConfig, device: str, rho: float, vocab_size: int | None) -> _Jo
     par, tr = cfg.parallelism, cfg.training
     dp_total = dims.dp_shard * getattr(dims, "dp_replicate", 1)
     spec = get_spec(cfg.model.name)
-    args = get_model_args(cfg.model.name, cfg.model.flavor)
-    vocab = vocab_size or _vocab_size(cfg, args)
-    whole = _meta_model(cfg.model.name, cfg.model.flavor, vocab, tuple(sorted(spec.config_args(cfg.model).items())))
+    args = job_model_args(cfg)  # a Hugging Face checkpoint's config.json, else the flavor's
+    # As the trainer builds it: a Hugging Face checkpoint's own vocabulary, else the tokenizer's.
+    vocab = vocab_size or (args.vocab_size if cfg.checkpoint.initial_load_hf else _vocab_size(cfg, args))
+    whole = _meta_model(cfg.model.name, cfg.model.flavor, vocab, tuple(sorted(spec.config_args(cfg.model).items())),
+                        cfg.checkpoint.initial_load_hf or "")
     # training.mixed_precision: bf16 activations; under FSDP2 the parameters are gathered in bf16
     # (pe = 2 bytes), without it autocast keeps a bf16 copy of the stage's weights (autocast_copy).
     bf16 = resolve_mixed_precision(tr.mixed_precision, device) == "bf16"

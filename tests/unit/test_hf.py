@@ -539,6 +539,17 @@ def test_family_and_flavor_come_from_config_json(llama_copy, tmp_path):
         _job(tmp_path, llama_copy, "--model.name=qwen3")
 
 
+def test_a_jobs_memory_plan_is_of_the_checkpoints_model(hf_dirs, llama_copy, tmp_path):
+    """Flavor ``hf`` (sizes from config.json) is planned, not refused: its parameters are the
+    checkpoint's, counted on the model transformers made (one rank: fp32 parameters, bytes)."""
+    from ray_titan.memory_planner import memory_plan
+
+    plan = memory_plan(_job(tmp_path, llama_copy), device="cpu", levers=False)
+    hf_elements = sum(p.numel() for p in hf_dirs["llama"][1].parameters())
+    assert plan.job["flavor"] == "hf"
+    assert [r.parameters for r in plan.ranks] == [4 * hf_elements]
+
+
 def test_sharded_index_is_read(hf_dirs, tmp_path):
     """A checkpoint in several files with model.safetensors.index.json (as the hub's large models)."""
     path, ref = hf_dirs["deepseek_v2"]
