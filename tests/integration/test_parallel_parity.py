@@ -84,8 +84,10 @@ MOE_2026 = {"qwen3_moe": (4, ["--parallelism.tp=2", "--parallelism.dp_shard=2", 
             "gpt_oss": (2, ["--parallelism.dp_shard=2", "--parallelism.ep=2"])}
 # A tied head under tp: the vocab-parallel embedding's gradient and the head's, summed on one weight.
 TIED = {"qwen3": (2, ["--model.name=qwen3", "--parallelism.tp=2"])}
-REFERENCE_FLAGS = {"qwen3": ["--model.name=qwen3"], "qwen3_moe": ["--parallelism.microbatches=2"], "gpt_oss": ["--parallelism.microbatches=2"]}
-CONFIGS = {"llama": "debug_llama.toml", "qwen3": "debug_llama.toml", "deepseek_v2": "debug_deepseek.toml", "deepseek_v3": "debug_deepseek_v3.toml",
+REFERENCE_FLAGS = {"qwen3": ["--model.name=qwen3"], "qwen3_moe": ["--parallelism.microbatches=2"],
+                   "gpt_oss": ["--parallelism.microbatches=2"]}
+CONFIGS = {"llama": "debug_llama.toml", "qwen3": "debug_llama.toml",
+           "deepseek_v2": "debug_deepseek.toml", "deepseek_v3": "debug_deepseek_v3.toml",
            "qwen3_moe": "debug_qwen3_moe.toml", "gpt_oss": "debug_gpt_oss.toml"}
 
 
