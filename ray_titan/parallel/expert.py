@@ -51,11 +51,17 @@ class _MoEModel(Protocol):
     def moe_modules(self) -> dict[int, Any]: ...
 
 
+@torch.compiler.disable
 def run_remote_experts(
     x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.Module, group: dist.ProcessGroup
 ) -> torch.Tensor:
     """Dispatch ``x_sorted`` (grouped by global expert, ``counts (N,)``) over ``group``, run the
-    local experts, combine back. Returns the outputs in ``x_sorted``'s order."""
+    local experts, combine back. Returns the outputs in ``x_sorted``'s order.
+
+    Never compiled (``training.compile`` compiles the block around it): its split sizes are host
+    ints that change every step, and a compiled region after the host read guarded on their
+    values, recompiling the rest of the layer on each new routing (DeepSeek debug, pp=2 ×
+    dp_shard=2 × ep=2: 2 recompiles a rank in 10 steps, each of the MoE layer's tail)."""
     ep = dist.get_world_size(group)
     n_local = counts.numel() // ep
     recv_counts = torch.empty_like(counts)
@@ -69,10 +75,8 @@ def run_remote_experts(
     x_recv = all_to_all_single_autograd(x_sorted, out_splits, in_splits, group)
     # Received segments come as (source rank, local expert); regroup them as (expert, source).
     seg_key = torch.arange(ep * n_local, device=counts.device).view(n_local, ep).T.flatten()
-    # output_size, known on the host already, spares the op a device sync to size its output;
-    # not under torch.compile, whose symbolic sizes fail its backward there (torch 2.13).
-    keys = torch.repeat_interleave(seg_key, recv_counts,
-                                   output_size=None if torch.compiler.is_compiling() else sum(out_splits))
+    # output_size, known on the host already, spares the op a device sync to size its output.
+    keys = torch.repeat_interleave(seg_key, recv_counts, output_size=sum(out_splits))
     perm = torch.argsort(keys, stable=True)
     local_counts = [sum(recv_l[i][e] for i in range(ep)) for e in range(n_local)]
     y_local = experts(x_recv[perm], local_counts)
