@@ -458,18 +458,16 @@ def _vocab_size(cfg: JobConfig, args: Any) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_model(name: str, flavor: str, vocab: int, extra: tuple[tuple[str, Any], ...], hf_source: str = "") -> Any:
-    """The whole model on the meta device (nothing allocated); cached, since levers re-plan.
-    ``hf_source``: a Hugging Face checkpoint whose ``config.json`` gives the arguments (a job
-    with ``checkpoint.initial_load_hf``: flavor ``hf``), instead of the flavor's."""
+def _meta_model(name: str, args: Any, vocab: int, extra: tuple[tuple[str, Any], ...]) -> Any:
+    """The whole model of family ``name`` with the arguments ``args`` (a flavor's, or a Hugging
+    Face checkpoint's ``config.json``; frozen dataclasses, so a cache key) on the meta device
+    (nothing allocated); cached, since levers re-plan."""
     import torch
 
-    from ray_titan.checkpoint.huggingface import hf_model
     from ray_titan.models.registry import build_model
 
-    args = hf_model(hf_source)[1] if hf_source else None
     with torch.device("meta"):
-        return build_model(name, flavor, vocab_size=vocab, args=args, **dict(extra))
+        return build_model(name, "", vocab_size=vocab, args=args, **dict(extra))  # "": the flavor is in args
 
 
 @dataclass(frozen=True)
@@ -518,8 +516,7 @@ def _job(cfg: JobConfig, device: str, rho: float, vocab_size: int | None) -> _Jo
     args = job_model_args(cfg)  # a Hugging Face checkpoint's config.json, else the flavor's
     # As the trainer builds it: a Hugging Face checkpoint's own vocabulary, else the tokenizer's.
     vocab = vocab_size or (args.vocab_size if cfg.checkpoint.initial_load_hf else _vocab_size(cfg, args))
-    whole = _meta_model(cfg.model.name, cfg.model.flavor, vocab, tuple(sorted(spec.config_args(cfg.model).items())),
-                        cfg.checkpoint.initial_load_hf or "")
+    whole = _meta_model(cfg.model.name, args, vocab, tuple(sorted(spec.config_args(cfg.model).items())))
     # training.mixed_precision: bf16 activations; under FSDP2 the parameters are gathered in bf16
     # (pe = 2 bytes), without it autocast keeps a bf16 copy of the stage's weights (autocast_copy).
     bf16 = resolve_mixed_precision(tr.mixed_precision, device) == "bf16"
