@@ -25,7 +25,7 @@ MoE router).
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -213,8 +213,9 @@ def _vocab_parallel_lookup(module: nn.Embedding, start: int, mesh: DeviceMesh, l
                            ids: torch.Tensor) -> torch.Tensor:
     """:class:`VocabParallelEmbedding`'s forward: ids ``(batch, seq)`` (plain or a replicated
     ``DTensor``) to the summed rows in ``layout``, a plain tensor."""
-    weight = module.weight  # a DTensor Shard(0); FSDP2 swaps in its all-gathered one for the forward
-    local = weight.to_local() if isinstance(weight, DTensor) else weight  # backward: the local rows, Shard(0)
+    # A DTensor Shard(0) (FSDP2 swaps in its all-gathered one for the forward); to_local's
+    # backward gives the gradient as the local rows, Shard(0).
+    local = cast(DTensor, module.weight).to_local()
     if isinstance(ids, DTensor):
         ids = ids.to_local()
     shifted = ids - start
