@@ -432,8 +432,17 @@ def _check_tensor_parallel(cfg: JobConfig, margs: Any) -> None:
 
 
 def _check_vocab(cfg: JobConfig, vocab_size: int) -> None:
-    """With loss parallel the output head's vocabulary is split over the tp ranks."""
+    """The embedding's vocabulary is split over the tp ranks in ``ceil(vocab / tp)`` rows a rank
+    (``ray_titan.parallel.tp.VocabParallelEmbedding``), which must leave each rank some; with
+    loss parallel the output head's is split too, evenly."""
     par = cfg.parallelism
+    rows = -(-vocab_size // par.tp)
+    if par.tp > 1 and rows * (par.tp - 1) >= vocab_size:
+        raise ConfigError(
+            f"parallelism.tp = {par.tp} leaves a tp rank no row of the embedding's vocabulary of {vocab_size} "
+            f"tokens (data.tokenizer = {cfg.data.tokenizer!r}; ceil({vocab_size}/{par.tp}) = {rows} rows a rank); "
+            "use a smaller tp or a larger vocabulary"
+        )
     if par.tp > 1 and par.loss_parallel and vocab_size % par.tp:
         raise ConfigError(
             f"parallelism.tp = {par.tp} with parallelism.loss_parallel = true does not divide the vocabulary "

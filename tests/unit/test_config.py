@@ -293,3 +293,15 @@ def test_the_schemas_schedule_names_are_the_schedule_tables():
     names = typing.get_args(Parallelism.model_fields["pipeline_schedule"].annotation)
     assert list(names) == list(SCHEDULES)
     assert all(s.torch_class.__name__.startswith("Schedule") for s in SCHEDULES.values())
+
+
+def test_a_tp_that_leaves_a_rank_no_vocabulary_row_is_refused_before_workers():
+    """The embedding gives each tp rank ceil(vocab / tp) rows (VocabParallelEmbedding): 9 tokens
+    over 8 ranks would leave the last rank none, which its workers would only find at build."""
+    from ray_titan.preflight import _check_vocab
+
+    cfg = load_config(None, ["--parallelism.tp=8", "--parallelism.loss_parallel=false"])
+    _check_vocab(cfg, 258)  # 33 rows a rank, 27 on the last
+    with pytest.raises(ConfigError, match=r"parallelism.tp = 8 leaves a tp rank no row of the embedding's "
+                                          r"vocabulary of 9 tokens .*ceil\(9/8\) = 2 rows a rank"):
+        _check_vocab(cfg, 9)
