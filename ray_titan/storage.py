@@ -250,8 +250,8 @@ def check_writable(uri: str | Path, timeout_s: float) -> None:
 
 
 def _probe_local(local: Path, last: bool) -> bool:
-    """One try of :func:`check_writable` on a local directory; False when the directory vanished
-    under it (a concurrent probe removed what it had created) and ``last`` is False."""
+    """One try of :func:`check_writable` on a local directory; False on "No such file or
+    directory" (a concurrent probe removed the directory it had created) unless ``last``."""
     created, doing = [], "cannot create it"
     try:
         for parent in [local, *local.parents][::-1]:
@@ -271,7 +271,9 @@ def _probe_local(local: Path, last: bool) -> bool:
         probe.unlink()
         return True
     except OSError as e:
-        if e.errno == errno.ENOENT and not last and not local.exists():
+        if e.errno == errno.ENOENT and not last:
+            # Vanished under us, perhaps recreated by now: look again (a filesystem that takes no
+            # new files, procfs and the like, answers the same on the last try and is named below).
             return False
         where = str(e.filename or local)
         named = where != str(local) and PROBE_NAME not in where  # a parent directory that failed
