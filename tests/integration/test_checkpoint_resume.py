@@ -13,6 +13,7 @@ def saved(tmp_path_factory, corpus_cache):
     return _saved_run(tmp_path_factory, corpus_cache)
 
 
+@pytest.mark.compat
 def test_resume_continues_the_loss_curve_exactly(saved, tmp_path, corpus_cache):
     run_dir, _, losses = saved
     cfg = _cfg(tmp_path, corpus_cache, f"--checkpoint.load_path={run_dir / 'checkpoints' / 'step-00000002'}")
