@@ -327,10 +327,11 @@ def launch_ranks(device: str, cfg, stage: bool = False, toml: str = "", timeout:
 
 def failure_line(stderr: str) -> str:
     """The line of a launch's stderr that says why it failed: the last ``...Error: ...`` or
-    ``...Exception: ...`` line (torchrun's own summary, which ends the stream, says nothing), else
+    ``...Exception: ...`` line, a rank's ``[rankN]:`` prefix dropped (torchrun's own summary and its
+    ``ChildFailedError``, which end the stream, say nothing), else
     the last non-blank line (at most 300 characters)."""
-    lines = [x.strip() for x in stderr.splitlines() if x.strip()]
-    errors = [x for x in lines if re.match(r"^[\w.]*(Error|Exception)\b", x)]
+    lines = [re.sub(r"^\[(rank|default)\d*\]:\s*", "", x.strip()) for x in stderr.splitlines() if x.strip()]
+    errors = [x for x in lines if re.match(r"^[\w.]*(Error|Exception)\b", x) and "ChildFailedError" not in x]
     return ((errors or lines or ["no stderr"])[-1])[:300]
 
 

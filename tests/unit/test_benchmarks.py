@@ -219,7 +219,8 @@ def test_flat_collectives_are_staged_whichever_torch_names_them(monkeypatch):
 def test_failure_line_finds_the_error_above_torchruns_summary():
     from benchmarks.gpu_checks import failure_line
 
-    err = "x\nTypeError: Decoder.forward() got an unexpected keyword argument 'loss_kwargs'\n[rank0]: y\n=====\n"
+    err = ("x\n[rank1]: TypeError: Decoder.forward() got an unexpected keyword argument 'loss_kwargs'\n[rank0]: y\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n=====\n")
     assert failure_line(err).startswith("TypeError: Decoder.forward()")
     assert failure_line("a\nlast\n") == "last" and failure_line("") == "no stderr"
 
