@@ -1,123 +1,174 @@
-"""The GPU acceptance run (``python -m benchmarks.run gpu``) on one CUDA GPU: throughput rows
-beside torchtitan's, then the correctness checks only a GPU can make (``benchmarks/gpu_checks.py``).
+"""The first-contact run on one CUDA GPU: ``python -m benchmarks.run gpu --out DIR
+[--deadline SECONDS] [--device cuda|cpu] [--small] [--stages a,b] [--timeout STAGE=SECONDS]``.
 
-Throughput: the main job's model (the debug Llama, 64 × 512 tokens per step) and Llama 3.2 1B
-(flavor ``3.2-1B``: dim 2048, 16 layers, 32 heads, 8 KV heads, SwiGLU hidden 8192; 0.97 B
-non-embedding parameters with the byte vocabulary; 4 × 2048 tokens per step), one rank,
-``training.mixed_precision = "bf16"`` (one rank, no FSDP: ``torch.autocast``, fp32 weights and
-optimizer state, bf16 matmuls), the train loop without Ray. Each model eager against torchtitan
-0.3.0 at the same shape, batch, sequence length and dtype (its single-device bf16 is autocast
-too: ``mixed_precision_param``), alternately, and with ``training.compile = true``. Tokens/s over
-the steps after warm-up; MFU by the PaLM formula (``ray_titan.metrics.flops``) against the GPU's
-datasheet dense bf16 peak, or the measured bf16 matmul peak for a GPU not in
-``ray_titan.metrics.flops.GPU_PEAK_FLOPS``; the peak memory the caching allocator reserved.
-ray_titan's 3.2-1B ties its embeddings and scales its rotary frequencies, torchtitan's model here
-does neither: the same FLOPs per token, 0.5 M more parameters on torchtitan's side.
+Made for one short chance on a lent GPU node: Python 3.12, a preinstalled torch ≥ 2.11, no
+Ray, no network (the project's other dependencies from a wheelhouse: ``benchmarks/wheelhouse.py``).
+Nothing on its path imports Ray.
+
+**Stages**, in order of value (:data:`STAGES`; bodies in ``benchmarks/gpu_stages.py``):
+``environment`` (GPU, driver, torch, CUDA, NCCL, free memory, Python, dependencies present),
+``main_job`` (the main job's model, bf16, one rank through ray_titan's own loop: loss, tokens/s,
+device peak beside the memory plan, host synchronisations per step counted by the profiler beside
+the dry run's count), ``llama_1b`` (a Llama 3.2 1B-shaped model: tokens/s, MFU against the
+datasheet and a measured bf16 matmul peak, device peak beside the plan), ``torchtitan`` (the same
+shape, batch and dtype; the ratio), ``gpu_checks`` (``benchmarks/gpu_checks.py``, one fact per
+check), ``main_mesh`` (the main job's pp=2 × dp_shard=2 on the one GPU) and ``compile``
+(``training.compile = true``).
+
+**Facts.** Every fact goes to ``DIR/facts.jsonl`` the moment it is known, flushed and fsynced
+(``benchmarks/facts.py``), and as a line on stdout; so a run killed at any point keeps
+everything before it. Each stage ends with an ``outcome`` fact: ``ok``, ``failed (exit N)`` or
+``timed out after S s`` (both with the stage's stderr tail; the whole of it is kept in
+``DIR/stages/<stage>.stderr``), or ``skipped: ...``; then the next stage runs.
+
+**Deadline.** Each stage runs in a process of its own (a new session: a timed-out stage's whole
+process tree, torchrun's ranks included, is killed). The whole run ends by ``--deadline``
+seconds after its start (default :data:`DEFAULT_DEADLINE_S`, 8 minutes). A stage gets at most
+its cap (:data:`STAGES`), and never the time the stages after it have reserved (their
+minimums): timeout = min(cap, time left − the later stages' minimums). A stage whose timeout
+would be below its own minimum is skipped, saying so, and its time stays with the later ones.
+So a hanging stage costs at most its cap, and every later stage keeps at least its minimum.
+``--timeout STAGE=SECONDS`` replaces a stage's cap. The stage is told its own end (``--until``)
+so the processes it starts (rank launches, torchtitan, the dry run) stop before it.
+
+``--device cpu --small`` is the rehearsal: the same stages on CPU with small shapes and few steps,
+device-only facts recorded as ``"n/a on cpu"`` (``tests/integration/test_gpu_first_contact.py``).
+Exit status: 0 when every stage run ended ``ok`` (or there is no CUDA device and ``--device
+cuda``: that is said, and nothing runs), 1 otherwise.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
-import pyarrow.compute as pc
+from benchmarks.facts import FactLog, stderr_tail
+from benchmarks.harness import REPO
 
-from benchmarks.gpu_checks import Check, run_checks, train_here
-from benchmarks.stats import Row, alternate, fmt_si, ratio_stats
+__all__ = ["DEFAULT_DEADLINE_S", "STAGES", "Stage", "main", "plan_timeout", "run_stage"]
 
-__all__ = ["MODELS", "check_rows", "gpu_rows", "throughput_rows"]
-
-MiB = 2**20
-MODELS = (("the main job's model (debug Llama)", "debug", 64, 512),
-          ("Llama 3.2 1B shape", "3.2-1B", 4, 2048))
-"""(label, Llama flavor, sequences per step, sequence length) of the throughput rows."""
-
-
-def _peak(device) -> tuple[float, str]:
-    """The bf16 peak FLOP/s MFU is measured against, and where it comes from."""
-    import torch
-
-    from ray_titan.metrics.flops import gpu_peak_flops, measure_matmul_peak_flops
-
-    peak = gpu_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    if peak is not None:
-        return peak, "datasheet bf16 dense"
-    n = 8192 if device.type == "cuda" else 512  # a CPU (the suite's check of this code) is slow at bf16
-    return measure_matmul_peak_flops(device, torch.bfloat16, n=n, repeats=5), "measured bf16 matmul"
+DEFAULT_DEADLINE_S = 480.0
 
 
-def _ours(cfg, device) -> dict[str, Any]:
-    """One ray_titan run of ``cfg`` in this process: tokens/s, peak reserved bytes, last loss."""
-    from benchmarks.run import tokens_per_s
+@dataclass(frozen=True)
+class Stage:
+    """A stage: its ``name`` (``benchmarks.gpu_stages``'s), what it measures (``title``), its cap
+    and its reserved minimum (seconds; sized for one H100, the CPU rehearsal's fit inside)."""
 
-    run = train_here(cfg, device)
-    reserved = run["steps"]["device_peak_reserved_bytes"]
-    return {"tokens_per_s": tokens_per_s(cfg, [run["summary"]]), "last_loss": run["summary"]["last_loss"],
-            "peak_reserved_bytes": pc.max(reserved).as_py() if reserved.null_count < len(reserved) else None}
-
-
-def _mfu_text(tps: float, fpt: int, peak: float) -> str:
-    return f"{fmt_si(tps, 'tok/s')} (MFU {100 * tps * fpt / peak:.1f}%)"
+    name: str
+    title: str
+    cap_s: float
+    min_s: float
 
 
-def throughput_rows(bench, device, models=MODELS, compile: bool = True) -> list[Row]:
-    """Per model: ray_titan eager vs torchtitan 0.3.0 (alternately, ``bench.repeats`` pairs, the
-    ratio of tokens/s), and with ``compile`` ray_titan with ``training.compile = true`` (one run).
-    ``device``: a ``torch.device`` (CUDA; CPU only to try this code, with torchtitan's CPU shims)."""
-    from benchmarks.run import flops_per_token, run_torchtitan
+STAGES = (
+    Stage("environment", "GPU, driver, torch, CUDA, NCCL, memory, Python, dependencies", 45, 15),
+    Stage("main_job", "the main job's model, bf16, one rank: loss, tokens/s, memory vs plan, host syncs", 120, 40),
+    Stage("llama_1b", "Llama 3.2 1B shape: tokens/s, MFU, memory vs plan", 90, 40),
+    Stage("torchtitan", "torchtitan 0.3.0 at the 1B shape: tokens/s and the ratio", 75, 20),
+    Stage("gpu_checks", "the checks only a GPU can make", 150, 60),
+    Stage("main_mesh", "the main job's mesh, pp=2 × dp_shard=2, on the one GPU", 75, 30),
+    Stage("compile", "training.compile = true: first step and tokens/s", 90, 30),
+)
 
-    peak, source = _peak(device)
-    rows = []
-    for label, flavor, batch, seq in models:
-        flags = (f"--model.flavor={flavor}", "--parallelism.pp=1", "--parallelism.dp_shard=1",
-                 "--parallelism.microbatches=1", f"--training.global_batch_size={batch}",
-                 f"--training.seq_len={seq}", "--training.mixed_precision=bf16", "--metrics.enable_tensorboard=false",
-                 "--checkpoint.enable=false")
-        cfg = bench.job("gpu", *flags)
-        fpt = flops_per_token(cfg)
+
+def plan_timeout(stage: Stage, left_s: float, later: list[Stage], cap_s: float | None = None) -> float | None:
+    """Seconds ``stage`` may run with ``left_s`` seconds left before the deadline and the stages
+    ``later`` still to come: ``min(cap, left − their minimums)``; None (skip it) when that is below
+    the stage's own minimum (or a smaller ``cap_s``: a cap set by hand is honoured as is)."""
+    cap = stage.cap_s if cap_s is None else cap_s
+    t = min(cap, left_s - sum(s.min_s for s in later))
+    return t if t >= min(stage.min_s, cap) and t > 0 else None
+
+
+def run_stage(stage: Stage, timeout: float, out: Path, args: list[str], log: FactLog) -> str:
+    """``python -m benchmarks.gpu_stages <stage> --out OUT <args> --until T`` in a session of its
+    own, stdout streamed, stderr to ``OUT/stages/<stage>.stderr``; killed with its process group
+    after ``timeout`` seconds. Records the ``outcome`` and ``seconds`` facts and returns the outcome."""
+    import signal
+
+    (out / "stages").mkdir(parents=True, exist_ok=True)
+    err_path = out / "stages" / f"{stage.name}.stderr"
+    cmd = [sys.executable, "-m", "benchmarks.gpu_stages", stage.name, "--out", str(out), *args,
+           "--until", f"{time.time() + timeout - 2:.1f}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    t0 = time.monotonic()
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=None, stderr=err, cwd=REPO, env=env, start_new_session=True)
         try:
-            a, b = alternate(lambda cfg=cfg: _ours(cfg, device),
-                             lambda cfg=cfg: run_torchtitan(bench, cfg, device.type), bench.repeats)
-            st = ratio_stats([x["tokens_per_s"] for x in a], [x["tokens_per_s"] for x in b])
-            rows.append(Row(f"GPU, {label}, bf16, eager, vs torchtitan 0.3.0", "ray_titan (no Ray)",
-                            _mfu_text(st.median_a, fpt, peak), "torchtitan Trainer (torchrun)",
-                            _mfu_text(st.median_b, fpt, peak), st, "A/B ≥ 1.0",
-                            f"{batch} × {seq} tokens per step, {bench.steps('gpu')} steps; peak "
-                            f"{fmt_si(peak, 'FLOP/s')} ({source}); ray_titan peak reserved "
-                            f"{_mib(a[0]['peak_reserved_bytes'])}",
-                            data={"a": a, "b": b, "stats": st.as_dict(), "flops_per_token": fpt, "peak_flops": peak}))
-        except Exception as e:  # e.g. out of memory on a small GPU: say so, keep the other rows
-            rows.append(Row(f"GPU, {label}, bf16, eager, vs torchtitan 0.3.0", "failed", _why(e)))
-        if not compile:
+            rc = proc.wait(timeout=timeout)
+            outcome = "ok" if rc == 0 else f"failed (exit {rc})"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            outcome = f"timed out after {timeout:.0f} s"
+    secs = time.monotonic() - t0
+    tail = "" if outcome == "ok" else stderr_tail(err_path.read_text(errors="replace"))
+    log.add("outcome", outcome, note=tail)
+    log.add("seconds", round(secs, 1), "s")
+    return outcome
+
+
+def _parse_timeouts(items: list[str], ap: argparse.ArgumentParser) -> dict[str, float]:
+    names = {s.name for s in STAGES}
+    out = {}
+    for item in items:
+        name, _, secs = item.partition("=")
+        if name not in names or not secs:
+            ap.error(f"--timeout {item!r}: expected STAGE=SECONDS with STAGE one of {sorted(names)}")
+        out[name] = float(secs)
+    return out
+
+
+def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Stage], dict[str, float]]:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run gpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="folder of facts.jsonl and the stages' files")
+    ap.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
+                    help=f"seconds the whole run may take (default {DEFAULT_DEADLINE_S:.0f})")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the rehearsal")
+    ap.add_argument("--small", action="store_true", help="small shapes and few steps (the CPU rehearsal's)")
+    ap.add_argument("--stages", default=",".join(s.name for s in STAGES), help="which stages, comma-separated")
+    ap.add_argument("--timeout", action="append", default=[], metavar="STAGE=SECONDS", help="a stage's cap")
+    a = ap.parse_args(argv)
+    wanted = a.stages.split(",")
+    unknown = sorted(set(wanted) - {s.name for s in STAGES})
+    if unknown:
+        ap.error(f"unknown stage(s) {unknown}; valid: {[s.name for s in STAGES]}")
+    return a, [s for s in STAGES if s.name in wanted], _parse_timeouts(a.timeout, ap)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the stages (module docstring); returns the exit status."""
+    a, stages, caps = _args(argv)
+    start = time.monotonic()
+    run_log = FactLog(a.out, "run")
+    run_log.add("started", {"deadline_s": a.deadline, "device": a.device, "small": a.small,
+                            "stages": [s.name for s in stages]})
+    if a.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            run_log.add("cuda available", False, note="no CUDA device here: nothing run "
+                        "(`--device cpu --small` rehearses every stage on CPU)")
+            return 0
+    args = ["--device", a.device, *(["--small"] if a.small else [])]
+    outcomes = []
+    for i, stage in enumerate(stages):
+        log = FactLog(a.out, stage.name)
+        left = a.deadline - (time.monotonic() - start)
+        timeout = plan_timeout(stage, left, stages[i + 1:], caps.get(stage.name))
+        if timeout is None:
+            log.add("outcome", f"skipped: not enough time left ({max(left, 0):.0f} s before the deadline, "
+                               f"{sum(s.min_s for s in stages[i + 1:]):.0f} s reserved for the later stages)")
             continue
-        try:
-            c = _ours(bench.job("gpu", *flags, "--training.compile=true"), device)
-            rows.append(Row(f"GPU, {label}, bf16, training.compile = true", "ray_titan (no Ray)",
-                            _mfu_text(c["tokens_per_s"], fpt, peak),
-                            note=f"one run; peak reserved {_mib(c['peak_reserved_bytes'])}", data=c))
-        except Exception as e:
-            rows.append(Row(f"GPU, {label}, bf16, training.compile = true", "failed", _why(e)))
-    return rows
-
-
-def _mib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / MiB:.0f} MiB"
-
-
-def _why(e: BaseException) -> str:
-    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-
-
-def check_rows(checks: list[Check]) -> list[Row]:
-    """One table row per check: PASS or FAIL and its reason."""
-    return [Row(f"GPU check: {c.name}", "PASS" if c.passed else "FAIL", c.reason, data={"passed": c.passed, **c.data})
-            for c in checks]
-
-
-def gpu_rows(bench) -> list[Row]:
-    """The whole acceptance run on CUDA device 0: throughput rows, then one row per check."""
-    import torch
-
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    steps = 40 if bench.quick else 200  # the long run's steps (--quick: checks the runner, not the GPU)
-    return throughput_rows(bench, device) + check_rows(run_checks(bench.work / "checks", "cuda", steps=steps))
+        print(f"[run] stage {stage.name} ({stage.title}): up to {timeout:.0f} s", flush=True)
+        outcomes.append(run_stage(stage, timeout, a.out, args, log))
+    run_log.add("finished", f"{sum(o == 'ok' for o in outcomes)} of {len(stages)} stages ok",
+                note=f"{time.monotonic() - start:.0f} s")
+    return 0 if all(o == "ok" for o in outcomes) and len(outcomes) == len(stages) else 1

@@ -24,17 +24,17 @@ import argparse
 import dataclasses
 import os
 import re
-import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness import MEMORY_WARMUP, REPO, job_config, run_bounded, subprocess_flags
 from ray_titan.callbacks import Callback, CallbackContext
 
 __all__ = [
@@ -44,7 +44,6 @@ __all__ = [
     "rank_main", "stage_collectives_through_host", "train_here",
 ]
 
-REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
 PARITY_RTOL = 1e-3
 """Relative tolerance of fp32 loss parity between two runs on the device (1e-4 on CPU in the
@@ -103,37 +102,23 @@ def staged_counts(stderr: str) -> dict[str, int]:
 
 
 def stage_collectives_through_host(force: bool = False) -> None:
-    """Route FSDP2's flat all-gather and reduce-scatter (``dist.all_gather_single``,
-    ``dist.reduce_scatter_single``), the pipeline schedules' send/recv
-    (``torch.distributed.pipelining.schedules._batch_p2p``) and the stages' blocking and object
-    send/recv (``dist.send``, ``dist.recv``, ``dist.send_object_list``, ``dist.recv_object_list``)
-    through host copies when a tensor is not on the CPU, so gloo can carry them; ``force``: for
-    CPU tensors too (how the suite exercises this code without a GPU). For this process only;
-    call before the model is built."""
+    """Route FSDP2's flat all-gather and reduce-scatter (``dist.all_gather_single`` and
+    ``dist.reduce_scatter_single`` where torch has them, ``dist.all_gather_into_tensor`` and
+    ``dist.reduce_scatter_tensor``, which FSDP2 calls on torch 2.11), the pipeline schedules'
+    send/recv (``torch.distributed.pipelining.schedules._batch_p2p``) and the stages' blocking and
+    object send/recv (``dist.send``, ``dist.recv``, ``dist.send_object_list``,
+    ``dist.recv_object_list``) through host copies when a tensor is not on the CPU, so gloo can
+    carry them; ``force``: for CPU tensors too (how the suite exercises this code without a GPU).
+    For this process only; call before the model is built."""
     from torch.distributed.pipelining import schedules
 
     def need(*ts: torch.Tensor) -> bool:
         return force or any(t.device.type != "cpu" for t in ts)
 
-    gather, scatter, p2p = dist.all_gather_single, dist.reduce_scatter_single, schedules._batch_p2p
-
-    def all_gather_single(output, input, group=None, async_op=False):
-        if not need(output, input):
-            return gather(output, input, group=group, async_op=async_op)
-        STAGED["all_gather_single"] += 1
-        out = torch.empty_like(output, device="cpu")
-        gather(out, _host(input), group=group)
-        _Staged(copies=[(output, out)]).wait()
-        return _Staged() if async_op else None
-
-    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if not need(output, input):
-            return scatter(output, input, op=op, group=group, async_op=async_op)
-        STAGED["reduce_scatter_single"] += 1
-        out = torch.empty_like(output, device="cpu")
-        scatter(out, _host(input), op=op, group=group)
-        _Staged(copies=[(output, out)]).wait()
-        return _Staged() if async_op else None
+    for name in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(dist, name):  # which of them FSDP2 calls depends on the torch release
+            setattr(dist, name, _staged_flat_collective(name, getattr(dist, name), need))
+    p2p = schedules._batch_p2p
 
     def batch_p2p(ops: list, desc: str | None = None) -> list:
         if not ops or not need(*(p.tensor for p in ops)):
@@ -149,10 +134,35 @@ def stage_collectives_through_host(force: bool = False) -> None:
                 works.append(_Staged(dist.irecv(h, group=p.group, tag=p.tag, group_src=p.group_peer), [(p.tensor, h)]))
         return works
 
-    dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
     schedules._batch_p2p = batch_p2p  # type: ignore[assignment]
     _stage_point_to_point(need, force)
     _stage_all_to_all(need)
+
+
+def _staged_flat_collective(name: str, fn: Any, need: Any) -> Any:
+    """``fn``, a collective of ``dist`` whose first two parameters are the output and the input
+    tensor (named differently across its kinds and torch releases; passed by position or by
+    keyword), run on host copies when ``need(output, input)``, counted in :data:`STAGED` under
+    ``name``; its ``async_op`` work is one already completed."""
+    import inspect
+
+    sig = inspect.signature(fn)
+    out_name, in_name = list(sig.parameters)[:2]
+
+    def staged(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        output, input = bound.arguments[out_name], bound.arguments[in_name]
+        if not need(output, input):
+            return fn(*args, **kwargs)
+        STAGED[name] += 1
+        async_op = bound.arguments.pop("async_op", False)
+        host_out = torch.empty_like(output, device="cpu")
+        bound.arguments[out_name], bound.arguments[in_name] = host_out, _host(input)
+        fn(*bound.args, **bound.kwargs)
+        _Staged(copies=[(output, host_out)]).wait()
+        return _Staged() if async_op else None
+
+    return staged
 
 
 def _stage_all_to_all(need) -> None:
@@ -256,14 +266,15 @@ def rank_main(argv: list[str] | None = None) -> None:
 # -- running jobs ---------------------------------------------------------------------------------
 JOB_OVERRIDES: list[str] = []
 """Flags every check's job gets last (the suite points ``data.cache_dir`` at its corpus)."""
+DEADLINE: float | None = None
+"""``time.time()`` by which every rank launch must end (:func:`run_checks` sets it): a launch's
+timeout is cut to what is left."""
 
 
 def job(work: Path, name: str, *overrides: str):
     """The main job (``configs/debug_llama.toml``) with ``overrides``, run under ``work``."""
-    from benchmarks.run import Bench
-
-    return Bench(work, 1, False).job("gpu", f"--job.name={name}", "--metrics.enable_tensorboard=false",
-                                     "--metrics.log_freq=1000", *overrides, *JOB_OVERRIDES)
+    return job_config(work, name, 50, "--metrics.enable_tensorboard=false", "--metrics.log_freq=1000",
+                      *overrides, *JOB_OVERRIDES)
 
 
 def train_here(cfg, device: torch.device | str, storage: Any = None, callbacks: list | None = None) -> dict[str, Any]:
@@ -300,19 +311,28 @@ def launch_ranks(device: str, cfg, stage: bool = False, toml: str = "", timeout:
     """``cfg`` under ``torchrun --nproc-per-node=<mesh>`` through :func:`rank_main`; ``toml``:
     more of the config file (e.g. ``[[callbacks]]``, which has no flag form). Returns
     ``(completed process, run directory or None)``."""
-    from benchmarks.run import _flags
-
     dump = Path(cfg.job.dump_folder) / f"ranks-{time.time_ns()}"
     dump.mkdir(parents=True)
     config = dump / "job.toml"
     config.write_text((REPO / "configs" / "debug_llama.toml").read_text() + "\n" + toml)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.world_size}",
            "-m", "benchmarks.gpu_checks", f"--device={device}", *(["--stage"] if stage else []), f"--config={config}",
-           *[f for f in _flags(cfg) if not f.startswith("--job.dump_folder=")], f"--job.dump_folder={dump}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+           *[f for f in subprocess_flags(cfg) if not f.startswith("--job.dump_folder=")], f"--job.dump_folder={dump}"]
+    if DEADLINE is not None:
+        timeout = min(timeout, max(1.0, DEADLINE - time.time()))
+    proc = run_bounded(cmd, timeout, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     run_dirs = sorted(p for p in dump.glob("*") if p.is_dir())
     return proc, (run_dirs[0] if run_dirs else None)
+
+
+def failure_line(stderr: str) -> str:
+    """The line of a launch's stderr that says why it failed: the last ``...Error: ...`` or
+    ``...Exception: ...`` line, a rank's ``[rankN]:`` prefix dropped (torchrun's own summary and its
+    ``ChildFailedError``, which end the stream, say nothing), else
+    the last non-blank line (at most 300 characters)."""
+    lines = [re.sub(r"^\[(rank|default)\d*\]:\s*", "", x.strip()) for x in stderr.splitlines() if x.strip()]
+    errors = [x for x in lines if re.match(r"^[\w.]*(Error|Exception)\b", x) and "ChildFailedError" not in x]
+    return ((errors or lines or ["no stderr"])[-1])[:300]
 
 
 def _expert_load(steps) -> dict[int, Any]:
@@ -343,8 +363,7 @@ def judge_oom(returncode: int, stderr: str, device: str) -> Check:
     want = (f"RankOutOfMemoryError: rank {OOM_RANK} (pp={OOM_RANK}, dp_shard=0) ran out of memory at step "
             f"{OOM_STEP} in the forward of pipeline stage {OOM_RANK}")
     if want not in stderr:
-        tail = stderr.strip().splitlines()[-1:] or ["no stderr"]
-        return Check(name, False, f"no '{want[:60]}...' in the ranks' stderr; last line: {tail[0][:200]}")
+        return Check(name, False, f"no '{want[:60]}...' in the ranks' stderr; it says: {failure_line(stderr)}")
     m = re.search(r"memory snapshot: (\S+) \(", stderr)
     suffix = ".pickle" if device == "cuda" else ".json"
     if m is None or not Path(m.group(1)).is_file() or not m.group(1).endswith(suffix):
@@ -395,7 +414,7 @@ def check_cpu_offload_parity(work: Path, device: str, stage: bool = False, steps
     proc, run_dir = launch_ranks(device, job(work, "offload", *common, "--parallelism.dp_shard=2",
                                              "--memory.cpu_offload=true"), stage)
     if proc.returncode or run_dir is None:
-        return Check(name, False, f"the offloaded run failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:200]}")
+        return Check(name, False, f"the offloaded run failed: {failure_line(proc.stderr)}")
     from ray_titan.metrics.sinks import read_steps
 
     ref = train_here(job(work, "offload_ref", *common, "--parallelism.dp_shard=1"), device)
@@ -526,7 +545,7 @@ def check_ep_rank_without_tokens(work: Path, device: str, stage: bool = False, s
     proc, run_dir = launch_ranks(device, job(work, "ep", *common, "--parallelism.dp_shard=2",
                                              "--parallelism.ep=2"), stage, force)
     if proc.returncode or run_dir is None:
-        return Check(name, False, f"the ep=2 run failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:200]}")
+        return Check(name, False, f"the ep=2 run failed: {failure_line(proc.stderr)}")
     from ray_titan.metrics.sinks import read_steps
 
     ref = train_here(job(work, "ep_ref", *common, "--parallelism.dp_shard=1"), device, callbacks=[ForceRouting()])
@@ -589,8 +608,6 @@ def check_steady_run(work: Path, device: str, steps: int = 200) -> list[Check]:
     """The main job's model on one rank for ``steps`` steps with the default memory and metrics
     settings: the host verdict, device memory after warm-up (``min(100, steps // 2)`` steps,
     as the ``memory`` benchmark) and the device fields of every step."""
-    from benchmarks.run import MEMORY_WARMUP
-
     cfg = job(work, "steady", "--parallelism.pp=1", "--parallelism.dp_shard=1", "--parallelism.microbatches=1",
               f"--training.steps={steps}")
     t = train_here(cfg, device)["steps"]
@@ -601,11 +618,14 @@ def check_steady_run(work: Path, device: str, steps: int = 200) -> list[Check]:
             judge_device_fields(t)]
 
 
-def run_checks(work: Path, device: str, steps: int = 200, stage: bool = False,
-               skip: Sequence[str] = ()) -> list[Check]:
+def run_checks(work: Path, device: str, steps: int = 200, stage: bool = False, skip: Sequence[str] = (),
+               until: float | None = None, on_check: Callable[[Check], None] | None = None) -> list[Check]:
     """Every check on ``device`` but those named in ``skip`` (``steps``: of the long run;
     ``stage``: stage the ranks' collectives through host memory even on CPU), each caught: a
-    check that raises fails."""
+    check that raises (a rank launch past ``until``, a ``time.time()``, included) fails.
+    ``on_check``: called with each result the moment it is known."""
+    global DEADLINE
+    DEADLINE = until
     out: list[Check] = []
     for name, fn in (
         ("OOM under PP", lambda: [check_oom_under_pp(work, device, stage)]),
@@ -625,6 +645,8 @@ def run_checks(work: Path, device: str, steps: int = 200, stage: bool = False,
             new = [Check(name, False, f"raised {type(e).__name__}: {first}")]
         for c in new:
             c.data["seconds"] = round(time.perf_counter() - t0, 1)  # of the run the check judged
+            if on_check is not None:
+                on_check(c)
         out += new
     return out
 

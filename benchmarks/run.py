@@ -24,10 +24,10 @@ Names (default: every CPU benchmark, in this order):
 - ``collector_scale``: the metrics path at 1,024 / 4,096 / 16,384 simulated ranks through real Ray
   calls: collector CPU per rank report, p99 lag to disk, RSS, dropped reports
   (``benchmarks/collector_scale.py``, which also runs alone with its own flags). Not in the default set.
-- ``gpu``: the GPU acceptance run on one CUDA GPU (``benchmarks/gpu.py``): the main job's model and
-  Llama 3.2 1B in bf16, eager against torchtitan 0.3.0 (alternately) and compiled: tokens/s, MFU,
-  peak memory; then the checks only a GPU can make, each PASS/FAIL with its reason
-  (``benchmarks/gpu_checks.py``). Not in the default set; without CUDA it says so and exits 0.
+- ``gpu``: the first-contact run on one CUDA GPU, alone and without Ray:
+  ``python -m benchmarks.run gpu --out DIR [--deadline SECONDS] [--device cuda|cpu] [--small]``
+  (``benchmarks/gpu.py``: staged processes under one deadline, every fact streamed to
+  ``DIR/facts.jsonl``). Not in the default set, nor in ``all``.
 
 Every comparison runs both sides alternately in this one invocation (A B, B A, ...) and reports
 the median of the paired ratios with min and max (``benchmarks/stats.py``). Tokens/s is measured
@@ -62,20 +62,28 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks import dry_run_matrix, metrics_scale
 from benchmarks.cpu import CPUSampler
+from benchmarks.harness import (
+    MEMORY_WARMUP,
+    REPO,
+    baseline_env,
+    flops_per_token,
+    job_config,
+    run_torchtitan,
+    tokens_per_s,
+)
+from benchmarks.harness import subprocess_flags as _flags
 from benchmarks.stats import Row, alternate, fmt_si, format_table, ratio_stats
 
-REPO = Path(__file__).resolve().parents[1]
 CPU_NAMES = ["collector", "bare", "torchrun", "ray_train", "memory", "startup"]
-ALL_NAMES = [*CPU_NAMES, "compile", "torchtitan", "gpu", "collector_scale", "parquet_rank_history",
+ALL_NAMES = [*CPU_NAMES, "compile", "torchtitan", "collector_scale", "parquet_rank_history",
              "preflight_scale", "dry_run_matrix", "dry_run_flavors"]
 MiB = 2**20
 
 # Steps per run, (full, --quick). Long enough that the steady part dwarfs timer noise.
 STEPS = {
     "collector": (120, 12), "ray_train": (10, 8), "bare": (50, 12), "torchrun": (40, 12),
-    "memory": (600, 40), "startup": (2, 2), "gpu": (50, 10),
+    "memory": (600, 40), "startup": (2, 2),
     "compile": (40, 8), "torchtitan": (40, 8), "collector_scale": (200, 20),
     "parquet_rank_history": (500, 20), "preflight_scale": (0, 0),  # steps of the 16,384-rank table; none
     "dry_run_matrix": (2, 2),  # simulated steps per rank
@@ -96,18 +104,8 @@ class Bench:
         return STEPS[name][1 if self.quick else 0]
 
     def job(self, name: str, *overrides: str):
-        """The README's main job with ``overrides``; one intra-op thread per worker everywhere,
-        so every side uses the same CPU threads."""
-        from ray_titan.config import load_config, merge_overrides
-        from ray_titan.run_dir import resolve_paths
-
-        return resolve_paths(load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
-            f"--job.name={name}", f"--job.dump_folder={self.work / 'runs'}",
-            f"--training.steps={self.steps(name)}", "--training.threads_per_worker=1",
-            f"--lr_scheduler.warmup_steps={min(20, self.steps(name) // 2)}",
-            # The breakdown profiles step 2 once per run (seconds of analysis): not a per-step
-            # cost, and a comparison's steady window would catch ranks waiting for it.
-            "--memory.breakdown_step=0"], overrides)))
+        """The README's main job with ``overrides`` (:func:`benchmarks.harness.job_config`)."""
+        return job_config(self.work, name, self.steps(name), *overrides)
 
     def ray(self) -> None:
         """One local Ray cluster for the whole invocation (started on first use)."""
@@ -123,14 +121,6 @@ class Bench:
         if self._ray:
             ray.shutdown()
             self._ray = False
-
-
-def tokens_per_s(cfg, summaries: list[dict[str, Any]]) -> float:
-    """Global tokens/s of a run from its ranks' timing summaries: global batch × seq_len tokens
-    per step, over the slowest rank's steady-state time."""
-    steps = min(s["steady_steps"] for s in summaries)
-    secs = max(s["steady_time_s"] for s in summaries)
-    return cfg.training.global_batch_size * cfg.training.seq_len * steps / secs
 
 
 def rank_summaries(timings: dict[str, dict]) -> list[dict[str, Any]]:
@@ -171,14 +161,6 @@ def run_ray_titan(bench: Bench, cfg, cpu: bool = False) -> dict[str, Any]:
     return run
 
 
-def baseline_env(cfg) -> dict[str, str]:
-    """Environment of a baseline process: one intra-op thread, and the C allocator ray_titan's
-    workers get (``memory.allocator``), so a comparison measures the trainer, not malloc."""
-    from ray_titan.allocator import worker_env_vars
-
-    return {**os.environ, "OMP_NUM_THREADS": "1", **worker_env_vars(cfg.memory.allocator)}
-
-
 def run_torchrun(bench: Bench, cfg) -> dict[str, Any]:
     """The train loop under ``torchrun --nproc-per-node=<mesh>`` (no Ray). With
     ``training.compile`` each run gets an empty inductor cache, so every run pays the compile."""
@@ -197,23 +179,6 @@ def run_torchrun(bench: Bench, cfg) -> dict[str, Any]:
     ranks = rank_summaries(read_timings(run_dir))
     return {"tokens_per_s": tokens_per_s(cfg, ranks), "rss_bytes": [r["host_rss_bytes"] for r in ranks],
             "first_step_s": max(r["marks"]["step1_end"] - r["marks"]["model_built"] for r in ranks)}
-
-
-def run_torchtitan(bench: Bench, cfg, device: str = "cpu") -> dict[str, Any]:
-    """torchtitan 0.3.0 at ``cfg``'s shape and mesh under ``torchrun`` (``benchmarks/torchtitan_cpu.py``;
-    ``device`` ``"cuda"``: natively, one GPU per rank)."""
-    out = bench.work / "runs" / f"torchtitan-{time.time_ns()}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.world_size}",
-           "-m", "benchmarks.torchtitan_cpu", "--config-json", cfg.model_dump_json(), "--out", str(out),
-           f"--device={device}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=baseline_env(cfg))
-    if proc.returncode:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "stderr.txt").write_text(proc.stderr)  # a rank's fatal error is far above the tail
-        raise RuntimeError(f"torchtitan failed (whole stderr in {out / 'stderr.txt'}): {proc.stderr[-3000:]}")
-    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-    return {"tokens_per_s": tokens_per_s(cfg, ranks), "rss_bytes": [r["host_rss_bytes"] for r in ranks],
-            "logged_losses": {r["rank"]: r["logged_losses"] for r in ranks}}
 
 
 def run_bare(bench: Bench, cfg) -> dict[str, Any]:
@@ -264,20 +229,6 @@ def run_plain_ray_train(bench: Bench, cfg) -> dict[str, Any]:
     }
 
 
-def _flags(cfg) -> list[str]:
-    """``--section.key=value`` flags reproducing ``cfg`` (for a subprocess)."""
-    flags = []
-    for section, values in cfg.model_dump().items():
-        if isinstance(values, list):  # [[callbacks]]: array tables have no flag form
-            if values:
-                raise ValueError(f"{section}: {len(values)} entries cannot be passed as flags")
-            continue
-        for key, value in values.items():
-            if value is not None:
-                flags.append(f"--{section}.{key}={json.dumps(value)}")
-    return flags
-
-
 _PEAK_PER_THREAD: list[float] = []
 
 
@@ -293,16 +244,6 @@ def peak_flops_cpu(threads: int) -> float:
     """Best measured single-thread fp32 matmul peak × ``threads`` (at most the machine's cores)."""
     per_thread = max(_PEAK_PER_THREAD) if _PEAK_PER_THREAD else measure_cpu_peak()
     return per_thread * min(threads, os.cpu_count() or 1)
-
-
-def flops_per_token(cfg) -> int:
-    from ray_titan.data.tokenizer import build_tokenizer
-    from ray_titan.metrics.flops import model_flops_per_token
-    from ray_titan.models.registry import get_model_args
-
-    vocab = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path).vocab_size
-    args = dataclasses.replace(get_model_args(cfg.model.name, cfg.model.flavor), vocab_size=vocab)
-    return model_flops_per_token(args, cfg.training.seq_len)
 
 
 def add_mfu(rows: list[Row]) -> None:
@@ -452,7 +393,7 @@ def bench_torchtitan(bench: Bench) -> list[Row]:
         row, a, b = compare(
             bench, f"vs torchtitan 0.3.0 ({label}, fp32, no AC)",
             "ray_titan (Ray, collector + memory)", lambda cfg=cfg: run_ray_titan(bench, cfg),
-            "torchtitan Trainer (torchrun, CPU shims)", lambda cfg=cfg: run_torchtitan(bench, cfg),
+            "torchtitan Trainer (torchrun, CPU shims)", lambda cfg=cfg: run_torchtitan(bench.work, cfg),
             "A/B ≥ 1.0", "", workers, cfg,
         )
         losses = {r: [round(x, 4) for x in v] for r, v in b[0]["logged_losses"].items()}
@@ -491,11 +432,6 @@ def bench_compile(bench: Bench) -> list[Row]:
                      note=f"compile costs ~{extra:.0f} s once per run (private inductor cache per run: "
                           f"cold); {pays}", data={"stats": first.as_dict()})]
     return rows
-
-
-MEMORY_WARMUP = 100
-"""Steps the ``memory`` benchmark leaves out before fitting slopes (allocator pools, thread caches
-and the first checkpoint settle)."""
 
 
 def memory_slopes(table, first: int) -> dict[str, dict[int, float]]:
@@ -609,21 +545,6 @@ def bench_startup(bench: Bench) -> list[Row]:
     return rows
 
 
-def bench_gpu(bench: Bench) -> list[Row]:
-    """The GPU acceptance run on one CUDA GPU (``benchmarks/gpu.py``): throughput beside
-    torchtitan's, and the checks only a GPU can make. Rows say 'unmeasured' without one."""
-    import torch
-
-    from benchmarks.gpu import MODELS, gpu_rows
-
-    if not torch.cuda.is_available():
-        return [Row(f"GPU: {m[0]}, bf16, eager and compiled, vs torchtitan", "tokens/s, MFU", "unmeasured",
-                    note="no CUDA device here") for m in MODELS] + [
-                Row("GPU checks (OOM under PP, cpu_offload, CPU checkpoint on CUDA, experts without tokens, "
-                    "200-step memory)", "pass/fail", "unmeasured", note="no CUDA device here")]
-    return gpu_rows(bench)
-
-
 def bench_collector_scale(bench: Bench) -> list[Row]:
     """The metrics path at 1,024 / 4,096 / 16,384 simulated ranks (``benchmarks/collector_scale.py``;
     --quick: 1,024 ranks, 20 steps). Not in the default set; its own flags choose sizes and steps."""
@@ -638,21 +559,38 @@ def bench_collector_scale(bench: Bench) -> list[Row]:
             for m in collector_scale.run(sizes, steps)]
 
 
+def _metrics_scale():
+    from benchmarks import metrics_scale  # numpy and pyarrow: imported by the benchmarks that use them
+
+    return metrics_scale
+
+
+def _dry_run_matrix():
+    from benchmarks import dry_run_matrix
+
+    return dry_run_matrix
+
+
 BENCHMARKS = {
     "startup": bench_startup, "collector": bench_collector, "ray_train": bench_ray_train,
-    "bare": bench_bare, "torchrun": bench_torchrun, "memory": bench_memory, "gpu": bench_gpu,
+    "bare": bench_bare, "torchrun": bench_torchrun, "memory": bench_memory,
     "compile": bench_compile, "torchtitan": bench_torchtitan, "collector_scale": bench_collector_scale,
-    "parquet_rank_history": lambda b: metrics_scale.bench_parquet_rank_history(b.work, b.quick),
-    "preflight_scale": lambda b: metrics_scale.bench_preflight_scale(b.work, b.quick),
-    "dry_run_matrix": lambda b: dry_run_matrix.rows_for_runner(b.quick),
-    "dry_run_flavors": lambda b: dry_run_matrix.rows_for_runner(b.quick, flavors=True),
+    "parquet_rank_history": lambda b: _metrics_scale().bench_parquet_rank_history(b.work, b.quick),
+    "preflight_scale": lambda b: _metrics_scale().bench_preflight_scale(b.work, b.quick),
+    "dry_run_matrix": lambda b: _dry_run_matrix().rows_for_runner(b.quick),
+    "dry_run_flavors": lambda b: _dry_run_matrix().rows_for_runner(b.quick, flavors=True),
 }
 
 
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
-    import ray
     import torch
+
+    try:
+        import ray
+        ray_version = ray.__version__
+    except ImportError:
+        ray_version = None
 
     cpu = "unknown"
     with contextlib.suppress(OSError):
@@ -665,7 +603,7 @@ def machine() -> dict[str, Any]:
         mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
     out = {
         "cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1),
-        "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
+        "python": platform.python_version(), "torch": torch.__version__, "ray": ray_version,
         "load_average": os.getloadavg(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
@@ -673,9 +611,17 @@ def machine() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the named benchmarks (``gpu``: :func:`benchmarks.gpu.main`, alone, with its own flags);
+    returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu"]:  # the first-contact GPU run: its own flags, no Ray, nothing imported here first
+        from benchmarks import gpu
+
+        return gpu.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("names", nargs="*", help=f"benchmarks to run (default: {' '.join(CPU_NAMES)}; also: gpu, all)")
+    ap.add_argument("names", nargs="*", help=f"benchmarks to run (default: {' '.join(CPU_NAMES)}; also: all; "
+                    "`gpu` alone: see benchmarks/gpu.py)")
     ap.add_argument("--repeats", type=int, default=3, help="repetitions per comparison (default 3)")
     ap.add_argument("--quick", action="store_true",
                     help="few steps and 2 repetitions: checks the runner, not the figures")

@@ -25,5 +25,7 @@ def test_every_check_runs_on_cpu_and_says_why(tmp_path, corpus_cache, monkeypatc
     # vote and shape inference), FSDP2's all-gather and reduce-scatter, and the experts' all-to-alls.
     for name in ("batch_p2p", "send", "recv", "send_object_list", "recv_object_list"):
         assert oom.data["staged"].get(name, 0) > 0, (name, oom.data["staged"])
-    for name in ("all_gather_single", "reduce_scatter_single", "all_to_all_single", "all_to_all_single_autograd"):
-        assert ep.data["staged"].get(name, 0) > 0, (name, ep.data["staged"])
+    staged = ep.data["staged"]
+    for names in (("all_gather_single", "all_gather_into_tensor"), ("reduce_scatter_single", "reduce_scatter_tensor"),
+                  ("all_to_all_single",), ("all_to_all_single_autograd",)):  # FSDP2's names vary by torch release
+        assert any(staged.get(n, 0) > 0 for n in names), (names, staged)

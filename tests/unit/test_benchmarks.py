@@ -106,21 +106,132 @@ def test_worker_side_cost_reads_the_runs_own_metrics_time():
     assert c["fraction_of_step"] == pytest.approx(0.01)
 
 
-def test_gpu_benchmark_without_cuda_says_so_and_exits_0(tmp_path, capsys, monkeypatch):
-    """`python -m benchmarks.run gpu` on a machine without CUDA: exit 0, every GPU row
-    'unmeasured' with the reason, in the table and the JSON (no run attempted)."""
-    import json
-
+def test_gpu_run_without_cuda_says_so_and_exits_0(tmp_path, monkeypatch):
+    """`python -m benchmarks.run gpu --out DIR` where there is no CUDA: exit 0, the facts file
+    says so, no stage started (no subprocess: the unit tier would fail it)."""
     import torch
 
+    from benchmarks.facts import read_facts
     from benchmarks.run import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    out = tmp_path / "gpu.json"
-    assert main(["gpu", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["results"]["gpu"]["rows"]
-    assert len(rows) == 3 and all(r["a_value"] == "unmeasured" and "no CUDA" in r["note"] for r in rows)
-    assert "no CUDA device here" in capsys.readouterr().out
+    assert main(["gpu", "--out", str(tmp_path)]) == 0
+    facts = read_facts(tmp_path)
+    assert [(f["stage"], f["name"]) for f in facts] == [("run", "started"), ("run", "cuda available")]
+    assert facts[-1]["value"] is False and "--device cpu --small" in facts[-1]["note"]
+
+
+def test_gpu_run_skips_every_stage_that_the_deadline_leaves_no_time_for(tmp_path, capsys):
+    """A deadline below every stage's minimum: each stage is recorded as skipped for lack of
+    time (none started), the run exits 1; every fact also printed as it was written."""
+    from benchmarks.facts import read_facts
+    from benchmarks.gpu import STAGES, main
+
+    assert main(["--out", str(tmp_path), "--device", "cpu", "--small", "--deadline", "3"]) == 1
+    outcomes = {f["stage"]: f["value"] for f in read_facts(tmp_path) if f["name"] == "outcome"}
+    assert list(outcomes) == [s.name for s in STAGES]
+    assert all(v.startswith("skipped: not enough time left") for v in outcomes.values())
+    assert "[compile] outcome: skipped" in capsys.readouterr().out
+
+
+def test_stage_timeout_keeps_the_later_stages_minimums():
+    """A stage gets min(cap, time left − the later stages' minimums), and is skipped below its own
+    minimum; a cap set by hand (even below the minimum) is honoured."""
+    from benchmarks.gpu import Stage, plan_timeout
+
+    a, b, c = Stage("a", "", 100, 20), Stage("b", "", 50, 30), Stage("c", "", 50, 40)
+    assert plan_timeout(a, 500, [b, c]) == 100  # room for everything: the cap
+    assert plan_timeout(a, 150, [b, c]) == 80  # 150 − 30 − 40: b and c keep their minimums
+    assert plan_timeout(a, 85, [b, c]) is None  # 15 < a's minimum of 20: skipped, the time left to b and c
+    assert plan_timeout(a, 500, [b, c], cap_s=1) == 1
+    assert plan_timeout(c, 10, []) is None
+
+
+def test_fact_log_appends_one_line_per_fact_readable_at_once(tmp_path):
+    """Each fact is on disk the moment it is added (a second reader sees it), non-finite floats
+    become strings, and a torn last line (a kill mid-write) is left out by the reader."""
+    from benchmarks.facts import FACTS, FactLog, read_facts
+
+    log = FactLog(tmp_path, "s")
+    log.add("tokens/s", 12.5, "tok/s", note="n")
+    assert read_facts(tmp_path)[0] | {"time": None} == {"stage": "s", "name": "tokens/s", "value": 12.5,
+                                                        "unit": "tok/s", "time": None, "note": "n"}
+    log.add("loss", float("nan"))
+    with open(tmp_path / FACTS, "a") as f:
+        f.write('{"stage": "s", "na')
+    facts = read_facts(tmp_path)
+    assert [f["value"] for f in facts] == [12.5, "nan"]
+
+
+def test_host_sync_count_per_step_from_profiler_events():
+    """Host reads, blocking CUDA calls and device-to-host copies, per profiled step."""
+    from benchmarks.gpu_stages import count_host_syncs
+
+    names = ["aten::_local_scalar_dense"] * 4 + ["cudaStreamSynchronize"] * 2 + ["cudaDeviceSynchronize"] * 2 + [
+        "Memcpy DtoH (Device -> Pinned)"] * 6 + ["Memcpy HtoD (Pinned -> Device)", "cudaLaunchKernel", "aten::mm"]
+    assert count_host_syncs(names, 2) == {"host_reads": 2, "sync_calls": 2, "dtoh_copies": 3,
+                                          "cudaDeviceSynchronize": 1, "cudaStreamSynchronize": 1}
+
+
+def test_flat_collectives_are_staged_whichever_torch_names_them(monkeypatch):
+    """torch 2.11's FSDP2 calls ``all_gather_into_tensor`` (positionally) and
+    ``reduce_scatter_tensor`` (by keyword) and has no ``all_gather_single``: staging wraps
+    whichever exist, hands the collective host copies and copies the result back."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    from benchmarks import gpu_checks
+    from ray_titan.parallel import expert
+
+    for mod, names in ((dist, ("send", "recv", "send_object_list", "recv_object_list", "all_to_all_single")),
+                       (schedules, ("_batch_p2p",)), (expert, ("all_to_all_single_autograd",))):
+        for name in names:  # restored after the test
+            monkeypatch.setattr(mod, name, getattr(mod, name))
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        monkeypatch.delattr(dist, name, raising=False)
+    seen = []
+
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        seen.append(("gather", input_tensor.data_ptr(), async_op))
+        output_tensor.copy_(torch.cat([input_tensor, input_tensor]))
+
+    def reduce_scatter_tensor(output, input, op=None, group=None, async_op=False):
+        seen.append(("scatter", input.data_ptr(), async_op))
+        output.copy_(input[:2] + input[2:])
+
+    monkeypatch.setattr(dist, "all_gather_into_tensor", all_gather_into_tensor, raising=False)
+    monkeypatch.setattr(dist, "reduce_scatter_tensor", reduce_scatter_tensor, raising=False)
+    monkeypatch.setattr(gpu_checks, "STAGED", gpu_checks.Counter())
+    gpu_checks.stage_collectives_through_host(force=True)
+    x, out = torch.tensor([1.0, 2.0]), torch.zeros(4)
+    assert dist.all_gather_into_tensor(out, x, None) is None
+    assert out.tolist() == [1, 2, 1, 2]
+    small = torch.zeros(2)
+    work = dist.reduce_scatter_tensor(output=small, input=out, op=None, group=None, async_op=True)
+    assert work.wait() and small.tolist() == [2, 4]
+    # Host copies were handed over (not the caller's tensors), run synchronously.
+    assert [(k, a) for k, _, a in seen] == [("gather", False), ("scatter", False)]
+    assert seen[0][1] != x.data_ptr() and seen[1][1] != out.data_ptr()
+    assert gpu_checks.STAGED == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+
+
+def test_failure_line_finds_the_error_above_torchruns_summary():
+    from benchmarks.gpu_checks import failure_line
+
+    err = ("x\n[rank1]: TypeError: Decoder.forward() got an unexpected keyword argument 'loss_kwargs'\n[rank0]: y\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n=====\n")
+    assert failure_line(err).startswith("TypeError: Decoder.forward()")
+    assert failure_line("a\nlast\n") == "last" and failure_line("") == "no stderr"
+
+
+def test_wheelhouse_platform_tags_include_every_older_manylinux():
+    from benchmarks.wheelhouse import platform_tags
+
+    tags = platform_tags("manylinux_2_28_x86_64")
+    assert tags[0] == "manylinux_2_28_x86_64" and "manylinux_2_17_x86_64" in tags and "manylinux2014_x86_64" in tags
+    assert "manylinux_2_29_x86_64" not in tags and platform_tags("manylinux2014_aarch64")[0] == "manylinux_2_17_aarch64"
+    assert platform_tags("win_amd64") == ["win_amd64"]
 
 
 def test_gpu_check_judges_fail_when_what_they_check_is_broken(tmp_path):

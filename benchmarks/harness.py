@@ -1,0 +1,121 @@
+"""What every benchmark shares and nothing more: the job template, the flags that reproduce a
+job in a subprocess, tokens/s and FLOPs per token, the baselines' environment and torchtitan's
+run. ``benchmarks.run`` (the CPU benchmarks, on Ray), ``benchmarks.gpu`` (the first-contact GPU
+run, without Ray) and ``benchmarks.gpu_checks`` import it; it imports none of them, and no Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MEMORY_WARMUP", "REPO", "baseline_env", "flops_per_token", "job_config", "run_bounded", "run_torchtitan",
+           "subprocess_flags", "tokens_per_s"]
+
+REPO = Path(__file__).resolve().parents[1]
+MEMORY_WARMUP = 100
+"""Steps the ``memory`` benchmark and the GPU run's flat-memory check leave out before fitting
+slopes (allocator pools, thread caches and the first checkpoint settle)."""
+
+
+def job_config(work: Path, name: str, steps: int, *overrides: str):
+    """The README's main job (``configs/debug_llama.toml``) named ``name``, ``steps`` steps, its
+    runs under ``work/runs``, with ``overrides`` (``--section.key=value``) last. One intra-op
+    thread per worker everywhere, so every side of a comparison uses the same CPU threads.
+    Raises ``ConfigError`` for a bad override."""
+    from ray_titan.config import load_config, merge_overrides
+    from ray_titan.run_dir import resolve_paths
+
+    return resolve_paths(load_config(REPO / "configs" / "debug_llama.toml", merge_overrides([
+        f"--job.name={name}", f"--job.dump_folder={work / 'runs'}",
+        f"--training.steps={steps}", "--training.threads_per_worker=1",
+        f"--lr_scheduler.warmup_steps={min(20, steps // 2)}",
+        # The breakdown profiles step 2 once per run (seconds of analysis): not a per-step
+        # cost, and a comparison's steady window would catch ranks waiting for it.
+        "--memory.breakdown_step=0"], list(overrides))))
+
+
+def tokens_per_s(cfg, summaries: list[dict[str, Any]]) -> float:
+    """Global tokens/s of a run from its ranks' timing summaries: global batch × seq_len tokens
+    per step, over the slowest rank's steady-state time."""
+    steps = min(s["steady_steps"] for s in summaries)
+    secs = max(s["steady_time_s"] for s in summaries)
+    return cfg.training.global_batch_size * cfg.training.seq_len * steps / secs
+
+
+def subprocess_flags(cfg) -> list[str]:
+    """``--section.key=value`` flags reproducing ``cfg`` (for a subprocess). Raises ValueError
+    for a non-empty array table (``[[callbacks]]``), which has no flag form."""
+    flags = []
+    for section, values in cfg.model_dump().items():
+        if isinstance(values, list):  # [[callbacks]]: array tables have no flag form
+            if values:
+                raise ValueError(f"{section}: {len(values)} entries cannot be passed as flags")
+            continue
+        for key, value in values.items():
+            if value is not None:
+                flags.append(f"--{section}.{key}={json.dumps(value)}")
+    return flags
+
+
+def flops_per_token(cfg) -> int:
+    """Model FLOPs per trained token of ``cfg``'s model at its sequence length, with the
+    tokenizer's vocabulary (``ray_titan.metrics.flops.model_flops_per_token``, the PaLM formula)."""
+    from ray_titan.data.tokenizer import build_tokenizer
+    from ray_titan.metrics.flops import model_flops_per_token
+    from ray_titan.models.registry import get_model_args
+
+    vocab = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path).vocab_size
+    args = dataclasses.replace(get_model_args(cfg.model.name, cfg.model.flavor), vocab_size=vocab)
+    return model_flops_per_token(args, cfg.training.seq_len)
+
+
+def baseline_env(cfg) -> dict[str, str]:
+    """Environment of a baseline process: one intra-op thread, and the C allocator ray_titan's
+    workers get (``memory.allocator``), so a comparison measures the trainer, not malloc."""
+    from ray_titan.allocator import worker_env_vars
+
+    return {**os.environ, "OMP_NUM_THREADS": "1", **worker_env_vars(cfg.memory.allocator)}
+
+
+def run_torchtitan(work: Path, cfg, device: str = "cpu", timeout: float | None = None) -> dict[str, Any]:
+    """torchtitan 0.3.0 at ``cfg``'s shape and mesh under ``torchrun`` (``benchmarks/torchtitan_cpu.py``;
+    ``device`` ``"cuda"``: natively, one GPU per rank), killed after ``timeout`` seconds. Returns
+    ``tokens_per_s``, ``rss_bytes`` and ``logged_losses``; raises RuntimeError when it fails
+    (its whole stderr kept beside its output) and ``subprocess.TimeoutExpired`` past ``timeout``."""
+    out = work / "runs" / f"torchtitan-{time.time_ns()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.world_size}",
+           "-m", "benchmarks.torchtitan_cpu", "--config-json", cfg.model_dump_json(), "--out", str(out),
+           f"--device={device}"]
+    proc = run_bounded(cmd, timeout, cwd=REPO, env=baseline_env(cfg))
+    if proc.returncode:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "stderr.txt").write_text(proc.stderr)  # a rank's fatal error is far above the tail
+        raise RuntimeError(f"torchtitan failed (whole stderr in {out / 'stderr.txt'}): {proc.stderr[-3000:]}")
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    return {"tokens_per_s": tokens_per_s(cfg, ranks), "rss_bytes": [r["host_rss_bytes"] for r in ranks],
+            "logged_losses": {r["rank"]: r["logged_losses"] for r in ranks}}
+
+
+def run_bounded(cmd: list[str], timeout: float | None, **kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, **kwargs)`` in a session of its own,
+    so that past ``timeout`` seconds the whole process group dies (torchrun's ranks too, which
+    ``subprocess.run``'s timeout would leave running). Raises ``subprocess.TimeoutExpired``
+    (with what the command wrote) past ``timeout``."""
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout or 0, out, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
