@@ -12,12 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.facts import read_facts
 from benchmarks.gpu import STAGES
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.compat
 def test_cpu_rehearsal_streams_every_stage_without_ray(tmp_path):
     block = tmp_path / "block"
     block.mkdir()
