@@ -134,9 +134,10 @@ def read_hf_config(path: str) -> dict[str, Any]:
 def hf_model(path: str) -> tuple[ModelSpec, Any]:
     """The family (its :class:`ModelSpec`) and model arguments ``path``'s ``config.json``
     describes. Raises :class:`HFCheckpointError` naming the file: no or an unsupported
-    ``model_type`` (listing the supported ones), or a field the family cannot build, among them
-    a size outside its bounds (``ray_titan.models.state_dict_adapter.SIZE_FIELDS``: checked
-    before anything is sized by it)."""
+    ``model_type`` (listing the supported ones), a ``quantization_config`` the family does not
+    dequantise, any number outside its field's range, whether or not the family reads it
+    (``StateDictAdapter.check_config``: ``SIZE_FIELDS``, ``FLOAT_FIELDS``; checked before
+    anything is sized by it), or a field the family cannot build."""
     return _hf_model(path)[:2]
 
 
@@ -148,6 +149,7 @@ def _hf_model(path: str) -> tuple[ModelSpec, Any, dict[str, Any]]:
     except KeyError as e:
         raise HFCheckpointError(f"{file}: {e.args[0]}") from None
     try:
+        spec.hf.check_config(config)  # every family: its quantisation, every number in range
         return spec, spec.hf.args_from_hf(config), config
     except HFConfigError as e:
         raise HFCheckpointError(f"{file}: {e}") from None

@@ -118,7 +118,8 @@ def test_fp8_checkpoint_and_v2_routing_are_refused_naming_the_field(v3, tmp_path
     config = json.loads((src / "config.json").read_text())
     for change, message in [
         ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-         r"quantization_config = \{quant_method: 'fp8'\}: .* convert them to bf16 first"),
+         r"quantization_config\.quant_method = 'fp8' is not supported for deepseek_v3; .* convert them to bf16 "
+         r"first"),
         ({"topk_method": "greedy"}, r"topk_method = 'greedy' is not supported for deepseek_v3; valid: \['noaux_tc'\]"),
         ({"scoring_func": "softmax"},
          r"scoring_func = 'softmax' is not supported for deepseek_v3; valid: \['sigmoid'\]"),
@@ -162,6 +163,7 @@ K2_CONFIG = {
 def test_flavor_is_the_released_config_json_with_the_model_card_sizes(flavor, config, total, activated):
     spec = spec_for_hf(config["model_type"])  # kimi_k2 is a DeepSeek-V3
     assert spec.name == "deepseek_v3"
+    spec.hf.check_config(config)  # every number of a released file is in range
     args = spec.hf.args_from_hf(config)
     assert spec.hf.differences(get_model_args("deepseek_v3", flavor), args) == []
     with torch.device("meta"):

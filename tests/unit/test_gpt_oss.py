@@ -237,6 +237,7 @@ def test_flavor_is_the_model_card(flavor, total, active):
     embedding and the 28 of 32 (124 of 128) experts a token does not use."""
     spec = get_spec("gpt_oss")
     args = get_model_args("gpt_oss", flavor)
+    spec.hf.check_config(HUB_CONFIGS[flavor])  # every number in range, MXFP4 accepted
     assert spec.hf.differences(args, spec.hf.args_from_hf(HUB_CONFIGS[flavor])) == []
     with torch.device("meta"):
         model = build_model("gpt_oss", flavor)
@@ -253,7 +254,7 @@ def test_flavor_is_the_model_card(flavor, total, active):
     ({"swiglu_limit": -1}, r"swiglu_limit = -1 is not valid; valid: a finite number > 0"),
     ({"attention_bias": False}, r"attention_bias = False is not supported; valid: true"),
     ({"quantization_config": {"quant_method": "fp8"}},
-     r"quantization_config\.quant_method = 'fp8' is not supported; valid: 'mxfp4'"),
+     r"quantization_config\.quant_method = 'fp8' is not supported for gpt_oss; valid: 'mxfp4'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 32.0, "truncate": "no",
                           "original_max_position_embeddings": 64}},
      r"rope_parameters\.truncate = 'no' is not valid; valid: true or false"),
