@@ -180,8 +180,9 @@ SIZE_FIELDS: dict[str, tuple[int, int]] = {
     "pretraining_tp": (1, MAX_HEADS),  # Llama: tensor-parallel degree of pre-training
     "ep_size": (1, MAX_EXPERTS),  # DeepSeek's hub files: expert-parallel degree
 }
-"""config.json field -> (smallest, largest) valid value: every integer field a family reads
-that sizes a tensor, a table or a list. Read them with :func:`size_field`."""
+"""config.json field -> (smallest, largest) valid value: every integer field a family (or
+transformers' reference) reads that sizes a tensor, a table or a list. Read them with
+:func:`size_field`; :func:`check_config_numbers` checks them wherever they appear."""
 
 
 def size_field(config: dict[str, Any], name: str, default: int | None = None, *, where: str = "") -> int:
@@ -267,9 +268,14 @@ BOOL_FIELDS = frozenset({"tie_word_embeddings", "norm_topk_prob", "attention_bia
 transformers' typed configs declare them (a string ``"false"`` would read as true)."""
 
 
-def check_config_numbers(config: dict[str, Any], where: str = "") -> None:
+MAX_CONFIG_DEPTH = 16
+"""The deepest nesting of objects :func:`check_config_numbers` walks (real files: 2 or 3)."""
+
+
+def check_config_numbers(config: dict[str, Any], where: str = "", depth: int = 0) -> None:
     """Check every number of a ``config.json`` (``config``; nested objects such as
-    ``rope_parameters`` and lists such as ``eos_token_id`` included, ``where``: the path so far):
+    ``rope_parameters`` and lists such as ``eos_token_id`` included; ``where``, ``depth``: the
+    path and nesting so far):
     one of :data:`SIZE_FIELDS` an integer in its range, one of :data:`FLOAT_FIELDS` (or a
     ``*dropout``) a float in its range, any other finite; one of :data:`BOOL_FIELDS` a boolean.
     Whether or not the family reads the field: a value the reference implementation
@@ -277,10 +283,13 @@ def check_config_numbers(config: dict[str, Any], where: str = "") -> None:
     shadowed field (a top-level ``rope_theta`` beside ``rope_parameters.rope_theta``) is found.
     The ranges: positive sizes, ``rope_theta`` > 0, eps in (0, 1], 0 ≤ dropout < 1 (the tables'
     comments give each one's source). Raises :class:`HFConfigError` naming the field (its path),
-    its value and the valid range."""
+    its value and the valid range, or an object nested deeper than :data:`MAX_CONFIG_DEPTH`."""
+    if depth > MAX_CONFIG_DEPTH:  # a real config.json nests 2 or 3 deep; recursion has a limit
+        raise HFConfigError(f"config.json {where.rstrip('.')} nests objects more than {MAX_CONFIG_DEPTH} deep; "
+                            f"valid: at most {MAX_CONFIG_DEPTH}")
     for key, value in config.items():
         if isinstance(value, dict):
-            check_config_numbers(value, f"{where}{key}.")
+            check_config_numbers(value, f"{where}{key}.", depth + 1)
             continue
         if key in BOOL_FIELDS:
             if value is not None and not isinstance(value, bool):
@@ -288,7 +297,7 @@ def check_config_numbers(config: dict[str, Any], where: str = "") -> None:
             continue
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, dict):
-                check_config_numbers(item, f"{where}{key}[].")
+                check_config_numbers(item, f"{where}{key}[].", depth + 1)
             elif isinstance(item, (int, float)) and not isinstance(item, bool):
                 _check_number(key, item, where)
 

@@ -454,6 +454,10 @@ def test_config_json_sizes_are_bounded(hf_dirs, tmp_path, family, change, messag
 
 ALL_FAMILIES = ("llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss")
 
+def _nested(depth):
+    return {"a": _nested(depth - 1)} if depth else {}
+
+
 # Each change of a valid config.json, the message that refuses it. The first two are fields no
 # family reads (a top-level rope_theta that rope_parameters' own shadows; an unused dropout).
 _BAD_NUMBERS = [
@@ -463,6 +467,7 @@ _BAD_NUMBERS = [
     ({"router_aux_loss_coef": float("nan")}, r"router_aux_loss_coef = nan is not valid"),
     ({"eos_token_id": [0, float("inf")]}, r"eos_token_id = inf is not valid; valid: a finite number"),
     ({"tie_word_embeddings": "false"}, r"tie_word_embeddings = 'false' is not valid; valid: true or false"),
+    ({"extra": _nested(40)}, r"config\.json extra(\.a)+ nests objects more than 16 deep"),
     ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
      r"quantization_config\.quant_method = 'bitsandbytes' is not supported for [a-z0-9_]+; valid: .*no "
      r"quantization_config"),
