@@ -134,9 +134,10 @@ def read_hf_config(path: str) -> dict[str, Any]:
 def hf_model(path: str) -> tuple[ModelSpec, Any]:
     """The family (its :class:`ModelSpec`) and model arguments ``path``'s ``config.json``
     describes. Raises :class:`HFCheckpointError` naming the file: no or an unsupported
-    ``model_type`` (listing the supported ones), or a field the family cannot build, among them
-    a size outside its bounds (``ray_titan.models.state_dict_adapter.SIZE_FIELDS``: checked
-    before anything is sized by it)."""
+    ``model_type`` (listing the supported ones), a ``quantization_config`` the family does not
+    dequantise, any number outside its field's range, whether or not the family reads it
+    (``StateDictAdapter.check_config``: ``SIZE_FIELDS``, ``FLOAT_FIELDS``; checked before
+    anything is sized by it), or a field the family cannot build."""
     return _hf_model(path)[:2]
 
 
@@ -148,6 +149,7 @@ def _hf_model(path: str) -> tuple[ModelSpec, Any, dict[str, Any]]:
     except KeyError as e:
         raise HFCheckpointError(f"{file}: {e.args[0]}") from None
     try:
+        spec.hf.check_config(config)  # every family: its quantisation, every number in range
         return spec, spec.hf.args_from_hf(config), config
     except HFConfigError as e:
         raise HFCheckpointError(f"{file}: {e}") from None
@@ -512,6 +514,29 @@ def _offsets(t: torch.Tensor) -> tuple[int, ...]:
     return (0,) * t.dim()
 
 
+def _check_finite(files: SafetensorsFiles, src: Source, value: torch.Tensor, start: int) -> None:
+    """Refuse ``value``, rows ``[start, ...)`` of dim 0 of the ray_titan tensor ``src`` describes as
+    read on this rank (on the host, before it reaches the device: no device sync), when some
+    element is NaN or infinite: training would start from it and fail only at the first
+    checkpoint, or route every token alike (a DeepSeek-V3 correction bias). An MXFP4 tensor is
+    checked dequantised (an E8M0 scale byte of 255 is NaN in the MX spec; here 2^128 overflows).
+    Raises :class:`HFCheckpointError` naming the file, the Hugging Face tensor and the row."""
+    if not value.is_floating_point() or bool(torch.isfinite(value).all()):
+        return
+    bad = ~torch.isfinite(value)
+    row = int(bad.reshape(len(bad), -1).any(1).nonzero()[0, 0]) if value.dim() else 0  # the first bad one
+    key = src.keys[start + row] if src.stacked else src.keys[0]
+    where = "" if src.stacked else f" (row {src.rows[start + row] if src.rows else start + row} of dim 0)"
+    packed = files.packed(key)
+    if packed is not None:
+        file, what = packed[1].file, (f"{key}_blocks / {key}_scales, MXFP4, hold NaN or infinite values once "
+                                      "dequantised (a scale byte of 255, or one whose power of two overflows)")
+    else:
+        file, what = files.entries[key].file, f"{key} has NaN or infinite values"
+    raise HFCheckpointError(f"{storage.join(files.path, file)}: tensor {what}{where}; a model is not imported from "
+                            "non-finite weights: repair or re-download this file")
+
+
 @torch.no_grad()
 def load_hf_weights(module: nn.Module, path: str, spec: ModelSpec, args: Any,
                     sources: dict[str, Source] | None = None) -> None:
@@ -521,6 +546,8 @@ def load_hf_weights(module: nn.Module, path: str, spec: ModelSpec, args: Any,
     adapter's (tests use it to show that a wrong layout fails). Every parameter must have a
     source; optional buffers absent from the files keep their values. Call
     :func:`check_hf_checkpoint` first (the pre-flight does): a missing tensor raises ``KeyError``.
+    Raises :class:`HFCheckpointError` naming the file, the tensor and the row when what this
+    rank reads holds a NaN or an infinity (after MXFP4 dequantisation): the run stops at import.
     """
     sources = spec.hf.sources(args) if sources is None else sources
     extra = tuple(sorted({s.file for s in sources.values() if s.file}))
@@ -540,6 +567,7 @@ def load_hf_weights(module: nn.Module, path: str, spec: ModelSpec, args: Any,
             value = _read_source(files, src, lo, lo + (local.shape[0] if local.dim() else 1))
             if local.dim() > 1 and tuple(local.shape[1:]) != tuple(t.shape[1:]):  # sharded beyond dim 0
                 value = value[(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], local.shape[1:])))]
+            _check_finite(files, src, value, lo)
             local.copy_(value.reshape(local.shape))
     finally:
         files.close()

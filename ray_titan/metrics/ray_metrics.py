@@ -15,19 +15,21 @@ A handful of series per stage, never one per rank: at 16,384 ranks on 16 stages 
 series per job, which Prometheus takes at any scrape interval. The gauges are values at the
 last export (Ray pushes them every ``metrics_report_interval_ms``, 10 s by default), so a
 per-step history belongs to ``steps.parquet``, not here. Without a connected Ray (the launcher's
-in-process collector) :func:`export_step` does nothing.
+in-process collector) :func:`export_step` does nothing. Label values pass :func:`label_value`:
+Ray encodes them as ASCII, so a ``job.name`` such as ``café`` would otherwise stop the export.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-__all__ = ["MEMORY_EVERY_S", "METRIC_NAMES", "export_step"]
+__all__ = ["MEMORY_EVERY_S", "METRIC_NAMES", "export_step", "label_value"]
 
 _SCALARS = {  # summary key → (gauge name, description)
     "loss": ("titan_loss", "The step's loss (last pipeline stage, token-weighted), nats per token"),
@@ -46,6 +48,18 @@ MEMORY_EVERY_S = 1.0
 """The per-stage memory gauges are recomputed at most this often (seconds): Ray pushes them every
 10 s, and at 16K ranks a recomputation takes tens of milliseconds, not worth paying every step."""
 _last_memory = [float("-inf")]
+
+
+def label_value(value: str) -> str:
+    """``value`` as a label value Ray's gauges take: ASCII (Ray's ``Gauge.set`` encodes tag
+    values as ASCII and raises ``UnicodeEncodeError`` otherwise, which would stop the whole
+    export). Accents are dropped (Unicode NFKD, combining marks removed: ``café`` → ``cafe``), as
+    a user would type the name in a Prometheus query; any other non-ASCII character becomes its
+    Python escape (``日`` → ``\\u65e5``), so names that differ in it stay apart. ASCII is unchanged."""
+    if value.isascii():
+        return value
+    plain = "".join(c for c in unicodedata.normalize("NFKD", value) if not unicodedata.combining(c))
+    return plain.encode("ascii", "backslashreplace").decode("ascii")
 
 
 def _gauge(name: str, description: str, tags: tuple[str, ...]) -> Any:
@@ -79,6 +93,7 @@ def export_step(job: str, step: int, summary: Mapping[str, Any], pp: np.ndarray,
 
 def _export(job: str, step: int, summary: Mapping[str, Any], pp: np.ndarray, ranks: np.ndarray,
             memory: Mapping[str, np.ndarray]) -> None:
+    job = label_value(job)  # the only label a user names (stage and series are ours, ASCII)
     tags = {"job": job}
     _gauge("titan_step", "The last step assembled", ("job",)).set(step, tags=tags)
     for key, (name, description) in _SCALARS.items():

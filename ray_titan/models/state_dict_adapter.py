@@ -21,12 +21,16 @@ from typing import Any
 from ray_titan.models.rope import RopeScaling
 
 __all__ = [
+    "BOOL_FIELDS",
+    "DROPOUT",
     "FLOAT_FIELDS",
     "SIZE_FIELDS",
     "HFConfigError",
     "Source",
     "StateDictAdapter",
     "attention_heads",
+    "check_config_numbers",
+    "check_quantization",
     "float_field",
     "required",
     "rope_from_hf",
@@ -166,9 +170,19 @@ SIZE_FIELDS: dict[str, tuple[int, int]] = {
     "max_position_embeddings": (1, MAX_POSITIONS),
     "original_max_position_embeddings": (1, MAX_POSITIONS),
     "num_nextn_predict_layers": (0, 16),  # DeepSeek-V3's MTP modules (released: 1); sizes a skip list
+    # Read by transformers' reference, not by ray_titan (or only to refuse other values): still
+    # sizes, checked by check_config_numbers wherever they appear.
+    "qk_head_dim": (1, 2 * MAX_HEAD_DIM),  # DeepSeek: qk_nope_head_dim + qk_rope_head_dim
+    "mlp_only_layers": (0, MAX_LAYERS - 1),  # Qwen3-MoE: indices of the dense layers
+    "max_window_layers": (0, MAX_LAYERS),  # Qwen3: the layers with full attention
+    "moe_layer_freq": (1, MAX_LAYERS),  # DeepSeek: every n-th layer is MoE
+    "initial_context_length": (1, MAX_POSITIONS),  # gpt-oss's hub files
+    "pretraining_tp": (1, MAX_HEADS),  # Llama: tensor-parallel degree of pre-training
+    "ep_size": (1, MAX_EXPERTS),  # DeepSeek's hub files: expert-parallel degree
 }
-"""config.json field -> (smallest, largest) valid value: every integer field a family reads
-that sizes a tensor, a table or a list. Read them with :func:`size_field`."""
+"""config.json field -> (smallest, largest) valid value: every integer field a family (or
+transformers' reference) reads that sizes a tensor, a table or a list. Read them with
+:func:`size_field`; :func:`check_config_numbers` checks them wherever they appear."""
 
 
 def size_field(config: dict[str, Any], name: str, default: int | None = None, *, where: str = "") -> int:
@@ -191,23 +205,41 @@ def size_field(config: dict[str, Any], name: str, default: int | None = None, *,
     return value
 
 
-FLOAT_FIELDS: dict[str, tuple[float, float, bool]] = {
-    "rope_theta": (0.0, math.inf, False),
-    "rms_norm_eps": (0.0, 1.0, False),
-    "routed_scaling_factor": (0.0, math.inf, False),
-    "factor": (0.0, math.inf, False),
-    "low_freq_factor": (0.0, math.inf, False),
-    "high_freq_factor": (0.0, math.inf, False),
-    "beta_fast": (0.0, math.inf, False),
-    "beta_slow": (0.0, math.inf, False),
-    "mscale": (0.0, math.inf, True),
-    "mscale_all_dim": (0.0, math.inf, True),
+FLOAT_FIELDS: dict[str, tuple[float, float, bool, bool]] = {
+    "rope_theta": (0.0, math.inf, False, False),
+    "rms_norm_eps": (0.0, 1.0, False, True),
+    "routed_scaling_factor": (0.0, math.inf, False, False),
+    "factor": (0.0, math.inf, False, False),
+    "low_freq_factor": (0.0, math.inf, False, False),
+    "high_freq_factor": (0.0, math.inf, False, False),
+    "beta_fast": (0.0, math.inf, False, False),
+    "beta_slow": (0.0, math.inf, False, False),
+    "mscale": (0.0, math.inf, True, False),
+    "mscale_all_dim": (0.0, math.inf, True, False),
+    "swiglu_alpha": (0.0, math.inf, False, False),  # gpt-oss: sigmoid(alpha · x); 0 makes the gate x / 2
+    "swiglu_limit": (0.0, math.inf, False, False),  # gpt-oss: the clamp of the gate and up projections
+    "router_aux_loss_coef": (0.0, math.inf, True, False),  # a loss weight: negative rewards imbalance
+    "aux_loss_alpha": (0.0, math.inf, True, False),  # DeepSeek's name for it
+    "initializer_range": (0.0, math.inf, True, False),  # the std of transformers' init: normal_ refuses < 0
+    "partial_rotary_factor": (0.0, 1.0, False, True),  # the rotated share of a head
+    "attention_factor": (0.0, math.inf, False, False),  # transformers' rope validation: > 0
 }
-"""config.json field -> (low, high, low allowed): the floats a family reads that size nothing but
-enter the model's arithmetic (rope frequencies, norms, router scale): a NaN, an infinity, a zero
-or a negative value there would poison every step without an error (rope_theta 0 or a beta of 0
-divides by zero; rms_norm_eps 0 divides a zero row by zero). Each must be finite and above
-``low`` (or equal to it where allowed), at most ``high``. Read them with :func:`float_field`."""
+"""config.json field -> (low, high, low allowed, high allowed): the floats a family reads (or
+transformers' reference reads) that size nothing but enter the model's arithmetic (rope
+frequencies, norms, router scale, the clamped SwiGLU, the balance loss): a NaN, an infinity, a
+zero or a negative value there would poison every step without an error (rope_theta 0 or a beta
+of 0 divides by zero; rms_norm_eps 0 divides a zero row by zero). Each must be finite and above
+``low`` (or equal to it where allowed), below ``high`` (or equal to it where allowed). Any field
+named ``*dropout`` is a probability that keeps something: 0 ≤ p < 1 (:data:`DROPOUT`). Read them
+with :func:`float_field`."""
+
+DROPOUT = (0.0, 1.0, True, False)
+"""The bounds of every ``*dropout`` field (``attention_dropout``, ...): ``torch.nn.Dropout``
+takes 0 ≤ p ≤ 1, and p = 1 zeroes every activation it sees, so 1 is refused too."""
+
+
+def _float_bounds(name: str) -> tuple[float, float, bool, bool] | None:
+    return FLOAT_FIELDS.get(name) or (DROPOUT if name.endswith("dropout") else None)
 
 
 def float_field(config: dict[str, Any], name: str, default: float, *, where: str = "") -> float:
@@ -215,16 +247,86 @@ def float_field(config: dict[str, Any], name: str, default: float, *, where: str
     ``default``. An int counts as its float; a bool, a string or anything else is refused, as
     are NaN and infinities. ``where``: the field's path in the message (``"rope_scaling."``).
     Raises :class:`HFConfigError` naming the field, its value and the valid range."""
-    low, high, low_ok = FLOAT_FIELDS[name]
+    bounds = _float_bounds(name)
+    if bounds is None:
+        raise KeyError(f"{name} is not a field of FLOAT_FIELDS")
+    low, high, low_ok, high_ok = bounds
     value = config.get(name)
     if value is None:
         return default
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or not (low <= value if low_ok else low < value) or value > high:
-        upper = "" if math.isinf(high) else f" and at most {high:g}"
+    if not ok or not (low <= value if low_ok else low < value) or not (value <= high if high_ok else value < high):
+        upper = "" if math.isinf(high) else f" and {'at most' if high_ok else 'below'} {high:g}"
         raise HFConfigError(f"config.json {where}{name} = {value!r} is not valid; valid: a finite number "
                             f"{'>=' if low_ok else '>'} {low:g}{upper}")
     return float(value)
+
+
+BOOL_FIELDS = frozenset({"tie_word_embeddings", "norm_topk_prob", "attention_bias", "mlp_bias", "use_sliding_window",
+                         "truncate"})
+"""config.json fields the families read as booleans: JSON ``true`` / ``false`` (or null) only, as
+transformers' typed configs declare them (a string ``"false"`` would read as true)."""
+
+
+MAX_CONFIG_DEPTH = 16
+"""The deepest nesting of objects :func:`check_config_numbers` walks (real files: 2 or 3)."""
+
+
+def check_config_numbers(config: dict[str, Any], where: str = "", depth: int = 0) -> None:
+    """Check every number of a ``config.json`` (``config``; nested objects such as
+    ``rope_parameters`` and lists such as ``eos_token_id`` included; ``where``, ``depth``: the
+    path and nesting so far):
+    one of :data:`SIZE_FIELDS` an integer in its range, one of :data:`FLOAT_FIELDS` (or a
+    ``*dropout``) a float in its range, any other finite; one of :data:`BOOL_FIELDS` a boolean.
+    Whether or not the family reads the field: a value the reference implementation
+    (transformers) would refuse or compute nonsense from is refused, not ignored, so a typo in a
+    shadowed field (a top-level ``rope_theta`` beside ``rope_parameters.rope_theta``) is found.
+    The ranges: positive sizes, ``rope_theta`` > 0, eps in (0, 1], 0 ≤ dropout < 1 (the tables'
+    comments give each one's source). Raises :class:`HFConfigError` naming the field (its path),
+    its value and the valid range, or an object nested deeper than :data:`MAX_CONFIG_DEPTH`."""
+    if depth > MAX_CONFIG_DEPTH:  # a real config.json nests 2 or 3 deep; recursion has a limit
+        raise HFConfigError(f"config.json {where.rstrip('.')} nests objects more than {MAX_CONFIG_DEPTH} deep; "
+                            f"valid: at most {MAX_CONFIG_DEPTH}")
+    for key, value in config.items():
+        if isinstance(value, dict):
+            check_config_numbers(value, f"{where}{key}.", depth + 1)
+            continue
+        if key in BOOL_FIELDS:
+            if value is not None and not isinstance(value, bool):
+                raise HFConfigError(f"config.json {where}{key} = {value!r} is not valid; valid: true or false")
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, dict):
+                check_config_numbers(item, f"{where}{key}[].", depth + 1)
+            elif isinstance(item, (int, float)) and not isinstance(item, bool):
+                _check_number(key, item, where)
+
+
+def _check_number(key: str, value: float, where: str) -> None:
+    """One number of config.json field ``where + key`` (a list's item too) against its bounds."""
+    if key in SIZE_FIELDS:
+        size_field({key: value}, key, where=where)
+    elif _float_bounds(key) is not None:
+        float_field({key: value}, key, 0.0, where=where)
+    elif not math.isfinite(value):
+        raise HFConfigError(f"config.json {where}{key} = {value!r} is not valid; valid: a finite number")
+
+
+def check_quantization(config: dict[str, Any], model_type: str, methods: tuple[str, ...], advice: str = "") -> None:
+    """Refuse a ``config.json`` ``quantization_config`` whose ``quant_method`` is not one of
+    ``methods`` (those the family's import dequantises: gpt-oss's ``mxfp4``; none elsewhere):
+    its weights would be read as if they were not quantised. ``advice``: how to get unquantised
+    files (DeepSeek-V3's FP8). Raises :class:`HFConfigError` naming the method and the valid ones."""
+    quant = config.get("quantization_config")
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method in methods:
+        return
+    valid = f"{' or '.join(repr(m) for m in methods)} (dequantised on import) or " if methods else ""
+    raise HFConfigError(
+        f"config.json quantization_config.quant_method = {method!r} is not supported for {model_type}; valid: "
+        f"{valid}no quantization_config (unquantised bf16, fp16 or fp32 weights){advice}")
 
 
 def rope_from_hf(config: dict[str, Any], kinds: tuple[str, ...],
@@ -309,6 +411,17 @@ class StateDictAdapter:
     architectures: tuple[str, ...]
     model_type_aliases: tuple[str, ...] = ()
     training_fields: frozenset[str] = frozenset({"init_std"})
+    quant_methods: tuple[str, ...] = ()
+    """``quantization_config.quant_method`` values the import dequantises (none but gpt-oss's)."""
+    quant_advice: str = ""
+    """Appended to the refusal of another quantisation: how to get unquantised files."""
+
+    def check_config(self, config: dict[str, Any]) -> None:
+        """The checks every family's ``config.json`` passes before :meth:`args_from_hf`: its
+        quantisation (:func:`check_quantization`) and every number in it
+        (:func:`check_config_numbers`). Raises :class:`HFConfigError` naming the field."""
+        check_quantization(config, self.model_type, self.quant_methods, self.quant_advice)
+        check_config_numbers(config)
 
     def args_from_hf(self, config: dict[str, Any]) -> Any:
         """The model arguments a ``config.json`` describes. Raises :class:`HFConfigError` for a

@@ -176,7 +176,9 @@ class VocabParallelEmbedding(ParallelStyle):
     shard: ids ``(batch, seq)`` that another rank owns give zero rows, and the partial outputs are
     summed into ``output_layout`` (``Shard(1)``: reduce-scattered over the sequence, ``(batch,
     seq / tp, dim)``, under SP; ``Replicate()``: all-reduced, ``(batch, seq, dim)``); a plain
-    tensor is returned. Megatron-LM's ``VocabParallelEmbedding`` (Shoeybi et al. 2019,
+    tensor is returned. An id outside ``[0, vocab)`` raises, as with ``nn.Embedding``: a
+    ``RuntimeError`` on the CPU, a device-side assert on CUDA (``torch._assert_async``: no host
+    synchronisation). Megatron-LM's ``VocabParallelEmbedding`` (Shoeybi et al. 2019,
     arXiv:1909.08053), as torchtitan's vocab-parallel embedding (2026) runs it.
 
     Why not DTensor's ``RowwiseParallel``: its embedding backward has no row-wise strategy
@@ -218,6 +220,13 @@ def _vocab_parallel_lookup(module: nn.Embedding, start: int, mesh: DeviceMesh, l
     local = cast(DTensor, module.weight).to_local()
     if isinstance(ids, DTensor):
         ids = ids.to_local()
+    # The masking below turns another rank's ids into zero rows, so an id outside the whole
+    # vocabulary (a custom tokenizer's, 2^40, -1) would too, where nn.Embedding raises: refuse it
+    # alike. _assert_async: a device-side assert on CUDA (no host sync in the step; the dry run
+    # counts them), on the CPU a RuntimeError here.
+    vocab = module.num_embeddings
+    torch._assert_async(((ids >= 0) & (ids < vocab)).all(),
+                        f"VocabParallelEmbedding: a token id outside the vocabulary [0, {vocab})")
     shifted = ids - start
     elsewhere = (shifted < 0) | (shifted >= local.shape[0])
     rows = F.embedding(shifted.masked_fill(elsewhere, 0), local).masked_fill(elsewhere.unsqueeze(-1), 0.0)

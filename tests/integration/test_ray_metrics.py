@@ -35,7 +35,7 @@ def test_collector_exports_step_scalars_and_stage_memory_to_prometheus(ray_clust
     from ray_titan.metrics.collector import MetricsCollector
 
     dims = ParallelDims(pp=2, dp_shard=2)
-    run_dir = tmp_path / "metricsjob-20261126-130000"
+    run_dir = tmp_path / "métricsjob-20261126-130000"  # a non-ASCII job.name: Ray's gauges take ASCII only
     collector = ray.remote(num_cpus=0)(MetricsCollector).remote(
         str(run_dir), 4, dims.last_stage_ranks(), 3, enable_tensorboard=False)
     for step in (1, 2, 3):  # rank 3 (pp=1) holds the most host memory
@@ -43,7 +43,7 @@ def test_collector_exports_step_scalars_and_stage_memory_to_prometheus(ray_clust
             [_rep(step, r, dims, (500 + 100 * r) * MiB) for r in range(4)]))
     summary = ray.get(collector.finish.remote())
     ports = {n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]}
-    job = run_dir.name
+    job = "metricsjob-20261126-130000"  # as ray_metrics.label_value makes it
     deadline, text = time.monotonic() + 60, ""  # Ray pushes application metrics every ~10 s
     while time.monotonic() < deadline:
         text = "\n".join(_scrape(p) for p in ports)

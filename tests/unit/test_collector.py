@@ -379,3 +379,20 @@ def test_the_completeness_check_names_missing_rows_and_counts_steps_in_batches(t
     assert c.errors == ["step 2: the metrics table has no row for rank(s) [1]",
                         "step 3: the metrics table has no row for rank(s) [0, 1, 2, 3]"]
     assert (c._steps_run, c._skipped_steps, c._restarts) == (4, 1, 1)
+
+
+def test_any_job_name_is_a_label_value_rays_gauges_take(monkeypatch):
+    """Ray's gauges encode label values as ASCII: a ``job.name`` of ``café`` stopped the whole
+    Prometheus export. :func:`label_value` makes any name ASCII (accents dropped, other
+    characters escaped, so names stay apart) and the export passes every label through it: Ray's
+    real gauges take the run's job label here (a gauge records in-process; no cluster starts)."""
+    import numpy as np
+
+    from ray_titan.metrics import ray_metrics
+
+    monkeypatch.setattr(ray_metrics, "_last_memory", [float("-inf")])  # the memory gauges are set too
+    ray_metrics._export("café-20261127-120000", 1, {"loss": 2.0}, np.array([0, 1]), np.array([0, 1]),
+                        {"device_allocated_bytes": np.array([np.nan, np.nan]), "host_rss_bytes": np.array([1e9, 2e9])})
+    assert ray_metrics.label_value("café-20261127-120000") == "cafe-20261127-120000"
+    assert ray_metrics.label_value("日本") == "\\u65e5\\u672c" != ray_metrics.label_value("本日")
+    assert ray_metrics.label_value("a plain-job_1") == "a plain-job_1"

@@ -111,6 +111,31 @@ def test_mtp_layer_is_skipped_and_only_when_config_json_declares_it(v3, tmp_path
         check_hf_checkpoint(str(tmp_path))
 
 
+def test_non_finite_weights_are_refused_at_import_naming_the_tensor(v3, tmp_path):
+    """A NaN in a layer's correction bias (routing would collapse onto the experts it does not
+    poison, and the run fail only at its first checkpoint), then an infinity in one expert's
+    weight: the headers pass the pre-flight, the import (each rank reads its rows) refuses,
+    naming the file, the tensor and the row."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = v3
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.mlp.gate.e_score_correction_bias"][3] = float("nan")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    check_hf_checkpoint(str(tmp_path))  # headers only: shapes and dtypes are right
+    bias = r"model\.layers\.1\.mlp\.gate\.e_score_correction_bias"
+    with pytest.raises(HFCheckpointError, match=rf"{tmp_path}/model\.safetensors: tensor {bias} has NaN or infinite "
+                                                r"values \(row 3 of dim 0\)"):
+        load_ray_titan(tmp_path)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.2.mlp.experts.5.up_proj.weight"][2, 1] = float("-inf")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HFCheckpointError, match=r"tensor model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight has NaN"):
+        load_ray_titan(tmp_path)
+
+
 def test_fp8_checkpoint_and_v2_routing_are_refused_naming_the_field(v3, tmp_path):
     src, _ = v3
     for f in src.iterdir():
@@ -118,7 +143,8 @@ def test_fp8_checkpoint_and_v2_routing_are_refused_naming_the_field(v3, tmp_path
     config = json.loads((src / "config.json").read_text())
     for change, message in [
         ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-         r"quantization_config = \{quant_method: 'fp8'\}: .* convert them to bf16 first"),
+         r"quantization_config\.quant_method = 'fp8' is not supported for deepseek_v3; .* convert them to bf16 "
+         r"first"),
         ({"topk_method": "greedy"}, r"topk_method = 'greedy' is not supported for deepseek_v3; valid: \['noaux_tc'\]"),
         ({"scoring_func": "softmax"},
          r"scoring_func = 'softmax' is not supported for deepseek_v3; valid: \['sigmoid'\]"),
@@ -162,6 +188,7 @@ K2_CONFIG = {
 def test_flavor_is_the_released_config_json_with_the_model_card_sizes(flavor, config, total, activated):
     spec = spec_for_hf(config["model_type"])  # kimi_k2 is a DeepSeek-V3
     assert spec.name == "deepseek_v3"
+    spec.hf.check_config(config)  # every number of a released file is in range
     args = spec.hf.args_from_hf(config)
     assert spec.hf.differences(get_model_args("deepseek_v3", flavor), args) == []
     with torch.device("meta"):

@@ -146,7 +146,8 @@ def test_mxfp4_checkpoint_imports_as_its_dequantised_weights(tiny, tmp_path):
     """The tiny model's files with the experts' ``gate_up_proj`` / ``down_proj`` replaced by
     random MXFP4 ``*_blocks`` / ``*_scales`` (as the released files hold them, with
     ``quantization_config.quant_method = "mxfp4"``) import as transformers dequantises them;
-    a packed tensor of the wrong shape is refused naming it."""
+    a scale byte of 255 is refused at import naming the packed tensor and the expert; a packed
+    tensor of the wrong shape is refused naming it."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -173,6 +174,16 @@ def test_mxfp4_checkpoint_imports_as_its_dequantised_weights(tiny, tmp_path):
         assert torch.equal(ex.w1, gate_up[..., ::2].transpose(1, 2))
         assert torch.equal(ex.w3, gate_up[..., 1::2].transpose(1, 2))
         assert torch.equal(ex.w2, want[f"model.layers.{i}.mlp.experts.down_proj"].transpose(1, 2))
+    # A scale byte of 255 (NaN in the MX spec): refused at import, traced to the packed tensor.
+    scales = tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    tensors["model.layers.1.mlp.experts.down_proj_scales"] = scales.clone().index_fill_(0, torch.tensor([6]), 255)
+    save_file(tensors, packed / "model.safetensors")
+    check_hf_checkpoint(str(packed))  # headers only
+    down = r"model\.layers\.1\.mlp\.experts\.down_proj"
+    with pytest.raises(HFCheckpointError, match=rf"{packed}/model\.safetensors: tensor {down}_blocks / {down}_scales, "
+                                                r"MXFP4, hold NaN or infinite values once dequantised .*\(row 6 "):
+        load_ray_titan(packed)
+    tensors["model.layers.1.mlp.experts.down_proj_scales"] = scales
     tensors["model.layers.0.mlp.experts.down_proj_scales"] = tensors["model.layers.0.mlp.experts.down_proj_scales"][:4]
     save_file(tensors, packed / "model.safetensors")
     with pytest.raises(HFCheckpointError, match=r"MXFP4 tensors model\.layers\.0\.mlp\.experts\.down_proj_blocks"):
@@ -237,6 +248,7 @@ def test_flavor_is_the_model_card(flavor, total, active):
     embedding and the 28 of 32 (124 of 128) experts a token does not use."""
     spec = get_spec("gpt_oss")
     args = get_model_args("gpt_oss", flavor)
+    spec.hf.check_config(HUB_CONFIGS[flavor])  # every number in range, MXFP4 accepted
     assert spec.hf.differences(args, spec.hf.args_from_hf(HUB_CONFIGS[flavor])) == []
     with torch.device("meta"):
         model = build_model("gpt_oss", flavor)
@@ -253,7 +265,7 @@ def test_flavor_is_the_model_card(flavor, total, active):
     ({"swiglu_limit": -1}, r"swiglu_limit = -1 is not valid; valid: a finite number > 0"),
     ({"attention_bias": False}, r"attention_bias = False is not supported; valid: true"),
     ({"quantization_config": {"quant_method": "fp8"}},
-     r"quantization_config\.quant_method = 'fp8' is not supported; valid: 'mxfp4'"),
+     r"quantization_config\.quant_method = 'fp8' is not supported for gpt_oss; valid: 'mxfp4'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 32.0, "truncate": "no",
                           "original_max_position_embeddings": 64}},
      r"rope_parameters\.truncate = 'no' is not valid; valid: true or false"),

@@ -243,6 +243,7 @@ def test_flavor_is_what_the_released_config_json_describes(family, flavor):
     from ray_titan.models.registry import get_spec
 
     adapter = get_spec(family).hf
+    adapter.check_config(HUB_CONFIGS[family, flavor])  # every number of a released file is in range
     assert adapter.differences(get_model_args(family, flavor), adapter.args_from_hf(HUB_CONFIGS[family, flavor])) == []
 
 
@@ -449,6 +450,70 @@ def test_config_json_sizes_are_bounded(hf_dirs, tmp_path, family, change, messag
             target[field] = value
     (path / "config.json").write_text(json.dumps(config))
     _refused_fast(lambda: check_hf_checkpoint(str(path)), rf"{path}/config\.json: .*{message}")
+
+
+ALL_FAMILIES = ("llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss")
+
+def _nested(depth):
+    return {"a": _nested(depth - 1)} if depth else {}
+
+
+# Each change of a valid config.json, the message that refuses it. The first two are fields no
+# family reads (a top-level rope_theta that rope_parameters' own shadows; an unused dropout).
+_BAD_NUMBERS = [
+    ({"rope_theta": -1}, r"config\.json rope_theta = -1 is not valid; valid: a finite number > 0"),
+    ({"attention_dropout": 1.0}, r"attention_dropout = 1\.0 is not valid; valid: a finite number >= 0 and below 1"),
+    ({"initializer_range": -0.02}, r"initializer_range = -0\.02 is not valid; valid: a finite number >= 0"),
+    ({"router_aux_loss_coef": float("nan")}, r"router_aux_loss_coef = nan is not valid"),
+    ({"eos_token_id": [0, float("inf")]}, r"eos_token_id = inf is not valid; valid: a finite number"),
+    ({"tie_word_embeddings": "false"}, r"tie_word_embeddings = 'false' is not valid; valid: true or false"),
+    ({"extra": _nested(40)}, r"config\.json extra(\.a)+ nests objects more than 16 deep"),
+    ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+     r"quantization_config\.quant_method = 'bitsandbytes' is not supported for [a-z0-9_]+; valid: .*no "
+     r"quantization_config"),
+]
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_every_number_of_config_json_is_range_checked_in_every_family(hf_models, tmp_path, family):
+    """One check for every family (``StateDictAdapter.check_config``): every number of config.json,
+    read by the family or not, within its field's range (finite when it has none), booleans
+    booleans, and no quantisation the family does not dequantise: each refused naming the file,
+    the field, its value and the valid range."""
+    root, _ = hf_models
+    shutil.copytree(root / family, tmp_path / family)
+    path = tmp_path / family
+    config = json.loads((path / "config.json").read_text())
+    for change, message in _BAD_NUMBERS:
+        (path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(HFCheckpointError, match=rf"{path}/config\.json: .*{message}"):
+            check_hf_checkpoint(str(path))
+
+
+def test_every_numeric_field_of_the_families_configs_has_a_range(hf_models):
+    """The class, not the cases: each numeric field transformers writes in the six families'
+    config.json (every field of its config classes, defaults included) has a range in the tables
+    (SIZE_FIELDS, FLOAT_FIELDS, ``*dropout``), except the token ids (ids of the tokenizer, not
+    sizes; an old Llama's pad_token_id is -1). A new numeric field fails here until it has one."""
+    from ray_titan.models.state_dict_adapter import FLOAT_FIELDS, SIZE_FIELDS
+
+    root, _ = hf_models
+    unranged = set()
+
+    def walk(node, key=""):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, k)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v, key)
+        elif isinstance(node, (int, float)) and not isinstance(node, bool):
+            if key not in SIZE_FIELDS and key not in FLOAT_FIELDS and not key.endswith("dropout"):
+                unranged.add(key)
+
+    for family in ALL_FAMILIES:
+        walk(json.loads((root / family / "config.json").read_text()))
+    assert unranged == {"bos_token_id", "eos_token_id"}
 
 
 def test_huge_config_json_is_refused_before_it_is_read(llama_copy, tmp_path):

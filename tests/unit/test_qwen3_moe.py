@@ -188,6 +188,7 @@ def test_flavor_is_the_model_card(flavor, total, activated):
     counted as activated, as the cards do: without it 3.04 B would not read 3.3B)."""
     spec = get_spec("qwen3_moe")
     args = get_model_args("qwen3_moe", flavor)
+    spec.hf.check_config(HUB_CONFIGS[flavor])  # every number of a released file is in range
     assert spec.hf.differences(args, spec.hf.args_from_hf(HUB_CONFIGS[flavor])) == []
     assert (args.n_routed_experts, args.n_activated_experts, args.n_shared_experts, len(args.moe_layers)) == (
         128, 8, 0, args.n_layers)

@@ -16,7 +16,7 @@ from typing import Any
 
 from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
 from ray_titan.models.deepseek_v2.state_dict_adapter import DeepSeekV2Adapter
-from ray_titan.models.state_dict_adapter import HFConfigError, Source, size_field
+from ray_titan.models.state_dict_adapter import Source, size_field
 
 __all__ = ["DeepSeekV3Adapter"]
 
@@ -29,16 +29,10 @@ class DeepSeekV3Adapter(DeepSeekV2Adapter):
     model_type_aliases = ("kimi_k2",)
     topk_methods = ("noaux_tc",)
     scoring_funcs = ("sigmoid",)
+    quant_advice = ("; the released DeepSeek-V3 / Kimi K2 files are FP8 with block scales: convert them to bf16 first "
+                    "(DeepSeek-V3's inference/fp8_cast_bf16.py) and import that directory")
 
     def args_from_hf(self, config: dict[str, Any]) -> DeepSeekV2Args:
-        quant = config.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise HFConfigError(
-                f"config.json quantization_config = {{quant_method: {method!r}}}: quantized weights (the released "
-                "DeepSeek-V3 / Kimi K2 files are FP8 with block scales) are not read; convert them to bf16 first "
-                "(DeepSeek-V3's inference/fp8_cast_bf16.py) and import that directory"
-            )
         args = super().args_from_hf(config)
         return dataclasses.replace(args, n_mtp_layers=size_field(config, "num_nextn_predict_layers", 0))
 

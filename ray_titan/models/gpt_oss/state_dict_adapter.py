@@ -42,16 +42,6 @@ from ray_titan.models.state_dict_adapter import (
 __all__ = ["GptOssAdapter"]
 
 
-def _positive(config: dict[str, Any], name: str, default: float) -> float:
-    """A positive finite float field (``swiglu_limit``, ``swiglu_alpha``); absent: ``default``."""
-    value = config.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise HFConfigError(f"config.json {name} = {value!r} is not valid; valid: a finite number > 0")
-    return float(value)
-
-
 class GptOssAdapter(StateDictAdapter):
     """gpt-oss (gpt-oss-20b, gpt-oss-120b): attention with sinks and biases, alternating sliding
     windows, YaRN rope, a biased top-k-softmax router, clamped-SwiGLU experts with biases."""
@@ -59,6 +49,7 @@ class GptOssAdapter(StateDictAdapter):
     model_type = "gpt_oss"
     architectures = ("GptOssForCausalLM",)
     training_fields = frozenset({"init_std", "load_balance", "aux_loss_coeff", "bias_update_rate"})
+    quant_methods = ("mxfp4",)  # the released files' experts (ray_titan.models.gpt_oss.mxfp4)
 
     def args_from_hf(self, config: dict[str, Any]) -> GptOssArgs:
         def need(name: str, default: int | None = None) -> int:
@@ -67,12 +58,6 @@ class GptOssAdapter(StateDictAdapter):
         if config.get("attention_bias", True) is not True:
             raise HFConfigError(f"config.json attention_bias = {config['attention_bias']!r} is not supported; "
                                 "valid: true (gpt-oss's projections have biases)")
-        quant = config.get("quantization_config")
-        if quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4"):
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise HFConfigError(f"config.json quantization_config.quant_method = {method!r} is not supported; "
-                                "valid: 'mxfp4' (the released files' experts, dequantised on import) or no "
-                                "quantization_config")
         dim, n_heads, n_kv_heads, head_dim = attention_heads(config)
         n_layers = need("num_hidden_layers")
         experts_field = "num_experts" if config.get("num_local_experts") is None and "num_experts" in config \
@@ -95,11 +80,12 @@ class GptOssAdapter(StateDictAdapter):
             dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
             vocab_size=need("vocab_size"), moe_inter_dim=need("intermediate_size"), n_routed_experts=n_experts,
             n_activated_experts=top_k, sliding_window=window, layer_types=tuple(types),
-            swiglu_alpha=_positive(config, "swiglu_alpha", 1.702), swiglu_limit=_positive(config, "swiglu_limit", 7.0),
+            swiglu_alpha=float_field(config, "swiglu_alpha", 1.702),
+            swiglu_limit=float_field(config, "swiglu_limit", 7.0),
             norm_eps=float_field(config, "rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
             max_seq_len=need("max_position_embeddings"),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.9)),
+            aux_loss_coeff=float_field(config, "router_aux_loss_coef", 0.9),
         )
 
     def hf_config(self, args: GptOssArgs) -> dict[str, Any]:
