@@ -25,6 +25,8 @@ memory with its verdicts marked) and prints a summary table per rank (``ray_tita
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -180,6 +182,9 @@ def _report_parser(sub: Any) -> None:
 
 def _train(args, overrides: list[str]) -> int:
     from ray_titan.config import ConfigError
+
+    if importlib.util.find_spec("ray") is None:  # located, not imported: the driver imports it
+        return _train_without_ray(args.config, overrides)
     from ray_titan.driver import train
 
     try:
@@ -194,6 +199,29 @@ def _train(args, overrides: list[str]) -> int:
         return 1
     # A run that applied no update learned nothing: a failure, said by the driver's last line.
     return 1 if result.errors or result.no_update_applied else 0
+
+
+def _train_without_ray(config: str | None, overrides: list[str]) -> int:
+    """``ray-titan train`` where Ray is not installed: one line on stderr naming the launcher
+    command that runs the same job without Ray (``torchrun`` with the mesh's process count, or
+    ``python -m`` for one process); exit status 2, as a config error (nothing started)."""
+    from ray_titan.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        print(f"ray-titan: config error: {e}", file=sys.stderr)
+        return 2
+    if cfg.data.source == "ray_data":  # the launcher refuses it: only Ray can run this job
+        print("ray-titan train: Ray is not installed, and data.source = 'ray_data' streams through it: "
+              "install Ray (pip install 'ray[default,train]')", file=sys.stderr)
+        return 2
+    n = cfg.world_size
+    start = ["torchrun", f"--nproc-per-node={n}"] if n > 1 else ["python"]
+    job = ["--config", config] if config else []
+    print(f"ray-titan train: Ray is not installed; run this job without Ray with the launcher: "
+          f"{shlex.join([*start, '-m', 'ray_titan.launch', *job, *overrides])}", file=sys.stderr)
+    return 2
 
 
 def _config(args, overrides: list[str]) -> int:
