@@ -3,7 +3,9 @@
 ``ray-titan train [--config X.toml] [--progress MODE] [--section.key=value ...]`` runs the driver
 (:func:`ray_titan.driver.train`): on the cluster named by ``RAY_ADDRESS``, or on a local Ray
 cluster it starts. Without ``--config`` the built-in defaults are used, which are
-``configs/debug_llama.toml``. Exit status: 0 for a complete run, 2 for a config error (before
+``configs/debug_llama.toml``. Where Ray is not installed it starts nothing and names the launcher
+command that runs the job without Ray (``ray_titan.launch``; exit status 2); the other commands
+need no Ray. Exit status: 0 for a complete run, 2 for a config error (before
 any worker starts), 1 for a failed run, one whose metrics have errors (a non-finite final loss
 included) or one that applied no update (every step's update skipped, ``training.on_nonfinite =
 "skip"``), 130 when interrupted by Ctrl-C and 143 by SIGTERM (either way the workers are stopped,
@@ -63,7 +65,8 @@ def _train_parser(sub: Any) -> None:
         help="run a training job (on RAY_ADDRESS's cluster, or a local one it starts)",
         description="Run a training job on the Ray cluster named by RAY_ADDRESS, the one this "
         "process runs in (ray job submit), or a local cluster it starts. " + _OVERRIDES + ". "
-        "Exit status: 0 complete run, 2 config error (before any worker starts), 1 failed run, "
+        "Without Ray installed it names the launcher command instead (python -m ray_titan.launch, "
+        "torchrun). Exit status: 0 complete run, 2 config error or no Ray (before any worker starts), 1 failed run, "
         "130 Ctrl-C, 143 SIGTERM.",
         epilog="settings (--section.key=VALUE):\n" + settings_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -24,7 +24,7 @@ from tests.support.no_ray import no_ray_env, ray_imports, split_runs
 CONFIGS = sorted(REPO.glob("configs/*.toml"))
 STEPS = 2
 COMMON = [f"--training.steps={STEPS}", "--metrics.log_freq=1", "--memory.breakdown_step=0"]
-ONE_RANK = ["--parallelism.pp=1", "--parallelism.dp_shard=1", "--parallelism.ep=1"]
+ONE_RANK = ["--parallelism.pp=1", "--parallelism.dp_shard=1", "--parallelism.ep=1", "--training.global_batch_size=4"]
 MOE = str(REPO / "configs" / "debug_deepseek.toml")  # memory.allocator = "auto": Ray's jemalloc where Ray is
 
 
@@ -103,9 +103,9 @@ def test_torchrun_trains_the_moe_job_on_the_main_mesh_without_ray(tmp_path, corp
     env = no_ray_env(tmp_path)
     dump = tmp_path / "dump"
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "-m",
-                          "ray_titan.launch", "--config", MOE, *COMMON, f"--job.dump_folder={dump}",
-                          f"--data.cache_dir={corpus_cache}"], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=300)
+                          "ray_titan.launch", "--config", MOE, *COMMON, "--training.global_batch_size=8",
+                          f"--job.dump_folder={dump}", f"--data.cache_dir={corpus_cache}"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     (run_dir,) = dump.glob("debug_deepseek-*")
     steps = read_steps(run_dir)
