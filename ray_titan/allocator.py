@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -93,10 +94,13 @@ def active_allocator() -> Literal["jemalloc", "glibc", "unknown"]:
 
 def jemalloc_library() -> str | None:
     """Path of the jemalloc shared library bundled with the installed Ray
-    (``<ray package>/core/libjemalloc.so``, Linux wheels), or None where it has none."""
-    import ray
-
-    path = Path(ray.__file__).parent / "core" / "libjemalloc.so"
+    (``<ray package>/core/libjemalloc.so``, Linux wheels), or None where it has none or Ray is
+    not installed. Ray is located, not imported: pre-flight runs on the launcher's Ray-free path
+    too (``python -m ray_titan.launch``), and importing Ray costs seconds."""
+    spec = importlib.util.find_spec("ray")  # None where Ray is absent (or blocked in sys.modules)
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "core" / "libjemalloc.so"
     return str(path) if path.is_file() else None
 
 
@@ -107,7 +111,7 @@ def worker_env_vars(allocator: str) -> dict[str, str]:
     nothing for ``system`` or where ``auto`` finds no jemalloc. The path is the driver's: nodes
     are assumed to share one Python installation, as Ray assumes for itself.
 
-    Raises ValueError for ``jemalloc`` where the installed Ray has no jemalloc library, and for
+    Raises ValueError for ``jemalloc`` where Ray is not installed or has no jemalloc library, and for
     a value not in :data:`ALLOCATORS`.
     """
     if allocator not in ALLOCATORS:
@@ -117,9 +121,11 @@ def worker_env_vars(allocator: str) -> dict[str, str]:
     lib = jemalloc_library()
     if lib is None:
         if allocator == "jemalloc":
+            where = "the installed Ray has no jemalloc library" if importlib.util.find_spec("ray") \
+                else "Ray, whose wheel ships it, is not installed"
             raise ValueError(
-                "memory.allocator = 'jemalloc', but the installed Ray has no jemalloc library "
-                "(ray/core/libjemalloc.so ships in Ray's Linux wheels only); use 'auto' or 'system'")
+                f"memory.allocator = 'jemalloc', but {where} (ray/core/libjemalloc.so ships in Ray's Linux "
+                "wheels only); use 'auto' or 'system'")
         return {}
     preload = " ".join(p for p in (lib, os.environ.get("LD_PRELOAD", "")) if p)
     env = {"LD_PRELOAD": preload}

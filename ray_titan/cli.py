@@ -3,7 +3,9 @@
 ``ray-titan train [--config X.toml] [--progress MODE] [--section.key=value ...]`` runs the driver
 (:func:`ray_titan.driver.train`): on the cluster named by ``RAY_ADDRESS``, or on a local Ray
 cluster it starts. Without ``--config`` the built-in defaults are used, which are
-``configs/debug_llama.toml``. Exit status: 0 for a complete run, 2 for a config error (before
+``configs/debug_llama.toml``. Where Ray is not installed it starts nothing and names the launcher
+command that runs the job without Ray (``ray_titan.launch``; exit status 2); the other commands
+need no Ray. Exit status: 0 for a complete run, 2 for a config error (before
 any worker starts), 1 for a failed run, one whose metrics have errors (a non-finite final loss
 included) or one that applied no update (every step's update skipped, ``training.on_nonfinite =
 "skip"``), 130 when interrupted by Ctrl-C and 143 by SIGTERM (either way the workers are stopped,
@@ -25,6 +27,8 @@ memory with its verdicts marked) and prints a summary table per rank (``ray_tita
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -61,7 +65,8 @@ def _train_parser(sub: Any) -> None:
         help="run a training job (on RAY_ADDRESS's cluster, or a local one it starts)",
         description="Run a training job on the Ray cluster named by RAY_ADDRESS, the one this "
         "process runs in (ray job submit), or a local cluster it starts. " + _OVERRIDES + ". "
-        "Exit status: 0 complete run, 2 config error (before any worker starts), 1 failed run, "
+        "Without Ray installed it names the launcher command instead (python -m ray_titan.launch, "
+        "torchrun). Exit status: 0 complete run, 2 config error or no Ray (before any worker starts), 1 failed run, "
         "130 Ctrl-C, 143 SIGTERM.",
         epilog="settings (--section.key=VALUE):\n" + settings_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -180,6 +185,9 @@ def _report_parser(sub: Any) -> None:
 
 def _train(args, overrides: list[str]) -> int:
     from ray_titan.config import ConfigError
+
+    if importlib.util.find_spec("ray") is None:  # located, not imported: the driver imports it
+        return _train_without_ray(args.config, overrides)
     from ray_titan.driver import train
 
     try:
@@ -194,6 +202,29 @@ def _train(args, overrides: list[str]) -> int:
         return 1
     # A run that applied no update learned nothing: a failure, said by the driver's last line.
     return 1 if result.errors or result.no_update_applied else 0
+
+
+def _train_without_ray(config: str | None, overrides: list[str]) -> int:
+    """``ray-titan train`` where Ray is not installed: one line on stderr naming the launcher
+    command that runs the same job without Ray (``torchrun`` with the mesh's process count, or
+    ``python -m`` for one process); exit status 2, as a config error (nothing started)."""
+    from ray_titan.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        print(f"ray-titan: config error: {e}", file=sys.stderr)
+        return 2
+    if cfg.data.source == "ray_data":  # the launcher refuses it: only Ray can run this job
+        print("ray-titan train: Ray is not installed, and data.source = 'ray_data' streams through it: "
+              "install Ray (pip install 'ray[default,train]')", file=sys.stderr)
+        return 2
+    n = cfg.world_size
+    start = ["torchrun", f"--nproc-per-node={n}"] if n > 1 else ["python"]
+    job = ["--config", config] if config else []
+    print(f"ray-titan train: Ray is not installed; run this job without Ray with the launcher: "
+          f"{shlex.join([*start, '-m', 'ray_titan.launch', *job, *overrides])}", file=sys.stderr)
+    return 2
 
 
 def _config(args, overrides: list[str]) -> int:

@@ -6,7 +6,10 @@
 ``LOCAL_RANK``) process group. The run directory, checkpoints and metrics are those of a Ray run:
 one process reports to an in-process collector and prints its lines as it goes; under torchrun
 each rank writes its reports to ``metrics/ranks/rank{r}.jsonl`` and rank 0 assembles them into
-``metrics/steps.parquet`` at the end.
+``metrics/steps.parquet`` and prints the step lines at the end; meanwhile the first rank of the
+last pipeline stage prints its own loss and step time as it goes (``[rank r]`` lines).
+
+Nothing here imports Ray: it runs where Ray is not installed (tests/integration/test_without_ray.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ from ray_titan.config.schema import JobConfig, load_config
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.leak import leak_settings
 from ray_titan.metrics.outcome import RunOutcome
-from ray_titan.metrics.report import JsonlReporter, LocalReporter, Reporter, rank_reports_path, read_rank_reports
+from ray_titan.metrics.report import (
+    JsonlReporter,
+    LocalReporter,
+    Reporter,
+    StepReport,
+    rank_reports_path,
+    read_rank_reports,
+)
 from ray_titan.metrics.sinks import wandb_settings
 from ray_titan.metrics.timing import write_timings
 from ray_titan.parallel.dims import process_group_backend
@@ -57,7 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     One process, or every rank of a ``torchrun --nproc-per-node=N`` launch (N = the mesh size).
     One process reports to an in-process collector and prints its lines as it goes; under
     torchrun each rank writes its reports to ``metrics/ranks/rank{r}.jsonl`` and rank 0 assembles
-    them into the same ``metrics/steps.parquet`` at the end.
+    them into the same ``metrics/steps.parquet`` at the end (one last-stage rank prints its own
+    lines meanwhile). Raises ``ConfigError`` for an invalid config, ``SystemExit`` for a process
+    count that is not the mesh's, a Ray Data source, a final loss that is not finite or a run that
+    applied no update.
     """
     ap = argparse.ArgumentParser(prog="python -m ray_titan.launch", description=main.__doc__)
     ap.add_argument("--config", default=None, help="TOML job config (default: the built-in defaults)")
@@ -112,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         write_timings(run_dir, "rank0", train_loop(cfg, _Printing(collector), device, run_dir,
                                                    checkpoint_storage=storage))
     else:
-        summary = train_loop(cfg, JsonlReporter(rank_reports_path(run_dir, rank)), device, run_dir,
+        summary = train_loop(cfg, _rank_reporter(cfg, run_dir, rank, dims.last_stage_ranks()[0]), device, run_dir,
                              checkpoint_storage=storage)
         write_timings(run_dir, f"rank{rank}", summary)
         dist.barrier()
@@ -123,6 +136,33 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
     if rank == 0:
         _end(cfg, run_dir, RunOutcome.from_summary(collector.finish()), world)
+
+class _OwnLines(Reporter):
+    """One rank's own console line at the steps the collector prints (the first, every
+    ``log_freq``-th and the last): its loss over its own tokens and its step time. Under torchrun
+    the assembled lines come only at the end, so one last-stage rank shows progress meanwhile."""
+
+    def __init__(self, total_steps: int, log_freq: int):
+        self.total_steps, self.log_freq = total_steps, log_freq
+
+    def report(self, rep: StepReport) -> None:
+        if rep.step in (1, self.total_steps) or rep.step % self.log_freq == 0:
+            loss = "n/a" if rep.loss is None else f"{rep.loss:.4f}"
+            print(f"[rank {rep.rank}] step {rep.step}/{self.total_steps} | own loss {loss} | "
+                  f"step {rep.step_time_s:.3f}s", flush=True)
+
+
+def _rank_reporter(cfg: JobConfig, run_dir: Path, rank: int, watch: int) -> Reporter:
+    """A torchrun rank's reporter: its reports to ``metrics/ranks/rank{r}.jsonl`` (assembled by
+    rank 0 at the end), and on rank ``watch`` (a last-stage rank: one holding a loss) its own
+    console lines as it goes, announced by rank 0."""
+    if rank == 0:
+        print(f"ray_titan: rank {watch} prints its own loss and step time as steps go ([rank {watch}] lines); "
+              "every rank's reports are assembled into metrics/steps.parquet and the step lines when the run ends",
+              flush=True)
+    path = rank_reports_path(run_dir, rank)
+    return JsonlReporter(path, _OwnLines(cfg.training.steps, cfg.metrics.log_freq) if rank == watch else None)
+
 
 def _check_launch(cfg: JobConfig, world: int) -> None:
     """Refuse, before the process group, a launch whose process count (``WORLD_SIZE``) is not the

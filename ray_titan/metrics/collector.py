@@ -37,6 +37,7 @@ import json
 import math
 import os
 import signal
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -1027,9 +1028,9 @@ def _span(values: list[int]) -> str:
 
 def _reconstructed() -> bool:
     """Whether this is a Ray actor restarted after its process died (False outside Ray)."""
+    ray = sys.modules.get("ray")  # an actor has Ray imported; the launcher (no Ray) must not import it
     try:
-        import ray
-
-        return ray.is_initialized() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        return (ray is not None and ray.is_initialized()
+                and bool(ray.get_runtime_context().was_current_actor_reconstructed))
     except Exception:  # not in an actor
         return False

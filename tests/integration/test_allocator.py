@@ -35,6 +35,15 @@ def test_auto_and_jemalloc_preload_rays_library_ahead_of_the_drivers_preload(mon
     assert worker_env_vars("auto") == {"LD_PRELOAD": f"{JEMALLOC} /opt/libother.so", "MALLOC_CONF": "narenas:2"}
 
 
+def test_where_ray_is_not_installed_auto_is_the_systems_and_jemalloc_says_why(monkeypatch):
+    # The launcher's pre-flight on a node without Ray: ray is not imported (it would fail), only located.
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert jemalloc_library() is None and worker_env_vars("auto") == {}
+    with pytest.raises(ValueError, match=r"'jemalloc', but Ray, whose wheel ships it, is not installed"):
+        worker_env_vars("jemalloc")
+    validate_job(JobConfig.from_dict({"memory": {"allocator": "auto"}}))  # no ImportError
+
+
 def test_without_rays_jemalloc_auto_falls_back_and_jemalloc_is_a_config_error(monkeypatch):
     monkeypatch.setattr(allocator, "jemalloc_library", lambda: None)
     assert worker_env_vars("auto") == {}

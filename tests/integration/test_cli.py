@@ -239,3 +239,19 @@ def test_sigterm_stops_an_export_like_train_and_leaves_no_model_directory(tmp_pa
     assert proc.returncode == 143 and time.monotonic() - started < 20, (proc.returncode, err)
     assert "ray-titan export: interrupted (SIGTERM)" in err and "still stopping" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_train_where_ray_is_not_installed_exits_2_naming_the_launcher_for_the_mesh(monkeypatch, capsys):
+    from ray_titan.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as not installed: find_spec answers None
+    config = str(REPO / "configs" / "debug_llama.toml")
+    assert main(["train", "--config", config, "--parallelism.pp=1", "--training.steps=5"]) == 2
+    assert capsys.readouterr().err == (
+        "ray-titan train: Ray is not installed; run this job without Ray with the launcher: torchrun "
+        f"--nproc-per-node=2 -m ray_titan.launch --config {config} --parallelism.pp=1 --training.steps=5\n")
+    assert main(["train", "--parallelism.pp=1", "--parallelism.dp_shard=1"]) == 2  # one process: no torchrun
+    assert capsys.readouterr().err.endswith(
+        ": python -m ray_titan.launch --parallelism.pp=1 --parallelism.dp_shard=1\n")
+    assert main(["train", "--data.source=ray_data"]) == 2
+    assert "Ray is not installed, and data.source = 'ray_data' streams through it" in capsys.readouterr().err

@@ -101,3 +101,14 @@ def test_launcher_refuses_a_local_rank_without_its_own_gpu(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(SystemExit, match=r"local rank 1 needs GPU 1, but this node has 1 GPU\(s\).*--nproc-per-node=1"):
         launch.local_cuda_device()
+
+
+def test_launcher_refuses_a_process_count_not_the_meshs_and_a_ray_data_source(monkeypatch):
+    """Both before the process group: the process count the mesh needs, named as torchrun's
+    flag; a Ray Data source, which only the Ray driver streams (docs/reliability.md, Without Ray)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit, match=r"the mesh needs 4 processes \(pp × dp_replicate × dp_shard × tp = "
+                       r"2 × 1 × 2 × 1\) but this launch has 1: use torchrun --nproc-per-node=4"):
+        launch.main(["--config", str(REPO / "configs" / "debug_llama.toml")])
+    with pytest.raises(SystemExit, match=r"data.source = 'ray_data' streams through Ray: run it with ray-titan train"):
+        launch.main(["--parallelism.pp=1", "--parallelism.dp_shard=1", "--data.source=ray_data"])
