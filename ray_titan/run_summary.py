@@ -243,15 +243,18 @@ def memory_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     peak at the breakdown step, None without one), ``step``, ``error`` (measured / predicted − 1),
     and the measured bytes by category at the peak (``parameters``, ``gradients``,
     ``optimizer_state``, ``activations``, ``temporaries``, ``other``: inputs and unknown)."""
-    from ray_titan.memory_planner import PLAN_FILE
+    from ray_titan.memory_planner import PLAN_FILE, planned_rank
     from ray_titan.metrics.collector import read_breakdowns
 
     plan_path = Path(run_dir) / PLAN_FILE
-    plan = {r["rank"]: r for r in json.loads(plan_path.read_text())["ranks"]} if plan_path.is_file() else {}
+    planned = sorted(json.loads(plan_path.read_text())["ranks"], key=lambda r: r["rank"]) \
+        if plan_path.is_file() else []
     measured = read_breakdowns(run_dir)
     rows = []
-    for rank in sorted(set(plan) | set(measured)):
-        p, m = plan.get(rank), measured.get(rank)
+    # A mesh over LISTED_RANKS has one plan per span of ranks: its first rank's row, and the
+    # measured ranks' inside it.
+    for rank in sorted({r["rank"] for r in planned} | set(measured)):
+        p, m = planned_rank(planned, rank), measured.get(rank)
         coords = (p or m or {}).get("coords", {})
         at = m["at_peak"] if m else {}
         predicted: int | None = p["peak"] if p else None

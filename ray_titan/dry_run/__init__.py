@@ -101,7 +101,7 @@ def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = 
         raise DryRunError(f"rank {bad[0]} is not on the mesh of {world} ranks; valid: 0 to {world - 1}")
     # Planned with the vocabulary the simulation builds (the flavor's), not the tokenizer's.
     vocab = job_model_args(cfg).vocab_size
-    plan = {r.rank: r for r in memory_plan(cfg, device="cuda", levers=False, vocab_size=vocab).ranks}
+    plan = memory_plan(cfg, device="cuda", levers=False, vocab_size=vocab)
     shim = build_shim()
     results = []
     with tempfile.TemporaryDirectory(prefix="rt_dry_run_") as tmp:
@@ -119,7 +119,7 @@ def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = 
             got: dict[str, Any] = json.loads(out.read_text())
             if "error" in got:
                 raise DryRunError(f"rank {rank}: {got['error']}\n{got['traceback']}")
-            planned = plan.get(rank)
+            planned = plan.for_rank(rank)
             results.append(RankResult(**got, plan_peak_bytes=planned.peak if planned else None,
                                       plan_by_category=planned.categories() if planned else {}))
     return results
