@@ -1123,8 +1123,10 @@ def memory_plan(
     Raises :class:`ConfigError` for a job that is not valid (mesh, batch, schedule) or a bad
     argument.
     """
+    from ray_titan.checkpoint.huggingface import resolve_hf_job
     from ray_titan.preflight import validate_job
 
+    cfg = resolve_hf_job(cfg)  # a Hugging Face job's family and sizes are its config.json's
     if routing_imbalance < 1:
         raise ConfigError(f"routing_imbalance = {routing_imbalance}: must be >= 1 (max over mean load)")
     try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from ray_titan import memory_planner
 from ray_titan.config import load_config
 from ray_titan.memory_planner import LISTED_RANKS, MemoryPlan, memory_plan
@@ -36,3 +38,30 @@ def test_a_plan_over_the_listed_ranks_is_one_record_per_pipeline_rank_with_the_s
     huge = memory_plan(load_config(None, _mesh(2**20)), device_memory="80GiB")  # levers re-plan too
     assert time.perf_counter() - start < 20 and len(huge.ranks) == 2 < LISTED_RANKS
     assert len(json.dumps(huge.to_dict())) < 100_000
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """``ray-titan ARGV`` in this process: (exit status, stdout, stderr)."""
+    from ray_titan.cli import main
+
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse's own refusals
+        rc = e.code if isinstance(e.code, int) else 2
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss"])
+def test_memory_plan_of_a_hugging_face_job_plans_the_checkpoints_family(family, tmp_path, capsys):
+    # Before: the command left model.name = "llama": AttributeError (rc 1) for the MoE families.
+    from tests.support.hf_models import hf_config
+
+    hf_config(family).save_pretrained(tmp_path)  # config.json is all the plan reads
+    capsys.readouterr()  # transformers' own warnings
+    rc, out, err = _cli(capsys, "memory", "plan", f"--checkpoint.initial_load_hf={tmp_path}")
+    assert (rc, err) == (0, "") and out.startswith(f"memory plan: {family}/hf,")
+    from ray_titan.checkpoint.huggingface import resolve_hf_job
+
+    cfg = resolve_hf_job(load_config(None, [f"--checkpoint.initial_load_hf={tmp_path}"]))
+    assert resolve_hf_job(cfg) == cfg  # the plan resolves again what the driver resolved
