@@ -442,17 +442,23 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 
 
 def parse_bytes(text: str | int) -> int:
-    """``80GiB``, ``80GB``, ``81920MiB``, ``1.5e9`` → bytes (``GB`` = 10⁹, ``GiB`` = 2³⁰). Raises
-    ``ValueError`` naming the text for anything else."""
+    """``80GiB``, ``80GB``, ``81920MiB``, ``1.5e9`` → bytes (``GB`` = 10⁹, ``GiB`` = 2³⁰), at least
+    one byte and at most an exbibyte. Raises ``ValueError`` naming the text for anything else."""
+    bad = f"{text!r} is not a size of memory; write e.g. 80GiB, 80GB or 81920MiB"
     if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size; write e.g. 80GiB, 80GB or 81920MiB")
-    try:
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    except ValueError:
-        raise ValueError(f"{text!r} is not a size; write e.g. 80GiB, 80GB or 81920MiB") from None
+        n = text
+    else:
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(bad)
+        try:
+            x = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        except ValueError:
+            raise ValueError(bad) from None
+        n = int(x) if math.isfinite(x) and x < 2**60 else 2**61  # 1e400 is inf: refused below
+    if not 1 <= n <= 2**60:
+        raise ValueError(f"{bad} (between 1 B and 1 EiB)")
+    return n
 
 
 def format_bytes(n: float) -> str:
@@ -1127,8 +1133,12 @@ def memory_plan(
     from ray_titan.preflight import validate_job
 
     cfg = resolve_hf_job(cfg)  # a Hugging Face job's family and sizes are its config.json's
-    if routing_imbalance < 1:
-        raise ConfigError(f"routing_imbalance = {routing_imbalance}: must be >= 1 (max over mean load)")
+    if not 1 <= routing_imbalance < math.inf:  # NaN too
+        raise ConfigError(f"routing imbalance = {routing_imbalance}: a finite number >= 1 (max over mean "
+                          "load of an expert-parallel rank; 1 is balanced)")
+    if vocab_size is not None and not 1 <= vocab_size <= 2**31 - 1:  # token ids are int32 at most
+        raise ConfigError(f"vocab size = {vocab_size}: a positive number of tokens (at most 2^31 - 1), or leave "
+                          "it unset for the tokenizer's")
     try:
         capacity = parse_bytes(device_memory) if device_memory is not None else None
     except ValueError as e:
