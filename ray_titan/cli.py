@@ -14,7 +14,9 @@ default included, as TOML; ``ray-titan config docs`` prints (or writes, ``--outp
 configuration reference ``docs/configuration.md``.
 ``ray-titan export CHECKPOINT_OR_RUN_DIR --to hf OUT_DIR [--dtype bf16|fp32]`` writes a ray_titan
 checkpoint as a Hugging Face model directory (``ray_titan.checkpoint.huggingface.export_hf``), whole or not at all.
-Every command stops on Ctrl-C (exit 130) or SIGTERM (143) as ``train`` does.
+Every command stops on Ctrl-C (exit 130) or SIGTERM (143) as ``train`` does, and refuses bad
+input one way: one line ``ray-titan <command>: <what, which value, what would be valid>`` and
+exit 2 before anything starts (:class:`UsageError`, a config error, argparse's own).
 ``ray-titan memory plan [--config X.toml] [--device-memory 80GiB] [--section.key=value ...]``
 prints every rank's predicted memory, whether the job fits, and the levers that would make it
 fit (``ray_titan.memory_planner``), without starting anything.
