@@ -16,7 +16,9 @@ default included, as TOML; ``ray-titan config docs`` prints (or writes, ``--outp
 configuration reference ``docs/configuration.md``.
 ``ray-titan export CHECKPOINT_OR_RUN_DIR --to hf OUT_DIR [--dtype bf16|fp32]`` writes a ray_titan
 checkpoint as a Hugging Face model directory (``ray_titan.checkpoint.huggingface.export_hf``), whole or not at all.
-Every command stops on Ctrl-C (exit 130) or SIGTERM (143) as ``train`` does.
+Every command stops on Ctrl-C (exit 130) or SIGTERM (143) as ``train`` does, and refuses bad
+input one way: one line ``ray-titan <command>: <what, which value, what would be valid>`` and
+exit 2 before anything starts (:class:`UsageError`, a config error, argparse's own).
 ``ray-titan memory plan [--config X.toml] [--device-memory 80GiB] [--section.key=value ...]``
 prints every rank's predicted memory, whether the job fits, and the levers that would make it
 fit (``ray_titan.memory_planner``), without starting anything.
@@ -28,13 +30,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import math
+import os
+import re
 import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["main"]
+__all__ = ["UsageError", "main"]
 
 _OVERRIDES = (
     "Any setting can be overridden with --section.key=value (the value is read as TOML: 3, 1e-4, "
@@ -42,10 +48,26 @@ _OVERRIDES = (
 )
 
 
+class UsageError(Exception):
+    """Bad input to a command, found before anything starts: ``main`` prints it as one line,
+    ``ray-titan <command>: <what, which value, what would be valid>``, and returns 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line and exit status 2, as every other refusal (argparse prints the usage too)."""
+        self.exit(2, f"{self.prog}: {message} (see '{self.prog} --help')\n")
+
+
+# --section.key=value is an override wherever it stands: argparse would take one with a space in
+# its value ("--job.name=a b") for a positional argument (config show's X.toml).
+_OVERRIDE = re.compile(r"--[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z0-9_.]*=.*", re.DOTALL)
+
+
 def _parser() -> argparse.ArgumentParser:
     """``ray-titan``'s parser: one sub-command per job (``train``, ``config``, ``export``, ``memory``,
     ``dry-run``, ``report``), each with its own ``--help``."""
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="ray-titan", description="Distributed LLM training on Ray: pipeline parallel × FSDP2, "
         "with the last stage's loss and every rank's memory at every step.",
         epilog="Run 'ray-titan COMMAND --help' for a command's options.",
@@ -193,12 +215,11 @@ def _train(args, overrides: list[str]) -> int:
     try:
         result = train(args.config, overrides, progress=args.progress)
     except ConfigError as e:
-        print(f"ray-titan: config error: {e}", file=sys.stderr)
-        return 2
+        return _refuse("train", e)
     except KeyboardInterrupt as e:  # Ctrl-C 130, SIGTERM 143: ray_titan.driver.Interrupted
         return 128 + int(getattr(e, "signum", signal.SIGINT))
     except Exception as e:  # Ray's error carries the failing worker's traceback
-        print(f"ray-titan: training failed: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"ray-titan train: training failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     # A run that applied no update learned nothing: a failure, said by the driver's last line.
     return 1 if result.errors or result.no_update_applied else 0
@@ -208,13 +229,9 @@ def _train_without_ray(config: str | None, overrides: list[str]) -> int:
     """``ray-titan train`` where Ray is not installed: one line on stderr naming the launcher
     command that runs the same job without Ray (``torchrun`` with the mesh's process count, or
     ``python -m`` for one process); exit status 2, as a config error (nothing started)."""
-    from ray_titan.config import ConfigError, load_config
+    from ray_titan.config import load_config
 
-    try:
-        cfg = load_config(config, overrides)
-    except ConfigError as e:
-        print(f"ray-titan: config error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(config, overrides)  # a ConfigError is main's: one line, exit 2
     if cfg.data.source == "ray_data":  # the launcher refuses it: only Ray can run this job
         print("ray-titan train: Ray is not installed, and data.source = 'ray_data' streams through it: "
               "install Ray (pip install 'ray[default,train]')", file=sys.stderr)
@@ -227,32 +244,41 @@ def _train_without_ray(config: str | None, overrides: list[str]) -> int:
     return 2
 
 
+def _write(path: str, text: str, what: str) -> None:
+    """Write ``text`` to ``path``; :class:`UsageError` naming ``what`` (the flag) if it cannot."""
+    try:
+        Path(path).write_text(text)
+    except OSError as e:
+        raise UsageError(f"{what} {path}: cannot write it: {e.strerror or e}") from None
+
+
 def _config(args, overrides: list[str]) -> int:
-    from ray_titan.config import ConfigError, load_config
+    from ray_titan.config import load_config
     from ray_titan.config.docs import reference_markdown, to_toml
     from ray_titan.preflight import validate_job
     from ray_titan.prepare import resolve_job
 
     if args.config_command == "docs":
         if overrides:
-            print(f"ray-titan: config docs takes no overrides, got {overrides}", file=sys.stderr)
-            return 2
+            raise UsageError(f"takes no overrides, got {overrides}")
         text = reference_markdown()
         if args.output:
-            Path(args.output).write_text(text)
+            _write(args.output, text, "--output")
         else:
             sys.stdout.write(text)
         return 0
-    try:
-        cfg = load_config(args.config, overrides)
-        if args.validate:
-            cfg = resolve_job(cfg)[0]  # the rewrites of a run (ray_titan.prepare), then its checks
-            validate_job(cfg)
-    except ConfigError as e:
-        print(f"ray-titan: config error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, overrides)
+    if args.validate:
+        cfg = resolve_job(cfg)[0]  # the rewrites of a run (ray_titan.prepare), then its checks
+        validate_job(cfg)
     sys.stdout.write(to_toml(cfg))
     return 0
+
+
+def _positive(value: float, flag: str, unit: str) -> None:
+    """:class:`UsageError` unless ``value`` is a finite number above 0 (NaN and inf included)."""
+    if not 0 < value < math.inf:
+        raise UsageError(f"{flag} {value:g}: give a positive number of {unit}")
 
 
 def _export(args, overrides: list[str]) -> int:
@@ -261,18 +287,14 @@ def _export(args, overrides: list[str]) -> int:
     from ray_titan.storage import StorageError
 
     if overrides:
-        print(f"ray-titan export: unexpected arguments {overrides}", file=sys.stderr)
-        return 2
-    if not args.storage_timeout > 0:
-        print(f"ray-titan export: --storage-timeout {args.storage_timeout:g}: give a positive number of seconds",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"unexpected arguments {overrides}")
+    _positive(args.storage_timeout, "--storage-timeout", "seconds")
+    _positive(args.max_shard_size, "--max-shard-size", "GiB")
     try:
-        result = export_hf(args.checkpoint, args.out_dir, args.dtype, int(args.max_shard_size * 2**30),
+        result = export_hf(args.checkpoint, args.out_dir, args.dtype, max(1, int(args.max_shard_size * 2**30)),
                            storage_timeout_s=args.storage_timeout)
     except (CheckpointError, ValueError, StorageError) as e:  # StorageError: OUT_DIR exists, or no answer
-        print(f"ray-titan export: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
     for note in result.notes:
         print(f"ray-titan export: note: {note}", file=sys.stderr)
     print(f"wrote {result.out_dir}: {', '.join(result.files)} ({result.tensors} tensors, "
@@ -281,34 +303,31 @@ def _export(args, overrides: list[str]) -> int:
 
 
 def _memory(args, overrides: list[str]) -> int:
-    from ray_titan.config import ConfigError, load_config
+    from ray_titan.config import load_config
     from ray_titan.memory_planner import memory_plan
 
-    try:
-        plan = memory_plan(load_config(args.config, overrides), args.device_memory, args.device,
-                           args.routing_imbalance, args.vocab_size, margin=args.margin)
-    except ConfigError as e:
-        print(f"ray-titan: config error: {e}", file=sys.stderr)
-        return 2
+    plan = memory_plan(load_config(args.config, overrides), args.device_memory, args.device,
+                       args.routing_imbalance, args.vocab_size, margin=args.margin)
     print(plan.format())
     if args.json:
-        plan.save(args.json)
+        _write(args.json, json.dumps(plan.to_dict(), indent=1), "--json")
     return 1 if plan.fits is False else 0
 
 
 def _dry_run(args, overrides: list[str]) -> int:
-    from ray_titan.config import ConfigError, load_config
+    from ray_titan.config import load_config
     from ray_titan.dry_run import DryRunError, dry_run, format_results, representative_ranks
     from ray_titan.dry_run.shim import ShimError
 
+    ranks = args.rank
+    if args.ranks == "all":
+        if ranks:  # not silently dropped
+            raise UsageError(f"--ranks all simulates one rank per role; it takes no --rank (got {ranks})")
+        ranks = representative_ranks(load_config(args.config, overrides))
     try:
-        ranks = args.rank
-        if args.ranks == "all":
-            ranks = representative_ranks(load_config(args.config, overrides))
         results = dry_run(args.config, overrides, ranks, args.steps)
-    except (ConfigError, ShimError) as e:
-        print(f"ray-titan dry-run: {e}", file=sys.stderr)
-        return 2
+    except ShimError as e:
+        raise UsageError(str(e)) from None
     except DryRunError as e:
         print(f"ray-titan dry-run: {e}", file=sys.stderr)
         return 1
@@ -316,61 +335,78 @@ def _dry_run(args, overrides: list[str]) -> int:
     return 0
 
 
+def _report(args, overrides: list[str]) -> int:
+    from ray_titan.run_summary import ReportError, format_memory_table, format_table, memory_rows, write_report
+
+    if overrides:
+        raise UsageError(f"unexpected arguments {overrides}")
+    try:
+        memory = format_memory_table(memory_rows(args.run_dir))  # first: a damaged file refuses before any write
+        paths, rows = write_report(args.run_dir, args.out)
+    except (FileNotFoundError, ReportError) as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:  # a read-only run directory (shared storage, a mounted snapshot)
+        where = e.filename or args.out or Path(args.run_dir) / "report"
+        raise UsageError(f"cannot write {where}: {e.strerror or e}; write the plots elsewhere with --out DIR") from None
+    print(format_table(rows))
+    if memory:
+        print(memory)
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
+_COMMANDS = {"train": _train, "config": _config, "export": _export, "memory": _memory, "dry-run": _dry_run,
+             "report": _report}
+
+
+def _name(args) -> str:
+    """The command as typed: ``memory plan``, ``config show``, ``dry-run``."""
+    sub = getattr(args, "config_command", None) or getattr(args, "memory_command", None)
+    return f"{args.command} {sub}" if sub else args.command
+
+
+def _refuse(name: str, e: Exception) -> int:
+    """The one way a command refuses bad input: one line on stderr, exit status 2."""
+    from ray_titan.config import ConfigError
+
+    print(f"ray-titan {name}: {'config error: ' if isinstance(e, ConfigError) else ''}{e}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``ray-titan``; returns the exit status. Ctrl-C and SIGTERM stop every
-    command the same way (:class:`~ray_titan.driver.signals.SignalGuard`): exit 130 or 143, at the
-    latest 30 s after the signal (at once on a second one), whatever the command waits on."""
-    args, overrides = _parser().parse_known_args(argv)
+    """Entry point of ``ray-titan``; returns the exit status: bad input (argparse's, a config error,
+    a :class:`UsageError`) is one line ``ray-titan <command>: ...`` and 2, before anything starts;
+    any other failure one line and 1 (``RAY_TITAN_TRACEBACK=1``: the traceback). Ctrl-C and SIGTERM
+    stop every command the same way (:class:`~ray_titan.driver.signals.SignalGuard`): exit 130 or
+    143, at the latest 30 s after the signal (at once on a second one), whatever the command waits on."""
+    from ray_titan.config import ConfigError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, rest = _parser().parse_known_args([a for a in argv if not _OVERRIDE.fullmatch(a)])
+    overrides = [a for a in argv if _OVERRIDE.fullmatch(a)] + rest
     if args.command == "train":
         return _train(args, overrides)  # the driver guards its own run (and names its run directory)
     from ray_titan.driver.signals import SignalGuard
 
+    name = _name(args)
     note = f"{args.out_dir} was not written (a .partial-* directory beside it may remain)" \
         if args.command == "export" else ""
     with SignalGuard(note=note) as signals:
         try:
-            return _command(args, overrides)
+            return _COMMANDS[args.command](args, overrides)
         except KeyboardInterrupt:
             signum = signals.signum or signal.SIGINT
-            print(f"ray-titan {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+            print(f"ray-titan {name}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
             return 128 + signum
-
-
-def _command(args, overrides: list[str]) -> int:
-    if args.command == "report":
-        from ray_titan.run_summary import format_memory_table, format_table, memory_rows, write_report
-
-        if overrides:
-            print(f"ray-titan report: unexpected arguments {overrides}", file=sys.stderr)
-            return 2
-        try:
-            paths, rows = write_report(args.run_dir, args.out)
-        except FileNotFoundError as e:
-            print(f"ray-titan report: {e}", file=sys.stderr)
-            return 2
-        except OSError as e:  # a read-only run directory (shared storage, a mounted snapshot)
-            where = e.filename or args.out or Path(args.run_dir) / "report"
-            print(f"ray-titan report: cannot write {where}: {e.strerror or e}; write the plots elsewhere with "
-                  "--out DIR", file=sys.stderr)
-            return 2
-        print(format_table(rows))
-        memory = format_memory_table(memory_rows(args.run_dir))
-        if memory:
-            print(memory)
-        for path in paths:
-            print(f"wrote {path}")
-        return 0
-    if args.command == "export":
-        return _export(args, overrides)
-    if args.command == "train":
-        return _train(args, overrides)
-    if args.command == "config":
-        return _config(args, overrides)
-    if args.command == "memory":
-        return _memory(args, overrides)
-    if args.command == "dry-run":
-        return _dry_run(args, overrides)
-    return 2
+        except (UsageError, ConfigError) as e:
+            return _refuse(name, e)
+        except Exception as e:
+            if os.environ.get("RAY_TITAN_TRACEBACK"):
+                raise
+            print(f"ray-titan {name}: failed: {type(e).__name__}: {e} (RAY_TITAN_TRACEBACK=1 shows where)",
+                  file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":

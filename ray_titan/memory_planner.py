@@ -81,6 +81,7 @@ the cheapest prefix of those levers, applied together, that fits.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -100,6 +101,7 @@ if TYPE_CHECKING:
     from ray_titan.parallel.schedules import Schedule
 
 __all__ = [
+    "LISTED_RANKS",
     "PLAN_FILE",
     "Lever",
     "MemoryPlan",
@@ -107,11 +109,18 @@ __all__ = [
     "format_bytes",
     "memory_plan",
     "parse_bytes",
+    "planned_rank",
     "write_memory_plan",
 ]
 
 PLAN_FILE = "memory_plan.json"
 """Where a run records its plan: ``<run_dir>/memory_plan.json``."""
+
+LISTED_RANKS = 1024
+"""The one bound on the plan's mesh-sized work: a mesh of up to this many ranks gets one
+:class:`RankPlan` per rank; a larger one, one per pipeline rank (its ranks share every figure),
+standing for ranks ``rank`` to ``through``. A plan of a million ranks is then as small and quick
+as one of a thousand (one record per rank was ~10 KB and ~50 µs: 6 GB and a minute)."""
 
 MiB, GiB = 2**20, 2**30
 _F32, _I64 = 4, 8
@@ -264,6 +273,10 @@ class RankPlan:
         return {"parameters": params, "gradients": grads, "optimizer_state": opt, "activations": acts,
                 "temporaries": self.peak - params - grads - opt - acts}
 
+    through: int | None = None
+    """On a mesh over :data:`LISTED_RANKS` ranks, the last rank this plan stands for (ranks
+    ``rank`` to ``through``, one pipeline rank: the same figures; ``coords`` are ``rank``'s);
+    None: ``rank`` alone."""
     peak_grads: int = 0
     """Gradient bytes alive at the peak (unsharded accumulated ones under FSDP)."""
     activations_freed_at_peak: int = 0
@@ -319,7 +332,15 @@ class MemoryPlan:
         return None if self.device_memory is None else int(self.device_memory * (1 - self.margin))
 
     def peak_by_rank(self) -> dict[int, int]:
+        """``{rank: peak bytes}`` of the ranks listed (the first of each span on a mesh over
+        :data:`LISTED_RANKS` ranks; :meth:`for_rank` finds any rank's)."""
         return {r.rank: r.peak for r in self.ranks}
+
+    def for_rank(self, rank: int) -> RankPlan | None:
+        """The plan holding ``rank``'s figures (a span's first rank's plan, coords included, when
+        ``rank`` is inside it), or None for a rank off the mesh."""
+        i = _covering([r.rank for r in self.ranks], [r.through for r in self.ranks], rank)
+        return None if i is None else self.ranks[i]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"max_peak": self.max_peak, "fits": self.fits}
@@ -396,19 +417,24 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _groups(ranks: list[RankPlan]) -> list[tuple[list[int], RankPlan]]:
-    """Ranks with identical figures, together (ranks differing only by dp_shard / ep coordinate)."""
-    out: dict[tuple, tuple[list[int], RankPlan]] = {}
+def _groups(ranks: list[RankPlan]) -> list[tuple[list[tuple[int, int]], RankPlan]]:
+    """Ranks with identical figures, together (ranks differing only by dp_shard / ep coordinate),
+    as ``(first, last)`` runs."""
+    out: dict[tuple, tuple[list[tuple[int, int]], RankPlan]] = {}
     for r in ranks:
         key = (tuple(r.stages), r.peak, r.parameters, r.activations, r.coords.get("pp", 0))
-        out.setdefault(key, ([], r))[0].append(r.rank)
+        runs = out.setdefault(key, ([], r))[0]
+        first, last = r.rank, r.rank if r.through is None else r.through
+        if runs and runs[-1][1] + 1 == first:
+            runs[-1] = (runs[-1][0], last)
+        else:
+            runs.append((first, last))
     return list(out.values())
 
 
-def _rank_list(ranks: list[int]) -> str:
-    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ",".join(map(str, ranks))
+def _rank_list(runs: list[tuple[int, int]]) -> str:
+    """``0-7`` for a run of three or more ranks, else the ranks: ``0,1``."""
+    return ",".join(f"{a}-{b}" if b > a + 1 else ",".join(map(str, range(a, b + 1))) for a, b in runs)
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -416,17 +442,23 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 
 
 def parse_bytes(text: str | int) -> int:
-    """``80GiB``, ``80GB``, ``81920MiB``, ``1.5e9`` → bytes (``GB`` = 10⁹, ``GiB`` = 2³⁰). Raises
-    ``ValueError`` naming the text for anything else."""
+    """``80GiB``, ``80GB``, ``81920MiB``, ``1.5e9`` → bytes (``GB`` = 10⁹, ``GiB`` = 2³⁰), at least
+    one byte and at most an exbibyte. Raises ``ValueError`` naming the text for anything else."""
+    bad = f"{text!r} is not a size of memory; write e.g. 80GiB, 80GB or 81920MiB"
     if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size; write e.g. 80GiB, 80GB or 81920MiB")
-    try:
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    except ValueError:
-        raise ValueError(f"{text!r} is not a size; write e.g. 80GiB, 80GB or 81920MiB") from None
+        n = text
+    else:
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(bad)
+        try:
+            x = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        except ValueError:
+            raise ValueError(bad) from None
+        n = int(x) if math.isfinite(x) and x < 2**60 else 2**61  # 1e400 is inf: refused below
+    if not 1 <= n <= 2**60:
+        raise ValueError(f"{bad} (between 1 B and 1 EiB)")
+    return n
 
 
 def format_bytes(n: float) -> str:
@@ -795,10 +827,10 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
     off, plans = j.offload, []
     act_mb = {s: int(acts[s].kept) for s in stage_ids}
     by_mode = {k: int(x * j.tokens / j.tp) for k, x in act_modes.items()}
-    per_pp = dims.world_size // dims.pp  # pp is the mesh's outermost axis: a pp rank's ranks are one block
-    for rank in range(pp_rank * per_pp, (pp_rank + 1) * per_pp):
+    for rank, through in _listed_ranks(dims, pp_rank):
         plans.append(RankPlan(
-            rank=rank, coords=dims.coords(rank), stages=stage_ids, parameters=int(0 if off else param_b),
+            rank=rank, coords=dims.coords(rank), through=through, stages=stage_ids,
+            parameters=int(0 if off else param_b),
             gradients=int(0 if off else grads_after),
             optimizer_state={cfg.optimizer.name: int(0 if off else opt_b)},
             fsdp_unsharded_params=int(gathered), fsdp_unsharded_grads=int(grads_during if dims.dp_shard > 1 else 0),
@@ -813,6 +845,30 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
             activations_freed_at_peak=int(min(freed, a_peak if before_grads >= with_grads else a_grads)),
         ))
     return plans
+
+
+def _covering(firsts: list[int], throughs: list[int | None], rank: int) -> int | None:
+    """Index of the plan (first ranks ``firsts``, ascending; spans to ``throughs``) holding ``rank``."""
+    i = bisect.bisect_right(firsts, rank) - 1
+    last = firsts[i] if i < 0 or throughs[i] is None else throughs[i]
+    return i if i >= 0 and rank <= last else None  # type: ignore[operator]
+
+
+def planned_rank(ranks: list[dict[str, Any]], rank: int) -> dict[str, Any] | None:
+    """Of a recorded plan's ``ranks`` (``memory_plan.json``, in rank order), the one holding
+    ``rank``'s figures (a span's, on a mesh over :data:`LISTED_RANKS` ranks), or None."""
+    return None if (i := _covering([r["rank"] for r in ranks], [r.get("through") for r in ranks], rank)) is None \
+        else ranks[i]
+
+
+def _listed_ranks(dims: ParallelDims, pp_rank: int) -> list[tuple[int, int | None]]:
+    """The plans to make for pipeline rank ``pp_rank``: ``(rank, None)`` for each of its ranks, or
+    one ``(first, last)`` span on a mesh over :data:`LISTED_RANKS` ranks."""
+    per_pp = dims.world_size // dims.pp  # pp is the mesh's outermost axis: a pp rank's ranks are one block
+    first, last = pp_rank * per_pp, (pp_rank + 1) * per_pp - 1
+    if dims.world_size > LISTED_RANKS:
+        return [(first, last if last > first else None)]
+    return [(rank, None) for rank in range(first, last + 1)]
 
 
 @dataclass
@@ -1073,10 +1129,16 @@ def memory_plan(
     Raises :class:`ConfigError` for a job that is not valid (mesh, batch, schedule) or a bad
     argument.
     """
+    from ray_titan.checkpoint.huggingface import resolve_hf_job
     from ray_titan.preflight import validate_job
 
-    if routing_imbalance < 1:
-        raise ConfigError(f"routing_imbalance = {routing_imbalance}: must be >= 1 (max over mean load)")
+    cfg = resolve_hf_job(cfg)  # a Hugging Face job's family and sizes are its config.json's
+    if not 1 <= routing_imbalance < math.inf:  # NaN too
+        raise ConfigError(f"routing imbalance = {routing_imbalance}: a finite number >= 1 (max over mean "
+                          "load of an expert-parallel rank; 1 is balanced)")
+    if vocab_size is not None and not 1 <= vocab_size <= 2**31 - 1:  # token ids are int32 at most
+        raise ConfigError(f"vocab size = {vocab_size}: a positive number of tokens (at most 2^31 - 1), or leave "
+                          "it unset for the tokenizer's")
     try:
         capacity = parse_bytes(device_memory) if device_memory is not None else None
     except ValueError as e:

@@ -38,8 +38,8 @@ import pyarrow.csv as pacsv
 from ray_titan.metrics.leak import SERIES_NAMES, host_series
 from ray_titan.metrics.sinks import read_steps
 
-__all__ = ["HEATMAP_BINS", "OUTLIER_MIN_REL", "OUTLIER_Z", "PER_RANK_LIMIT", "format_memory_table", "format_table",
-           "memory_rows", "outlier_ranks", "rank_figures", "summary_rows", "write_report"]
+__all__ = ["HEATMAP_BINS", "OUTLIER_MIN_REL", "OUTLIER_Z", "PER_RANK_LIMIT", "ReportError", "format_memory_table",
+           "format_table", "memory_rows", "outlier_ranks", "rank_figures", "summary_rows", "write_report"]
 
 MiB = 2**20
 _COORDS = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
@@ -242,20 +242,35 @@ def memory_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     ``predicted_bytes`` (the plan's peak, None without a plan), ``measured_bytes`` (the profiler's
     peak at the breakdown step, None without one), ``step``, ``error`` (measured / predicted − 1),
     and the measured bytes by category at the peak (``parameters``, ``gradients``,
-    ``optimizer_state``, ``activations``, ``temporaries``, ``other``: inputs and unknown)."""
+    ``optimizer_state``, ``activations``, ``temporaries``, ``other``: inputs and unknown). Raises
+    :class:`ReportError` naming a plan or breakdown file that cannot be read."""
     from ray_titan.memory_planner import PLAN_FILE
-    from ray_titan.metrics.collector import read_breakdowns
 
     plan_path = Path(run_dir) / PLAN_FILE
-    plan = {r["rank"]: r for r in json.loads(plan_path.read_text())["ranks"]} if plan_path.is_file() else {}
+    try:
+        return _memory_rows(run_dir, plan_path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        raise ReportError(f"cannot read {plan_path} or {Path(run_dir) / 'metrics'}'s memory breakdowns: "
+                          f"{type(e).__name__}: {e}; not written by ray_titan, or damaged (move them away to "
+                          "report without them)") from None
+
+
+def _memory_rows(run_dir: str | Path, plan_path: Path) -> list[dict[str, Any]]:
+    from ray_titan.memory_planner import planned_rank
+    from ray_titan.metrics.collector import read_breakdowns
+
+    planned = sorted(json.loads(plan_path.read_text())["ranks"], key=lambda r: int(r["rank"])) \
+        if plan_path.is_file() else []
     measured = read_breakdowns(run_dir)
     rows = []
-    for rank in sorted(set(plan) | set(measured)):
-        p, m = plan.get(rank), measured.get(rank)
+    # A mesh over LISTED_RANKS has one plan per span of ranks: its first rank's row, and the
+    # measured ranks' inside it.
+    for rank in sorted({r["rank"] for r in planned} | set(measured)):
+        p, m = planned_rank(planned, rank), measured.get(rank)
         coords = (p or m or {}).get("coords", {})
         at = m["at_peak"] if m else {}
-        predicted: int | None = p["peak"] if p else None
-        peak: int | None = m["peak_bytes"] if m else None
+        predicted: int | None = int(p["peak"]) if p else None
+        peak: int | None = int(m["peak_bytes"]) if m else None
         row: dict[str, Any] = {
             "rank": rank, "coords": ", ".join(f"{k}={v}" for k, v in coords.items()),
             "predicted_bytes": predicted, "measured_bytes": peak, "step": m["step"] if m else None,
@@ -317,20 +332,51 @@ _REPORT_COLUMNS = [
 ]
 
 
+class ReportError(ValueError):
+    """A run file the report cannot read (corrupt, truncated, of another schema, a symbolic link
+    loop): the message names the file and what is wrong with it."""
+
+
+def _read_metrics(run_dir: str | Path) -> pa.Table:
+    """The report's columns of the run's metrics, each of the type ray_titan writes; raises
+    :class:`ReportError` naming the file for anything else."""
+    from ray_titan.metrics.sinks import STEP_SCHEMA
+
+    where = Path(run_dir) / "metrics"
+    try:
+        t = read_steps(run_dir, columns=_REPORT_COLUMNS)
+    except (pa.ArrowException, OSError) as e:  # truncated, empty, not Parquet, ELOOP, EACCES
+        raise ReportError(f"cannot read the metrics in {where}: {str(e).rstrip('.')}; not a table this "
+                          "ray_titan wrote, or damaged") from None
+    link = where / "steps.parquet"
+    if t.num_rows == 0 and link.is_symlink() and not link.exists():  # pyarrow sees no file at all
+        raise ReportError(f"{link} is a symbolic link that leads nowhere (a loop, or a missing target)")
+    missing = [c for c in ("step", "rank") if c not in t.column_names]
+    if missing:
+        raise ReportError(f"the metrics in {where} have no {missing[0]!r} column; not a table ray_titan wrote")
+    for i, name in enumerate(t.column_names):
+        want = STEP_SCHEMA.field(name).type
+        if t.schema.field(name).type != want:
+            try:
+                t = t.set_column(i, name, t[name].cast(want))
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                raise ReportError(f"the metrics in {where}: column {name!r} is {t.schema.field(name).type}, "
+                                  f"not {want}; not a table ray_titan wrote") from None
+    return t
+
+
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple[list[Path], list[dict[str, Any]]]:
     """Write ``loss.png`` and ``memory.png`` to ``out_dir`` (default ``<run_dir>/report``), and
     beyond :data:`PER_RANK_LIMIT` ranks the heatmaps of :func:`rank_figures` and ``ranks.csv``
     (every rank's summary row), and return their paths and :func:`summary_rows`. Reads only the
-    columns it plots. Raises ``FileNotFoundError`` if the run has no recorded steps."""
+    columns it plots. Raises ``FileNotFoundError`` if the run has no recorded steps,
+    :class:`ReportError` if its metrics cannot be read (corrupt, truncated, not ray_titan's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    try:
-        t = read_steps(run_dir, columns=_REPORT_COLUMNS)
-    except (KeyError, pa.ArrowInvalid):  # a table from before some column existed
-        t = read_steps(run_dir)
+    t = _read_metrics(run_dir)
     if t.num_rows == 0:
         raise FileNotFoundError(f"{run_dir}: no metrics (metrics/steps.parquet or metrics/parts/)")
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -286,11 +287,23 @@ def _probe_local(local: Path, last: bool) -> bool:
                      if kind else "its filesystem takes no new files (a special filesystem such as /proc?)")
         raise StorageError(local, f"{doing}: {cause}" + (f" ({where})" if named else "")) from None
     finally:
-        for d in reversed(created):
+        _remove_created(created)
+
+
+def _remove_created(created: list[Path], wait_s: float = 2.0) -> None:
+    """Remove the directories a probe created, deepest first. One that is not empty holds a
+    concurrent probe's file or directory (it found ours and used it): wait up to ``wait_s`` for
+    that probe to clean up, then leave it (something else lives there now: a run's directory)."""
+    deadline = time.monotonic() + wait_s
+    for d in reversed(created):
+        while True:
             try:
                 d.rmdir()
-            except OSError:
-                pass
+                break
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or time.monotonic() > deadline:
+                    break  # gone already (ENOENT), or in use
+                time.sleep(0.01)
 
 
 def _filesystem_type(path: Path) -> str:

@@ -166,9 +166,10 @@ def resolve_hf_job(cfg: JobConfig) -> JobConfig:
     config, once checked to agree), and whose tokenizer is the checkpoint's ``tokenizer.json``
     unless ``data.tokenizer`` or ``data.tokenizer_path`` is set. Without it, ``cfg`` unchanged.
 
-    Call it where the job is loaded (the driver, the launcher): it tells settings given by the
-    user from defaults. Raises :class:`ConfigError` naming ``checkpoint.initial_load_hf`` and the
-    file, or the disagreeing setting, the field and both values.
+    Call it where the job is loaded (the driver, the launcher, the memory plan): it tells settings
+    given by the user from defaults; a config it returned comes back unchanged. Raises
+    :class:`ConfigError` naming ``checkpoint.initial_load_hf`` and the file, or the disagreeing
+    setting, the field and both values.
     """
     src = cfg.checkpoint.initial_load_hf
     if not src:
@@ -187,7 +188,7 @@ def resolve_hf_job(cfg: JobConfig) -> JobConfig:
             f"{spec.hf.model_type!r} (family {spec.name!r}); set model.name = {spec.name!r} or leave it unset"
         )
     flavor = "hf"
-    if "flavor" in given:
+    if "flavor" in given and cfg.model.flavor != "hf":  # "hf": resolved already (resolving twice is a no-op)
         try:
             flavor_args = get_model_args(spec.name, cfg.model.flavor)
         except KeyError as e:

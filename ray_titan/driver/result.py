@@ -92,9 +92,12 @@ class RunResult:
 
     def memory_peaks(self) -> dict[int, tuple[int | None, int | None]]:
         """``{rank: (predicted peak bytes, measured peak bytes)}``: the plan's and the breakdown's."""
-        planned = {r["rank"]: r["peak"] for r in (self.memory_plan or {}).get("ranks", [])}
-        ranks = sorted(set(planned) | set(self.memory_breakdown))
-        return {r: (planned.get(r), self.memory_breakdown.get(r, {}).get("peak_bytes")) for r in ranks}
+        from ray_titan.memory_planner import planned_rank
+
+        planned = (self.memory_plan or {}).get("ranks", [])
+        ranks = sorted({r["rank"] for r in planned} | set(self.memory_breakdown))
+        return {r: ((planned_rank(planned, r) or {}).get("peak"), self.memory_breakdown.get(r, {}).get("peak_bytes"))
+                for r in ranks}
 
     @property
     def no_update_applied(self) -> bool:

@@ -84,24 +84,27 @@ def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = 
     """Simulate ``ranks`` (default: rank 0) of the job ``config`` + ``overrides`` for ``steps``
     steps each, one child process per rank, in turn. ``host_backend``: whether the process
     groups accept host tensors (None: as the job would make them,
-    ``ray_titan.parallel.dims.process_group_backend``; False: NCCL only). Raises ``ConfigError`` for a bad job (before
-    anything runs), :class:`~ray_titan.dry_run.shim.ShimError` when the simulated device cannot
-    be built, :class:`DryRunError` for the first rank that fails."""
+    ``ray_titan.parallel.dims.process_group_backend``; False: NCCL only). Raises ``ConfigError`` for a bad job,
+    a rank off the mesh or ``steps`` < 1 (before anything runs), :class:`~ray_titan.dry_run.shim.ShimError`
+    when the simulated device cannot be built, :class:`DryRunError` for the first rank that fails or
+    runs past ``timeout`` seconds."""
     from ray_titan.checkpoint.huggingface import job_model_args
-    from ray_titan.config import load_config
+    from ray_titan.config import ConfigError, load_config
     from ray_titan.dry_run.shim import build_shim
     from ray_titan.memory_planner import memory_plan
     from ray_titan.preflight import validate_job
 
+    if steps < 1:  # zero steps would simulate nothing and say it ran
+        raise ConfigError(f"steps = {steps}: simulate at least 1 training step")
     cfg = validate_job(load_config(config, overrides))
     world = cfg.world_size
     ranks = ranks if ranks is not None else [0]
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
-        raise DryRunError(f"rank {bad[0]} is not on the mesh of {world} ranks; valid: 0 to {world - 1}")
+        raise ConfigError(f"rank {bad[0]} is not on the mesh of {world} ranks; valid: 0 to {world - 1}")
     # Planned with the vocabulary the simulation builds (the flavor's), not the tokenizer's.
     vocab = job_model_args(cfg).vocab_size
-    plan = {r.rank: r for r in memory_plan(cfg, device="cuda", levers=False, vocab_size=vocab).ranks}
+    plan = memory_plan(cfg, device="cuda", levers=False, vocab_size=vocab)
     shim = build_shim()
     results = []
     with tempfile.TemporaryDirectory(prefix="rt_dry_run_") as tmp:
@@ -111,15 +114,19 @@ def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = 
             spec_file = Path(tmp) / f"spec{rank}.json"
             spec_file.write_text(json.dumps(spec))
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            proc = subprocess.run([sys.executable, "-m", "ray_titan.dry_run.simulate", str(spec_file)],
-                                  capture_output=True, text=True, timeout=timeout, env=env)
+            try:
+                proc = subprocess.run([sys.executable, "-m", "ray_titan.dry_run.simulate", str(spec_file)],
+                                      capture_output=True, text=True, timeout=timeout, env=env)
+            except subprocess.TimeoutExpired:  # subprocess.run has killed the child
+                raise DryRunError(f"rank {rank}: the simulation ran past its time limit of {timeout:g} s "
+                                  f"(steps = {steps}); simulate fewer steps or a smaller model") from None
             out = Path(tmp) / f"rank{rank}.json"
             if not out.is_file():
                 raise DryRunError(f"rank {rank}: the simulation died (exit {proc.returncode}): {proc.stderr[-2000:]}")
             got: dict[str, Any] = json.loads(out.read_text())
             if "error" in got:
                 raise DryRunError(f"rank {rank}: {got['error']}\n{got['traceback']}")
-            planned = plan.get(rank)
+            planned = plan.for_rank(rank)
             results.append(RankResult(**got, plan_peak_bytes=planned.peak if planned else None,
                                       plan_by_category=planned.categories() if planned else {}))
     return results

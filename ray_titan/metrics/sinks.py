@@ -294,14 +294,15 @@ def read_steps(run_dir: str | Path, columns: list[str] | None = None) -> pa.Tabl
     """The per-step, per-rank metrics of a run: ``steps.parquet``, or the flushed parts if the
     run ended before consolidating them (one row per step and rank: :func:`latest_rows`), sorted
     by step then rank (the file itself is by rank then step: module docstring); ``columns``: only
-    these (default all). An empty table (with the schema) if neither exists. ``run_dir`` may be a
+    these (default all; those the file has, for a file from before some column existed). An empty
+    table (with the schema) if neither exists. ``run_dir`` may be a
     URI (:mod:`ray_titan.storage`); local and remote run directories are read the same way.
     Reads the whole table: one rank's history is :func:`read_rank_history`."""
     from ray_titan import storage
 
     fs, path = storage.resolve(storage.join(run_dir, "metrics"))
     if fs.get_file_info(f"{path}/steps.parquet").type == pafs.FileType.File:
-        t = pq.read_table(f"{path}/steps.parquet", filesystem=fs, columns=columns)
+        t = _read_row_groups(fs, f"{path}/steps.parquet", columns)
         if {"step", "rank"} <= set(t.column_names):
             t = t.sort_by([("step", "ascending"), ("rank", "ascending")])
         return t
@@ -312,6 +313,18 @@ def read_steps(run_dir: str | Path, columns: list[str] | None = None) -> pa.Tabl
     else:
         t = latest_rows(pa.concat_tables([pq.read_table(f, schema=STEP_SCHEMA, filesystem=fs) for f in files]))
     return t if columns is None else t.select(columns)
+
+
+def _read_row_groups(fs: pafs.FileSystem, path: str, columns: list[str] | None) -> pa.Table:
+    """``columns`` of a Parquet file, a batch at a time into one chunk per column: a file of
+    many small row groups (one row each) read whole took ~13 times its size (40,000 groups of a
+    455 MB file: 5.4 GB, 103 s; read so: 2.3 GB, 25 s, nearly all of it pyarrow's own footer)."""
+    with fs.open_input_file(path) as f:
+        pf = pq.ParquetFile(f)
+        names = pf.schema_arrow.names
+        cols = None if columns is None else [c for c in columns if c in names]
+        schema = pf.schema_arrow if cols is None else pa.schema([pf.schema_arrow.field(c) for c in cols])
+        return pa.Table.from_batches(pf.iter_batches(batch_size=1 << 16, columns=cols), schema=schema).combine_chunks()
 
 
 def read_rank_history(run_dir: str | Path, rank: int, columns: list[str] | None = None) -> pa.Table:

@@ -27,7 +27,7 @@ def test_config_error_exits_2_with_the_message_before_ray(entry, tmp_path):
         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
     )
     assert out.returncode == 2, out.stderr[-2000:]
-    assert ("ray-titan: config error: training.global_batch_size = 10 is not divisible by "
+    assert ("ray-titan train: config error: training.global_batch_size = 10 is not divisible by "
             "parallelism.microbatches × parallelism.dp_shard = 4 × 2 = 8") in out.stderr
     assert "Started a local Ray instance" not in out.stdout + out.stderr
     assert not (tmp_path / "outputs").exists()  # no run directory either

@@ -276,7 +276,7 @@ def test_unreadable_config_files_are_config_errors_exit_2(tmp_path, capsys, cont
         path.write_bytes(content)
     assert main(["train", "--config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"ray-titan: config error: config file {str(path)!r} ") and re.search(message, err), err
+    assert err.startswith(f"ray-titan train: config error: config file {str(path)!r} ") and re.search(message, err), err
     assert main(["config", "show", str(path)]) == 2
 
 
