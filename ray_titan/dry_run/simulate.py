@@ -10,8 +10,9 @@ collectives return at once). What is simulated, and why:
 - The few aten ops a CPU build has no CUDA kernel for but a math definition (``silu_backward``):
   a placeholder CUDA kernel, so the op reaches fake mode whole, as a GPU runs it
   (:func:`_register_cuda_kernels`).
-- ``torch.cuda``'s Python functions a CPU build lacks (device properties of an H100, streams,
-  events, rng state, memory counters): answered with constants.
+- ``torch.cuda``'s Python functions (device properties of an H100, streams, events, rng state,
+  memory counters, graph capture): answered with constants, on a CPU build, which lacks them, as
+  on a CUDA build, whose own would call the CUDA runtime.
 - A host read of a device value (``.item()``, ``.tolist()``): counted per call site (over the
   steps after the first, when there are several: the steady state), and answered 0 (a finite
   loss, a zero flag); a MoE routing count list is answered with the routed tokens spread evenly
@@ -122,11 +123,19 @@ def _stub_torch_cuda(torch: Any) -> None:
         "set_rng_state": lambda *a, **k: None, "Stream": Stream, "Event": Event,
         "current_stream": lambda *a, **k: default, "default_stream": lambda *a, **k: default,
         "stream": lambda s: contextlib.nullcontext(s), "set_stream": lambda s: None,
+        "is_current_stream_capturing": lambda: False,  # the optimizers' graph-capture check
     }
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         stubs[name] = lambda *a, **k: 0
     for name, fn in stubs.items():
         setattr(cuda, name, fn)
+    # Fake mode makes one real CUDA tensor before the first fake one on a device it believes
+    # available (a CUDA context for backward): the fake device needs none, and a CUDA build
+    # without a driver fails there.
+    from torch._subclasses import fake_tensor
+
+    if hasattr(fake_tensor, "init_gpu_context"):
+        _patch(fake_tensor, "init_gpu_context", lambda device: None)
 
 
 def _fused_attention(torch: Any) -> Any:
@@ -764,7 +773,10 @@ def main(argv: list[str] | None = None) -> int:
     writes the report (or ``{"error": ...}``) to ``out``; exit 0, or 1 on an error."""
     spec = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
     if spec.get("shim"):
-        ctypes.CDLL(spec["shim"], mode=os.RTLD_GLOBAL)  # before torch: its registrations run now
+        shim = ctypes.CDLL(spec["shim"], mode=os.RTLD_GLOBAL)  # before torch: its registrations run now
+        import torch  # noqa: F401  (a CUDA build registers its own device guard here)
+
+        shim.rt_fake_cuda_install()  # the fake device guard, over a CUDA build's real one
     try:
         result = run_rank(spec)
         code = 0
