@@ -12,8 +12,9 @@ rank's peak device memory, beside the memory plan's prediction for that rank
 (:func:`ray_titan.memory_planner.memory_plan`). Losses are meaningless there (no data is
 computed); correctness of values is the CPU parity tests' business.
 
-On a CPU-only torch build the simulated device needs a small C++ library, built once with the
-compiler torch's extension builder uses (:mod:`ray_titan.dry_run.shim`).
+The simulated device is a small C++ library, built once with the compiler torch's extension
+builder uses, on any torch build: a CPU build has no CUDA device at all, and a CUDA build on a
+machine without a GPU fails at its first call into the CUDA runtime (:mod:`ray_titan.dry_run.shim`).
 """
 
 from __future__ import annotations

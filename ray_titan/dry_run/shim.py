@@ -1,21 +1,27 @@
-"""The fake CUDA device a CPU-only torch build lacks, built on first use.
+"""The fake CUDA device of the dry run, on any torch build, built on first use.
 
 A CPU build of PyTorch registers no device guard and no CUDA hooks, so tensors cannot be made
-on ``cuda`` at all, even fake ones. This module compiles a small C++ library (with the compiler
+on ``cuda`` at all, even fake ones; a CUDA build on a machine without a GPU (or driver) has
+them, but its guard and hooks call the CUDA runtime, which fails ("CUDA driver version is
+insufficient"). This module compiles a small C++ library (with the compiler
 ``torch.utils.cpp_extension`` uses) that registers c10's ``FakeGuardImpl`` for CUDA and a
-``CUDAHooksInterface`` answering "available, 8 devices"; loaded with ``ctypes`` *before*
-``import torch`` (its static initialisers run then, so torch's first look at CUDA finds them),
-the process has a CUDA device that holds only fake tensors (``FakeTensorMode``). The library is
-cached per torch version under ``~/.cache/ray_titan/fake_cuda``; on a CUDA build nothing is built.
+``CUDAHooksInterface`` answering "available, 8 devices" (at a priority above a CUDA build's own
+hooks); loaded with ``ctypes`` *before* ``import torch`` (its static initialisers run then, so
+torch's first look at CUDA finds them), then ``rt_fake_cuda_install()`` called after it (a CUDA
+build registers its real guard on import), the process has a CUDA device that holds only fake
+tensors (``FakeTensorMode``). The library is cached per torch build, Python and source under
+``~/.cache/ray_titan/fake_cuda`` (:func:`cache_dir`); where it cannot be built, a CUDA build
+with a usable GPU runs on the real runtime instead (:func:`choose_device`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["ShimError", "build_shim", "cache_dir"]
+__all__ = ["ShimError", "build_shim", "cache_dir", "choose_device"]
 
 SOURCE = r"""
 #include <c10/core/impl/FakeGuardImpl.h>
@@ -25,7 +31,8 @@ namespace c10 { namespace impl {
 C10_REGISTER_GUARD_IMPL(CUDA, FakeGuardImpl<DeviceType::CUDA>);
 }}
 namespace at {
-// Registered under the key torch's own CUDA build uses, so getCUDAHooks() creates this one.
+// Registered under the key torch's own CUDA build uses, so getCUDAHooks() creates this one; at
+// a higher priority than a CUDA build's own hooks, which then skip their registration.
 struct FakeCUDAHooks : public CUDAHooksInterface {
   explicit FakeCUDAHooks(CUDAHooksArgs) {}
   void init() const override {}
@@ -39,45 +46,104 @@ struct FakeCUDAHooks : public CUDAHooksInterface {
   DeviceIndex getCurrentDevice() const override { return 0; }
   void setCurrentDevice(DeviceIndex) const override {}
 };
-C10_REGISTER_CLASS(CUDAHooksRegistry, CUDAHooks, FakeCUDAHooks);
+C10_REGISTER_CLASS_WITH_PRIORITY(CUDAHooksRegistry, CUDAHooks, c10::REGISTRY_PREFERRED, FakeCUDAHooks);
+}
+// A CUDA build registers its own device guard when torch is imported, after this library's
+// static initialisers: the simulation calls this after ``import torch`` to put the fake one back.
+extern "C" void rt_fake_cuda_install() {
+  static c10::impl::FakeGuardImpl<c10::DeviceType::CUDA> guard;
+  c10::impl::device_guard_impl_registry[static_cast<size_t>(c10::DeviceType::CUDA)].store(&guard);
 }
 """
 
 
 class ShimError(RuntimeError):
-    """The fake CUDA library cannot be built here (no C++ compiler, or the build failed); the
-    message says which and what to install."""
+    """The simulated CUDA device cannot be had here (no C++ compiler, the build failed, a torch
+    build it does not support); the message says why and what would work."""
 
 
 def cache_dir() -> Path:
     """Where the library is kept: ``$RAY_TITAN_CACHE`` or ``~/.cache/ray_titan``, then
-    ``fake_cuda/torch-<version>``."""
+    ``fake_cuda/torch-<version>-<git commit>-<python tag>-<source hash>``: one per torch build
+    (a CPU and a CUDA wheel of one version differ in ``+cpu``/``+cu130``), per Python (the
+    library links the interpreter's ``libtorch_python``) and per shim source."""
+    import hashlib
+    import sys
+
     import torch
 
     root = Path(os.environ.get("RAY_TITAN_CACHE", Path.home() / ".cache" / "ray_titan"))
-    return root / "fake_cuda" / f"torch-{torch.__version__.replace('+', '_')}"
+    commit = (getattr(torch.version, "git_version", None) or "unknown")[:12]
+    source = hashlib.sha256(SOURCE.encode()).hexdigest()[:12]
+    key = f"torch-{torch.__version__.replace('+', '_')}-{commit}-{sys.implementation.cache_tag}-{source}"
+    return root / "fake_cuda" / key
+
+
+def choose_device(*, cuda_built: bool, rocm: bool, cannot_build: str | None, gpu: Callable[[], bool]) -> str:
+    """How a rank gets its simulated CUDA device: ``"shim"`` (the fake CUDA library, on any CPU or
+    CUDA build, with or without a GPU) or ``"gpu"`` (no library: a CUDA build's real runtime, only
+    where the library cannot be built and a GPU is usable). ``cannot_build``: why the library
+    cannot be built here, None if it can; ``gpu``: whether torch finds a usable GPU (asked only
+    when needed: without a driver it warns). Raises :class:`ShimError` (one line: why, what
+    would work) where neither is possible, and on a ROCm build without a GPU (its HIP device is
+    registered as CUDA, which the library does not replace)."""
+    if rocm:
+        if gpu():
+            return "gpu"
+        raise ShimError("a ROCm build of torch without a usable GPU cannot simulate a CUDA device: "
+                        "run the dry run with a CPU or CUDA build of torch")
+    if cannot_build is None:
+        return "shim"
+    if cuda_built and gpu():
+        return "gpu"
+    where = "this CUDA build of torch finds no usable GPU, and " if cuda_built else ""
+    raise ShimError(f"{where}{cannot_build}")
+
+
+def _cannot_build() -> str | None:
+    """Why the library cannot be built here (no compiler, no ninja), None if it can be. Looked up
+    on PATH as torch's extension builder does, without importing it (on a CUDA build without a
+    CUDA toolkit its import logs a warning, noise before the line saying what is missing)."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return (f"the simulated CUDA device needs a C++ compiler to build once ({compiler!r}, from $CXX or the "
+                "default c++, is not on PATH): install g++ (or set CXX)")
+    if shutil.which("ninja") is None:
+        return "the simulated CUDA device is built with ninja, which is not installed: pip install ninja"
+    return None
+
+
+def _gpu_usable() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def build_shim() -> Path | None:
-    """The path of the fake CUDA library, built if not cached (a few seconds); None on a CUDA
-    build of torch, which needs none. Raises :class:`ShimError` without a C++ compiler (naming
-    the one ``torch.utils.cpp_extension`` looks for) or when the build fails (its output)."""
+    """The path of the fake CUDA library, built if not cached (a few seconds); None where a GPU
+    stands in (:func:`choose_device`). Raises :class:`ShimError` when neither is possible
+    (naming the compiler ``torch.utils.cpp_extension`` looks for, or ninja) or when the build
+    fails (its output)."""
+    import torch
+
+    lib = cache_dir() / "rt_fake_cuda.so"
+    missing = None if lib.is_file() else _cannot_build()
+    how = choose_device(cuda_built=torch.backends.cuda.is_built(), rocm=getattr(torch.version, "hip", None) is not None,
+                        cannot_build=missing, gpu=_gpu_usable)
+    if how == "gpu":
+        return None
+    if not lib.is_file():
+        _compile(lib.parent)
+    if not lib.is_file():
+        raise ShimError(f"building the simulated CUDA device left no {lib}")
+    return lib
+
+
+def _compile(out: Path) -> None:
+    """Build ``rt_fake_cuda.so`` from :data:`SOURCE` in ``out`` with torch's extension builder."""
     import torch
     import torch.utils.cpp_extension as ce
 
-    if torch.backends.cuda.is_built():
-        return None
-    out = cache_dir()
-    lib = out / "rt_fake_cuda.so"
-    if lib.is_file():
-        return lib
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise ShimError(f"the simulated CUDA device needs a C++ compiler to build once ({compiler!r}, from $CXX "
-                        "or the default c++, is not on PATH): install g++ (or set CXX), or run on a CUDA build "
-                        "of torch")
-    if not ce.is_ninja_available():
-        raise ShimError("the simulated CUDA device is built with ninja, which is not installed: pip install ninja")
     out.mkdir(parents=True, exist_ok=True)
     (out / "fake_cuda.cpp").write_text(SOURCE)
     torch_lib = Path(torch.__file__).parent / "lib"
@@ -87,6 +153,3 @@ def build_shim() -> Path | None:
                 extra_ldflags=[f"-Wl,-rpath,{torch_lib}"])
     except Exception as e:  # the compiler's own output is in the message
         raise ShimError(f"building the simulated CUDA device in {out} failed: {e}") from None
-    if not lib.is_file():
-        raise ShimError(f"building the simulated CUDA device left no {lib}")
-    return lib

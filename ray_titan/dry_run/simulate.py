@@ -10,8 +10,11 @@ collectives return at once). What is simulated, and why:
 - The few aten ops a CPU build has no CUDA kernel for but a math definition (``silu_backward``):
   a placeholder CUDA kernel, so the op reaches fake mode whole, as a GPU runs it
   (:func:`_register_cuda_kernels`).
-- ``torch.cuda``'s Python functions a CPU build lacks (device properties of an H100, streams,
-  events, rng state, memory counters): answered with constants.
+- ``torch.cuda``'s Python functions (device properties of an H100, streams, events, rng state,
+  memory counters, graph capture): answered with constants, on a CPU build, which lacks them, as
+  on a CUDA build, whose own would call the CUDA runtime.
+- Pipeline shape inference over the fake group: see :func:`_install_stage_meta_shims` and
+  :func:`_schedules_see_nccl` (what each torch version exchanges, and how it is answered).
 - A host read of a device value (``.item()``, ``.tolist()``): counted per call site (over the
   steps after the first, when there are several: the steady state), and answered 0 (a finite
   loss, a zero flag); a MoE routing count list is answered with the routed tokens spread evenly
@@ -122,11 +125,19 @@ def _stub_torch_cuda(torch: Any) -> None:
         "set_rng_state": lambda *a, **k: None, "Stream": Stream, "Event": Event,
         "current_stream": lambda *a, **k: default, "default_stream": lambda *a, **k: default,
         "stream": lambda s: contextlib.nullcontext(s), "set_stream": lambda s: None,
+        "is_current_stream_capturing": lambda: False,  # the optimizers' graph-capture check
     }
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         stubs[name] = lambda *a, **k: 0
     for name, fn in stubs.items():
         setattr(cuda, name, fn)
+    # Fake mode makes one real CUDA tensor before the first fake one on a device it believes
+    # available (a CUDA context for backward): the fake device needs none, and a CUDA build
+    # without a driver fails there.
+    from torch._subclasses import fake_tensor
+
+    if hasattr(fake_tensor, "init_gpu_context"):
+        _patch(fake_tensor, "init_gpu_context", lambda device: None)
 
 
 def _fused_attention(torch: Any) -> Any:
@@ -340,7 +351,6 @@ def _owned_storages(parts: Any) -> dict[int, str]:
     parameters (sharded, and FSDP2's all-gathered), module buffers and pipeline receive buffers
     (``temporaries``, as the plan counts them)."""
     import torch
-    from torch.distributed.fsdp import FSDPModule
 
     out: dict[int, str] = {}
 
@@ -354,8 +364,7 @@ def _owned_storages(parts: Any) -> dict[int, str]:
             add(v, "optimizer_state")
     for stage in parts.stages.values():
         for m in stage.modules():
-            groups = m._get_fsdp_state()._fsdp_param_groups if isinstance(m, FSDPModule) else ()
-            for fp in (fp for g in groups for fp in g.fsdp_params):
+            for fp in (fp for g in _fsdp_param_groups(m) for fp in g.fsdp_params):
                 unsharded = getattr(fp, "_unsharded_param", None)
                 add(fp.unsharded_accumulated_grad, "gradients")
                 add(fp.sharded_param.grad, "gradients")
@@ -375,6 +384,21 @@ def _owned_storages(parts: Any) -> dict[int, str]:
             for info in infos:
                 add(getattr(info, "buffer", None), "temporaries")
     return out
+
+
+def _fsdp_param_groups(module: Any) -> list[Any]:
+    """The FSDP2 parameter groups of ``module`` (none unless it is an ``FSDPModule``): a list in
+    ``FSDPState._fsdp_param_groups`` where torch has it, else (torch 2.11) at most one in
+    ``_fsdp_param_group``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return []
+    state: Any = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
 
 
 def _dry_run_mode(tally: _DeviceTally) -> Any:
@@ -608,20 +632,12 @@ class _Job:
 
 def _install_pipeline_shims(job: _Job, tally: _DeviceTally) -> None:
     """Shims that need the job (module docstring): a pipeline stage's shape metadata answered
-    without its neighbour (``job.hidden`` forward, the stage's own outputs backward), DTensor's
-    shape propagation not counted as device memory, attention on a fused kernel."""
+    without its neighbour (:func:`_install_stage_meta_shims`), DTensor's shape propagation not
+    counted as device memory, attention on a fused kernel."""
     import torch
-    from torch.distributed.pipelining import stage as pp_stage
-    from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     propagate = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    def recv_meta(self: Any, src: int) -> Any:
-        if src < self.stage_index:
-            t = torch.empty(job.hidden, device=self.device, dtype=job.hidden_dtype, requires_grad=True)
-            return _StageForwardMeta(forward_metas=extract_tensor_metas((t,)) or ())
-        return _StageBackwardMeta(backward_metas=self._stage_meta.outputs)
 
     def shadow_propagate(self: Any, op_schema: Any) -> Any:
         # DTensor derives an op's output shape by running it on fakes of the *global* shapes in
@@ -632,10 +648,75 @@ def _install_pipeline_shims(job: _Job, tally: _DeviceTally) -> None:
         finally:
             tally.shadow -= 1
 
-    _patch(pp_stage.PipelineStage, "_send_meta", lambda self, meta, dst_stage: None)
-    _patch(pp_stage.PipelineStage, "_recv_meta", recv_meta)
+    _install_stage_meta_shims(job)
     _patch(ShardingPropagator, "_propagate_tensor_meta_non_cached", shadow_propagate)
     _patch(torch.nn.functional, "scaled_dot_product_attention", _fused_attention(torch))
+
+
+def _install_stage_meta_shims(job: _Job) -> None:
+    """A pipeline stage's shape metadata, which it exchanges with its neighbours before the first
+    step, answered without them: ``job.hidden`` forward, the stage's own outputs backward. Torch
+    exchanges it through ``PipelineStage._send_meta``/``_recv_meta`` where those exist; before
+    them (torch 2.11) the stage's ``_shape_inference`` receives its inputs' metadata with
+    ``dist.recv_object_list`` and sends its outputs' with ``dist.send_object_list`` (backward: its
+    own outputs, nothing received), answered here in ``stage.py``'s namespace only."""
+    import importlib
+
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.pipelining import stage as pp_stage
+
+    def hidden(device: Any) -> torch.Tensor:
+        return torch.empty(job.hidden, device=device, dtype=job.hidden_dtype, requires_grad=True)
+
+    _schedules_see_nccl()
+    if hasattr(pp_stage.PipelineStage, "_recv_meta"):
+        utils: Any = importlib.import_module("torch.distributed.pipelining._utils")
+
+        def recv_meta(self: Any, src: int) -> Any:
+            if src < self.stage_index:
+                metas = utils.extract_tensor_metas((hidden(self.device),))
+                return utils._StageForwardMeta(forward_metas=metas or ())
+            return utils._StageBackwardMeta(backward_metas=self._stage_meta.outputs)
+
+        _patch(pp_stage.PipelineStage, "_send_meta", lambda self, meta, dst_stage: None)
+        _patch(pp_stage.PipelineStage, "_recv_meta", recv_meta)
+        return
+
+    def recv_object_list(objects: list[Any], *a: Any, **k: Any) -> None:
+        with unset_fake_temporarily():  # what the neighbour sends: its outputs moved to ``meta``
+            objects[0] = (hidden("meta").detach(),)
+
+    _patch(pp_stage, "dist", _Overlay(pp_stage.dist, recv_object_list=recv_object_list,
+                                      send_object_list=lambda *a, **k: None))
+
+
+def _schedules_see_nccl() -> None:
+    """The pipeline schedules see the job's groups as NCCL, not the fake backend they run on:
+    where the schedules read the backend (torch 2.15) they refuse shape inference over a fake
+    group, which the stage shims above answer, and skip the steps a GPU job takes at its first
+    step (the stages' vote on the inference mode, warming up the point-to-point links); run over
+    the fake group, those are simulated and checked as the rest."""
+    from torch.distributed.pipelining import schedules
+
+    real = schedules.dist
+
+    def get_backend(group: Any = None) -> Any:
+        backend = real.get_backend(group)
+        return "nccl" if str(backend) == "fake" else backend
+
+    _patch(schedules, "dist", _Overlay(real, get_backend=get_backend))
+
+
+class _Overlay:
+    """``base``'s attributes, but those given as keywords replaced (a module seen through it)."""
+
+    def __init__(self, base: Any, **replaced: Any) -> None:
+        self._base = base
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
 
 
 class _LoaderShape:
@@ -764,7 +845,10 @@ def main(argv: list[str] | None = None) -> int:
     writes the report (or ``{"error": ...}``) to ``out``; exit 0, or 1 on an error."""
     spec = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
     if spec.get("shim"):
-        ctypes.CDLL(spec["shim"], mode=os.RTLD_GLOBAL)  # before torch: its registrations run now
+        shim = ctypes.CDLL(spec["shim"], mode=os.RTLD_GLOBAL)  # before torch: its registrations run now
+        import torch  # noqa: F401  (a CUDA build registers its own device guard here)
+
+        shim.rt_fake_cuda_install()  # the fake device guard, over a CUDA build's real one
     try:
         result = run_rank(spec)
         code = 0
