@@ -66,6 +66,10 @@ def test_the_moe_job_with_expert_parallelism_syncs_once_per_dispatch_and_runs_gr
     assert abs(r.peak_device_bytes / r.plan_peak_bytes - 1) < 0.10, (r.peak_device_bytes, r.plan_peak_bytes)
 
 
+# CI's compatibility job reruns this rank on torch 2.11 and 2.15 (CUDA wheels, no GPU). Not the plan
+# comparisons: a CUDA build runs rms_norm fused, as a GPU does, and simulates a peak ~12 % below the
+# plan, which is fitted to the CPU build's unfused one (docs/memory.md).
+@pytest.mark.compat
 def test_a_one_rank_mesh_trains_and_plans_its_checkpoint():
     """One rank, no process group to shard over: no FSDP2 materialises the fake parameters, and
     torch's ``Module.to_empty`` could not swap them (a fake tensor's weakref). The rank runs a
