@@ -7,9 +7,10 @@ embedding and the final norm plus output head each weigh as much as one block wh
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -21,7 +22,8 @@ from ray_titan.parallel.schedules import SCHEDULES
 if TYPE_CHECKING:
     from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedules' parameter type
 
-__all__ = ["SCHEDULES", "build_pipeline_schedule", "build_stage_module", "split_layers", "stage_placement"]
+__all__ = ["SCHEDULES", "ScheduleLoss", "build_pipeline_schedule", "build_stage_module", "split_layers",
+           "stage_placement"]
 
 def stage_placement(schedule: str) -> Literal["loop", "v"]:
     """How ``schedule`` places stages on pp ranks (:attr:`~ray_titan.parallel.schedules.Schedule.placement`:
@@ -35,6 +37,35 @@ def stage_placement(schedule: str) -> Literal["loop", "v"]:
     return SCHEDULES[schedule].placement
 
 _M = TypeVar("_M", bound=nn.Module)
+
+
+class ScheduleLoss:
+    """The loss a pipeline schedule calls as ``loss(output, target)``: ``fn(output, target,
+    **kwargs)`` with the keyword arguments bound for the current step (:meth:`bound`).
+
+    The step's loss arguments (the masked loss's ``scale``) reach the loss through this object,
+    never through ``schedule.step(loss_kwargs=...)``: that parameter is recent, and torch 2.11's
+    ``step`` forwards every keyword it does not know to the first stage's model
+    (``TypeError: ... unexpected keyword argument 'loss_kwargs'``). One path on every torch, and
+    the same call of ``fn`` as ``loss_kwargs`` makes where it exists.
+    """
+
+    def __init__(self, fn: Callable[..., torch.Tensor]):
+        self.fn = fn
+        self.kwargs: dict[str, Any] = {}
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        return self.fn(output, target, **self.kwargs)
+
+    @contextlib.contextmanager
+    def bound(self, kwargs: dict[str, Any] | None) -> Iterator[None]:
+        """Within the block, every call adds ``kwargs`` (None or empty: none); cleared on exit,
+        so a later step (or the build's shape-inference step) never sees a stale ``scale``."""
+        self.kwargs = dict(kwargs or {})
+        try:
+            yield
+        finally:
+            self.kwargs = {}
 
 
 class _DecoderParts(Protocol):
