@@ -57,3 +57,35 @@ def test_loss_arguments_reach_the_loss_under_a_schedule_without_loss_kwargs(forw
     assert sl.kwargs == {}  # unbound after the step: the next call adds nothing
     sl(x, y)
     assert seen[-1] == {}
+
+
+@pytest.fixture
+def fake_world_of_8():
+    """A fake process group of 8 ranks in this process (no communication): enough for device meshes."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_ep_mesh_unflattens_dp_shard_by_index(fake_world_of_8, monkeypatch):
+    """torch 2.11's ``DeviceMesh._unflatten`` refuses a dimension given by a name the mesh has
+    (``ValueError: dim dp_shard specified in _unflatten is not in (...)``): every EP job failed at
+    build. An integer dimension works on every torch."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ray_titan.parallel.dims import ParallelDims
+
+    real = DeviceMesh._unflatten
+
+    def as_torch_2_11(self, dim, mesh_sizes, mesh_dim_names, *a, **kw):
+        if isinstance(dim, str) and dim in (self.mesh_dim_names or ()):
+            raise ValueError(f"dim {dim} specified in `_unflatten` is not in {self.mesh_dim_names}")
+        return real(self, dim, mesh_sizes, mesh_dim_names, *a, **kw)
+
+    monkeypatch.setattr(DeviceMesh, "_unflatten", as_torch_2_11)
+    meshes = ParallelDims(pp=2, dp_shard=4, ep=2).build_mesh("cpu")
+    assert (meshes["ep"].size(), meshes["dp_shard_mod_ep"].size(), meshes["efsdp"].mesh_dim_names) == (
+        2, 2, ("dp_shard_mod_ep",))
