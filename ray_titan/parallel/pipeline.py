@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
@@ -124,6 +125,26 @@ def build_stage_module(whole: _M, layers: list[int], first: bool, last: bool) ->
     return stage
 
 
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose communicator warm-up leaves out the neighbours on its own rank.
+
+    torch 2.11's multi-stage schedules warm their p2p communicators up at the first step by
+    sending one element to each neighbouring stage and receiving one from it
+    (``_get_init_p2p_neighbors_ops``), even when that stage is on the same rank (the V-shaped
+    placements' middle stages, or every stage in a one-rank world), and gloo cannot send to its
+    own rank (``Pair is not connected``: Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble
+    and DualPipeV failed on CPU). Those messages carry nothing (activations between stages of one
+    rank are handed over in memory), so they are dropped, in pairs: a neighbour on this rank
+    would have posted the matching send and receive. Later torches warm up otherwise and never
+    call this method (torch 2.15 has none).
+    """
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        base: Any = super()  # Any: torch 2.15's PipelineStage has no such method to type-check
+        ops = base._get_init_p2p_neighbors_ops()
+        return [op for op in ops if op.group_peer != self.group_rank]
+
+
 def build_pipeline_schedule(
     schedule: str,
     stage_modules: dict[int, nn.Module],
@@ -146,7 +167,7 @@ def build_pipeline_schedule(
         raise ValueError(f"parallelism.pipeline_schedule = {schedule!r}; valid: {sorted(SCHEDULES)}")
     cls = SCHEDULES[schedule].torch_class
     stages: list[_PipelineStageBase] = [
-        PipelineStage(mod, idx, num_stages, device, group=pp_group)
+        _Stage(mod, idx, num_stages, device, group=pp_group)
         for idx, mod in sorted(stage_modules.items())
     ]
     if issubclass(cls, PipelineScheduleSingle):
