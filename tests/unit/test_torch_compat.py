@@ -5,6 +5,7 @@ that runs everywhere."""
 from __future__ import annotations
 
 import contextlib
+import enum
 from types import SimpleNamespace
 from typing import Any
 
@@ -121,3 +122,46 @@ def test_the_p2p_warm_up_sends_nothing_to_a_stage_on_the_same_rank(gloo_world_of
     assert [s._get_init_p2p_neighbors_ops() for s in built] == [[], []]
     x = torch.randn(4, 4)
     sched.step(x, target=x)  # the warm-up runs at the first step (on torch 2.11; gloo refused it)
+
+
+def _profiled_step(monkeypatch_gone: Any) -> dict:
+    """A step of a tiny model under ray_titan's StepProfiler with one torch name removed by
+    ``monkeypatch_gone()``; the breakdown it reports."""
+    from ray_titan.metrics.profiling import StepProfiler
+
+    model = torch.nn.Linear(64, 64)
+    x = torch.randn(8, 64)
+    monkeypatch_gone()
+    profiler = StepProfiler(None, 0, {}, torch.device("cpu"), breakdown_step=2)
+    profiler.start(2)
+    model(x).sum().backward()
+    out = profiler.stop(2)
+    assert out is not None
+    return out
+
+
+def test_a_memory_breakdown_survives_the_deprecated_timeline_export_being_gone(monkeypatch):
+    """``profile.export_memory_timeline`` is deprecated: where it is gone the step still reports
+    its peak (from the allocations), without categories, and says why."""
+    owner = next(c for c in torch.profiler.profile.__mro__ if "export_memory_timeline" in vars(c))
+    out = _profiled_step(lambda: monkeypatch.delattr(owner, "export_memory_timeline"))
+    assert out["peak_bytes"] > 0 and out["at_peak"] == {"unknown": out["peak_bytes"]}
+    assert out["error"].startswith("AttributeError") and "export_memory_timeline" in out["error"]
+
+
+def test_a_memory_breakdown_survives_a_change_of_the_private_category_order(monkeypatch):
+    """The timeline's columns are named by torch's private ``_CATEGORY_TO_INDEX``: where it names
+    a category unknown here (a later torch), the step falls back as above instead of failing
+    (a ``KeyError`` at the profiled step), and so it does where the mapping is gone."""
+    import torch.profiler._memory_profiler as mp
+
+    from ray_titan.metrics.memory import timeline_breakdown
+
+    new = enum.Enum("Category", ["NEW_CATEGORY"]).NEW_CATEGORY
+    grown = {**mp._CATEGORY_TO_INDEX, new: len(mp._CATEGORY_TO_INDEX)}
+    out = _profiled_step(lambda: monkeypatch.setattr(mp, "_CATEGORY_TO_INDEX", grown))
+    assert out["peak_bytes"] > 0 and out["at_peak"] == {"unknown": out["peak_bytes"]}
+    assert out["error"].startswith("ValueError") and "_CATEGORY_TO_INDEX" in out["error"]
+    monkeypatch.delattr(mp, "_CATEGORY_TO_INDEX")
+    with pytest.raises(ValueError, match="cannot name"):
+        timeline_breakdown([[0, 1, 2]])
