@@ -91,12 +91,22 @@ class GarbageCollection:
         self.collections = 0
         self._was_enabled = gc.isenabled()
         self._old_flags = gc.get_debug()
-        self._froze = gc.get_freeze_count() == 0  # someone else's freeze is theirs to undo
         gc.disable()
         gc.collect(1)
         # Everything alive now (modules, Ray, the model, optimizer and loader) lives for the run:
         # full collections skip the permanent generation (module docstring).
+        frozen_before = gc.get_freeze_count()
         gc.freeze()
+        # close() undoes this freeze whenever it froze anything, even if objects were frozen
+        # before (CPython 3.12 starts with 375: immortal tuples its collector itself moves to the
+        # permanent generation, again at every collection). gc.unfreeze() cannot tell whose
+        # objects it releases: it moves the whole permanent generation into the oldest one.
+        # Releasing the others' costs only their traversal by later full collections (alive or
+        # immortal, they are never freed by it; 3.12 re-freezes its immortals itself); keeping
+        # ours frozen would leave every cycle alive when the run started (model, optimizer,
+        # loader) uncollectable for the rest of the process, a leak per run where a process runs
+        # several.
+        self._froze = gc.get_freeze_count() > frozen_before
 
     def _collect(self, generation: int) -> GCResult:
         if self.debug:
@@ -137,7 +147,8 @@ class GarbageCollection:
         return self._collect(2)
 
     def close(self) -> None:
-        """Restore the GC state found at construction (and unfreeze what construction froze)."""
+        """Restore the GC state found at construction and undo construction's freeze (which, as
+        ``gc.unfreeze`` can only, also releases what others had frozen before: see ``__init__``)."""
         gc.set_debug(self._old_flags)
         if self._froze:
             gc.unfreeze()

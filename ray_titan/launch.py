@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     if world > 1:
         dist.init_process_group(process_group_backend(device.type == "cuda", cfg.memory.cpu_offload))
     rank = dist.get_rank() if world > 1 else 0
-    holder = [str(make_run_dir(cfg))] if rank == 0 else [None]
+    holder: list[str | None] = [str(make_run_dir(cfg))] if rank == 0 else [None]
     if world > 1:
         dist.broadcast_object_list(holder, src=0, device=device)
     assert holder[0] is not None  # rank 0's, broadcast to every rank

@@ -60,6 +60,11 @@ class MeshScalingPolicy(ElasticScalingPolicy):
     mesh): the count the cluster holds is rounded down to one of them (to 0, so Ray waits, below
     the smallest)."""
 
+    # Ray's base sets these; declared so that type-checking without Ray installed (the base is
+    # then Any) still knows them.
+    _latest_reserved_resources: Any
+    _latest_reserved_resources_query_time: float
+
     def __init__(self, scaling_config: Any, counts: list[int]):
         super().__init__(scaling_config)
         self.counts = sorted(counts)

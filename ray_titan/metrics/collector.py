@@ -191,6 +191,7 @@ def _expert_load(objects: list[tuple]) -> dict[int, list[int]]:
             groups.setdefault(tuple(o[1]), []).append(o[2])
     out: dict[int, np.ndarray] = {}
     for layers, loads in groups.items():
+        total: np.ndarray | list[np.ndarray]
         try:
             total = np.asarray(loads, dtype=np.int64).sum(axis=0)  # (layers, experts)
         except ValueError:  # ragged: expert counts differ between layers

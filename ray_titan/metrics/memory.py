@@ -383,6 +383,20 @@ _CATEGORY = {
 }
 
 
+def _timeline_columns() -> dict[int, str] | None:
+    """``{column of a memory timeline's row: breakdown category}``, from the order torch writes
+    them in (the private ``torch.profiler._memory_profiler._CATEGORY_TO_INDEX``, the only place
+    that names them); None where this torch has no such mapping or names a category unknown here."""
+    try:
+        from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
+    except ImportError:
+        return None
+    try:
+        return {i + 1: _CATEGORY[c.name if c is not None else None] for c, i in _CATEGORY_TO_INDEX.items()}
+    except (AttributeError, KeyError):
+        return None
+
+
 def timeline_breakdown(sizes: list[list[int]]) -> dict[str, Any]:
     """The breakdown of a memory timeline's ``sizes`` (``export_memory_timeline``'s second list:
     one row per time point; row ``[0]`` unused, then bytes per ``torch.profiler`` memory category
@@ -390,11 +404,14 @@ def timeline_breakdown(sizes: list[list[int]]) -> dict[str, Any]:
 
     Returns ``{"peak_bytes": the largest total, "at_peak": {category: bytes at that moment}
     (summing to it), "category_peaks": {category: its own largest}}``, categories as
-    :data:`BREAKDOWN_CATEGORIES`.
+    :data:`BREAKDOWN_CATEGORIES`. Raises ``ValueError`` where this torch's columns cannot be
+    named (the private mapping gone or changed, or rows wider than it): callers fall back to
+    the allocations' peak without categories (``ray_titan.metrics.profiling``).
     """
-    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
-
-    columns = {i + 1: _CATEGORY[c.name if c is not None else None] for c, i in _CATEGORY_TO_INDEX.items()}
+    columns = _timeline_columns()
+    if columns is None or any(len(row) > len(columns) + 1 for row in sizes):
+        raise ValueError("this torch's memory timeline has columns ray_titan cannot name "
+                         "(torch.profiler._memory_profiler._CATEGORY_TO_INDEX is gone or changed)")
     if not sizes:
         zero = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
         return {"peak_bytes": 0, "at_peak": zero, "category_peaks": dict(zero)}

@@ -167,18 +167,20 @@ class StepProfiler:
                 with warnings.catch_warnings():  # deprecated for CUDA in favour of the allocator history
                     warnings.simplefilter("ignore", FutureWarning)
                     prof.export_memory_timeline(str(timeline), device=device)
+                _, sizes = json.loads(timeline.read_text())
+                breakdown = {**head, **timeline_breakdown(sizes)}
             except Exception as e:
                 # torch's data-flow analysis of the timeline asserts on some graphs (the MoE
                 # experts' SplitWithSizes/Select backward under pipeline parallel; DTensor ops
-                # under tensor parallel; torch 2.13): keep the peak, from the allocations
-                # themselves, without the categories.
+                # under tensor parallel; torch 2.13), and the deprecated export or the private
+                # names of its columns may be gone from a later torch (AttributeError,
+                # ValueError): keep the peak, from the allocations themselves, without the
+                # categories.
                 fallback = {**head, **allocation_peak(prof, self._census, self.device),
                             "error": f"{type(e).__name__}: {str(e)[:200]}"}
                 if step in self.snapshot_steps:
                     self.paths.append(self._write_summary(step, fallback, prof))
                 return fallback if step == self.breakdown_step else None
-            _, sizes = json.loads(timeline.read_text())
-            breakdown = {**head, **timeline_breakdown(sizes)}
             if step in self.snapshot_steps:
                 self.paths += self._write_snapshot(timeline, breakdown, step, prof)
         return breakdown if step == self.breakdown_step else None

@@ -188,7 +188,9 @@ class ParallelDims:
         if self.tp > 1 and self.fsdp:
             root["dp_shard", "tp"]._flatten("dp_shard_tp")
         if self.ep > 1:
-            ep_view = root._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("dp_shard_mod_ep", "ep"))
+            # By index, not name: torch 2.11's _unflatten refuses a dimension name that the mesh has.
+            ep_view = root._unflatten(self.AXES.index("dp_shard"), (self.dp_shard // self.ep, self.ep),
+                                      ("dp_shard_mod_ep", "ep"))
             meshes["ep"] = ep_view["ep"]
             meshes["dp_shard_mod_ep"] = ep_view["dp_shard_mod_ep"]
             meshes["efsdp"] = (ep_view["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate > 1

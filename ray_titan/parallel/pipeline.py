@@ -7,11 +7,13 @@ embedding and the final norm plus output head each weigh as much as one block wh
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
@@ -21,7 +23,8 @@ from ray_titan.parallel.schedules import SCHEDULES
 if TYPE_CHECKING:
     from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedules' parameter type
 
-__all__ = ["SCHEDULES", "build_pipeline_schedule", "build_stage_module", "split_layers", "stage_placement"]
+__all__ = ["SCHEDULES", "ScheduleLoss", "build_pipeline_schedule", "build_stage_module", "split_layers",
+           "stage_placement"]
 
 def stage_placement(schedule: str) -> Literal["loop", "v"]:
     """How ``schedule`` places stages on pp ranks (:attr:`~ray_titan.parallel.schedules.Schedule.placement`:
@@ -35,6 +38,35 @@ def stage_placement(schedule: str) -> Literal["loop", "v"]:
     return SCHEDULES[schedule].placement
 
 _M = TypeVar("_M", bound=nn.Module)
+
+
+class ScheduleLoss:
+    """The loss a pipeline schedule calls as ``loss(output, target)``: ``fn(output, target,
+    **kwargs)`` with the keyword arguments bound for the current step (:meth:`bound`).
+
+    The step's loss arguments (the masked loss's ``scale``) reach the loss through this object,
+    never through ``schedule.step(loss_kwargs=...)``: that parameter is recent, and torch 2.11's
+    ``step`` forwards every keyword it does not know to the first stage's model
+    (``TypeError: ... unexpected keyword argument 'loss_kwargs'``). One path on every torch, and
+    the same call of ``fn`` as ``loss_kwargs`` makes where it exists.
+    """
+
+    def __init__(self, fn: Callable[..., torch.Tensor]):
+        self.fn = fn
+        self.kwargs: dict[str, Any] = {}
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        return self.fn(output, target, **self.kwargs)
+
+    @contextlib.contextmanager
+    def bound(self, kwargs: dict[str, Any] | None) -> Iterator[None]:
+        """Within the block, every call adds ``kwargs`` (None or empty: none); cleared on exit,
+        so a later step (or the build's shape-inference step) never sees a stale ``scale``."""
+        self.kwargs = dict(kwargs or {})
+        try:
+            yield
+        finally:
+            self.kwargs = {}
 
 
 class _DecoderParts(Protocol):
@@ -93,6 +125,26 @@ def build_stage_module(whole: _M, layers: list[int], first: bool, last: bool) ->
     return stage
 
 
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose communicator warm-up leaves out the neighbours on its own rank.
+
+    torch 2.11's multi-stage schedules warm their p2p communicators up at the first step by
+    sending one element to each neighbouring stage and receiving one from it
+    (``_get_init_p2p_neighbors_ops``), even when that stage is on the same rank (the V-shaped
+    placements' middle stages, or every stage in a one-rank world), and gloo cannot send to its
+    own rank (``Pair is not connected``: Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble
+    and DualPipeV failed on CPU). Those messages carry nothing (activations between stages of one
+    rank are handed over in memory), so they are dropped, in pairs: a neighbour on this rank
+    would have posted the matching send and receive. Later torches warm up otherwise and never
+    call this method (torch 2.15 has none).
+    """
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        base: Any = super()  # Any: torch 2.15's PipelineStage has no such method to type-check
+        ops = base._get_init_p2p_neighbors_ops()
+        return [op for op in ops if op.group_peer != self.group_rank]
+
+
 def build_pipeline_schedule(
     schedule: str,
     stage_modules: dict[int, nn.Module],
@@ -115,7 +167,7 @@ def build_pipeline_schedule(
         raise ValueError(f"parallelism.pipeline_schedule = {schedule!r}; valid: {sorted(SCHEDULES)}")
     cls = SCHEDULES[schedule].torch_class
     stages: list[_PipelineStageBase] = [
-        PipelineStage(mod, idx, num_stages, device, group=pp_group)
+        _Stage(mod, idx, num_stages, device, group=pp_group)
         for idx, mod in sorted(stage_modules.items())
     ]
     if issubclass(cls, PipelineScheduleSingle):

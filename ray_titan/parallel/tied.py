@@ -52,6 +52,8 @@ class TiedEmbeddings:
                 ranks = [by_pp[key][first], by_pp[key][last]]
                 group = dist.new_group(ranks)
                 if rank in ranks:
+                    # Typed with the non-member marker too (torch 2.15); a member gets its group.
+                    assert isinstance(group, dist.ProcessGroup)
                     self.group = group
         if 0 in stages:
             self.params.append(stages[0].get_parameter("tok_embeddings.weight"))

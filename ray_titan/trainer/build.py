@@ -29,7 +29,7 @@ from ray_titan.models.registry import build_model, get_spec
 from ray_titan.parallel.dims import Meshes, ParallelDims, parallel_dims
 from ray_titan.parallel.expert import MoEStepState
 from ray_titan.parallel.fsdp import autocast_dtype, materialize, resolve_mixed_precision
-from ray_titan.parallel.pipeline import build_pipeline_schedule, build_stage_module, split_layers
+from ray_titan.parallel.pipeline import ScheduleLoss, build_pipeline_schedule, build_stage_module, split_layers
 from ray_titan.parallel.tied import TiedEmbeddings
 
 __all__ = [
@@ -105,7 +105,9 @@ class TrainParts:
     ``loss_parallel``: the output head's logits are vocabulary-sharded ``DTensor``s, so the loss
     and its backward run under ``torch.distributed.tensor.parallel.loss_parallel()``;
     ``autocast``: the dtype forward passes run under ``torch.autocast`` in (a ``bf16`` run without
-    FSDP2, ``ray_titan.parallel.fsdp.autocast_dtype``), None: no autocast.
+    FSDP2, ``ray_titan.parallel.fsdp.autocast_dtype``), None: no autocast; ``schedule_loss``:
+    ``loss_fn`` as the pipeline schedule calls it, with each step's loss arguments bound
+    (``ScheduleLoss.bound``; None without PP).
     """
 
     dims: ParallelDims
@@ -125,6 +127,7 @@ class TrainParts:
     tied: TiedEmbeddings | None = None
     loss_parallel: bool = False
     autocast: torch.dtype | None = None
+    schedule_loss: ScheduleLoss | None = None
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Where the loss and its backward run: ``loss_parallel()`` under TP with loss parallel."""
@@ -197,8 +200,9 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
                        autocast=autocast_dtype(resolve_mixed_precision(cfg.training.mixed_precision, device.type),
                                                dims.fsdp))
     if dims.pp > 1:
+        parts.schedule_loss = ScheduleLoss(loss_fn)
         parts.schedule = build_pipeline_schedule(
-            cfg.parallelism.pipeline_schedule, stages, dims.num_stages, n_mb, loss_fn, device, pp_group,
+            cfg.parallelism.pipeline_schedule, stages, dims.num_stages, n_mb, parts.schedule_loss, device, pp_group,
             dims.stage_to_rank_mapping(),
         )
         # Every stage must run the dummy step or none (it is a pipeline step: p2p and shape

@@ -124,19 +124,21 @@ def run_schedule(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor,
     """One pass of the pipeline schedule (``schedule.step``, or forward-only ``schedule.eval``)
     over this rank's stages; the last stage's per-microbatch losses (host-side tensors; under
     loss parallel the local value of each replicated loss), None on other ranks."""
-    assert parts.schedule is not None
+    assert parts.schedule is not None and parts.schedule_loss is not None
     is_last = parts.is_last_stage
     losses: list[torch.Tensor] | None = [] if is_last else None
     args = (inputs,) if parts.has_first_stage else ()
-    with _autocast(parts), parts.loss_context():
+    # The loss arguments are bound into the schedule's loss, not passed as ``loss_kwargs``,
+    # which torch 2.11's schedules forward to the model (ScheduleLoss).
+    with _autocast(parts), parts.loss_context(), parts.schedule_loss.bound(loss_kwargs):
         if forward_only:
             parts.schedule.eval(*args, target=labels if is_last else None, losses=losses,
-                                loss_kwargs=loss_kwargs or None, **model_kwargs(positions))
+                                **model_kwargs(positions))
         else:
             # return_outputs=False: otherwise the last stage keeps every microbatch's logits
             # (output_chunks) until the next step and concatenates them, for nothing.
             parts.schedule.step(*args, target=labels if is_last else None, losses=losses,
-                                loss_kwargs=loss_kwargs or None, return_outputs=False, **model_kwargs(positions))
+                                return_outputs=False, **model_kwargs(positions))
     return [local_tensor(x) for x in losses] if losses is not None else None
 
 

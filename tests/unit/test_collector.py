@@ -185,9 +185,11 @@ def test_replayed_steps_replace_the_lost_ones_and_the_restart_is_marked(tmp_path
     t = read_steps(tmp_path)
     rows = list(zip(t["step"].to_pylist(), t["rank"].to_pylist(), t["attempt"].to_pylist(), t["loss"].to_pylist()))
     assert rows == [(s, r, int(s >= 3), 1.0 if s < 3 else 2.0) for s in range(1, 7) for r in range(2)]
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tmp_path / "tb"))
+    # The reader is the [test] extra's (the project writes with tensorboardX): where it is absent
+    # (an environment of the runtime dependencies only) the checks above ran, this one skips.
+    tb = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
+                             reason="tensorboard (the [test] extra's event-file reader) is not installed")
+    acc = tb.EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()  # the restart purged step 3 of the first attempt
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [
         (1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0), (6, 2.0)]

@@ -82,3 +82,28 @@ def test_startup_objects_are_frozen_and_a_later_cycle_is_still_freed():
         policy.close()
     assert gc.get_freeze_count() == 0
     del before
+
+
+def test_the_freeze_is_undone_even_when_the_interpreter_froze_objects_first():
+    """Python 3.12 starts with objects of its own frozen (``gc.get_freeze_count() == 375``): the
+    policy's freeze must still be undone at close, or a cycle alive when the run started stays
+    uncollectable for the life of the process."""
+    import weakref
+
+    gc.freeze()  # what CPython 3.12 does at start-up, here with whatever this process holds
+    assert gc.get_freeze_count() > 0
+    try:
+        before = _Node()
+        before.self = before
+        freed = []
+        weakref.finalize(before, freed.append, True)
+        policy = GarbageCollection(gc_freq=1)
+        del before
+        policy.at_checkpoint()
+        assert freed == []  # frozen with the run's start: not walked during the run
+        policy.close()
+        assert gc.get_freeze_count() == 0  # (CPython 3.12's next collection re-freezes its immortals)
+        gc.collect()
+        assert freed == [True]
+    finally:
+        gc.unfreeze()
