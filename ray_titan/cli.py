@@ -8,15 +8,16 @@ command that runs the job without Ray (``ray_titan.launch``; exit status 2); the
 need no Ray. Exit status: 0 for a complete run, 2 for a config error (before
 any worker starts), 1 for a failed run, one whose metrics have errors (a non-finite final loss
 included) or one that applied no update (every step's update skipped, ``training.on_nonfinite =
-"skip"``), 130 when interrupted by Ctrl-C and 143 by SIGTERM (either way the workers are stopped,
-the metrics flushed, and the last checkpoint named).
+"skip"``), 130 when interrupted by Ctrl-C, 143 by SIGTERM and 129 by SIGHUP (a closed terminal or
+SSH session; ``128 + signum``, as a shell reports it; each way the workers are stopped, the metrics
+flushed, and the last checkpoint named).
 
 ``ray-titan config show [X.toml] [--section.key=value ...]`` prints the resolved config, every
 default included, as TOML; ``ray-titan config docs`` prints (or writes, ``--output``) the
 configuration reference ``docs/configuration.md``.
 ``ray-titan export CHECKPOINT_OR_RUN_DIR --to hf OUT_DIR [--dtype bf16|fp32]`` writes a ray_titan
 checkpoint as a Hugging Face model directory (``ray_titan.checkpoint.huggingface.export_hf``), whole or not at all.
-Every command stops on Ctrl-C (exit 130) or SIGTERM (143) as ``train`` does, and refuses bad
+Every command stops on Ctrl-C (exit 130), SIGTERM (143) or SIGHUP (129) as ``train`` does, and refuses bad
 input one way: one line ``ray-titan <command>: <what, which value, what would be valid>`` and
 exit 2 before anything starts (:class:`UsageError`, a config error, argparse's own).
 ``ray-titan memory plan [--config X.toml] [--device-memory 80GiB] [--section.key=value ...]``
@@ -89,7 +90,7 @@ def _train_parser(sub: Any) -> None:
         "process runs in (ray job submit), or a local cluster it starts. " + _OVERRIDES + ". "
         "Without Ray installed it names the launcher command instead (python -m ray_titan.launch, "
         "torchrun). Exit status: 0 complete run, 2 config error or no Ray (before any worker starts), 1 failed run, "
-        "130 Ctrl-C, 143 SIGTERM.",
+        "130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (terminal closed).",
         epilog="settings (--section.key=VALUE):\n" + settings_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -135,7 +136,7 @@ def _export_parser(sub: Any) -> None:
         "shards with model.safetensors.index.json, and the run's tokenizer files. Streams one shard "
         "at a time into a staging directory that becomes OUT_DIR only when complete (an interrupted or "
         "failed export leaves no OUT_DIR). Exit status 2 for a missing or incomplete checkpoint, an OUT_DIR that "
-        "exists and is not empty, or storage that does not answer; 130 Ctrl-C, 143 SIGTERM.",
+        "exists and is not empty, or storage that does not answer; 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP.",
     )
     ex.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN_DIR",
                     help="a step-NNNNNNNN checkpoint, or a run directory (its latest complete checkpoint)")
@@ -216,7 +217,7 @@ def _train(args, overrides: list[str]) -> int:
         result = train(args.config, overrides, progress=args.progress)
     except ConfigError as e:
         return _refuse("train", e)
-    except KeyboardInterrupt as e:  # Ctrl-C 130, SIGTERM 143: ray_titan.driver.Interrupted
+    except KeyboardInterrupt as e:  # Ctrl-C 130, SIGTERM 143, SIGHUP 129: driver.Interrupted
         return 128 + int(getattr(e, "signum", signal.SIGINT))
     except Exception as e:  # Ray's error carries the failing worker's traceback
         print(f"ray-titan train: training failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -377,9 +378,9 @@ def _refuse(name: str, e: Exception) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ray-titan``; returns the exit status: bad input (argparse's, a config error,
     a :class:`UsageError`) is one line ``ray-titan <command>: ...`` and 2, before anything starts;
-    any other failure one line and 1 (``RAY_TITAN_TRACEBACK=1``: the traceback). Ctrl-C and SIGTERM
-    stop every command the same way (:class:`~ray_titan.driver.signals.SignalGuard`): exit 130 or
-    143, at the latest 30 s after the signal (at once on a second one), whatever the command waits on."""
+    any other failure one line and 1 (``RAY_TITAN_TRACEBACK=1``: the traceback). Ctrl-C, SIGTERM and
+    SIGHUP stop every command the same way (:class:`~ray_titan.driver.signals.SignalGuard`): exit 130,
+    143 or 129, at the latest 30 s after the signal (at once on a second one), whatever the command waits on."""
     from ray_titan.config import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -53,6 +53,8 @@ def start_collector(cfg: JobConfig, run_dir: Path | str, counts: list[int]) -> A
         leak=leak_settings(cfg.memory), on_leak=cfg.memory.on_leak,
         kill_at_step=cfg.debug.kill_collector_at_step, nice=cfg.metrics.collector_nice, wandb=wandb_settings(cfg),
         series_max_ranks=cfg.metrics.series_max_ranks,
+        # A run that loads no checkpoint (or its weights only) starts at step 1; one that resumes, at its step.
+        first_step=1 if cfg.checkpoint.load_path is None or cfg.checkpoint.load_model_only else None,
     )
     return collector
 

@@ -104,7 +104,7 @@ def train(
     ``memory.on_leak = "stop"`` ended the run, and ``ray.train.TrainingFailedError`` if training
     fails otherwise (the metrics recorded until then stay in the run directory), ``NonFiniteError``
     when a non-finite loss stopped it, and :class:`Interrupted` (a ``KeyboardInterrupt``) after
-    Ctrl-C or SIGTERM, which stop the workers and end the call within seconds (``SignalGuard``).
+    Ctrl-C, SIGTERM or SIGHUP, which stop the workers and end the call within seconds (``SignalGuard``).
     """
     with SignalGuard(note="no run directory was made yet") as signals:
         try:
@@ -272,7 +272,7 @@ def _raise_if_stopped(failure: BaseException | None, outcome: RunOutcome, signal
     after saying where the metrics and the last checkpoint (``where``) are."""
     metrics = under(run_dir, "metrics")
     if isinstance(failure, (KeyboardInterrupt, SystemExit)):
-        # Ray Train's SIGINT handler (or ours for SIGTERM) aborted the worker group.
+        # Ray Train's SIGINT handler (or ours for SIGTERM, SIGHUP) aborted the worker group.
         name = signal.Signals(signals.signum or signal.SIGINT).name
         print(f"ray_titan: interrupted ({name}): workers stopped; metrics in {metrics}; {where}",
               file=sys.stderr, flush=True)

@@ -1,10 +1,13 @@
-"""Ctrl-C and SIGTERM for the driver: stop the run the same way, and always end the process.
+"""Ctrl-C, SIGTERM and SIGHUP for the driver: stop the run the same way, and always end the process.
 
-Schedulers and Kubernetes stop a job with SIGTERM; a person with Ctrl-C (SIGINT). While a run is
-driven, :class:`SignalGuard` makes both take the graceful path (Ray Train's SIGINT handler aborts
+Schedulers and Kubernetes stop a job with SIGTERM; a person with Ctrl-C (SIGINT); a closed
+terminal or SSH session with SIGHUP. While a run is driven, :class:`SignalGuard` makes all three
+take the graceful path (Ray Train's SIGINT handler aborts
 the worker group; the driver flushes the metrics and names the last checkpoint) and guarantees
 the process ends soon after, whatever its main thread is blocked in. :class:`Interrupted` carries
-the signal to the CLI's exit status (130, 143).
+the signal to the CLI's exit status, ``128 + signum`` as a shell reports a process that signal
+killed: 130, 143, 129 (SIGHUP keeps its own status, so a script can tell a closed terminal from a
+scheduler's stop).
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ import time
 
 __all__ = ["Interrupted", "SignalGuard"]
 
+# Taken over from their default (which ends the process at once, every unflushed metric lost).
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
 
 class Interrupted(KeyboardInterrupt):
-    """The run was stopped by Ctrl-C (SIGINT) or SIGTERM: the workers are stopped, the metrics
-    flushed, and the message names the last complete checkpoint. ``signum`` is the signal; the
-    CLI exits with ``128 + signum`` (130, 143)."""
+    """The run was stopped by Ctrl-C (SIGINT), SIGTERM or SIGHUP: the workers are stopped, the
+    metrics flushed, and the message names the last complete checkpoint. ``signum`` is the signal;
+    the CLI exits with ``128 + signum`` (130, 143, 129)."""
 
     def __init__(self, message: str, signum: int = signal.SIGINT):
         super().__init__(message)
@@ -30,7 +36,8 @@ class Interrupted(KeyboardInterrupt):
 
 
 class SignalGuard:
-    """While the driver runs: SIGTERM (what schedulers and Kubernetes send) does what Ctrl-C does
+    """While the driver runs: SIGTERM (what schedulers and Kubernetes send) and SIGHUP (a closed
+    terminal or SSH session; from then on writes to the gone terminal are dropped, not raised) do what Ctrl-C does
     (Ray Train's handler aborts the worker group during ``fit``; elsewhere ``KeyboardInterrupt``),
     and the process ends within ``grace_s`` seconds of the first signal, or at once on a second,
     whatever the main thread is blocked in: the C-level handler writes to a wakeup pipe
@@ -50,17 +57,20 @@ class SignalGuard:
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
         self._old_fd = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
-        self._old_term = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._old = {s: signal.signal(s, self._on_sigterm) for s in _TERMINATING}
         threading.Thread(target=self._watch, name="ray_titan-signals", daemon=True).start()
         return self
 
     def rearm(self) -> None:
-        """Take SIGTERM back (``ray.init`` installs a handler that exits at once)."""
+        """Take SIGTERM and SIGHUP back (``ray.init`` installs a SIGTERM handler that exits at once)."""
         if self._w >= 0:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            for s in _TERMINATING:
+                signal.signal(s, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
         self.signum = self.signum or signum
+        if signum == signal.SIGHUP:  # the terminal is gone: a write to it (EIO) must not end the stop
+            sys.stdout, sys.stderr = _Unbreakable(sys.stdout), _Unbreakable(sys.stderr)
         handler = signal.getsignal(signal.SIGINT)  # Ray Train's during fit: abort the worker group
         if callable(handler):
             handler(signal.SIGINT, frame)
@@ -78,7 +88,7 @@ class SignalGuard:
             if 0 in data:  # __exit__: the run ended in time
                 os.close(self._r)
                 return
-            signums = [b for b in data if b in (signal.SIGINT, signal.SIGTERM)]
+            signums = [b for b in data if b in (signal.SIGINT, *_TERMINATING)]
             if not signums:
                 continue
             if first is not None:
@@ -94,6 +104,29 @@ class SignalGuard:
         if self._w < 0:
             return
         signal.set_wakeup_fd(self._old_fd)
-        signal.signal(signal.SIGTERM, self._old_term)
+        for s, old in self._old.items():
+            signal.signal(s, old)
         os.write(self._w, b"\0")  # wakes the watchdog, which ends
         os.close(self._w)
+
+
+class _Unbreakable:
+    """A text stream whose writes are dropped once its file is gone (a closed terminal: EIO)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)

@@ -16,9 +16,10 @@ with a usable GPU runs on the real runtime instead (:func:`choose_device`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 __all__ = ["ShimError", "build_shim", "cache_dir", "choose_device"]
@@ -121,22 +122,90 @@ def _gpu_usable() -> bool:
 
 def build_shim() -> Path | None:
     """The path of the fake CUDA library, built if not cached (a few seconds); None where a GPU
-    stands in (:func:`choose_device`). Raises :class:`ShimError` when neither is possible
-    (naming the compiler ``torch.utils.cpp_extension`` looks for, or ninja) or when the build
-    fails (its output)."""
+    stands in (:func:`choose_device`). A cached library is used only if it matches the checksum
+    written after its build finished (a build killed half way, or a file damaged since, is rebuilt);
+    builds of one cache directory take turns on an ``flock`` the kernel releases when its builder
+    dies, so a killed build never blocks the next. Raises :class:`ShimError` when neither library
+    nor GPU is possible (naming the compiler ``torch.utils.cpp_extension`` looks for, or ninja),
+    when the build fails (its output), or when the cache cannot be written (the path, and
+    ``RAY_TITAN_CACHE`` to put it elsewhere)."""
     import torch
 
     lib = cache_dir() / "rt_fake_cuda.so"
-    missing = None if lib.is_file() else _cannot_build()
+    missing = None if _complete(lib) else _cannot_build()
     how = choose_device(cuda_built=torch.backends.cuda.is_built(), rocm=getattr(torch.version, "hip", None) is not None,
                         cannot_build=missing, gpu=_gpu_usable)
     if how == "gpu":
         return None
-    if not lib.is_file():
-        _compile(lib.parent)
-    if not lib.is_file():
-        raise ShimError(f"building the simulated CUDA device left no {lib}")
+    if _complete(lib):
+        return lib
+    try:
+        with _build_lock(lib.parent):
+            if not _complete(lib):  # another process may have built it while this one waited
+                _clear_build(lib.parent)
+                _compile(lib.parent)
+                if not lib.is_file():
+                    raise ShimError(f"building the simulated CUDA device left no {lib}")
+                _checksum_file(lib).write_text(_checksum(lib))
+    except OSError as e:  # a read-only or full cache: one line, not a traceback
+        where = e.filename or lib.parent
+        raise ShimError(f"cannot build the simulated CUDA device in {where}: {e.strerror or e}; set "
+                        "RAY_TITAN_CACHE to a writable directory") from None
     return lib
+
+
+def _checksum_file(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _checksum(lib: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(lib.read_bytes()).hexdigest()
+
+
+def _complete(lib: Path) -> bool:
+    """Whether ``lib`` is a finished build: its checksum, written last, matches its bytes."""
+    try:
+        return _checksum_file(lib).read_text().strip() == _checksum(lib)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path, wait_s: float = 600.0) -> Iterator[None]:
+    """Hold ``out/build.flock`` exclusively. An ``flock`` dies with its process (SIGKILL, a closed
+    terminal), unlike torch's own ``lock`` file, which outlived a killed build and made every later
+    build wait on it forever. Raises :class:`ShimError` after ``wait_s`` seconds of another live
+    builder (a hung compiler), naming it."""
+    import fcntl
+    import time
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "build.flock", "a") as f:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ShimError(f"another process has been building the simulated CUDA device in {out} for "
+                                    f"{wait_s:g} s: end it, or remove {out}") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _clear_build(out: Path) -> None:
+    """Remove what an unfinished or damaged build left in ``out`` (only the holder of the build
+    lock calls this, so no live build owns them): torch's ``lock`` file, which its builder waits on
+    for ever, and the outputs ninja would otherwise take as up to date."""
+    for f in out.iterdir():
+        if f.name != "build.flock":
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
 
 
 def _compile(out: Path) -> None:

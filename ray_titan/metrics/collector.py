@@ -397,6 +397,9 @@ class MetricsCollector:
             memory series (and every expert's share of its MoE layer's load) up to this many
             ranks; beyond, per-stage and overall summaries (:func:`memory_summary_scalars`), the
             ``growing`` ranks' own series and each MoE layer's max / mean load.
+        first_step: the run's first step (1 for a run that does not resume from a checkpoint):
+            the completeness check counts steps missing from there, not only from the first one
+            recorded; None: unknown (from the first recorded).
     """
 
     MAX_ERRORS = 1000
@@ -416,6 +419,7 @@ class MetricsCollector:
         nice: int = 0,
         wandb: dict[str, Any] | None = None,
         series_max_ranks: int = 64,
+        first_step: int | None = None,
     ):
         if nice:
             os.nice(nice)
@@ -452,6 +456,7 @@ class MetricsCollector:
         self.leak = LeakMonitor(**(leak or leak_settings()))
         self.on_leak = on_leak
         self.series_max_ranks = series_max_ranks
+        self.first_step = first_step
         self.stop_reason: str | None = None
 
         self.incarnation = uuid.uuid4().hex
@@ -581,7 +586,8 @@ class MetricsCollector:
                 self._error(f"the metrics aggregators dropped {sum(self._aggregator_dropped.values())} report(s): "
                             "the collector was too slow")
             for rank, n in sorted(self.dropped.items()):
-                self._error(f"rank {rank} dropped {n} report(s): the collector was too slow")
+                self._error(f"rank {rank} dropped {n} report(s) before they were on disk: the collector was too "
+                            "slow or restarted (raise metrics.max_buffered_reports or lower metrics.flush_every_steps)")
             self._skipped_steps = self._restarts = self._steps_run = 0
             self._stage_rows()
             try:
@@ -698,7 +704,8 @@ class MetricsCollector:
         return newest
 
     def _check_complete(self, steps_path: Path) -> None:
-        """Every rank has a row at every step from the first to the last recorded. Reads the
+        """Every rank has a row at every step from the run's first (:attr:`first_step`, else the
+        first recorded) to the last recorded. Reads the
         table in batches of four int columns, counting rows per step in numpy: memory is one
         batch plus a few integers per step, whatever the ranks (a 16,384-rank, 10k-step table
         has 164M rows)."""
@@ -730,8 +737,9 @@ class MetricsCollector:
         self._steps_run = len(seen)
         if not len(seen):
             return
+        start = int(seen[0]) if self.first_step is None else max(0, min(self.first_step, int(seen[0])))
         size[size == 0] = self.world_size  # a step with no row at all
-        short = [int(x) for x in np.nonzero(n[seen[0]:] < size[seen[0]:])[0] + seen[0]]
+        short = [int(x) for x in np.nonzero(n[start:] < size[start:])[0] + start]
         if short:
             self._missing_rows(pf, short, size)
 

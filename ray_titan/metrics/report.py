@@ -253,8 +253,10 @@ class CollectorReporter(Reporter):
     disk; held reports up to there are forgotten. A failed call (the collector died) or a new
     incarnation (it was restarted) makes every held report due again, sent after a back-off of
     ``retry_s`` (doubling up to 30 s), so training never waits for the collector. Beyond
-    ``max_buffered`` held reports the oldest are dropped and counted in ``dropped`` (sent with the
-    next batch). When an answer asks the run to stop (the memory verdict with
+    ``max_buffered`` held reports the oldest are let go: one never sent is dropped and counted in
+    ``dropped`` (sent with the next batch); one sent but not yet on disk is remembered by its
+    step (a few bytes) and counted in ``dropped`` if the collector restarts without it on disk, or
+    it is not on disk at :meth:`close`. When an answer asks the run to stop (the memory verdict with
     ``memory.on_leak = "stop"``), the next :meth:`report` raises
     :class:`~ray_titan.metrics.leak.MemoryLeakError` with the collector's reason.
     """
@@ -272,6 +274,8 @@ class CollectorReporter(Reporter):
         self._incarnation: str | None = None
         self._retry_s, self._backoff, self._retry_at = retry_s, retry_s, 0.0
         self.dropped = 0
+        # (attempt, step) of reports let go while sent but not on disk: lost if the collector dies first.
+        self._released: deque[tuple[float, int]] = deque()
         self.failed_calls = 0
         self.resends = 0
         self.last_error: str | None = None
@@ -293,10 +297,16 @@ class CollectorReporter(Reporter):
         self._held.extend(reports)
         self._unsent += len(reports)
         while len(self._held) > self.max_buffered:
-            if len(self._held) == self._unsent:  # never sent: lost (a sent one is only not kept for resending)
+            if len(self._held) == self._unsent:  # never sent: lost
                 self.dropped += 1
                 self._unsent -= 1
-            self._held.popleft()
+                self._held.popleft()
+                continue
+            r = self._held.popleft()
+            self._released.append((r.get("attempt_start_time", 0.0), r["step"]))
+        while len(self._released) > 100 * self.max_buffered + 1000:  # its own bound: counted, maybe early
+            self._released.popleft()
+            self.dropped += 1
 
     def unacknowledged(self) -> list[dict[str, Any]]:
         self._poll()
@@ -324,19 +334,24 @@ class CollectorReporter(Reporter):
                 continue
             if answer is None:
                 continue
-            if self._incarnation is not None and answer["incarnation"] != self._incarnation:
+            restarted = self._incarnation is not None and answer["incarnation"] != self._incarnation
+            if restarted:
                 self._resend_all()  # a new life of the collector: what the old one held is gone
             self._incarnation = answer["incarnation"]
             if answer.get("stop"):
                 self.stop_reason = answer["stop"]
             self._write_failing = bool(answer.get("write_failing"))
             self._acknowledge(answer["durable"])
+            if restarted:  # what the old life had not flushed of the reports let go is gone for good
+                self.dropped += len(self._released)
+                self._released.clear()
 
     def _acknowledge(self, durable: dict[float, int]) -> None:
         if not durable:
             return
         self.durable = durable
         kept = deque(r for r in self._held if r["step"] > durable.get(r.get("attempt_start_time", 0.0), 0))
+        self._released = deque(r for r in self._released if r[1] > durable.get(r[0], 0))
         self._unsent = min(len(kept), self._unsent)
         self._held = kept
         self._backoff = self._retry_s
@@ -369,7 +384,7 @@ class CollectorReporter(Reporter):
         import sys
 
         deadline = time.monotonic() + timeout_s
-        while self._held and time.monotonic() < deadline:
+        while (self._held or self._released) and time.monotonic() < deadline:
             self._send(flush=not self._pending)
             self._poll(timeout=min(0.5, max(0.0, deadline - time.monotonic())), num_returns=1)
             if self._write_failing and not self._unsent and not self._pending:
@@ -379,12 +394,14 @@ class CollectorReporter(Reporter):
                 print(f"ray_titan: warning: metrics collector: {len(self._held)} report(s) held in its memory, "
                       "not yet on disk (its writes fail; it tries again at the end)", file=sys.stderr, flush=True)
                 self._held.clear()
+                self._released.clear()
                 break
-            if not self._pending and self._held:
+            if not self._pending and (self._held or self._released):
                 time.sleep(0.2)  # the other ranks' last reports complete the last steps
-        lost = len(self._held)
+        lost = len(self._held) + len(self._released)
         self.dropped += lost
         self._held.clear()
+        self._released.clear()
         self._unsent = 0
         self._poll(timeout=max(0.0, deadline - time.monotonic()))
         unanswered = len(self._pending)

@@ -113,7 +113,8 @@ def test_committed_config_reference_matches_the_config_classes():
 def test_a_signal_ends_the_driver_within_its_grace_period_whatever_it_waits_on(tmp_path):
     """The driver's main thread stuck (here: a SIGINT handler that does nothing, as a call into
     C++ that never returns to Python would): SIGTERM still ends the process, with status 143,
-    after the grace period, and a second signal ends it at once."""
+    after the grace period, and a second signal ends it at once. SIGHUP (a closed terminal) alike,
+    status 129: it ended the process at once, nothing flushed (issue 44, finding 7)."""
     import signal
     import time
 
@@ -126,7 +127,8 @@ def test_a_signal_ends_the_driver_within_its_grace_period_whatever_it_waits_on(t
         "    while True:\n"
         "        time.sleep(60)\n"
     )
-    for signals, within in (((signal.SIGTERM,), (1.2, 6.0)), ((signal.SIGINT, signal.SIGINT), (0.0, 1.2))):
+    for signals, within in (((signal.SIGTERM,), (1.2, 6.0)), ((signal.SIGHUP,), (1.2, 6.0)),
+                            ((signal.SIGINT, signal.SIGINT), (0.0, 1.2))):
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert proc.stdout.readline() == "ready\n"

@@ -160,10 +160,11 @@ def test_nonfinite_stop_without_metrics_raises_too(ray_cluster, tmp_path_factory
     assert (run_dir / STOP_REASON_FILE).read_text().startswith("step 2: the loss is not finite")
 
 
-@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_ctrl_c_stops_workers_flushes_metrics_and_names_the_last_checkpoint(ray_cluster, tmp_path, corpus_cache,
                                                                            signum, status):
-    """Ctrl-C, and SIGTERM (what schedulers and Kubernetes send) alike: the workers stop, the
+    """Ctrl-C, SIGTERM (what schedulers and Kubernetes send) and SIGHUP (a closed terminal: it
+    killed the driver at once, 0 rows on disk, staging left) alike: the workers stop, the
     metrics are consolidated, the true last checkpoint is named, no staging is left behind."""
     env = {**os.environ, "RAY_ADDRESS": ray_cluster, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     dump = tmp_path / "runs"

@@ -398,3 +398,19 @@ def test_any_job_name_is_a_label_value_rays_gauges_take(monkeypatch):
     assert ray_metrics.label_value("café-20261127-120000") == "cafe-20261127-120000"
     assert ray_metrics.label_value("日本") == "\\u65e5\\u672c" != ray_metrics.label_value("本日")
     assert ray_metrics.label_value("a plain-job_1") == "a plain-job_1"
+
+
+def test_steps_missing_before_the_first_recorded_are_errors_naming_them(tmp_path):
+    """Issue 44, finding 2: reports of steps 1-2 lost (a collector killed before flushing them)
+    and steps 3-4 on disk: the completeness check began at step 3, so rc 0 and "done". A run that
+    started at step 1 now counts from there, naming each step and its ranks."""
+    dims = ParallelDims(dp_shard=2)
+    c = _collector(tmp_path, dims, steps=4, first_step=1, enable_tensorboard=False)
+    for step in (3, 4):
+        c.report([_report(step, r, dims, loss=1.0 if dims.is_last_stage_rank(r) else None) for r in range(2)])
+    errors = c.finish()["errors"]
+    assert errors == ["step 1: the metrics table has no row for rank(s) [0, 1]",
+                      "step 2: the metrics table has no row for rank(s) [0, 1]"], errors
+    resumed = _collector(tmp_path / "resumed", dims, steps=4, enable_tensorboard=False)  # first step unknown
+    resumed.report([_report(3, r, dims, loss=1.0 if dims.is_last_stage_rank(r) else None) for r in range(2)])
+    assert resumed.finish()["errors"] == []

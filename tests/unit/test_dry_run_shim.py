@@ -125,3 +125,64 @@ def test_fsdp2_parameter_groups_are_found_in_a_list_or_torch_2_11s_single_slot(p
             assert _fsdp_param_groups(m) == found
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake_build(monkeypatch, tmp_path):
+    """build_shim with the compiler replaced by a writer of a fake library, which records what the
+    build directory held when it started (a real build would hang on torch's stale ``lock``)."""
+    monkeypatch.setenv("RAY_TITAN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(shim, "_cannot_build", lambda: None)
+    builds = []
+
+    def compile_(out):
+        builds.append(sorted(p.name for p in out.iterdir()))
+        (out / "rt_fake_cuda.so").write_bytes(b"\x7fELF built")
+
+    monkeypatch.setattr(shim, "_compile", compile_)
+    return builds
+
+
+def test_a_build_killed_half_way_neither_blocks_the_next_nor_leaves_a_library_taken_as_built(fake_build):
+    """A first build killed by SIGKILL or a closed terminal left torch's ``lock`` file (and a
+    truncated library) in the shared cache: every later dry run waited on the lock for ever, or
+    loaded the truncated file ("invalid ELF header", "died (exit -7)"). The next build removes
+    both and builds again; a damaged library is rebuilt too; a complete one is reused."""
+    out = shim.cache_dir()
+    out.mkdir(parents=True)
+    (out / "lock").touch()
+    (out / "rt_fake_cuda.so").write_bytes(b"\x7fEL")  # the linker was killed mid-write
+    lib = shim.build_shim()
+    assert fake_build == [["build.flock"]] and lib == out / "rt_fake_cuda.so" and lib.read_bytes() == b"\x7fELF built"
+    assert shim.build_shim() == lib and len(fake_build) == 1  # complete: reused
+    lib.write_bytes(b"\x00" * 8)  # damaged since
+    assert shim.build_shim() == lib and len(fake_build) == 2 and lib.read_bytes() == b"\x7fELF built"
+
+
+def test_a_live_builder_is_waited_for_and_a_dead_ones_lock_is_free_at_once(fake_build):
+    """The build lock is an ``flock``: held while its builder lives (a second build waits, then
+    finds the library built), released by the kernel when it dies (the open file closes)."""
+    import fcntl
+    import threading
+
+    out = shim.cache_dir()
+    out.mkdir(parents=True)
+    holder = open(out / "build.flock", "a")  # closed by the timer thread: the builder dies
+    fcntl.flock(holder, fcntl.LOCK_EX)
+
+    def finish():
+        (out / "rt_fake_cuda.so").write_bytes(b"\x7fELF other")
+        (out / "rt_fake_cuda.so.sha256").write_text(shim._checksum(out / "rt_fake_cuda.so"))
+        holder.close()
+
+    threading.Timer(0.5, finish).start()
+    assert shim.build_shim().read_bytes() == b"\x7fELF other" and fake_build == []
+
+
+def test_an_unwritable_cache_is_one_line_naming_the_path(fake_build, monkeypatch, tmp_path):
+    """A cache that cannot be written (read-only home, a file where the directory should be) was a
+    traceback: now a ShimError (exit 2) naming the path and RAY_TITAN_CACHE."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("RAY_TITAN_CACHE", str(tmp_path / "file"))
+    with pytest.raises(ShimError, match=r"^cannot build the simulated CUDA device in .*file.*RAY_TITAN_CACHE"):
+        shim.build_shim()
