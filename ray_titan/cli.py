@@ -209,11 +209,11 @@ def _report_parser(sub: Any) -> None:
 def _train(args, overrides: list[str]) -> int:
     from ray_titan.config import ConfigError
 
-    if importlib.util.find_spec("ray") is None:  # located, not imported: the driver imports it
-        return _train_without_ray(args.config, overrides)
-    from ray_titan.driver import train
-
     try:
+        if importlib.util.find_spec("ray") is None:  # located, not imported: the driver imports it
+            return _train_without_ray(args.config, overrides)
+        from ray_titan.driver import train
+
         result = train(args.config, overrides, progress=args.progress)
     except ConfigError as e:
         return _refuse("train", e)
@@ -232,7 +232,7 @@ def _train_without_ray(config: str | None, overrides: list[str]) -> int:
     ``python -m`` for one process); exit status 2, as a config error (nothing started)."""
     from ray_titan.config import load_config
 
-    cfg = load_config(config, overrides)  # a ConfigError is main's: one line, exit 2
+    cfg = load_config(config, overrides)  # a ConfigError is _train's: one line, exit 2
     if cfg.data.source == "ray_data":  # the launcher refuses it: only Ray can run this job
         print("ray-titan train: Ray is not installed, and data.source = 'ray_data' streams through it: "
               "install Ray (pip install 'ray[default,train]')", file=sys.stderr)
