@@ -56,21 +56,25 @@ def test_single_process_prints_and_records_every_step(single):
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    ("nproc", "overrides"),
     [
-        ("--parallelism.pp=1", "--parallelism.dp_shard=2"),  # FSDP2 + gradient accumulation
-        ("--parallelism.pp=2", "--parallelism.dp_shard=1", "--parallelism.pipeline_schedule=GPipe"),
+        (2, ("--parallelism.pp=1", "--parallelism.dp_shard=2")),  # FSDP2 + gradient accumulation
+        (2, ("--parallelism.pp=2", "--parallelism.dp_shard=1", "--parallelism.pipeline_schedule=GPipe")),
         # FSDP2 CPUOffloadPolicy: shards, gradients and the optimizer step on the host.
-        ("--parallelism.pp=1", "--parallelism.dp_shard=2", "--memory.cpu_offload=true"),
+        (2, ("--parallelism.pp=1", "--parallelism.dp_shard=2", "--memory.cpu_offload=true")),
+        # The main job's own mesh (the config's pp=2 × dp_shard=2, 1F1B) through torchrun: CI's
+        # compatibility job runs it on the lowest and newest torch.
+        pytest.param(4, (), marks=pytest.mark.compat),
     ],
-    ids=["dp_shard2", "pp2_gpipe", "dp_shard2_cpu_offload"],
+    ids=["dp_shard2", "pp2_gpipe", "dp_shard2_cpu_offload", "main_job_mesh"],
 )
-def test_torchrun_ranks_match_one_process(tmp_path, corpus_cache, single, overrides):
-    # torchrun itself once (the first mesh); the other meshes' ranks forked (tests/support/ranks.py)
-    torchrun = overrides == ("--parallelism.pp=1", "--parallelism.dp_shard=2")
-    _, losses, steps = _launch(tmp_path, corpus_cache, 2, *overrides, entry_point=torchrun)
+def test_torchrun_ranks_match_one_process(tmp_path, corpus_cache, single, nproc, overrides):
+    # torchrun itself for the first mesh and the main job's; the other meshes' ranks forked
+    # (tests/support/ranks.py)
+    torchrun = overrides in (("--parallelism.pp=1", "--parallelism.dp_shard=2"), ())
+    _, losses, steps = _launch(tmp_path, corpus_cache, nproc, *overrides, entry_point=torchrun)
     np.testing.assert_allclose(losses, single[1], rtol=1e-4)
-    assert steps.num_rows == 2 * STEPS
+    assert steps.num_rows == nproc * STEPS
 
 
 def test_an_oom_inside_a_pipeline_stage_forward_reaches_the_oom_path(tmp_path, corpus_cache):
