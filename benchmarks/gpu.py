@@ -33,8 +33,10 @@ so the processes it starts (rank launches, torchtitan, the dry run) stop before 
 
 ``--device cpu --small`` is the rehearsal: the same stages on CPU with small shapes and few steps,
 device-only facts recorded as ``"n/a on cpu"`` (``tests/integration/test_gpu_first_contact.py``).
-Exit status: 0 when every stage run ended ``ok`` (or there is no CUDA device and ``--device
-cuda``: that is said, and nothing runs), 1 otherwise.
+Exit status: 0 when every stage ended ``ok``; 1 otherwise, and where ``--device cuda`` finds no
+CUDA device (a fact says what torch knows, and only the environment stage runs: the driver and
+the wheel's CUDA say why); 128 + the signal's number when SIGTERM, SIGHUP or Ctrl-C stops the run
+(the current stage's processes, torchrun's ranks included, are killed; the facts so far stay).
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from benchmarks.facts import FactLog, stderr_tail
-from benchmarks.harness import REPO
+from benchmarks.harness import REPO, kill_tree
 
 __all__ = ["DEFAULT_DEADLINE_S", "STAGES", "Stage", "main", "plan_timeout", "run_stage"]
 
@@ -90,8 +93,6 @@ def run_stage(stage: Stage, timeout: float, out: Path, args: list[str], log: Fac
     """``python -m benchmarks.gpu_stages <stage> --out OUT <args> --until T`` in a session of its
     own, stdout streamed, stderr to ``OUT/stages/<stage>.stderr``; killed with its process group
     after ``timeout`` seconds. Records the ``outcome`` and ``seconds`` facts and returns the outcome."""
-    import signal
-
     (out / "stages").mkdir(parents=True, exist_ok=True)
     err_path = out / "stages" / f"{stage.name}.stderr"
     cmd = [sys.executable, "-m", "benchmarks.gpu_stages", stage.name, "--out", str(out), *args,
@@ -104,9 +105,13 @@ def run_stage(stage: Stage, timeout: float, out: Path, args: list[str], log: Fac
             rc = proc.wait(timeout=timeout)
             outcome = "ok" if rc == 0 else f"failed (exit {rc})"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)  # the stage and all below it, torchrun's ranks in their own sessions too
             proc.wait()
             outcome = f"timed out after {timeout:.0f} s"
+        except BaseException:  # the run stopped (a signal, Ctrl-C): nothing left on the GPU
+            kill_tree(proc.pid)
+            log.add("outcome", "stopped: the run was interrupted")
+            raise
     secs = time.monotonic() - t0
     tail = "" if outcome == "ok" else stderr_tail(err_path.read_text(errors="replace"))
     log.add("outcome", outcome, note=tail)
@@ -143,20 +148,52 @@ def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Stage], dict
     return a, [s for s in STAGES if s.name in wanted], _parse_timeouts(a.timeout, ap)
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGHUP (an outer timeout, a closed terminal) reached the run: the current
+    stage's processes are killed and the run ends, every fact so far on disk."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise _Stopped(signum)
+
+
+def _cuda_here(log: FactLog) -> bool:
+    """Whether torch sees a CUDA device; where it does not, a fact says what it knows (the
+    build's CUDA version, the device count's error: a driver older than the wheel's CUDA is the
+    likeliest cause on a new node) before only the environment stage runs."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    try:
+        count: Any = torch.cuda.device_count()
+    except Exception as e:  # the runtime's own words
+        count = f"{type(e).__name__}: {e}"
+    log.add("cuda available", False, note=f"torch {torch.__version__} built for CUDA {torch.version.cuda}, "
+            f"devices: {count}; only the environment stage runs (`--device cpu --small` rehearses every stage on CPU)")
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the stages (module docstring); returns the exit status."""
+    """Run the stages (module docstring); returns the exit status: 0 when every stage ended ok,
+    1 otherwise (no CUDA device included: only the environment stage runs, to say why), 128 + the
+    signal's number when SIGTERM, SIGHUP or SIGINT stopped it."""
+    import signal
+
     a, stages, caps = _args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop)
     start = time.monotonic()
     run_log = FactLog(a.out, "run")
     run_log.add("started", {"deadline_s": a.deadline, "device": a.device, "small": a.small,
                             "stages": [s.name for s in stages]})
-    if a.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            run_log.add("cuda available", False, note="no CUDA device here: nothing run "
-                        "(`--device cpu --small` rehearses every stage on CPU)")
-            return 0
+    cuda_missing = a.device == "cuda" and not _cuda_here(run_log)
+    if cuda_missing:
+        stages = [s for s in stages if s.name == "environment"]  # the node's facts say why
     args = ["--device", a.device, *(["--small"] if a.small else [])]
     outcomes = []
     for i, stage in enumerate(stages):
@@ -168,7 +205,12 @@ def main(argv: list[str] | None = None) -> int:
                                f"{sum(s.min_s for s in stages[i + 1:]):.0f} s reserved for the later stages)")
             continue
         print(f"[run] stage {stage.name} ({stage.title}): up to {timeout:.0f} s", flush=True)
-        outcomes.append(run_stage(stage, timeout, a.out, args, log))
+        try:
+            outcomes.append(run_stage(stage, timeout, a.out, args, log))
+        except (_Stopped, KeyboardInterrupt) as e:
+            signum = e.signum if isinstance(e, _Stopped) else int(signal.SIGINT)
+            run_log.add("interrupted", f"signal {signum}", note=f"during stage {stage.name}; its processes killed")
+            return 128 + signum
     run_log.add("finished", f"{sum(o == 'ok' for o in outcomes)} of {len(stages)} stages ok",
                 note=f"{time.monotonic() - start:.0f} s")
-    return 0 if all(o == "ok" for o in outcomes) and len(outcomes) == len(stages) else 1
+    return 0 if not cuda_missing and all(o == "ok" for o in outcomes) and len(outcomes) == len(stages) else 1

@@ -103,19 +103,52 @@ def run_torchtitan(work: Path, cfg, device: str = "cpu", timeout: float | None =
             "logged_losses": {r["rank"]: r["logged_losses"] for r in ranks}}
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, theirs, ...), read from ``/proc`` (Linux), whatever
+    session or process group each started; ``[]`` where ``/proc`` is not there."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        out += below
+        todo += below
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it. The tree is read before anything is killed (a
+    killed parent's children are re-parented), and each process is killed by pid, not by group:
+    a stage's torchrun and torchtitan start sessions of their own (:func:`run_bounded`), which
+    killing the stage's group alone would leave running on the GPU."""
+    import signal
+
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_bounded(cmd: list[str], timeout: float | None, **kwargs: Any) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, **kwargs)`` in a session of its own,
     so that past ``timeout`` seconds the whole process group dies (torchrun's ranks too, which
     ``subprocess.run``'s timeout would leave running). Raises ``subprocess.TimeoutExpired``
     (with what the command wrote) past ``timeout``."""
-    import signal
-
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, **kwargs)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         raise subprocess.TimeoutExpired(cmd, timeout or 0, out, err) from None
+    except BaseException:  # the stage itself stopped (its own deadline, a signal): no orphans
+        kill_tree(proc.pid)
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

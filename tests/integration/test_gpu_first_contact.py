@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,30 @@ def test_cpu_rehearsal_streams_every_stage_without_ray(tmp_path):
     assert value["main_mesh", "collectives staged through host"].get("batch_p2p", 0) > 0
     assert value["compile", "outcome"] == "timed out after 1 s"
     assert (out / "stages" / "main_job.stderr").is_file()
+
+
+def test_a_stage_killed_takes_every_process_below_it_other_sessions_included():
+    """kill_tree, as a stage's timeout or a signal to the run uses it: the stage's grandchild in a
+    session of its own (as run_bounded starts torchrun and torchtitan) dies with it; killing the
+    stage's process group alone left it running on the GPU."""
+    from benchmarks.harness import descendants, kill_tree
+
+    stage = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen(['sleep', '60'], start_new_session=True); print(p.pid, flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    grandchild = int(stage.stdout.readline())
+    assert grandchild in descendants(stage.pid)
+    kill_tree(stage.pid)
+    assert stage.wait(timeout=10) == -9
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{grandchild}").exists() and "Z" not in _state(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{grandchild}").exists() or "Z" in _state(grandchild)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"

@@ -106,19 +106,26 @@ def test_worker_side_cost_reads_the_runs_own_metrics_time():
     assert c["fraction_of_step"] == pytest.approx(0.01)
 
 
-def test_gpu_run_without_cuda_says_so_and_exits_0(tmp_path, monkeypatch):
-    """`python -m benchmarks.run gpu --out DIR` where there is no CUDA: exit 0, the facts file
-    says so, no stage started (no subprocess: the unit tier would fail it)."""
+def test_gpu_run_without_cuda_says_why_runs_the_environment_stage_and_exits_1(tmp_path, monkeypatch):
+    """`python -m benchmarks.run gpu --out DIR` where torch sees no CUDA device (a driver older
+    than the wheel's CUDA, the likeliest first-contact failure): a fact with the build's CUDA and
+    the device count, then the environment stage alone (driver, nvidia-smi), exit 1. The stage's
+    process is replaced here (the unit tier starts none)."""
     import torch
 
+    from benchmarks import gpu
     from benchmarks.facts import read_facts
     from benchmarks.run import main
 
+    ran = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main(["gpu", "--out", str(tmp_path)]) == 0
+    monkeypatch.setattr(gpu, "run_stage", lambda stage, timeout, out, args, log: ran.append(stage.name) or "ok")
+    assert main(["gpu", "--out", str(tmp_path)]) == 1
+    assert ran == ["environment"]
     facts = read_facts(tmp_path)
-    assert [(f["stage"], f["name"]) for f in facts] == [("run", "started"), ("run", "cuda available")]
-    assert facts[-1]["value"] is False and "--device cpu --small" in facts[-1]["note"]
+    assert [(f["stage"], f["name"]) for f in facts][:2] == [("run", "started"), ("run", "cuda available")]
+    note = facts[1]["note"]
+    assert facts[1]["value"] is False and "built for CUDA" in note and "--device cpu --small" in note
 
 
 def test_gpu_run_skips_every_stage_that_the_deadline_leaves_no_time_for(tmp_path, capsys):
