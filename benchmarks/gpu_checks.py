@@ -625,7 +625,15 @@ def run_checks(work: Path, device: str, steps: int = 200, stage: bool = False, s
     check that raises (a rank launch past ``until``, a ``time.time()``, included) fails.
     ``on_check``: called with each result the moment it is known."""
     global DEADLINE
-    DEADLINE = until
+    DEADLINE = until  # read by launch_ranks; reset below, so a later launch in this process has none
+    try:
+        return _run_checks(work, device, steps, stage, skip, on_check)
+    finally:
+        DEADLINE = None
+
+
+def _run_checks(work: Path, device: str, steps: int, stage: bool, skip: Sequence[str],
+                on_check: Callable[[Check], None] | None) -> list[Check]:
     out: list[Check] = []
     for name, fn in (
         ("OOM under PP", lambda: [check_oom_under_pp(work, device, stage)]),

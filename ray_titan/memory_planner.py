@@ -455,7 +455,7 @@ def parse_bytes(text: str | int) -> int:
             x = float(m.group(1)) * _UNITS[m.group(2).lower()]
         except ValueError:
             raise ValueError(bad) from None
-        n = int(x) if math.isfinite(x) and x < 2**60 else 2**61  # 1e400 is inf: refused below
+        n = int(x) if math.isfinite(x) and x <= 2**60 else 2**61  # 1e400 is inf: refused below
     if not 1 <= n <= 2**60:
         raise ValueError(f"{bad} (between 1 B and 1 EiB)")
     return n

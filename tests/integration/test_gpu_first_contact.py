@@ -49,7 +49,7 @@ def test_cpu_rehearsal_streams_every_stage_without_ray(tmp_path):
     assert value["main_job", "loss finite"] is True and value["main_job", "tokens/s"] > 0
     assert value["main_job", "device peak allocated"] == "n/a on cpu"
     assert value["main_job", "host reads per step (profiler)"] > 0
-    assert ("main_job", "dry run host syncs per step") in got or ("main_job", "dry run failed") in got
+    assert value["main_job", "dry run host syncs per step"] >= 1  # the dry run works on every torch
     assert 0 < value["llama_1b", "MFU vs measured matmul peak"] < 100
     assert math.isfinite(value["llama_1b", "last loss"])
     assert value["torchtitan", "torchtitan present"] in (False, "0.3.0")
