@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
 import re
@@ -307,11 +306,20 @@ def _memory(args, overrides: list[str]) -> int:
     from ray_titan.config import load_config
     from ray_titan.memory_planner import memory_plan
 
+    if args.json:  # before planning: a path it cannot write is bad input, refused before any output
+        where = Path(args.json)
+        if where.is_dir() or not where.parent.is_dir() or not os.access(where.parent, os.W_OK):
+            raise UsageError(f"--json {args.json}: cannot write it there (a directory, or a folder that is "
+                             "missing or not writable); give a file path in a writable folder")
     plan = memory_plan(load_config(args.config, overrides), args.device_memory, args.device,
                        args.routing_imbalance, args.vocab_size, margin=args.margin)
     print(plan.format())
     if args.json:
-        _write(args.json, json.dumps(plan.to_dict(), indent=1), "--json")
+        try:
+            plan.save(args.json)
+        except OSError as e:  # the checks above passed, then the disk said no (full, quota)
+            print(f"ray-titan memory plan: --json {args.json}: cannot write it: {e.strerror or e}", file=sys.stderr)
+            return 2
     return 1 if plan.fits is False else 0
 
 

@@ -207,6 +207,9 @@ def test_report_reads_a_file_of_one_row_per_row_group_a_batch_at_a_time(tmp_path
 
 
 def test_the_old_train_loop_module_names_the_new_home_of_what_it_held():
+    import sys
+
+    sys.modules.pop("ray_titan.train_loop", None)  # imported first here, whatever ran before
     with pytest.warns(DeprecationWarning):
         import ray_titan.train_loop
     with pytest.raises(ImportError, match=r"ray_titan.train_loop.train_loop is now ray_titan.trainer.train_loop"):
