@@ -3,7 +3,6 @@ import contracts, lint and types."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -53,15 +52,8 @@ STATIC_CHECKS = {
     "import-linter": ("lint-imports",),  # layers, no cycles at any depth, models free of parallelism
 }
 
-# The Python module behind each check: an environment without it (a compatibility venv with only
-# the runtime dependencies) skips that check, naming the tool, instead of failing on its absence.
-STATIC_CHECK_MODULES = {"ruff": "ruff", "mypy": "mypy", "import-linter": "importlinter"}
-
 
 def _check(name: str) -> None:
-    if importlib.util.find_spec(STATIC_CHECK_MODULES[name]) is None:
-        pytest.skip(f"{name} is not installed in this environment ({sys.executable}): the check runs where "
-                    f"the project's [test] extra is")
     cmd = STATIC_CHECKS[name]
     if cmd[0] == "python":
         cmd = (sys.executable, *cmd[1:])
@@ -75,15 +67,6 @@ def _check(name: str) -> None:
 @pytest.mark.parametrize("name", list(STATIC_CHECKS))
 def test_static_check(name: str) -> None:
     _check(name)
-
-
-def test_a_static_check_without_its_tool_skips_naming_it(monkeypatch):
-    """A compatibility environment (torch 2.11 on Python 3.12) has the runtime dependencies only:
-    a check whose tool is absent skips with the tool's name instead of failing the tier."""
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ruff" else real(name, *a))
-    with pytest.raises(pytest.skip.Exception, match="ruff is not installed"):
-        _check("ruff")
 
 
 def test_pre_commit_runs_the_static_checks():
