@@ -240,6 +240,47 @@ class Reporter:
         """Deliver again reports of an earlier life of this rank (from its checkpoint)."""
 
 
+class _Released:
+    """The (attempt, step) of reports a worker let go (sent, not yet on disk) as runs of
+    consecutive steps: a long run between flushes holds a few entries, not one per step, so no
+    bound has to count a report as dropped before it is known to be lost. ``len`` counts steps."""
+
+    def __init__(self) -> None:
+        self._runs: deque[list[float]] = deque()  # [attempt start time, first step, last step]
+
+    def __len__(self) -> int:
+        return int(sum(last - first + 1 for _, first, last in self._runs))
+
+    def __bool__(self) -> bool:
+        return bool(self._runs)
+
+    def add(self, attempt: float, step: int) -> None:
+        if self._runs and self._runs[-1][0] == attempt and self._runs[-1][2] + 1 == step:
+            self._runs[-1][2] = step
+        else:
+            self._runs.append([attempt, step, step])
+
+    def runs(self) -> int:
+        return len(self._runs)
+
+    def pop_oldest(self) -> int:
+        """Forget the oldest run; returns its number of steps."""
+        _, first, last = self._runs.popleft()
+        return int(last - first + 1)
+
+    def trim(self, durable: dict[float, int]) -> None:
+        """Forget the steps on disk: at most ``durable[attempt]``, per attempt."""
+        kept: deque[list[float]] = deque()
+        for attempt, first, last in self._runs:
+            first = max(first, durable.get(attempt, 0) + 1)
+            if first <= last:
+                kept.append([attempt, first, last])
+        self._runs = kept
+
+    def clear(self) -> None:
+        self._runs.clear()
+
+
 class CollectorReporter(Reporter):
     """Fire-and-forget delivery to the collector actor (``handle.report.remote(batch)``), with
     every report held until the collector says it is on disk.
@@ -274,8 +315,8 @@ class CollectorReporter(Reporter):
         self._incarnation: str | None = None
         self._retry_s, self._backoff, self._retry_at = retry_s, retry_s, 0.0
         self.dropped = 0
-        # (attempt, step) of reports let go while sent but not on disk: lost if the collector dies first.
-        self._released: deque[tuple[float, int]] = deque()
+        # Reports let go while sent but not on disk: lost if the collector dies first.
+        self._released = _Released()
         self.failed_calls = 0
         self.resends = 0
         self.last_error: str | None = None
@@ -303,10 +344,10 @@ class CollectorReporter(Reporter):
                 self._held.popleft()
                 continue
             r = self._held.popleft()
-            self._released.append((r.get("attempt_start_time", 0.0), r["step"]))
-        while len(self._released) > 100 * self.max_buffered + 1000:  # its own bound: counted, maybe early
-            self._released.popleft()
-            self.dropped += 1
+            self._released.add(r.get("attempt_start_time", 0.0), r["step"])
+        # Its own bound, on runs of steps (one per flush gap at most, normally): counted, maybe early.
+        while self._released.runs() > 100 * self.max_buffered + 1000:
+            self.dropped += self._released.pop_oldest()
 
     def unacknowledged(self) -> list[dict[str, Any]]:
         self._poll()
@@ -351,7 +392,7 @@ class CollectorReporter(Reporter):
             return
         self.durable = durable
         kept = deque(r for r in self._held if r["step"] > durable.get(r.get("attempt_start_time", 0.0), 0))
-        self._released = deque(r for r in self._released if r[1] > durable.get(r[0], 0))
+        self._released.trim(durable)
         self._unsent = min(len(kept), self._unsent)
         self._held = kept
         self._backoff = self._retry_s

@@ -80,3 +80,14 @@ def test_reports_let_go_and_then_flushed_are_not_counted(monkeypatch):
     collector.remote = lambda batch, dropped, flush: {"incarnation": "first", "durable": {0.0: 10}}
     reporter.close(timeout_s=5)
     assert reporter.dropped == 0
+
+
+def test_a_long_gap_between_flushes_counts_nothing_early(monkeypatch):
+    """Reports let go are remembered as runs of steps, so 3,000 steps between two flushes with 8
+    held (the old bound, one entry per step, counted past 1,800 as dropped although they reached
+    disk) are one run, counted as nothing, and forgotten once the collector has them on disk."""
+    collector, reporter = _reported(monkeypatch, 8, range(1, 3001))
+    assert reporter.dropped == 0 and len(reporter._released) == 2992 and reporter._released.runs() == 1
+    collector.remote = lambda batch, dropped, flush: {"incarnation": "first", "durable": {0.0: 3000}}
+    reporter.close(timeout_s=5)
+    assert reporter.dropped == 0 and not reporter._released
