@@ -74,10 +74,17 @@ def materialize_python_stdlib(cache_dir: str | Path | None = None) -> Path:
 def source_files(data: Data) -> tuple[list[Path], str]:
     """The files of a source and their format (``"parquet"`` or ``"jsonl"``), sorted by path.
 
-    Raises :class:`ConfigError` for a missing path or a directory without matching files.
+    Raises :class:`ConfigError` for a missing path, a directory without matching files, or a
+    built-in corpus's cache that cannot be written.
     """
     if data.source == "python_stdlib":
-        return sorted(materialize_python_stdlib(data.cache_dir).glob("*.parquet")), "parquet"
+        try:
+            return sorted(materialize_python_stdlib(data.cache_dir).glob("*.parquet")), "parquet"
+        except OSError as e:  # a read-only, full or misnamed cache: the setting, not a traceback
+            where = data.cache_dir or default_cache_dir()
+            raise ConfigError(f"data.cache_dir = {str(where)!r} (where the built-in corpus is materialised): cannot "
+                              f"write there: {e.strerror or e}; set data.cache_dir (or RAY_TITAN_CACHE) to a "
+                              "writable directory") from None
     if not data.path:
         raise ConfigError(f"data.source = {data.source!r} needs data.path (a file or a directory)")
     path = Path(data.path)

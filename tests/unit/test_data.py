@@ -54,6 +54,16 @@ def test_python_stdlib_corpus_is_real_and_cached(tmp_path):
     assert materialize_python_stdlib(tmp_path) == out and shards[0].stat().st_mtime_ns == mtime
 
 
+def test_a_corpus_cache_that_cannot_be_written_is_a_config_error_naming_it(tmp_path):
+    """Issue 44, finding 1's train side: an unwritable cache gave "training failed: OSError"
+    from the workers. Pre-flight's check_source now names the setting (a file where the cache
+    directory would be: root ignores a read-only mode, a path through a file it cannot)."""
+    (tmp_path / "a_file").write_text("")
+    where = tmp_path / "a_file" / "cache"
+    with pytest.raises(ConfigError, match=r"data.cache_dir = '.*a_file/cache'.*cannot write there: Not a directory"):
+        check_source(Data(cache_dir=str(where)))
+
+
 def test_parquet_and_jsonl_sources(tmp_path):
     pq.write_table(pa.table({"text": ["alpha", None, "beta"], "id": [1, 2, 3]}), tmp_path / "a.parquet")
     (tmp_path / "j").mkdir()
