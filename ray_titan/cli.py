@@ -160,7 +160,7 @@ def _memory_parser(sub: Any) -> None:
         "activations times the microbatches the pipeline schedule keeps in flight, and the peak; "
         "with a device capacity, whether it fits and the levers that would make it fit, cheapest "
         "first (ray_titan.memory_planner). " + _OVERRIDES + ". Exit status: 0 fits (or no capacity "
-        "known), 1 does not fit, 2 config error.",
+        "known), 1 does not fit, 2 config error, 3 the plan itself failed.",
     )
     plan.add_argument("--config", metavar="X.toml", help="TOML job config (default: the built-in defaults)")
     plan.add_argument("--device-memory", metavar="SIZE",
@@ -386,7 +386,8 @@ def _refuse(name: str, e: Exception) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ray-titan``; returns the exit status: bad input (argparse's, a config error,
     a :class:`UsageError`) is one line ``ray-titan <command>: ...`` and 2, before anything starts;
-    any other failure one line and 1 (``RAY_TITAN_TRACEBACK=1``: the traceback). Ctrl-C, SIGTERM and
+    any other failure one line and 1 (3 for ``memory plan``, whose 1 means "does not fit";
+    ``RAY_TITAN_TRACEBACK=1``: the traceback). Ctrl-C, SIGTERM and
     SIGHUP stop every command the same way (:class:`~ray_titan.driver.signals.SignalGuard`): exit 130,
     143 or 129, at the latest 30 s after the signal (at once on a second one), whatever the command waits on."""
     from ray_titan.config import ConfigError
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             print(f"ray-titan {name}: failed: {type(e).__name__}: {e} (RAY_TITAN_TRACEBACK=1 shows where)",
                   file=sys.stderr)
-            return 1
+            return 3 if args.command == "memory" else 1  # memory plan's 1 is an answer: does not fit
 
 
 if __name__ == "__main__":

@@ -235,3 +235,16 @@ def test_concurrent_storage_probes_leave_no_directory(tmp_path):
         for t in threads:
             t.join()
         assert list(root.iterdir()) == []
+
+
+def test_a_memory_plan_that_fails_is_not_told_as_does_not_fit(monkeypatch, capsys):
+    """``memory plan``'s exit status 1 means "does not fit": a plan that fails (issue 44, finding 5's
+    AttributeError was read as that) exits 3, one line naming the error."""
+    from ray_titan import memory_planner
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'Llama' object has no attribute 'moe'")
+
+    monkeypatch.setattr(memory_planner, "memory_plan", broken)
+    rc, _, err = _cli(capsys, "memory", "plan")
+    assert rc == 3 and err.startswith("ray-titan memory plan: failed: AttributeError") and len(err.splitlines()) == 1
