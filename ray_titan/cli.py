@@ -240,7 +240,9 @@ def _train_without_ray(config: str | None, overrides: list[str]) -> int:
     start = ["torchrun", f"--nproc-per-node={n}"] if n > 1 else ["python"]
     job = ["--config", config] if config else []
     print(f"ray-titan train: Ray is not installed; run this job without Ray with the launcher: "
-          f"{shlex.join([*start, '-m', 'ray_titan.launch', *job, *overrides])}", file=sys.stderr)
+          f"{shlex.join([*start, '-m', 'ray_titan.launch', *job, *overrides])}"
+          + (f" (more ranks than one node holds: torchrun --nnodes=NODES --nproc-per-node=GPUS_PER_NODE with "
+             f"NODES × GPUS_PER_NODE = {n} on every node)" if n > 8 else ""), file=sys.stderr)
     return 2
 
 
