@@ -272,7 +272,7 @@ def test_sizes_parse_and_print():
     with pytest.raises(ValueError, match="not a size"):
         parse_bytes("80 gigs")
     assert format_bytes(1.5 * 2**30) == "1.5 GiB" and format_bytes(512 * 1024) == "512 KiB"
-    with pytest.raises(ConfigError, match="routing_imbalance"):
+    with pytest.raises(ConfigError, match="routing imbalance = 0.5: a finite number >= 1"):
         memory_plan(load_config(None, []), routing_imbalance=0.5)
 
 
