@@ -96,8 +96,10 @@ def staged_counts(stderr: str) -> dict[str, int]:
     """Collectives the ranks of a launch staged through host memory, summed over ranks, from the
     lines :func:`rank_main` prints."""
     out: Counter[str] = Counter()
-    for m in re.finditer(r"^gpu_checks staged: (.*)$", stderr, re.M):
-        out.update({k: int(v) for k, v in (kv.split("=") for kv in m.group(1).split())})
+    # Not anchored to a line start, and each count read up to its last digit: lines of ranks that
+    # share one stderr can still run together ("...=1gpu_checks staged: ...").
+    for m in re.finditer(r"gpu_checks staged: ((?:\w+=\d+ ?)*)", stderr):
+        out.update({k: int(v) for k, v in re.findall(r"(\w+?)=(\d+)", m.group(1))})
     return dict(out)
 
 
@@ -259,8 +261,10 @@ def rank_main(argv: list[str] | None = None) -> None:
     try:
         launch.main(rest)
     finally:
-        print("gpu_checks staged: " + " ".join(f"{k}={v}" for k, v in sorted(STAGED.items())), file=sys.stderr,
-              flush=True)
+        # One write, newline included: print() writes the text and its newline apart, and the
+        # ranks share one stderr, so another rank's line could land between them.
+        sys.stderr.write("gpu_checks staged: " + " ".join(f"{k}={v}" for k, v in sorted(STAGED.items())) + "\n")
+        sys.stderr.flush()
 
 
 # -- running jobs ---------------------------------------------------------------------------------

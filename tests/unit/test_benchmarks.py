@@ -297,3 +297,13 @@ def test_every_flavor_of_every_family_has_a_dry_run_row(monkeypatch):
     assert m.flavors_uncovered() == [("qwen3", "new")]
     debug = {c.name: c for c in m.FLAVOR_CASES}["deepseek_v2 debug pp2 dp2 ep2"]
     assert debug.config.endswith("configs/debug_deepseek.toml")
+
+
+def test_staged_counts_survive_ranks_writing_into_one_stderr():
+    """The ranks of a one-GPU launch share one stderr: a line could run into the next rank's
+    ("...=1gpu_checks staged: ..."), which failed the main_mesh stage with a ValueError."""
+    from benchmarks.gpu_checks import staged_counts
+
+    err = ("gpu_checks staged: batch_p2p=3 recv_object_list=1gpu_checks staged: batch_p2p=4 send=2\n"
+           "[rank1]: other\ngpu_checks staged: \n")
+    assert staged_counts(err) == {"batch_p2p": 7, "recv_object_list": 1, "send": 2}
