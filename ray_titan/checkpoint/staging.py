@@ -77,12 +77,29 @@ class RayTrainCheckpointStorage:
     def commit(self, step: int, write_dir: Path, rank: int, metrics: dict[str, Any]) -> None:
         import ray.train
 
+        quiet_ray_train_checkpoint_logs()
         try:
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(write_dir)),
                              checkpoint_dir_name=step_dir_name(step))
         finally:
             shutil.rmtree(write_dir, ignore_errors=True)
 
+
+
+def quiet_ray_train_checkpoint_logs() -> None:
+    """Keep Ray Train's two INFO lines of each save on a worker ("Checkpoint successfully created
+    at", "Reporting training result": Ray 2.60's ``execution/storage.py`` and ``execution/context.py``,
+    the only INFO lines of either logger) off the console: every rank printed both, four copies per
+    checkpoint on the main job. The driver's side prints one line instead
+    (:class:`ray_titan.driver.torch_trainer.CheckpointLine`); these loggers' warnings and errors
+    still show."""
+    import logging
+
+    from ray.train.v2._internal.execution import context, storage
+
+    # context.py names its logger by its file, not its module.
+    for name in (storage.__name__, context.__file__):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 STAGING = ".checkpoint_staging"

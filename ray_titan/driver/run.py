@@ -187,7 +187,7 @@ def _ray_trainer(cfg: JobConfig, run_dir: Path | str, counts: list[int], cpus: f
     from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     from ray_titan.allocator import worker_env_vars
-    from ray_titan.driver.torch_trainer import LeanTorchTrainer, MeshTorchTrainer
+    from ray_titan.driver.torch_trainer import CheckpointLine, LeanTorchTrainer, MeshTorchTrainer
     from ray_titan.parallel.elastic import is_elastic
     from ray_titan.trainer.ray_worker import worker_entry
 
@@ -215,6 +215,7 @@ def _ray_trainer(cfg: JobConfig, run_dir: Path | str, counts: list[int], cpus: f
                 max_failures=cfg.ray.max_failures,
                 # Elastic: a start may time out while lost capacity is still counted; retry it.
                 controller_failure_limit=cfg.ray.max_failures if elastic else 0),
+            callbacks=[CheckpointLine()],
             # The allocator is chosen at process start: preloaded into the workers only.
             worker_runtime_env={"env_vars": env} if (env := worker_env_vars(cfg.memory.allocator)) else None,
         ),

@@ -38,9 +38,23 @@ from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_cli
     AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
 )
 from ray.train.v2._internal.util import time_monotonic
+from ray.train.v2.api.callback import UserCallback
 from ray.train.v2.torch.torch_trainer import TorchTrainer
 
-__all__ = ["LeanTorchTrainer", "LocalScalingPolicy", "MeshScalingPolicy", "MeshTorchTrainer"]
+__all__ = ["CheckpointLine", "LeanTorchTrainer", "LocalScalingPolicy", "MeshScalingPolicy", "MeshTorchTrainer"]
+
+
+class CheckpointLine(UserCallback):
+    """One console line per checkpoint, from Ray Train's controller once every rank has reported
+    it: ``ray_titan: checkpoint step-NNNNNNNN saved: <path>``. Ray Train's own lines of a save
+    ("Checkpoint successfully created at", "Reporting training result") come from every worker
+    (four copies on the main job); the workers keep them off the console
+    (:func:`ray_titan.checkpoint.staging.quiet_ray_train_checkpoint_logs`)."""
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        if checkpoint is not None:
+            print(f"ray_titan: checkpoint {checkpoint.path.rstrip('/').rsplit('/', 1)[-1]} saved: {checkpoint.path}",
+                  flush=True)
 
 
 class LocalScalingPolicy(FixedScalingPolicy):

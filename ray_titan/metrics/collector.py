@@ -39,6 +39,7 @@ import os
 import signal
 import sys
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -1039,7 +1040,13 @@ def _reconstructed() -> bool:
     """Whether this is a Ray actor restarted after its process died (False outside Ray)."""
     ray = sys.modules.get("ray")  # an actor has Ray imported; the launcher (no Ray) must not import it
     try:
-        return (ray is not None and ray.is_initialized()
-                and bool(ray.get_runtime_context().was_current_actor_reconstructed))
+        if ray is None or not ray.is_initialized():
+            return False
+        # The property reads Ray's own deprecated ``RuntimeContext.actor_id`` (Ray 2.60), which
+        # printed a RayDeprecationWarning on every run's console; only that warning is ignored,
+        # and only here: nothing of ours calls the deprecated API.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"(?s).*\nUse get_actor_id\(\) instead$")
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
     except Exception:  # not in an actor
         return False

@@ -27,13 +27,16 @@ analysis walks every operator); that export time is left out of the step's ``ste
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import gzip
 import json
 import os
+import re
+import sys
 import tempfile
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +49,51 @@ if TYPE_CHECKING:
     from torch.profiler import profile
 
 __all__ = ["BREAKDOWN_CATEGORIES", "StepProfiler", "allocation_peak", "timeline_breakdown"]
+
+# What torch's profiler prints on a profile that works, run on a Ray Train worker (torch 2.13):
+# kineto's complaint that it is first used outside the thread that imported torch (Ray Train runs
+# the loop in a thread of its own; what kineto then skips is a client init torch leaves empty) and
+# its ``profiler_start`` / ``profiler_stop`` trace markers, printed at kineto's ERROR level and
+# above it (so no KINETO_LOG_LEVEL hides them without hiding its real errors). Each exactly.
+_KINETO_NOISE = re.compile(
+    rb"(ERROR: External init callback must run in same thread as registerClient \(-?\d+ != -?\d+\)"
+    rb"|USDT:[^\n]* SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop))\r?\n?")
+
+
+@contextlib.contextmanager
+def _without_kineto_noise() -> Iterator[None]:
+    """Run a profiler start or stop with the process's stderr (fd 2, where kineto's C++ writes)
+    into a temporary file, then write back every line of it but :data:`_KINETO_NOISE`'s: nothing
+    else is lost, only delayed by the call (milliseconds; not the step, where a crash's output
+    must not wait)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as tmp:
+            os.dup2(tmp.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                tmp.seek(0)
+                if rest := _KINETO_NOISE.sub(b"", tmp.read()):
+                    os.write(2, rest)
+    finally:
+        os.close(saved)
+
+
+def _c10_log_level() -> ctypes.c_int | None:
+    """torch's C++ log threshold (``FLAGS_caffe2_log_level``, what ``TORCH_CPP_LOG_LEVEL`` sets at
+    start: 0 info, 1 warning, 2 error), None where this torch does not export it."""
+    try:
+        return ctypes.c_int.in_dll(ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")),
+                                   "FLAGS_caffe2_log_level")
+    except (OSError, ValueError):
+        return None
+
+
+_C10_ERROR = 2
 
 def allocation_peak(prof: profile, census: dict[int, dict[str, Any]], device: torch.device) -> dict[str, Any]:
     """The peak bytes of ``device`` during a profile, from its allocation events alone (no
@@ -108,6 +156,7 @@ class StepProfiler:
         self.paths: list[Path | str] = []
         self._prof: profile | None = None
         self._census: dict[int, dict[str, Any]] = {}
+        self._c10_level: tuple[ctypes.c_int, int] | None = None
 
     def _wanted(self, step: int) -> tuple[bool, bool]:
         """(trace, memory) for ``step``."""
@@ -133,7 +182,16 @@ class StepProfiler:
         self._census = live_storages() if memory else {}
         self._prof = profile(activities=activities, profile_memory=memory, record_shapes=memory,
                              with_stack=memory)
-        self._prof.start()
+        with _without_kineto_noise():
+            self._prof.start()
+        # A memory profile makes torch's CPU allocator warn (c10 LOG(WARNING), once per 1000) on
+        # the free of a block allocated before it began: every such step has some (last step's
+        # gradients, the optimizer's state); allocation_peak accounts for them. Only C++ warnings
+        # are held back, only in this process, only until stop(): errors still print, and so do
+        # Python warnings (torch hands an op's warnings to Python's warnings module).
+        if memory and (level := _c10_log_level()) is not None and level.value < _C10_ERROR:
+            self._c10_level = (level, level.value)
+            level.value = _C10_ERROR
 
     def stop(self, step: int) -> dict[str, Any] | None:
         """End the profile of ``step`` and write what it was for; returns its memory breakdown
@@ -142,7 +200,11 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         if prof is None:
             return None
-        prof.stop()
+        try:
+            with _without_kineto_noise():
+                prof.stop()
+        finally:
+            self._restore_c10_level()
         try:
             return self._export(prof, step)
         finally:
@@ -241,3 +303,10 @@ class StepProfiler:
             with contextlib.suppress(Exception):
                 self._prof.stop()
             self._prof = None
+        self._restore_c10_level()
+
+    def _restore_c10_level(self) -> None:
+        """torch's C++ log threshold as it was before :meth:`start` raised it."""
+        if self._c10_level is not None:
+            level, value = self._c10_level
+            level.value, self._c10_level = value, None

@@ -6,6 +6,12 @@ where Ray is not the subject; ``jobs/train.py`` joining a running cluster is che
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
+import sys
+import time
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -30,16 +36,37 @@ def reference(llama_one_worker):
     return llama_one_worker
 
 
+class _Tee(io.TextIOBase):
+    """A console stream that also keeps what was written (what the user would have read)."""
+
+    def __init__(self, stream):
+        self.stream, self.text = stream, io.StringIO()
+
+    def write(self, s):
+        self.text.write(s)
+        return self.stream.write(s)
+
+    def flush(self):
+        self.stream.flush()
+
+
 @pytest.fixture(scope="module")
 def main_job(ray_cluster, tmp_path_factory, corpus_cache):
     """The README's main job, unchanged but for where it writes, a console line never due
     (log_freq larger than the run: nothing may accumulate when logging is rare, docs/design.md, lesson
-    1) and each rank's own record of its reports (``metrics.save_rank_reports``)."""
+    1) and each rank's own record of its reports (``metrics.save_rank_reports``). Its console (the
+    driver's lines and, through Ray, every worker's and actor's, which Ray writes to this process's
+    ``sys.stdout``/``sys.stderr``) is kept as ``console``."""
     cfg = load_config(REPO / "configs" / "debug_llama.toml", [
         f"--job.dump_folder={tmp_path_factory.mktemp('main')}", f"--data.cache_dir={corpus_cache}",
         "--metrics.log_freq=1000", "--metrics.save_rank_reports=true",
     ])
-    return ray_titan.train(cfg)
+    out, err = _Tee(sys.stdout), _Tee(sys.stderr)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        result = ray_titan.train(cfg)
+        time.sleep(2)  # the last checkpoint's lines travel through Ray's log monitor
+    result.console = out.text.getvalue() + err.text.getvalue()
+    return result
 
 
 def _step_column(result, column):
@@ -151,3 +178,22 @@ def test_main_job_learns(main_job):
     # never growing.
     assert {r: v["verdict"] for r, v in run.memory_verdicts.items()} == dict.fromkeys(range(4), "stable")
     assert "growing" not in run.steps["memory_verdict"].to_pylist()
+
+
+# What a run that worked must not print: an error, a warning (Python's, Ray's or torch's, as
+# ``...Warning:``, ``WARNING`` or ``[W...`` C++ lines), a traceback.
+_NOISE = re.compile(r"ERROR|Warning|WARNING|warning:|Traceback|\[W\d{4} ")
+
+
+def test_main_job_console_says_only_what_a_user_needs(main_job):
+    """The first run's console (issue 40): no error, warning or traceback from a run that worked,
+    the step-2 memory breakdown measured without the profiler's noise, and each checkpoint on one
+    line from the driver's side, not once per worker."""
+    lines = main_job.console.splitlines()
+    assert [line for line in lines if _NOISE.search(line)] == []
+    assert sorted(main_job.memory_breakdown) == [0, 1, 2, 3]  # the breakdown still measured
+    saved = [line for line in lines if "ray_titan: checkpoint step-" in line]
+    assert [line.split("ray_titan: checkpoint ")[1].split()[0] for line in saved] == [
+        "step-00000100", "step-00000200", "step-00000300"]
+    ray_train_lines = ("Checkpoint successfully created", "Reporting training result")
+    assert not [line for line in lines if any(t in line for t in ray_train_lines)]

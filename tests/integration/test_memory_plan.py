@@ -317,3 +317,39 @@ def test_when_the_timeline_analysis_fails_the_peak_comes_from_the_allocations(mo
     assert "error" not in good and fallback["error"] == "AssertionError: version mismatch"
     assert fallback["peak_bytes"] - unrelated == pytest.approx(good["peak_bytes"], rel=0.02)
     assert fallback["at_peak"] == {"unknown": fallback["peak_bytes"]}
+
+
+_PROFILED_IN_A_THREAD = """
+import sys, threading, torch
+from ray_titan.metrics.profiling import StepProfiler, _c10_log_level
+model, x = torch.nn.Linear(64, 64), torch.randn(8, 64)
+model(x).sum().backward()  # gradients allocated before the profile, freed in it
+
+def run():
+    profiler = StepProfiler(None, 0, {}, torch.device("cpu"), breakdown_step=2)
+    profiler.start(2)
+    model.zero_grad()
+    model(x).sum().backward()
+    out = profiler.stop(2)
+    print("error" in out, _c10_log_level().value, file=sys.stderr)
+
+threading.Thread(target=run).start()
+"""
+
+
+def test_the_memory_breakdown_prints_nothing_of_the_profilers():
+    """The step-2 breakdown as on a Ray Train worker (the loop in a thread other than the one that
+    imported torch, kineto first used there; in a fresh process, as kineto starts once): none of
+    the lines torch 2.13's profiler printed on every worker of the main job (issue 40), the
+    breakdown measured, torch's C++ log threshold back at warning (1), a real line still printed.
+    Should a torch change the messages, this shows them."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "-c", _PROFILED_IN_A_THREAD], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "False 1\n"
