@@ -13,6 +13,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+# Subprocesses (Ray workers, torchrun ranks) import this checkout, not whichever one is installed.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 @pytest.fixture(scope="session")
