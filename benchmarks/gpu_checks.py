@@ -245,7 +245,7 @@ def rank_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], required=True)
     ap.add_argument("--stage", action="store_true", help="stage collectives through host copies on CPU too")
     a, rest = ap.parse_known_args(argv)
-    from ray_titan import launch
+    from ray_titan.launch import torchrun as launch
 
     world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     device, shared = torch.device("cpu"), False
@@ -290,7 +290,7 @@ def train_here(cfg, device: torch.device | str, storage: Any = None, callbacks: 
     from ray_titan.metrics.leak import leak_settings
     from ray_titan.metrics.report import LocalReporter
     from ray_titan.metrics.sinks import read_steps
-    from ray_titan.preflight import validate_job
+    from ray_titan.preflight.checks import validate_job
     from ray_titan.run_dir import make_run_dir
     from ray_titan.trainer import train_loop
 

@@ -129,13 +129,13 @@ def _one_rank(ctx: StageContext, name: str, steps: int, *flags: str):
 
 def _plan_peak(ctx: StageContext, cfg) -> int | None:
     """The memory plan's peak for rank 0 of ``cfg`` on CUDA (bytes), recorded; None if it fails."""
-    from ray_titan.memory_planner import memory_plan
+    from ray_titan.preflight.memory_plan import memory_plan
 
     plan = ctx.attempt("memory plan", lambda: memory_plan(cfg, device="cuda", levers=False))
     if plan is None:
         return None
     peak = plan.ranks[0].peak
-    ctx.log.add("memory plan peak, rank 0", round(peak / MiB, 1), "MiB", note="ray_titan.memory_planner, device cuda")
+    ctx.log.add("memory plan peak, rank 0", round(peak / MiB, 1), "MiB", note="the memory plan, device cuda")
     return peak
 
 

@@ -193,9 +193,9 @@ def bench_preflight_scale(work: Path, quick: bool) -> list[Row]:
 import time
 t0 = time.perf_counter()
 from ray_titan.config import load_config, merge_overrides
-from ray_titan.preflight import validate_job
+from ray_titan.preflight.checks import validate_job
 from ray_titan.parallel.elastic import fitting_worker_counts
-from ray_titan.memory_planner import memory_plan
+from ray_titan.preflight.memory_plan import memory_plan
 t1 = time.perf_counter()
 cfg = load_config(None, merge_overrides({JOB_16K!r} + ["--job.dump_folder={work / 'runs'}"]))
 t2 = time.perf_counter(); cfg = validate_job(cfg, check_data=False); t3 = time.perf_counter()

@@ -7,8 +7,6 @@ The driver API is :func:`train`; the per-worker loop is ``ray_titan.trainer.trai
 
 from __future__ import annotations
 
-import importlib.abc
-import sys
 from typing import TYPE_CHECKING, Any
 
 from ray_titan.config import ConfigError, JobConfig, load_config
@@ -17,27 +15,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from ray_titan.driver import RunResult
-    from ray_titan.memory_planner import MemoryPlan
-
-# Modules that moved (issue 28): importing an old name fails with a message naming the new one.
-_MOVED = {"ray_titan.progress": "ray_titan.driver.progress", "ray_titan.interrupts": "ray_titan.driver.signals",
-          "ray_titan.scaling": "ray_titan.driver.torch_trainer", "ray_titan.gc": "ray_titan.gc_schedule",
-          "ray_titan.run_report": "ray_titan.run_summary", "ray_titan.hf": "ray_titan.checkpoint.huggingface",
-          **{f"ray_titan.models.{f}.hf": f"ray_titan.models.{f}.state_dict_adapter"
-             for f in ("llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss")}}
-
-
-class _MovedModules(importlib.abc.MetaPathFinder):
-    """First on ``sys.meta_path`` (an editable install's finder could otherwise find a stale copy);
-    answers only the old names, so every other import goes on to the usual finders."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
-        if fullname in _MOVED:
-            raise ModuleNotFoundError(f"{fullname} is now {_MOVED[fullname]}", name=fullname)
-
-
-if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
-    sys.meta_path.insert(0, _MovedModules())
+    from ray_titan.preflight.memory_plan import MemoryPlan
 
 __all__ = ["ConfigError", "JobConfig", "RunResult", "load_config", "memory_plan", "train"]
 __version__ = "0.1.0"
@@ -61,9 +39,9 @@ def memory_plan(
     routing_imbalance: float = 1.0, vocab_size: int | None = None,
 ) -> MemoryPlan:
     """Every rank's predicted memory, whether the job fits ``device_memory`` and the levers that
-    would make it fit, before anything starts; see :func:`ray_titan.memory_planner.memory_plan`
+    would make it fit, before anything starts; see :func:`ray_titan.preflight.memory_plan.memory_plan`
     (imported lazily: it imports torch)."""
-    from ray_titan.memory_planner import memory_plan as _plan
+    from ray_titan.preflight.memory_plan import memory_plan as _plan
 
     return _plan(config, device_memory, device, routing_imbalance, vocab_size)
 

@@ -22,7 +22,7 @@ input one way: one line ``ray-titan <command>: <what, which value, what would be
 exit 2 before anything starts (:class:`UsageError`, a config error, argparse's own).
 ``ray-titan memory plan [--config X.toml] [--device-memory 80GiB] [--section.key=value ...]``
 prints every rank's predicted memory, whether the job fits, and the levers that would make it
-fit (``ray_titan.memory_planner``), without starting anything.
+fit (``ray_titan.preflight.memory_plan``), without starting anything.
 ``ray-titan report RUN_DIR`` writes ``RUN_DIR/report/loss.png`` and ``memory.png`` (every rank's
 memory with its verdicts marked) and prints a summary table per rank (``ray_titan.run_summary``).
 """
@@ -159,7 +159,7 @@ def _memory_parser(sub: Any) -> None:
         "on the meta device): parameters, gradients, optimizer state, FSDP's gathered buffers, "
         "activations times the microbatches the pipeline schedule keeps in flight, and the peak; "
         "with a device capacity, whether it fits and the levers that would make it fit, cheapest "
-        "first (ray_titan.memory_planner). " + _OVERRIDES + ". Exit status: 0 fits (or no capacity "
+        "first (ray_titan.preflight.memory_plan). " + _OVERRIDES + ". Exit status: 0 fits (or no capacity "
         "known), 1 does not fit, 2 config error, 3 the plan itself failed.",
     )
     plan.add_argument("--config", metavar="X.toml", help="TOML job config (default: the built-in defaults)")
@@ -257,8 +257,8 @@ def _write(path: str, text: str, what: str) -> None:
 def _config(args, overrides: list[str]) -> int:
     from ray_titan.config import load_config
     from ray_titan.config.docs import reference_markdown, to_toml
-    from ray_titan.preflight import validate_job
-    from ray_titan.prepare import resolve_job
+    from ray_titan.preflight.checks import validate_job
+    from ray_titan.preflight.prepare import resolve_job
 
     if args.config_command == "docs":
         if overrides:
@@ -271,7 +271,7 @@ def _config(args, overrides: list[str]) -> int:
         return 0
     cfg = load_config(args.config, overrides)
     if args.validate:
-        cfg = resolve_job(cfg)[0]  # the rewrites of a run (ray_titan.prepare), then its checks
+        cfg = resolve_job(cfg)[0]  # the rewrites of a run (ray_titan.preflight.prepare), then its checks
         validate_job(cfg)
     sys.stdout.write(to_toml(cfg))
     return 0
@@ -306,7 +306,7 @@ def _export(args, overrides: list[str]) -> int:
 
 def _memory(args, overrides: list[str]) -> int:
     from ray_titan.config import load_config
-    from ray_titan.memory_planner import memory_plan
+    from ray_titan.preflight.memory_plan import memory_plan
 
     if args.json:  # before planning: a path it cannot write is bad input, refused before any output
         where = Path(args.json)

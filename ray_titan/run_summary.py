@@ -20,7 +20,7 @@ table then shows only the ranks worth a look and ``ranks.csv`` has them all.
 It returns the summary table (one row per rank: coordinates, last verdict and rate, peak
 memory, GC count and pause, the metrics path's share of the step time) that the command prints,
 and, where the run recorded them, each rank's predicted peak (``memory_plan.json``,
-:mod:`ray_titan.memory_planner`) beside its measured one (``metrics/memory_breakdown.jsonl``,
+:mod:`ray_titan.preflight.memory_plan`) beside its measured one (``metrics/memory_breakdown.jsonl``,
 ``memory.breakdown_step``) with the measured split by category: :func:`format_memory_table`.
 """
 
@@ -244,7 +244,7 @@ def memory_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     and the measured bytes by category at the peak (``parameters``, ``gradients``,
     ``optimizer_state``, ``activations``, ``temporaries``, ``other``: inputs and unknown). Raises
     :class:`ReportError` naming a plan or breakdown file that cannot be read."""
-    from ray_titan.memory_planner import PLAN_FILE
+    from ray_titan.preflight.memory_plan import PLAN_FILE
 
     plan_path = Path(run_dir) / PLAN_FILE
     try:
@@ -256,8 +256,8 @@ def memory_rows(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def _memory_rows(run_dir: str | Path, plan_path: Path) -> list[dict[str, Any]]:
-    from ray_titan.memory_planner import planned_rank
     from ray_titan.metrics.collector import read_breakdowns
+    from ray_titan.preflight.memory_plan import planned_rank
 
     planned = sorted(json.loads(plan_path.read_text())["ranks"], key=lambda r: int(r["rank"])) \
         if plan_path.is_file() else []

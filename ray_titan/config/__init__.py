@@ -6,7 +6,7 @@
   ``ray-titan config show``, rendered from the schema.
 
 The checks run before any worker starts need the data, model, checkpoint and callback modules,
-so they live outside this package, in :mod:`ray_titan.preflight`: this package imports nothing
+so they live outside this package, in :mod:`ray_titan.preflight.checks`: this package imports nothing
 of the project and the package graph has no cycle.
 """
 

@@ -4,7 +4,7 @@ A job is described by one :class:`JobConfig`. It is loaded from a TOML file whos
 sections below, then overridden by dotted flags (``--training.steps=50``). Unknown keys and wrong
 types are errors (pydantic, ``extra="forbid"``, strict types). This module imports nothing of
 the project (an import contract in the test suite keeps it so); cross-field checks that need the
-model registry, the data files or a checkpoint live in :mod:`ray_titan.preflight`, which
+model registry, the data files or a checkpoint live in :mod:`ray_titan.preflight.checks`, which
 the driver calls before any worker starts.
 
 Every error names the setting, its value and what would be valid, and is a :class:`ConfigError`.

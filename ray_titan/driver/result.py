@@ -77,7 +77,7 @@ class RunResult:
     hf_export: Path | None = None
     """The Hugging Face model directory ``checkpoint.last_save_hf`` wrote (``<run_dir>/hf``)."""
     memory_plan: dict[str, Any] | None = None
-    """The memory plan made before the workers started (``ray_titan.memory_planner``,
+    """The memory plan made before the workers started (``ray_titan.preflight.memory_plan``,
     ``MemoryPlan.to_dict()``; also ``<run_dir>/memory_plan.json``), None if it could not be made."""
     memory_breakdown: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Every rank's memory measured at ``memory.breakdown_step``, by category at the step's peak
@@ -92,7 +92,7 @@ class RunResult:
 
     def memory_peaks(self) -> dict[int, tuple[int | None, int | None]]:
         """``{rank: (predicted peak bytes, measured peak bytes)}``: the plan's and the breakdown's."""
-        from ray_titan.memory_planner import planned_rank
+        from ray_titan.preflight.memory_plan import planned_rank
 
         planned = (self.memory_plan or {}).get("ranks", [])
         ranks = sorted({r["rank"] for r in planned} | set(self.memory_breakdown))

@@ -1,7 +1,7 @@
 """The Ray driver's run, top to bottom (:func:`train`).
 
 :func:`train` prepares the job and its memory plan before anything starts
-(:func:`ray_titan.prepare.prepare_job`), joins the Ray cluster named by ``RAY_ADDRESS`` (or the one
+(:func:`ray_titan.preflight.prepare.prepare_job`), joins the Ray cluster named by ``RAY_ADDRESS`` (or the one
 this process is already connected to, or starts a local one sized for the job; :mod:`.cluster`),
 makes the run directory and writes the plan into it, starts the metrics collector actor
 (:mod:`.collector_actor`), runs the train loop on
@@ -47,7 +47,7 @@ from ray_titan.driver.result import RunResult, say_outcome
 from ray_titan.driver.signals import Interrupted, SignalGuard
 from ray_titan.metrics.outcome import RunOutcome
 from ray_titan.parallel.dims import process_group_backend
-from ray_titan.prepare import prepare_job
+from ray_titan.preflight.prepare import prepare_job
 from ray_titan.run_dir import STOP_REASON_FILE, make_run_dir, under
 
 if TYPE_CHECKING:

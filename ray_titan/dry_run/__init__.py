@@ -9,7 +9,7 @@ docstring lists what is simulated). It finds what would fail on the first GPU ru
 GPU: a host tensor given to an NCCL collective, a shape that does not fit the mesh; and it
 counts the host synchronisations per step (each drains the GPU's queue) and measures each
 rank's peak device memory, beside the memory plan's prediction for that rank
-(:func:`ray_titan.memory_planner.memory_plan`). Losses are meaningless there (no data is
+(:func:`ray_titan.preflight.memory_plan.memory_plan`). Losses are meaningless there (no data is
 computed); correctness of values is the CPU parity tests' business.
 
 The simulated device is a small C++ library, built once with the compiler torch's extension
@@ -92,8 +92,8 @@ def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = 
     from ray_titan.checkpoint.huggingface import job_model_args
     from ray_titan.config import ConfigError, load_config
     from ray_titan.dry_run.shim import build_shim
-    from ray_titan.memory_planner import memory_plan
-    from ray_titan.preflight import validate_job
+    from ray_titan.preflight.checks import validate_job
+    from ray_titan.preflight.memory_plan import memory_plan
 
     if steps < 1:  # zero steps would simulate nothing and say it ran
         raise ConfigError(f"steps = {steps}: simulate at least 1 training step")
@@ -148,7 +148,7 @@ def representative_ranks(cfg: JobConfig) -> list[int]:
 def format_results(results: list[RankResult]) -> str:
     """A table, one line per simulated rank, then each rank's peak by the plan's categories
     (simulated / planned), its checkpoint's planning and its host synchronisation sites."""
-    from ray_titan.memory_planner import format_bytes
+    from ray_titan.preflight.memory_plan import format_bytes
 
     lines = [f"{'rank':>5}  {'coords':<28} {'stages':<8} {'steps':>5} {'seconds':>8} {'syncs/step':>10} "
              f"{'collectives':>11} {'peak device':>12} {'plan peak':>10}"]

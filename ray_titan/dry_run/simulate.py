@@ -342,7 +342,7 @@ class _DeviceTally:
 
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
-"""The memory plan's categories of a peak (``ray_titan.memory_planner.RankPlan.categories``)."""
+"""The memory plan's categories of a peak (``ray_titan.preflight.memory_plan.RankPlan.categories``)."""
 
 
 def _owned_storages(parts: Any) -> dict[int, str]:

@@ -1,6 +1,6 @@
 """Every pipeline schedule's properties, in one table (:data:`SCHEDULES`), read by the pipeline
-builder (``ray_titan.parallel.pipeline``), the pre-flight checks (``ray_titan.preflight``) and the
-memory plan (``ray_titan.memory_planner``); ``config.schema``'s ``Literal`` of schedule names is
+builder (``ray_titan.parallel.pipeline``), the pre-flight checks (``ray_titan.preflight.checks``) and the
+memory plan (``ray_titan.preflight.memory_plan``); ``config.schema``'s ``Literal`` of schedule names is
 checked against its keys (tests/unit/test_schedules.py).
 
 **Microbatches in flight** (:attr:`Schedule.in_flight`): the microbatches whose forward ran and

@@ -14,7 +14,7 @@ import pytest
 import ray_titan.allocator as allocator
 from ray_titan.allocator import active_allocator, jemalloc_library, worker_env_vars
 from ray_titan.config import ConfigError, JobConfig
-from ray_titan.preflight import validate_job
+from ray_titan.preflight.checks import validate_job
 
 JEMALLOC = jemalloc_library()
 needs_jemalloc = pytest.mark.skipif(JEMALLOC is None, reason="the installed Ray ships no libjemalloc.so")

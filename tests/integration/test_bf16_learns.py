@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from ray_titan.memory_planner import MemoryPlan
+from ray_titan.preflight.memory_plan import MemoryPlan
 from tests.conftest import REPO, LaunchRun
 
 STEPS = 10

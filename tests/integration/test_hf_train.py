@@ -22,7 +22,7 @@ from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.report import LocalReporter
 from ray_titan.metrics.sinks import read_steps
 from ray_titan.models.registry import build_model
-from ray_titan.preflight import validate_job
+from ray_titan.preflight.checks import validate_job
 from ray_titan.trainer import train_loop
 from tests.support.hf_models import SEQ, VOCAB, corpus_lines, make_hf_model
 from tests.support.ranks import launch

@@ -1,4 +1,4 @@
-"""The memory plan (ray_titan.memory_planner): the schedules' in-flight rules against torch's own
+"""The memory plan (ray_titan.preflight.memory_plan): the schedules' in-flight rules against torch's own
 action lists, the per-block activation formulas against what autograd saves, the plan's peak
 against the profiler-measured peak of real steps (within 15 %), levers, and the CLI."""
 
@@ -14,16 +14,16 @@ from torch.distributed.pipelining.schedules import _ComputationType as C
 
 from ray_titan.cli import main
 from ray_titan.config import ConfigError, load_config
-from ray_titan.memory_planner import (
+from ray_titan.metrics.report import LocalReporter
+from ray_titan.metrics.sinks import read_steps
+from ray_titan.models.registry import build_model, get_spec
+from ray_titan.parallel.schedules import SCHEDULES, local_stages
+from ray_titan.preflight.memory_plan import (
     MemoryPlan,
     format_bytes,
     memory_plan,
     parse_bytes,
 )
-from ray_titan.metrics.report import LocalReporter
-from ray_titan.metrics.sinks import read_steps
-from ray_titan.models.registry import build_model, get_spec
-from ray_titan.parallel.schedules import SCHEDULES, local_stages
 from tests.conftest import REPO
 from tests.support.ranks import forkserver, launch
 

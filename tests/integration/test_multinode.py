@@ -26,7 +26,7 @@ import pytest
 
 from ray_titan.config import ConfigError, load_config
 from ray_titan.parallel.elastic import fitting_worker_counts, mesh_for_workers
-from ray_titan.preflight import validate_job
+from ray_titan.preflight.checks import validate_job
 from tests.conftest import LLAMA_ONE_WORKER_STEPS, REPO
 
 STEPS, INTERVAL = 8, 3

@@ -30,7 +30,7 @@ from ray_titan.metrics.report import JsonlReporter, rank_reports_path, read_rank
 from ray_titan.metrics.sinks import read_steps
 from ray_titan.parallel.dims import ParallelDims
 from ray_titan.parallel.pipeline import SCHEDULES, stage_placement
-from ray_titan.preflight import validate_job
+from ray_titan.preflight.checks import validate_job
 from ray_titan.trainer.build import parallel_dims
 from tests.conftest import REPO
 from tests.support.ranks import forkserver, join_all, rendezvous_store

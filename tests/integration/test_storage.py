@@ -158,7 +158,7 @@ def test_jobs_probing_one_new_dump_folder_at_once_all_pass(tmp_path):
 
 
 def test_rank_reports_need_a_local_dump_folder(monkeypatch):
-    from ray_titan.preflight import validate_job
+    from ray_titan.preflight.checks import validate_job
 
     monkeypatch.setattr(storage, "resolve", lambda uri: (None, str(uri)))  # no network for s3://
     cfg = load_config(None, ['--job.dump_folder="s3://bucket/runs"', "--metrics.save_rank_reports=true"])

@@ -192,7 +192,7 @@ def train_one_dropped_step(src: Path, tmp_path: Path) -> tuple[Any, Path]:
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.report import LocalReporter
     from ray_titan.metrics.sinks import read_steps
-    from ray_titan.preflight import validate_job
+    from ray_titan.preflight.checks import validate_job
     from ray_titan.trainer import train_loop
 
     data = tmp_path / "text.jsonl"

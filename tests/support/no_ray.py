@@ -9,7 +9,7 @@ the log that :func:`ray_imports` reads.
 
 ``python -m tests.support.no_ray SPEC.json`` runs, in this one process (one interpreter and torch
 import for all), each ``[entry, argv]`` of SPEC in turn: ``launch`` is
-``python -m ray_titan.launch``'s :func:`ray_titan.launch.main`, ``cli`` is ``ray-titan``'s
+``python -m ray_titan.launch``'s :func:`ray_titan.launch.torchrun.main`, ``cli`` is ``ray-titan``'s
 :func:`ray_titan.cli.main`; an argument ``glob:PATTERN`` stands for the one path matching it
 when its run starts (a run directory an earlier run made). After each it prints
 ``no_ray: exit <code>`` on stdout and stderr.
@@ -92,7 +92,7 @@ def _run(entry: str, argv: list[str]) -> int:
     try:
         argv = [_expand(a) for a in argv]
         if entry == "launch":
-            from ray_titan.launch import main
+            from ray_titan.launch.torchrun import main
 
             main(argv)
             return 0

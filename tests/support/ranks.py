@@ -1,7 +1,7 @@
 """``python -m ray_titan.launch`` without an interpreter start per process: each rank is a child of
 one forkserver that imported torch and ray_titan once for the test session, with the environment
 torchrun gives its ranks (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``), running :func:`ray_titan.launch.main` on the same arguments. The launcher's code
+``MASTER_PORT``), running :func:`ray_titan.launch.torchrun.main` on the same arguments. The launcher's code
 path is unchanged; what is saved is ~4 CPU-seconds of imports per process (on 2 cores, a 4-rank
 launch took ~8 s more before its first step).
 
@@ -96,7 +96,7 @@ def _rank(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) ->
     os.chdir(cwd)
     code = 0
     try:
-        from ray_titan.launch import main
+        from ray_titan.launch.torchrun import main
 
         main(argv)
     except SystemExit as e:  # as the interpreter reports it

@@ -26,7 +26,7 @@ from ray_titan.config import ConfigError, load_config, merge_overrides
 from ray_titan.fault import NonFiniteError
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.report import LocalReporter
-from ray_titan.preflight import validate_job
+from ray_titan.preflight.checks import validate_job
 from ray_titan.trainer import train_loop
 from tests.conftest import REPO
 

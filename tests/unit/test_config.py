@@ -11,7 +11,7 @@ import pytest
 
 import ray_titan.driver.run as driver
 from ray_titan.config import ConfigError, JobConfig, load_config
-from ray_titan.preflight import validate_job
+from ray_titan.preflight.checks import validate_job
 from tests.conftest import REPO
 
 
@@ -186,7 +186,7 @@ def test_lr_schedule_warms_up_to_the_peak_and_ends_at_the_floor():
 
 
 def test_warmup_longer_than_the_run_is_a_warning_not_an_error():
-    from ray_titan.preflight import job_warnings
+    from ray_titan.preflight.checks import job_warnings
 
     assert job_warnings(_cfg()) == []
     (warning,) = job_warnings(_cfg("--training.steps=10"))
@@ -298,7 +298,7 @@ def test_the_schemas_schedule_names_are_the_schedule_tables():
 def test_a_tp_that_leaves_a_rank_no_vocabulary_row_is_refused_before_workers():
     """The embedding gives each tp rank ceil(vocab / tp) rows (VocabParallelEmbedding): 9 tokens
     over 8 ranks would leave the last rank none, which its workers would only find at build."""
-    from ray_titan.preflight import _check_vocab
+    from ray_titan.preflight.checks import _check_vocab
 
     cfg = load_config(None, ["--parallelism.tp=8", "--parallelism.loss_parallel=false"])
     _check_vocab(cfg, 258)  # 33 rows a rank, 27 on the last

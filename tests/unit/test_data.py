@@ -153,7 +153,7 @@ def test_a_long_document_reads_from_jsonl_and_parquet_and_the_position_stays_thr
 
 def test_data_that_cannot_train_is_refused(tmp_path):
     from ray_titan.config import load_config
-    from ray_titan.preflight import validate_job
+    from ray_titan.preflight.checks import validate_job
 
     pq.write_table(pa.table({"text": ["", "", ""]}), tmp_path / "empty.parquet")
     pq.write_table(pa.table({"text": pa.array([None, None], pa.string())}), tmp_path / "null.parquet")

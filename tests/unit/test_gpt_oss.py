@@ -282,7 +282,7 @@ def test_bad_config_json_is_refused_naming_the_field(tiny, tmp_path, change, mes
 def test_tensor_parallel_is_refused_before_any_worker():
     from ray_titan.config import load_config
     from ray_titan.config.schema import ConfigError
-    from ray_titan.preflight import validate_job
+    from ray_titan.preflight.checks import validate_job
 
     cfg = load_config(None, ["--model.name=gpt_oss", "--model.flavor=debug", "--parallelism.tp=2",
                              "--parallelism.dp_shard=1", "--parallelism.pp=1", "--ray.num_workers=2"])

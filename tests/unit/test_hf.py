@@ -26,7 +26,7 @@ from ray_titan.config import ConfigError, load_config
 from ray_titan.models.decoder import count_parameters
 from ray_titan.models.registry import build_model, get_model_args
 from ray_titan.models.rope import inv_frequencies, softmax_scale_factor
-from ray_titan.preflight import validate_job
+from ray_titan.preflight.checks import validate_job
 from tests.support.hf_models import SEQ, VOCAB, corpus_lines, make_hf_model, write_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -607,7 +607,7 @@ def test_family_and_flavor_come_from_config_json(llama_copy, tmp_path):
 def test_a_jobs_memory_plan_is_of_the_checkpoints_model(hf_dirs, llama_copy, tmp_path):
     """Flavor ``hf`` (sizes from config.json) is planned, not refused: its parameters are the
     checkpoint's, counted on the model transformers made (one rank: fp32 parameters, bytes)."""
-    from ray_titan.memory_planner import memory_plan
+    from ray_titan.preflight.memory_plan import memory_plan
 
     plan = memory_plan(_job(tmp_path, llama_copy), device="cpu", levers=False)
     hf_elements = sum(p.numel() for p in hf_dirs["llama"][1].parameters())

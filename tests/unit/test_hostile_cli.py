@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from ray_titan import memory_planner
 from ray_titan.config import load_config
-from ray_titan.memory_planner import LISTED_RANKS, MemoryPlan, memory_plan
+from ray_titan.preflight import memory_plan as memory_planner
+from ray_titan.preflight.memory_plan import LISTED_RANKS, MemoryPlan, memory_plan
 
 _BIG = ["--parallelism.pp=2", "--training.global_batch_size={gbs}", "--parallelism.microbatches=2"]
 
@@ -206,19 +206,6 @@ def test_report_reads_a_file_of_one_row_per_row_group_a_batch_at_a_time(tmp_path
     assert t.num_rows == 300 and t.column_names == ["step", "rank"] and t["step"].num_chunks == 1
 
 
-def test_the_old_train_loop_module_names_the_new_home_of_what_it_held():
-    import sys
-
-    sys.modules.pop("ray_titan.train_loop", None)  # imported first here, whatever ran before
-    with pytest.warns(DeprecationWarning):
-        import ray_titan.train_loop
-    with pytest.raises(ImportError, match=r"ray_titan.train_loop.train_loop is now ray_titan.trainer.train_loop"):
-        from ray_titan.train_loop import train_loop  # noqa: F401
-    with pytest.raises(ImportError, match=r"is now ray_titan.trainer.build.build_lr_lambda"):
-        from ray_titan.train_loop import build_lr_lambda  # noqa: F401
-    assert not hasattr(ray_titan.train_loop, "nothing_like_it")
-
-
 def test_concurrent_storage_probes_leave_no_directory(tmp_path):
     # Before: a probe that created a directory another probe was using could not remove it (22
     # of 30 trials of 6 threads left one).
@@ -240,7 +227,7 @@ def test_concurrent_storage_probes_leave_no_directory(tmp_path):
 def test_a_memory_plan_that_fails_is_not_told_as_does_not_fit(monkeypatch, capsys):
     """``memory plan``'s exit status 1 means "does not fit": a plan that fails (issue 44, finding 5's
     AttributeError was read as that) exits 3, one line naming the error."""
-    from ray_titan import memory_planner
+    from ray_titan.preflight import memory_plan as memory_planner
 
     def broken(*args, **kwargs):
         raise AttributeError("'Llama' object has no attribute 'moe'")

@@ -95,7 +95,7 @@ def test_mixture_resumes_exactly_from_a_checkpoint(sources, tmp_path):
                 "{name = \"a\", source = \"python_stdlib\", weight = 2.0}]",), "repeat"),
 ])
 def test_bad_mixtures_are_refused_before_workers(sources, corpus_cache, change, message):
-    from ray_titan.preflight import validate_job
+    from ray_titan.preflight.checks import validate_job
 
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), sources / "empty.parquet")
     with pytest.raises(ConfigError, match=message):

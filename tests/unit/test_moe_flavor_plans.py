@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ray_titan.config import load_config
-from ray_titan.memory_planner import memory_plan
 from ray_titan.models.decoder import count_parameters
 from ray_titan.models.registry import build_model
+from ray_titan.preflight.memory_plan import memory_plan
 
 
 @pytest.mark.parametrize("name, flavor, vocab, pp, dp_shard, ep", [

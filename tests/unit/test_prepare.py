@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import ray_titan.driver.run as driver
-import ray_titan.launch as launch
+import ray_titan.launch.torchrun as launch
 from ray_titan.config.schema import JobConfig
 from tests.conftest import REPO
 

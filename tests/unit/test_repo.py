@@ -204,30 +204,3 @@ def test_every_function_reads_in_one_screen():
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80}
     assert len(files) > 100 and "ray_titan/driver/run.py" in {f.relative_to(REPO).as_posix() for f in files}
     assert long == {}, long
-
-
-@pytest.mark.parametrize("old, new", [("ray_titan.progress", "ray_titan.driver.progress"),
-                                      ("ray_titan.interrupts", "ray_titan.driver.signals"),
-                                      ("ray_titan.scaling", "ray_titan.driver.torch_trainer"),
-                                      ("ray_titan.gc", "ray_titan.gc_schedule"),
-                                      ("ray_titan.run_report", "ray_titan.run_summary"),
-                                      ("ray_titan.hf", "ray_titan.checkpoint.huggingface"),
-                                      ("ray_titan.models.qwen3.hf", "ray_titan.models.qwen3.state_dict_adapter")])
-def test_a_moved_module_names_its_new_home(old, new):
-    import importlib.util
-
-    with pytest.raises(ModuleNotFoundError, match=f"^{old} is now {new}$"):
-        importlib.import_module(old)
-    assert importlib.util.find_spec(new) is not None  # found, not imported (Ray's import costs seconds)
-
-
-def test_the_old_driver_and_launcher_names_still_work():
-    import importlib
-
-    import ray_titan.driver
-    import ray_titan.driver.run
-
-    assert ray_titan.driver.train is ray_titan.driver.run.train
-    with pytest.warns(DeprecationWarning, match="ray_titan.train_loop is now ray_titan.launch"):
-        sys.modules.pop("ray_titan.train_loop", None)
-        importlib.import_module("ray_titan.train_loop")

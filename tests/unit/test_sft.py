@@ -74,7 +74,7 @@ def test_sft_loader_masks_prompt_labels_and_counts_the_global_batch(tmp_path):
 
 
 def test_sft_sources_are_checked_before_workers(tmp_path, monkeypatch):
-    from ray_titan.preflight import validate_job
+    from ray_titan.preflight.checks import validate_job
 
     pq.write_table(pa.table({"prompt": ["a"], "answer": ["b"]}), tmp_path / "x.parquet")
     cfg = JobConfig.from_dict({"data": {"source": "parquet", "path": str(tmp_path / "x.parquet"),

@@ -1059,7 +1059,7 @@ def _lever_candidates(cfg: JobConfig, device: str) -> list[tuple[str, str, list[
 def _variant(cfg: JobConfig, overrides: list[str]) -> JobConfig | None:
     """``cfg`` with ``overrides``, or None when the result is not a valid job (the checks the
     driver runs before workers start, without the data ones)."""
-    from ray_titan.preflight import validate_job
+    from ray_titan.preflight.checks import validate_job
 
     data = cfg.model_dump()
     data["ray"]["num_workers"] = None  # a lever may change the worker count
@@ -1130,7 +1130,7 @@ def memory_plan(
     argument.
     """
     from ray_titan.checkpoint.huggingface import resolve_hf_job
-    from ray_titan.preflight import validate_job
+    from ray_titan.preflight.checks import validate_job
 
     cfg = resolve_hf_job(cfg)  # a Hugging Face job's family and sizes are its config.json's
     if not 1 <= routing_imbalance < math.inf:  # NaN too
@@ -1169,7 +1169,7 @@ def memory_plan(
 def write_memory_plan(plan: MemoryPlan, run_dir: Path | str) -> dict[str, Any]:
     """Write a run's ``plan`` to ``<run_dir>/memory_plan.json`` (``run_dir`` a local path or a URI)
     and print each rank group's predicted peak; returns the plan as a dict. The plan is made before
-    anything starts (:func:`ray_titan.prepare.prepare_job`)."""
+    anything starts (:func:`ray_titan.preflight.prepare.prepare_job`)."""
     from ray_titan.run_dir import under
 
     data = plan.to_dict()

@@ -38,7 +38,7 @@ from ray_titan.metrics.report import (
 from ray_titan.metrics.sinks import wandb_settings
 from ray_titan.metrics.timing import write_timings
 from ray_titan.parallel.dims import process_group_backend
-from ray_titan.prepare import prepare_job
+from ray_titan.preflight.prepare import prepare_job
 from ray_titan.run_dir import make_run_dir
 from ray_titan.trainer.build import parallel_dims
 from ray_titan.trainer.loop import train_loop
@@ -194,6 +194,3 @@ def _end(cfg: JobConfig, run_dir: Path, outcome: RunOutcome, world: int) -> None
     if run and skipped >= run:  # as ray-titan train: a run that applied no update learned nothing
         raise SystemExit(f"no update was applied: {skipped} of {run} updates skipped")
 
-
-if __name__ == "__main__":
-    main()

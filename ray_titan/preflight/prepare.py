@@ -4,7 +4,7 @@
 :func:`prepare_job` loads the config (a TOML path or a :class:`JobConfig`, plus dotted overrides),
 rewrites it in one order (an in-memory dataset makes ``data.source = "ray_data"``; every path made
 absolute; a Hugging Face checkpoint's model settings taken from it), prints the warnings, runs
-the pre-flight checks and makes the memory plan (:mod:`ray_titan.memory_planner`), so that a job
+the pre-flight checks and makes the memory plan (:mod:`ray_titan.preflight.memory_plan`), so that a job
 both launchers accept is the same job with the same plan: resolve → validate → plan. The
 :class:`PreparedJob` writes its plan once the run directory exists (:meth:`PreparedJob.record_plan`).
 """
@@ -18,8 +18,8 @@ from typing import Any
 
 from ray_titan.checkpoint.huggingface import resolve_hf_job
 from ray_titan.config.schema import JobConfig, apply_overrides, load_config
-from ray_titan.memory_planner import MemoryPlan, memory_plan, write_memory_plan
-from ray_titan.preflight import job_warnings, validate_job
+from ray_titan.preflight.checks import job_warnings, validate_job
+from ray_titan.preflight.memory_plan import MemoryPlan, memory_plan, write_memory_plan
 from ray_titan.run_dir import resolve_paths
 
 __all__ = ["PreparedJob", "prepare_job", "resolve_job"]
@@ -64,7 +64,7 @@ class PreparedJob:
 
     def record_plan(self, run_dir: Path | str) -> dict[str, Any] | None:
         """Write the plan to ``<run_dir>/memory_plan.json`` and print each rank group's predicted
-        peak (:func:`ray_titan.memory_planner.write_memory_plan`); returns it as a dict, or None
+        peak (:func:`ray_titan.preflight.memory_plan.write_memory_plan`); returns it as a dict, or None
         with a warning on stderr where there is none."""
         if self.memory_plan is None:
             print(f"ray_titan: warning: no memory plan: {self.no_plan}", file=sys.stderr, flush=True)
@@ -76,7 +76,7 @@ def prepare_job(config: JobConfig | str | Path | None, overrides: list[str] | No
                 dataset: bool = False, warn: bool = True, plan: bool = True) -> PreparedJob:
     """The job to run: :func:`resolve_job`'s config, its warnings printed on stderr
     (``ray_titan: warning: ...``; ``warn=False``: not printed, for all but one rank of a launch),
-    the pre-flight checks passed (:func:`ray_titan.preflight.validate_job`, which also materialises
+    the pre-flight checks passed (:func:`ray_titan.preflight.checks.validate_job`, which also materialises
     the built-in corpus once, before any worker reads it), and its memory plan
     (``plan=False``: none, for all but one rank of a launch). Raises
     :class:`~ray_titan.config.ConfigError` naming the setting, its value and what is valid, before

@@ -1,0 +1,3 @@
+from ray_titan.launch.torchrun import main
+
+main()
