@@ -47,7 +47,7 @@ from ray_titan.driver.result import RunResult, say_outcome
 from ray_titan.driver.signals import Interrupted, SignalGuard
 from ray_titan.metrics.outcome import RunOutcome
 from ray_titan.parallel.dims import process_group_backend
-from ray_titan.preflight.prepare import prepare_job
+from ray_titan.preflight.prepare import on_cluster, prepare_job, worker_configs
 from ray_titan.run_dir import STOP_REASON_FILE, make_run_dir, under
 
 if TYPE_CHECKING:
@@ -124,7 +124,6 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     make the run directory and write the plan into it, start the collector and the worker group,
     wait for it, and read the outcome."""
     from ray_titan.driver.progress import check_mode
-    from ray_titan.parallel.elastic import fitting_worker_counts
 
     check_mode(progress)
     marks = {"train_called": time.time()}
@@ -136,18 +135,17 @@ def _train(config: JobConfig | str | Path, overrides: list[str] | None, progress
     datasets = _datasets(cfg, dataset)
     cpus = cpus_per_worker(cfg)
     marks["cluster_ready"] = time.time()
-    if cfg.training.threads_per_worker is None:
-        cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
-            update={"threads_per_worker": max(1, int(cpus + 0.999))})})
+    cfg = on_cluster(cfg, cpus)
     run_dir = make_run_dir(cfg)
     signals.note = f"the metrics flushed so far are in {run_dir}"
     storage.write_text(under(run_dir, "config.json"), cfg.model_dump_json(indent=2))
     plan = job.record_plan(run_dir)
-    counts = fitting_worker_counts(cfg)
+    configs = worker_configs(cfg)  # what each worker trains with, by the workers Ray grants
+    counts = sorted(configs)
     collector = start_collector(cfg, run_dir, counts)
     aggregators = start_aggregators(cfg, collector, counts)
     _say_start(cfg, run_dir, counts, cpus)
-    trainer = _ray_trainer(cfg, run_dir, counts, cpus, (collector, aggregators), callbacks, datasets)
+    trainer = _ray_trainer(cfg, run_dir, configs, cpus, (collector, aggregators), callbacks, datasets)
     if collector is None:
         return _fit_without_metrics(trainer, cfg, run_dir, marks)
     failure, outcome = _fit(trainer, collector, cfg, run_dir, progress, marks)
@@ -176,11 +174,12 @@ def _say_start(cfg: JobConfig, run_dir: Path | str, counts: list[int], cpus: flo
     )
 
 
-def _ray_trainer(cfg: JobConfig, run_dir: Path | str, counts: list[int], cpus: float,
+def _ray_trainer(cfg: JobConfig, run_dir: Path | str, configs: dict[int, JobConfig], cpus: float,
                  metrics: tuple[Any, list | None], callbacks: list | None, datasets: dict[str, Any]) -> Any:
-    """Ray Train's trainer of the run: one worker per rank (``counts``' range for an elastic run),
-    each running :func:`ray_titan.trainer.ray_worker.worker_entry`; ``metrics``: the collector and
-    the metrics aggregators (None: the ranks call the collector)."""
+    """Ray Train's trainer of the run: one worker per rank (the range of ``configs``' worker counts
+    for an elastic run), each running :func:`ray_titan.trainer.ray_worker.worker_entry` with the
+    config of its worker count (:func:`ray_titan.preflight.prepare.worker_configs`); ``metrics``: the
+    collector and the metrics aggregators (None: the ranks call the collector)."""
     from ray.train.torch import TorchConfig
 
     # Ray Train V2's classes (what ray.train exports at runtime), named so that mypy sees them too.
@@ -191,11 +190,11 @@ def _ray_trainer(cfg: JobConfig, run_dir: Path | str, counts: list[int], cpus: f
     from ray_titan.parallel.elastic import is_elastic
     from ray_titan.trainer.ray_worker import worker_entry
 
-    elastic = is_elastic(cfg)
+    elastic, counts = is_elastic(cfg), sorted(configs)
     return (partial(MeshTorchTrainer, counts=counts) if elastic else LeanTorchTrainer)(
         worker_entry,
         own_cluster=own_cluster(),
-        train_loop_config={"config": cfg.model_dump(), "collector": metrics[0], "aggregators": metrics[1],
+        train_loop_config={"configs": configs, "collector": metrics[0], "aggregators": metrics[1],
                            "run_dir": str(run_dir), "callbacks": list(callbacks or [])},
         torch_config=TorchConfig(backend=process_group_backend(cfg.ray.use_gpu, cfg.memory.cpu_offload)),
         **datasets,

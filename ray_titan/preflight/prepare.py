@@ -18,11 +18,12 @@ from typing import Any
 
 from ray_titan.checkpoint.huggingface import resolve_hf_job
 from ray_titan.config.schema import JobConfig, apply_overrides, load_config
+from ray_titan.parallel.elastic import fitting_worker_counts, mesh_for_workers
 from ray_titan.preflight.checks import job_warnings, validate_job
 from ray_titan.preflight.memory_plan import MemoryPlan, memory_plan, write_memory_plan
 from ray_titan.run_dir import resolve_paths
 
-__all__ = ["PreparedJob", "prepare_job", "resolve_job"]
+__all__ = ["PreparedJob", "on_cluster", "prepare_job", "resolve_job", "worker_configs"]
 
 
 def resolve_job(config: JobConfig | str | Path | None, overrides: list[str] | None = None, *,
@@ -91,3 +92,22 @@ def prepare_job(config: JobConfig | str | Path | None, overrides: list[str] | No
         return PreparedJob(cfg, memory_plan(cfg, device="cuda" if cfg.ray.use_gpu else "cpu", levers=False))
     except Exception as e:  # the plan informs; a job the pre-flight checks passed still runs
         return PreparedJob(cfg, no_plan=f"{type(e).__name__}: {e}")
+
+
+def on_cluster(cfg: JobConfig, cpus_per_worker: float) -> JobConfig:
+    """The job's rewrite that needs the cluster, made by the Ray driver once it has joined it and
+    before any worker starts: ``training.threads_per_worker`` unset becomes the CPUs a worker
+    reserves (``cpus_per_worker``, rounded up past a thousandth, at least 1)."""
+    if cfg.training.threads_per_worker is not None:
+        return cfg
+    threads = max(1, int(cpus_per_worker + 0.999))
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"threads_per_worker": threads})})
+
+
+def worker_configs(cfg: JobConfig) -> dict[int, JobConfig]:
+    """The config the workers of a Ray run train with, by the number of workers Ray Train grants an
+    attempt: one entry for a fixed mesh, one per fitting count for an elastic one
+    (:func:`ray_titan.parallel.elastic.mesh_for_workers`). Made in the driver before any worker
+    starts and sent as these objects, so a worker picks its entry and never rewrites the config."""
+    meshes = {n: mesh_for_workers(cfg, n) for n in fitting_worker_counts(cfg)}
+    return {n: mesh for n, mesh in meshes.items() if mesh is not None}

@@ -1,8 +1,8 @@
 """The worker side of a Ray run: the function Ray Train runs on every worker.
 
 :func:`worker_entry` is ``TorchTrainer``'s ``train_loop_per_worker``: it lowers the worker's
-niceness, rebuilds the config the driver sent (sized for the workers Ray granted an elastic
-attempt), reports to the driver's metrics collector and runs :func:`ray_titan.trainer.train_loop`.
+niceness, takes the config the driver made for the number of workers Ray granted (an elastic
+attempt's mesh), reports to the driver's metrics collector and runs :func:`ray_titan.trainer.train_loop`.
 A non-finite loss ends the run on every rank without a restart (rank 0 tells the driver why).
 """
 
@@ -40,10 +40,13 @@ def set_process_niceness(nice: int) -> bool:
 
 
 def worker_entry(loop_config: dict[str, Any]) -> None:
-    """Ray Train's ``train_loop_per_worker``: rebuild the config, report to the collector."""
+    """Ray Train's ``train_loop_per_worker``: take the config of the worker count Ray granted
+    (``loop_config["configs"]``, validated and rewritten by the driver before any worker started:
+    :func:`ray_titan.preflight.prepare.worker_configs`), report to the collector."""
     entry, cpu_at_entry = time.time(), time.process_time()
+    configs: dict[int, JobConfig] = loop_config["configs"]
     # First, so that the imports below (seconds of CPU on a busy machine) run at it too.
-    set_process_niceness(loop_config["config"]["ray"]["worker_nice"])
+    set_process_niceness(next(iter(configs.values())).ray.worker_nice)
     import psutil
     import ray.train
     import ray.train.torch
@@ -59,18 +62,15 @@ def worker_entry(loop_config: dict[str, Any]) -> None:
         reporting_target,
     )
     from ray_titan.metrics.timing import write_timings
-    from ray_titan.parallel.elastic import mesh_for_workers
     from ray_titan.trainer import train_loop
 
     worker_start, cpu_at_start = time.time(), time.process_time()
-    cfg = JobConfig.model_validate(loop_config["config"])
     context = ray.train.get_context()
     rank = context.get_world_rank()
     # An elastic run's mesh is sized for the workers Ray granted this attempt.
-    granted = mesh_for_workers(cfg, context.get_world_size())
-    if granted is None:
+    if context.get_world_size() not in configs:
         raise RuntimeError(f"Ray Train granted {context.get_world_size()} workers, a count no mesh of this job fits")
-    cfg = granted
+    cfg = configs[context.get_world_size()]
     if loop_config["collector"] is None:  # metrics.enabled = false
         reporter = Reporter()
     else:

@@ -112,3 +112,21 @@ def test_launcher_refuses_a_process_count_not_the_meshs_and_a_ray_data_source(mo
         launch.main(["--config", str(REPO / "configs" / "debug_llama.toml")])
     with pytest.raises(SystemExit, match=r"data.source = 'ray_data' streams through Ray: run it with ray-titan train"):
         launch.main(["--parallelism.pp=1", "--parallelism.dp_shard=1", "--data.source=ray_data"])
+
+
+def test_workers_get_the_driver_s_configs_one_per_granted_worker_count():
+    # The job's last rewrites happen in the driver: a worker only picks the entry of the worker
+    # count Ray granted (no dict round trip, no rewrite on the worker).
+    from ray_titan.parallel.elastic import fitting_worker_counts
+    from ray_titan.preflight.prepare import on_cluster, worker_configs
+
+    cfg = JobConfig.from_dict({"parallelism": {"pp": 2, "dp_shard": 2, "microbatches": 2},
+                               "training": {"global_batch_size": 8}, "ray": {"num_workers": [2, 4]}})
+    assert cfg.training.threads_per_worker is None
+    cfg = on_cluster(cfg, 1.5)
+    assert cfg.training.threads_per_worker == 2 and on_cluster(cfg, 7.0) is cfg  # set once, never again
+    configs = worker_configs(cfg)
+    assert sorted(configs) == fitting_worker_counts(cfg) == [2, 4]
+    assert all(isinstance(c, JobConfig) and c.world_size == n and c.training.threads_per_worker == 2
+               for n, c in configs.items())
+    assert configs[2].parallelism.dp_shard == 1 and configs[4] is cfg
