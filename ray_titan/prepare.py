@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ray_titan.checkpoint.huggingface import resolve_hf_job
+from ray_titan.checkpoint import resolve_hf_job
 from ray_titan.config.schema import JobConfig, apply_overrides, load_config
 from ray_titan.memory_planner import MemoryPlan, memory_plan, write_memory_plan
 from ray_titan.preflight import job_warnings, validate_job
