@@ -16,7 +16,7 @@ flushed, and the last checkpoint named).
 default included, as TOML; ``ray-titan config docs`` prints (or writes, ``--output``) the
 configuration reference ``docs/configuration.md``.
 ``ray-titan export CHECKPOINT_OR_RUN_DIR --to hf OUT_DIR [--dtype bf16|fp32]`` writes a ray_titan
-checkpoint as a Hugging Face model directory (``ray_titan.checkpoint.huggingface.export_hf``), whole or not at all.
+checkpoint as a Hugging Face model directory (``ray_titan.checkpoint.export_hf``), whole or not at all.
 Every command stops on Ctrl-C (exit 130), SIGTERM (143) or SIGHUP (129) as ``train`` does, and refuses bad
 input one way: one line ``ray-titan <command>: <what, which value, what would be valid>`` and
 exit 2 before anything starts (:class:`UsageError`, a config error, argparse's own).
@@ -284,8 +284,7 @@ def _positive(value: float, flag: str, unit: str) -> None:
 
 
 def _export(args, overrides: list[str]) -> int:
-    from ray_titan.checkpoint import CheckpointError
-    from ray_titan.checkpoint.huggingface import export_hf
+    from ray_titan.checkpoint import CheckpointError, export_hf
     from ray_titan.storage import StorageError
 
     if overrides:

@@ -35,7 +35,20 @@ Modules: :mod:`.checkpointer` (the :class:`Checkpointer`: save, restore), :mod:`
 manifest, CRCs, completeness and compatibility checks, :class:`CheckpointError`),
 :mod:`.unpickler` (reading DCP's metadata without unrestricted pickle), :mod:`.staging` (where
 a checkpoint is written: local directory or Ray Train's staging).
+
+Hugging Face checkpoints in and out (``config.json`` + safetensors + ``tokenizer.json``), one
+module a concern: :mod:`.hf_config` (a model directory's ``config.json``: the family and model
+arguments it describes, :func:`resolve_hf_job`, :func:`job_model_args`,
+:class:`HFCheckpointError`), :mod:`.hf_safetensors` (:class:`SafetensorsFiles`: the headers,
+and a run of rows read from a local directory or object storage), :mod:`.hf_import`
+(:func:`check_hf_checkpoint` before the workers start, :func:`load_hf_weights` on each rank, its
+own shard only) and :mod:`.hf_export` (:func:`export_hf`, :func:`save_last_hf`). Their public
+names are importable from here; they are imported on first use, since they import every model
+family (about 1.5 s), which a process that only finds or saves checkpoints does not need.
 """
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ray_titan.checkpoint.checkpointer import Checkpointer, ModelParts
 from ray_titan.checkpoint.manifest import (
@@ -63,29 +76,72 @@ from ray_titan.checkpoint.unpickler import (
     load_metadata,
 )
 
+if TYPE_CHECKING:
+    from ray_titan.checkpoint.hf_config import (
+        CONFIG,
+        INDEX,
+        HFCheckpointError,
+        hf_model,
+        job_model_args,
+        read_hf_config,
+        resolve_hf_job,
+    )
+    from ray_titan.checkpoint.hf_export import ExportResult, export_hf, save_last_hf
+    from ray_titan.checkpoint.hf_import import check_hf_checkpoint, load_hf_weights
+    from ray_titan.checkpoint.hf_safetensors import MAX_HEADER_BYTES, SafetensorsFiles
+
+_HF_HOMES = {
+    **dict.fromkeys(["CONFIG", "INDEX", "HFCheckpointError", "hf_model", "job_model_args", "read_hf_config",
+                     "resolve_hf_job"], "hf_config"),
+    **dict.fromkeys(["ExportResult", "export_hf", "save_last_hf"], "hf_export"),
+    **dict.fromkeys(["check_hf_checkpoint", "load_hf_weights"], "hf_import"),
+    **dict.fromkeys(["MAX_HEADER_BYTES", "SafetensorsFiles"], "hf_safetensors"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HF_HOMES:
+        return getattr(importlib.import_module(f"ray_titan.checkpoint.{_HF_HOMES[name]}"), name)
+    raise AttributeError(f"module 'ray_titan.checkpoint' has no attribute {name!r}")
+
+
 __all__ = [
     "ALLOWED_GLOBALS",
+    "CONFIG",
     "HF_DIR",
+    "INDEX",
     "MANIFEST",
+    "MAX_HEADER_BYTES",
     "MAX_MANIFEST_BYTES",
     "MAX_METADATA_BYTES",
     "TOKENIZER_FILES",
     "CheckpointError",
     "Checkpointer",
+    "ExportResult",
+    "HFCheckpointError",
     "LocalCheckpointStorage",
     "MetadataUnpickler",
     "ModelParts",
     "RayTrainCheckpointStorage",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
+    "SafetensorsFiles",
     "check_compatible",
+    "check_hf_checkpoint",
     "check_metadata",
     "checkpoint_candidates",
+    "export_hf",
     "find_latest",
+    "hf_model",
+    "job_model_args",
+    "load_hf_weights",
     "load_metadata",
+    "read_hf_config",
     "read_manifest",
     "remove_staging",
     "resolve_checkpoint",
+    "resolve_hf_job",
+    "save_last_hf",
     "saved_reports",
     "staging_root",
     "step_dir_name",

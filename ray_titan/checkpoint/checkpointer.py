@@ -128,7 +128,7 @@ class Checkpointer:
         self.reporter, self.storage, self.device = reporter, storage, device
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.job = _job_manifest(cfg, vocab_size)
-        # What an export to Hugging Face needs (ray_titan.checkpoint.huggingface): the model's arguments (a Hugging
+        # What an export to Hugging Face needs (ray_titan.checkpoint.hf_export): the model's arguments (a Hugging
         # Face checkpoint's sizes are no flavor), the tokenizer files, the imported config.json.
         args = getattr(stages[0], "args", None) if stages else None
         if dataclasses.is_dataclass(args) and not isinstance(args, type):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pyarrow as pa
 
 from ray_titan import storage
-from ray_titan.checkpoint.huggingface import save_last_hf
+from ray_titan.checkpoint import save_last_hf
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.driver.cluster import connect, cpus_per_worker, init_local_cluster, own_cluster
 from ray_titan.driver.collector_actor import (

@@ -4,7 +4,7 @@ Before paying for a 1,000-GPU job, run its ranks here: each is built and trained
 steps by ray_titan's own code (build and parallelize, the pipeline schedule, forward, backward,
 clipping, the optimizer and LR steps, then the checkpoint's save and resume planned by DCP,
 nothing written: :mod:`ray_titan.dry_run.checkpoint_plan`) on fake CUDA tensors over a fake process group of the
-job's world size, one child process per rank (:mod:`ray_titan.dry_run.simulate`, whose
+job's world size, one child process per rank (:mod:`ray_titan.dry_run.rank`, whose
 docstring lists what is simulated). It finds what would fail on the first GPU run without a
 GPU: a host tensor given to an NCCL collective, a shape that does not fit the mesh; and it
 counts the host synchronisations per step (each drains the GPU's queue) and measures each
@@ -15,6 +15,13 @@ computed); correctness of values is the CPU parity tests' business.
 The simulated device is a small C++ library, built once with the compiler torch's extension
 builder uses, on any torch build: a CPU build has no CUDA device at all, and a CUDA build on a
 machine without a GPU fails at its first call into the CUDA runtime (:mod:`ray_titan.dry_run.shim`).
+
+Modules, each importing only those after it: :mod:`.rank` (a rank's child process: builds,
+trains and reports it), :mod:`.fake_group` (the fake process group, and the pipeline neighbours
+that are not running), :mod:`.fake_device` (``torch.cuda`` as an H100's, the fake tensor mode
+that checks collectives as NCCL would, the torch-side shims), :mod:`.tally` (what is counted:
+host reads, collectives, device memory and its peak by category); beside them
+:mod:`.checkpoint_plan` (the checkpoint planned by DCP) and :mod:`.shim` (the fake CUDA library).
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ class RankResult:
     type: ``cuda``, ``cpu``), ``resume_read_items`` (the items DCP plans to read resuming it) and
     ``checkpoint_seconds`` (wall, that planning's); ``peak_by_category``: the live storages at the
     peak of the build and the steps by the plan's categories (bytes; tagged as
-    :class:`ray_titan.dry_run.simulate._DeviceTally` says), ``peak_top_ops``: their largest
+    :class:`ray_titan.dry_run.tally._DeviceTally` says), ``peak_top_ops``: their largest
     makers, ``[category, "phase:op", bytes]``, and ``plan_by_category``: the plan's
     (``RankPlan.categories``)."""
 
@@ -89,7 +96,7 @@ def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = 
     a rank off the mesh or ``steps`` < 1 (before anything runs), :class:`~ray_titan.dry_run.shim.ShimError`
     when the simulated device cannot be built, :class:`DryRunError` for the first rank that fails or
     runs past ``timeout`` seconds."""
-    from ray_titan.checkpoint.huggingface import job_model_args
+    from ray_titan.checkpoint import job_model_args
     from ray_titan.config import ConfigError, load_config
     from ray_titan.dry_run.shim import build_shim
     from ray_titan.preflight.checks import validate_job
@@ -116,7 +123,7 @@ def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = 
             spec_file.write_text(json.dumps(spec))
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             try:
-                proc = subprocess.run([sys.executable, "-m", "ray_titan.dry_run.simulate", str(spec_file)],
+                proc = subprocess.run([sys.executable, "-m", "ray_titan.dry_run.rank", str(spec_file)],
                                       capture_output=True, text=True, timeout=timeout, env=env)
             except subprocess.TimeoutExpired:  # subprocess.run has killed the child
                 raise DryRunError(f"rank {rank}: the simulation ran past its time limit of {timeout:g} s "

@@ -8,19 +8,22 @@ plans the same way from the metadata: a key this rank asks for that the checkpoi
 there. :func:`plan_save` and :func:`plan_load` run those steps for one simulated rank (acting as
 its own coordinator: the other ranks' plans are not here, so the coverage of each tensor by all
 ranks' chunks is not checked) with torch's own planners (``DefaultSavePlanner``, ray_titan's
-``SafeLoadPlanner``), and stop before any storage is touched.
+``SafeLoadPlanner``), and stop before any storage is touched; :func:`plan_checkpoint` plans a
+built rank's checkpoint with them, as ``Checkpointer`` would save and resume it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["CheckpointPlanError", "plan_load", "plan_save"]
+__all__ = ["CheckpointPlanError", "plan_checkpoint", "plan_load", "plan_save"]
 
 
 class CheckpointPlanError(RuntimeError):
@@ -67,3 +70,31 @@ def plan_load(state: dict[str, Any], metadata: Metadata) -> int:
     except RuntimeError as e:
         raise CheckpointPlanError(f"the checkpoint cannot be loaded into this rank's state: {e}") from e
     return len(planner.finish_plan(plan).items)
+
+
+def plan_checkpoint(cfg: Any, parts: Any, loader: Any, vocab_size: int, step: int) -> dict[str, Any]:
+    """The checkpoint after ``step`` of the built rank ``parts`` planned by DCP as
+    ``Checkpointer.save`` would hand it over (:func:`plan_save`, nothing written), then its resume
+    planned (``Checkpointer._load``'s state, key checks and DCP load planning) from it and from
+    the same rank's save on CPU, which lacks the CUDA generator key. Returns the report's
+    ``checkpoint_keys``, ``checkpoint_bytes`` (by device type) and ``resume_read_items``."""
+    from ray_titan.checkpoint import Checkpointer
+    from ray_titan.checkpoint.checkpointer import _check_keys, _drop_missing_device_rng
+
+    ck = Checkpointer(cfg, parts.rank, parts.stages.values(), parts.optimizer, parts.scheduler, loader, None, None,
+                      vocab_size, parts.device)
+    state = ck._state(step, False, True)
+    metadata, copied = plan_save(state)
+    # The same rank's save on CPU: every key but the CUDA generator's. The resume's state is the
+    # save's (Checkpointer._load builds the same keys and shapes; building it again costs seconds).
+    cuda_rng = f"rng.rank{parts.rank}.cuda"
+    on_cpu = dataclasses.replace(metadata, state_dict_metadata={
+        k: v for k, v in metadata.state_dict_metadata.items() if k != cuda_rng})
+    reads = []
+    for saved in (metadata, on_cpu):
+        sd = dict(state)
+        _drop_missing_device_rng(sd, saved.state_dict_metadata, parts.rank)
+        _check_keys(sd, saved, Path("(simulated checkpoint)"))
+        reads.append(plan_load(sd, saved))
+    return {"checkpoint_keys": len(metadata.state_dict_metadata), "checkpoint_bytes": copied,
+            "resume_read_items": reads[0]}

@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ray_titan.checkpoint import LocalCheckpointStorage, find_latest
-from ray_titan.checkpoint.huggingface import save_last_hf
+from ray_titan.checkpoint import LocalCheckpointStorage, find_latest, save_last_hf
 from ray_titan.config.schema import JobConfig, load_config
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.leak import leak_settings

@@ -8,7 +8,7 @@ entry of ray_titan's state dict, where its values live in the Hugging Face files
 permutation between Meta's interleaved rotary layout and Hugging Face's ``rotate_half`` layout
 (:func:`rotary_rows`), experts stacked along dim 0 from one tensor per expert, and tied weights
 (the output head reading the embedding). Reading and writing files is
-``ray_titan.checkpoint.huggingface``'s, generic over the families.
+``ray_titan.checkpoint.hf_import``'s and ``hf_export``'s, generic over the families.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def required(config: dict[str, Any], name: str) -> Any:
 # released model (so no real checkpoint is refused) and small enough that what ray_titan derives
 # from a config before reading any weight (the model on the meta device, the adapters' tensor
 # lists, rotary_rows' permutation) takes milliseconds: a hostile or mistyped value such as 1e9
-# is refused here, before it sizes anything. ray_titan.checkpoint.huggingface bounds the layer and expert counts and
+# is refused here, before it sizes anything. ray_titan.checkpoint.hf_import bounds the layer and expert counts and
 # the embedding further by what the safetensors headers hold.
 MAX_WIDTH = 2**16
 """hidden_size, and a query projection's heads × head_dim (Llama 3.1 405B: 16,384)."""

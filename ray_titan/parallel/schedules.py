@@ -1,7 +1,7 @@
 """Every pipeline schedule's properties, in one table (:data:`SCHEDULES`), read by the pipeline
 builder (``ray_titan.parallel.pipeline``), the pre-flight checks (``ray_titan.preflight.checks``) and the
 memory plan (``ray_titan.preflight.memory_plan``); ``config.schema``'s ``Literal`` of schedule names is
-checked against its keys (tests/unit/test_schedules.py).
+checked against its keys (tests/unit/test_config.py).
 
 **Microbatches in flight** (:attr:`Schedule.in_flight`): the microbatches whose forward ran and
 whose backward (the weight-gradient half, for zero-bubble schedules) has not, at a rank's peak,

@@ -22,13 +22,15 @@ from ray_titan.allocator import worker_env_vars
 from ray_titan.callbacks import resolve_callback
 from ray_titan.checkpoint import (
     CheckpointError,
+    HFCheckpointError,
     check_compatible,
+    check_hf_checkpoint,
     check_metadata,
     checkpoint_candidates,
+    job_model_args,
     load_metadata,
     read_manifest,
 )
-from ray_titan.checkpoint.huggingface import HFCheckpointError, check_hf_checkpoint, job_model_args
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.data.build import source_settings, training_documents, validation_documents
 from ray_titan.data.corpus import check_source
@@ -359,7 +361,7 @@ def _check_hf(cfg: JobConfig, vocab_size: int) -> None:
     if spec.name != cfg.model.name:
         raise ConfigError(
             f"checkpoint.initial_load_hf = {ck.initial_load_hf!r} holds a {spec.name} model but model.name = "
-            f"{cfg.model.name!r}: load the job with ray_titan.checkpoint.huggingface.resolve_hf_job (the launchers do)"
+            f"{cfg.model.name!r}: load the job with ray_titan.checkpoint.resolve_hf_job (the launchers do)"
         )
 
 

@@ -534,7 +534,7 @@ class _Job:
 def _job(cfg: JobConfig, device: str, rho: float, vocab_size: int | None) -> _Job:
     """The job as the plan reads it; builds the model on the meta device (cached). Raises
     :class:`ConfigError` for a pipeline schedule without an in-flight rule."""
-    from ray_titan.checkpoint.huggingface import job_model_args
+    from ray_titan.checkpoint import job_model_args
     from ray_titan.models.registry import get_spec
     from ray_titan.parallel.dims import parallel_dims
     from ray_titan.parallel.fsdp import resolve_mixed_precision, resolve_reshard_after_forward
@@ -1129,7 +1129,7 @@ def memory_plan(
     Raises :class:`ConfigError` for a job that is not valid (mesh, batch, schedule) or a bad
     argument.
     """
-    from ray_titan.checkpoint.huggingface import resolve_hf_job
+    from ray_titan.checkpoint import resolve_hf_job
     from ray_titan.preflight.checks import validate_job
 
     cfg = resolve_hf_job(cfg)  # a Hugging Face job's family and sizes are its config.json's

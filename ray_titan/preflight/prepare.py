@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ray_titan.checkpoint.huggingface import resolve_hf_job
+from ray_titan.checkpoint import resolve_hf_job
 from ray_titan.config.schema import JobConfig, apply_overrides, load_config
 from ray_titan.parallel.elastic import fitting_worker_counts, mesh_for_workers
 from ray_titan.preflight.checks import job_warnings, validate_job

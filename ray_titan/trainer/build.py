@@ -21,7 +21,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from ray_titan.checkpoint.huggingface import hf_model, load_hf_weights
+from ray_titan.checkpoint import hf_model, load_hf_weights
 from ray_titan.config.schema import JobConfig
 from ray_titan.data.loader import IGNORE_INDEX, PackedLoader
 from ray_titan.fault import FaultHandler
@@ -153,7 +153,7 @@ def build_stages(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, pp_r
     accelerator, FSDP2's parameters on the host, buffers on the device) and
     ``init_weights(training.seed)`` (each parameter seeded by its name, so the weights do not
     depend on the mesh), or, with ``checkpoint.initial_load_hf``, the Hugging Face checkpoint's
-    weights, each rank reading its own shards only (``ray_titan.checkpoint.huggingface``; the model's sizes and
+    weights, each rank reading its own shards only (``ray_titan.checkpoint.hf_import``; the model's sizes and
     vocabulary are then the checkpoint's)."""
     spec = get_spec(cfg.model.name)
     hf = cfg.checkpoint.initial_load_hf

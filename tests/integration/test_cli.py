@@ -176,7 +176,7 @@ def test_a_run_that_applied_no_update_exits_1_and_its_last_line_counts_the_skipp
 def test_an_interrupted_or_failed_export_leaves_no_model_directory(tmp_path, monkeypatch, capsys):
     """Issue 33, probe 2: an export stopped half-way left shards and an index, no config.json.
     The export writes a staging directory beside OUT_DIR that becomes it only when complete."""
-    import ray_titan.checkpoint.huggingface as hf
+    import ray_titan.checkpoint.hf_export as hf
     from ray_titan.checkpoint import CheckpointError
     from ray_titan.cli import main
 
@@ -221,7 +221,7 @@ def test_sigterm_stops_an_export_like_train_and_leaves_no_model_directory(tmp_pa
 
     code = (
         "import os, sys, time\n"
-        "import ray_titan.checkpoint.huggingface as hf\n"
+        "import ray_titan.checkpoint.hf_export as hf\n"
         "from ray_titan.cli import main\n"
         "def export_into(checkpoint, out_dir, *args):\n"
         "    open(os.path.join(out_dir, 'model-00001-of-00002.safetensors'), 'wb').close()\n"

@@ -15,8 +15,15 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ray_titan.checkpoint import LocalCheckpointStorage, find_latest, read_manifest
-from ray_titan.checkpoint.huggingface import check_hf_checkpoint, export_hf, load_hf_weights, resolve_hf_job
+from ray_titan.checkpoint import (
+    LocalCheckpointStorage,
+    check_hf_checkpoint,
+    export_hf,
+    find_latest,
+    load_hf_weights,
+    read_manifest,
+    resolve_hf_job,
+)
 from ray_titan.config import load_config, merge_overrides
 from ray_titan.metrics.collector import MetricsCollector
 from ray_titan.metrics.report import LocalReporter

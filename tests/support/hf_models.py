@@ -156,7 +156,7 @@ def random_tokens(n: int = 300, seed: int = 11) -> torch.Tensor:
 def load_ray_titan(path):
     """The Hugging Face directory ``path`` imported into ray_titan on one process:
     ``(model in eval mode, ModelSpec, model arguments)``."""
-    from ray_titan.checkpoint.huggingface import check_hf_checkpoint, load_hf_weights
+    from ray_titan.checkpoint import check_hf_checkpoint, load_hf_weights
     from ray_titan.models.registry import build_model
 
     spec, args = check_hf_checkpoint(str(path))
@@ -186,8 +186,7 @@ def train_one_dropped_step(src: Path, tmp_path: Path) -> tuple[Any, Path]:
     ``src``, for one step whose update is dropped (a non-finite loss injected under
     ``on_nonfinite = "skip"``), saving its checkpoint: ``(resolved JobConfig, run directory)``,
     whose export must equal ``src`` bit for bit."""
-    from ray_titan.checkpoint import LocalCheckpointStorage
-    from ray_titan.checkpoint.huggingface import resolve_hf_job
+    from ray_titan.checkpoint import LocalCheckpointStorage, resolve_hf_job
     from ray_titan.config import load_config
     from ray_titan.metrics.collector import MetricsCollector
     from ray_titan.metrics.report import LocalReporter

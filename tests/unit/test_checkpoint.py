@@ -637,7 +637,7 @@ def test_the_model_arguments_a_manifest_records_are_bounded_before_they_size_any
     of RSS in minutes before; they pass the bounds of a config.json first (SIZE_FIELDS)."""
     from pathlib import Path
 
-    from ray_titan.checkpoint.huggingface import _args_of
+    from ray_titan.checkpoint.hf_export import _args_of
     from ray_titan.models.registry import get_spec
 
     run_dir, _, _ = saved

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from ray_titan.checkpoint.huggingface import HFCheckpointError, check_hf_checkpoint
+from ray_titan.checkpoint import HFCheckpointError, check_hf_checkpoint
 from ray_titan.models.decoder import count_parameters
 from ray_titan.models.deepseek_v2 import activated_parameters
 from ray_titan.models.registry import build_model, get_model_args, get_spec, spec_for_hf

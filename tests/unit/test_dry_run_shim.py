@@ -61,9 +61,10 @@ def test_the_cache_keeps_one_library_per_torch_build_python_and_source(monkeypat
 @pytest.fixture
 def patched(monkeypatch):
     """The simulation's shims installed through monkeypatch, so each test undoes them."""
-    from ray_titan.dry_run import simulate
+    from ray_titan.dry_run import fake_device, fake_group
 
-    monkeypatch.setattr(simulate, "_patch", lambda owner, name, value: monkeypatch.setattr(owner, name, value))
+    for module in (fake_device, fake_group):
+        monkeypatch.setattr(module, "_patch", lambda owner, name, value: monkeypatch.setattr(owner, name, value))
     return monkeypatch
 
 
@@ -77,7 +78,7 @@ def test_a_stage_without_recv_meta_gets_its_neighbours_shapes_from_the_object_ex
     import torch.distributed as dist
     from torch.distributed.pipelining import stage as pp_stage
 
-    from ray_titan.dry_run.simulate import _install_stage_meta_shims
+    from ray_titan.dry_run.fake_group import _install_stage_meta_shims
 
     patched.delattr(pp_stage.PipelineStage, "_recv_meta", raising=False)
     _install_stage_meta_shims(types.SimpleNamespace(hidden=(2, 8, 16), hidden_dtype=torch.bfloat16))  # type: ignore[arg-type]
@@ -96,7 +97,7 @@ def test_the_schedules_see_the_fake_group_as_nccl(patched):
     import torch.distributed as dist
     from torch.distributed.pipelining import schedules
 
-    from ray_titan.dry_run.simulate import _schedules_see_nccl
+    from ray_titan.dry_run.fake_group import _schedules_see_nccl
 
     _schedules_see_nccl()
     patched.setattr(dist, "get_backend", lambda group=None: "fake" if group == "fake group" else "gloo")
@@ -113,7 +114,7 @@ def test_fsdp2_parameter_groups_are_found_in_a_list_or_torch_2_11s_single_slot(p
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ray_titan.dry_run.simulate import _fsdp_param_groups
+    from ray_titan.dry_run.tally import _fsdp_param_groups
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

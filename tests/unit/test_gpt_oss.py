@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from ray_titan.checkpoint.huggingface import HFCheckpointError, check_hf_checkpoint, export_hf
+from ray_titan.checkpoint import HFCheckpointError, check_hf_checkpoint, export_hf
 from ray_titan.models.decoder import count_parameters
 from ray_titan.models.deepseek_v2.model import Router
 from ray_titan.models.gpt_oss import activated_parameters

@@ -21,7 +21,7 @@ import tracemalloc
 import pytest
 import torch
 
-from ray_titan.checkpoint.huggingface import HFCheckpointError, check_hf_checkpoint, load_hf_weights, resolve_hf_job
+from ray_titan.checkpoint import HFCheckpointError, check_hf_checkpoint, load_hf_weights, resolve_hf_job
 from ray_titan.config import ConfigError, load_config
 from ray_titan.models.decoder import count_parameters
 from ray_titan.models.registry import build_model, get_model_args
@@ -535,7 +535,7 @@ def test_index_file_names_outside_the_model_directory_are_refused_before_they_ar
     """model.safetensors.index.json's weight_map names files relative to the model directory:
     an absolute path or '..' is refused (the checkpoint manifest's rule), naming the index and
     the entry, before any weights file is opened."""
-    import ray_titan.checkpoint.huggingface as hf
+    import ray_titan.checkpoint.hf_safetensors as hf
 
     shutil.copy(llama_copy / "model.safetensors", tmp_path / "outside.safetensors")
     index = llama_copy / "model.safetensors.index.json"

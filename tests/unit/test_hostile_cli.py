@@ -61,7 +61,7 @@ def test_memory_plan_of_a_hugging_face_job_plans_the_checkpoints_family(family, 
     capsys.readouterr()  # transformers' own warnings
     rc, out, err = _cli(capsys, "memory", "plan", f"--checkpoint.initial_load_hf={tmp_path}")
     assert (rc, err) == (0, "") and out.startswith(f"memory plan: {family}/hf,")
-    from ray_titan.checkpoint.huggingface import resolve_hf_job
+    from ray_titan.checkpoint import resolve_hf_job
 
     cfg = resolve_hf_job(load_config(None, [f"--checkpoint.initial_load_hf={tmp_path}"]))
     assert resolve_hf_job(cfg) == cfg  # the plan resolves again what the driver resolved
