@@ -46,11 +46,11 @@ def corpus_cache(tmp_path_factory) -> str:
 def hf_models(tmp_path_factory):
     """Tiny random Hugging Face models of every family (``tests/support/hf_models.py``), saved once per
     session: ``(root, {family: transformers model})``, each in ``root / family``."""
+    from ray_titan.models.registry import FAMILIES
     from tests.support.hf_models import make_hf_model
 
     root = tmp_path_factory.mktemp("hf_models")
-    return root, {f: make_hf_model(f, root / f)
-                  for f in ("llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss")}
+    return root, {f: make_hf_model(f, root / f) for f in FAMILIES}
 
 
 class LaunchRun:

@@ -60,24 +60,23 @@ class Job(_Section):
 class Model(_Section):
     """Which model: family and flavor from ``ray_titan.models.registry``."""
 
+    # The registered families (ray_titan.models.registry.FAMILIES, in its order): this module
+    # imports nothing of the project, so tests/unit/test_registry.py checks that they agree.
     name: Literal["llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss"] = "llama"
-    """Model family in the registry (``ray_titan.models.registry``): dense ``llama`` or ``qwen3``,
-    or the mixture-of-experts ``deepseek_v2``, ``deepseek_v3`` (Kimi K2 included), ``qwen3_moe`` or
-    ``gpt_oss``. With
-    ``checkpoint.initial_load_hf`` it comes from the checkpoint's ``config.json`` (set here, it
-    must agree)."""
+    """Model family: any registered family (``ray_titan.models.registry``; the README's model table
+    describes each). With ``checkpoint.initial_load_hf`` it comes from the checkpoint's
+    ``config.json`` (set here, it must agree)."""
     flavor: str = "debug"
-    """Size within the family: ``debug``, ``3-8B`` (= ``8B``), ``3.1-8B``, ``3.1-70B``, ``3.2-1B``,
-    ``3.2-3B`` (llama); ``debug``, ``0.6B``, ``1.7B``, ``4B``, ``8B`` (qwen3); ``debug``, ``V2-Lite``,
-    ``V2`` (deepseek_v2); ``debug``, ``16B``, ``671B``, ``kimi_k2`` (deepseek_v3); ``debug``,
-    ``30B-A3B``, ``235B-A22B`` (qwen3_moe); ``debug``, ``20B``, ``120B`` (gpt_oss). With
+    """Size within the family: one of its flavors (``ray_titan/models/<family>/args.py``): ``debug``
+    (tiny, every family has one) or a released model's dimensions (the README's flavor table). With
     ``checkpoint.initial_load_hf`` the checkpoint's ``config.json`` gives the sizes (a flavor set
     here must agree with it) and this reads ``hf``."""
     load_balance: Literal["aux_loss", "aux_free", "none"] | None = None
-    """MoE only: expert load balancing. ``aux_loss``: DeepSeek-V2's balance loss (per sequence);
-    ``aux_free``: DeepSeek-V3's auxiliary-loss-free router bias; ``none``. Unset: the family's
-    own (``deepseek_v2``: ``aux_loss``; ``deepseek_v3``: ``aux_free``; ``qwen3_moe``: ``aux_loss``,
-    its reference's Switch-style loss pooled over the layers)."""
+    """MoE only: expert load balancing. ``aux_loss``: a balance loss (DeepSeek-V2's per sequence;
+    families whose reference pools it over the layers, as Qwen3-MoE's, pool it); ``aux_free``:
+    DeepSeek-V3's auxiliary-loss-free router bias; ``none``. Unset: the flavor's own
+    (``ray_titan/models/<family>/args.py``: what the family's release used, e.g. DeepSeek-V3's
+    ``aux_free``)."""
     aux_loss_coeff: float = Field(0.001, ge=0)
     """MoE only: α of the balance loss (DeepSeek-V2-Lite used 0.001)."""
     bias_update_rate: float = Field(0.001, ge=0)
@@ -392,9 +391,8 @@ class Checkpoint(_Section):
     set, must agree), ``tokenizer.json`` the tokenizer (unless ``data.tokenizer`` or
     ``data.tokenizer_path`` is set), and the safetensors files (``model.safetensors`` or shards
     with ``model.safetensors.index.json``, any float dtype) the weights, each rank reading only
-    its own stages' shards. Supported ``model_type``: ``llama``, ``qwen3``, ``deepseek_v2``,
-    ``deepseek_v3`` (and Kimi K2's ``kimi_k2``), ``qwen3_moe``. A
-    restarted worker group, or ``load_path``, loads its DCP checkpoint instead."""
+    its own stages' shards. Supported ``model_type``: any registered family's (the README's model
+    table). A restarted worker group, or ``load_path``, loads its DCP checkpoint instead."""
     last_save_hf: bool = False
     """After the run, also write the final checkpoint as a Hugging Face model directory
     ``<run_dir>/hf`` (``config.json``, safetensors shards with ``model.safetensors.index.json``,

@@ -1,116 +1,48 @@
 """The model registry: a family name maps to everything the trainer needs of it.
 
-A :class:`ModelSpec` (the role of torchtitan's train spec) holds a family's model class, its
-flavors (sizes), its ``parallelize`` step and how the job's ``[model]`` settings become model
-arguments. The trainer reaches a family only through its spec, so it never branches on a
-family's name; adding a family is adding a package under ``ray_titan/models/`` (its model, flavors,
-``parallelize``, state-dict adapter and ``costs.py``: FLOPs and activation memory) and one entry in
-:data:`MODELS`.
+Each family builds its own :class:`~ray_titan.models.spec.ModelSpec` (the role of torchtitan's
+train spec) in its package, ``ray_titan/models/<family>/__init__.py`` (``SPEC``); this module only
+collects them, from the package names in :data:`FAMILIES`, into :data:`MODELS`. The trainer
+reaches a family only through its spec, so it never branches on a family's name. How to add a
+family: ``ray_titan.models``.
 
-Flavors: ``debug`` is tiny and CPU-friendly in each family; ``llama/3-8B`` (also ``8B``),
-``3.1-8B``, ``3.1-70B``, ``3.2-1B`` and ``3.2-3B`` have the dimensions of Meta's Llama 3.x
-models, ``qwen3/0.6B`` ... ``8B`` those of Qwen3 dense, ``deepseek_v2/V2-Lite`` those of
-DeepSeek-V2-Lite (15.7 B total, 2.4 B activated), its YaRN rope included, ``deepseek_v2/V2``
-those of DeepSeek-V2 (236 B, 21 B; group-limited routing), and ``qwen3_moe/30B-A3B`` and
-``235B-A22B`` those of Qwen3-MoE (30.5 B / 3.3 B and 235 B / 22 B), ``gpt_oss/20B`` and
-``120B`` those of gpt-oss (21 B / 3.6 B and 117 B / 5.1 B). Every flavor is
-constructible on the meta device. Each family's ``hf`` adapter maps it to and from Hugging
-Face checkpoints (``ray_titan.models.state_dict_adapter``).
+Flavors: ``debug`` is tiny and CPU-friendly in each family; the named ones have the dimensions of
+released models (each family's ``args.py`` and package docstring; the README's model table). Every
+flavor is constructible on the meta device. Each family's ``hf`` adapter maps it to and from
+Hugging Face checkpoints (``ray_titan.models.state_dict_adapter``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
+import importlib
 from typing import Any
 
-from torch import nn
-
-from ray_titan.config.schema import JobConfig, Model
-from ray_titan.models import deepseek_v2, deepseek_v3, gpt_oss, llama, qwen3, qwen3_moe
-from ray_titan.models.costs import BlockActivations
 from ray_titan.models.decoder import Decoder
-from ray_titan.models.deepseek_v2.costs import deepseek_block_activations, deepseek_flops_per_token
-from ray_titan.models.deepseek_v2.state_dict_adapter import DeepSeekV2Adapter
-from ray_titan.models.gpt_oss.costs import gpt_oss_block_activations, gpt_oss_flops_per_token
-from ray_titan.models.llama.costs import llama_block_activations, llama_flops_per_token
-from ray_titan.models.llama.state_dict_adapter import LlamaAdapter
-from ray_titan.models.qwen3.state_dict_adapter import Qwen3Adapter
-from ray_titan.models.qwen3_moe.costs import qwen3_moe_block_activations, qwen3_moe_flops_per_token
-from ray_titan.models.state_dict_adapter import StateDictAdapter
-from ray_titan.parallel.dims import Meshes, ParallelDims
+from ray_titan.models.spec import ModelSpec
 
-__all__ = ["MODELS", "ModelSpec", "build_model", "get_model_args", "get_spec", "is_moe", "spec_for_args", "spec_for_hf"]
+__all__ = ["FAMILIES", "MODELS", "ModelSpec", "build_model", "get_model_args", "get_spec", "is_moe", "spec_for_args",
+           "spec_for_hf"]
 
-Parallelize = Callable[[nn.Module, ParallelDims, "Meshes | None", JobConfig], None]
-FlopsPerToken = Callable[[Any, int], int]
-BlockFormula = Callable[[Any, int, int, int, str, float, int], BlockActivations]
+# The registered families, each a package under ray_titan/models/ with a SPEC, in the order the
+# config's model.name lists them (checked: tests/unit/test_registry.py). A lookup by arguments
+# takes the first family whose flavors have them (spec_for_args).
+FAMILIES: tuple[str, ...] = ("llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss")
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model family's parts.
-
-    ``model_cls`` builds the whole model from an arguments dataclass; ``flavors`` maps a flavor
-    name to its arguments; ``parallelize(stage, dims, meshes, cfg)`` applies the family's
-    parallelisms to one pipeline stage module in the fixed order (TP → EP → AC → compile →
-    FSDP); ``config_args(cfg.model)`` gives the argument fields the job's ``[model]`` settings
-    override (e.g. MoE load balancing); ``moe``: whether it has mixture-of-experts layers;
-    ``hf``: its Hugging Face state-dict adapter (``config.json`` ``model_type`` and tensor names);
-    ``flops_per_token(args, seq_len)``: training FLOPs per token (MFU's numerator);
-    ``block_activations(args, layer, e, seq_len, device, routing_imbalance, ep)``: the bytes per
-    token block ``layer`` saves for backward (the memory plan's;
-    :class:`~ray_titan.models.costs.BlockActivations`). Both live in the family's ``costs.py``.
-    """
-
-    name: str
-    model_cls: type[Decoder]
-    flavors: dict[str, Any]
-    parallelize: Parallelize
-    hf: StateDictAdapter
-    flops_per_token: FlopsPerToken
-    block_activations: BlockFormula
-    config_args: Callable[[Model], dict[str, Any]] = lambda m: {}
-    moe: bool = False
+def _collect(families: tuple[str, ...]) -> dict[str, ModelSpec]:
+    """Each family package's ``SPEC``, by name; a spec whose name is not its package's is refused."""
+    specs = {}
+    for family in families:
+        spec = getattr(importlib.import_module(f"{__package__}.{family}"), "SPEC", None)
+        if not isinstance(spec, ModelSpec) or spec.name != family:
+            raise TypeError(f"{__package__}.{family}.SPEC must be a ModelSpec named {family!r}; it is "
+                            f"{getattr(spec, 'name', spec)!r}")
+        specs[family] = spec
+    return specs
 
 
-def _moe_args(m: Model) -> dict[str, Any]:
-    # load_balance unset: the flavor's (or the checkpoint family's) own.
-    lb = {"load_balance": m.load_balance} if m.load_balance is not None else {}
-    return {**lb, "aux_loss_coeff": m.aux_loss_coeff, "bias_update_rate": m.bias_update_rate}
-
-
-MODELS: dict[str, ModelSpec] = {
-    "llama": ModelSpec("llama", llama.Llama, llama.FLAVORS, llama.parallelize_llama, LlamaAdapter(),
-                       llama_flops_per_token, llama_block_activations),
-    # Qwen3 dense is a Llama with per-head q/k RMSNorm (its flavors set qk_norm).
-    "qwen3": ModelSpec("qwen3", llama.Llama, qwen3.FLAVORS, llama.parallelize_llama, Qwen3Adapter(),
-                       llama_flops_per_token, llama_block_activations),
-    "deepseek_v2": ModelSpec(
-        "deepseek_v2", deepseek_v2.DeepSeekV2, deepseek_v2.FLAVORS, deepseek_v2.parallelize_deepseek_v2,
-        DeepSeekV2Adapter(), deepseek_flops_per_token, deepseek_block_activations, config_args=_moe_args, moe=True,
-    ),
-    # DeepSeek-V3 and Kimi K2: DeepSeek-V2's model with V3's router (its flavors set it).
-    "deepseek_v3": ModelSpec(
-        "deepseek_v3", deepseek_v2.DeepSeekV2, deepseek_v3.FLAVORS, deepseek_v2.parallelize_deepseek_v2,
-        deepseek_v3.DeepSeekV3Adapter(), deepseek_flops_per_token, deepseek_block_activations,
-        config_args=_moe_args, moe=True,
-    ),
-    # Qwen3-MoE: Qwen3's attention with DeepSeek-V2's MoE layer (greedy normalised top-k, no
-    # shared expert) and the reference's balance loss pooled over layers.
-    "qwen3_moe": ModelSpec(
-        "qwen3_moe", qwen3_moe.Qwen3Moe, qwen3_moe.FLAVORS, qwen3_moe.parallelize_qwen3_moe,
-        qwen3_moe.Qwen3MoeAdapter(), qwen3_moe_flops_per_token, qwen3_moe_block_activations,
-        config_args=_moe_args, moe=True,
-    ),
-    # gpt-oss: attention with sinks and alternating sliding windows, DeepSeek-V2's MoE layer with
-    # a biased top-k-softmax router and clamped-SwiGLU experts with biases; no tensor parallel.
-    "gpt_oss": ModelSpec(
-        "gpt_oss", gpt_oss.GptOss, gpt_oss.FLAVORS, gpt_oss.parallelize_gpt_oss, gpt_oss.GptOssAdapter(),
-        gpt_oss_flops_per_token, gpt_oss_block_activations, config_args=_moe_args, moe=True,
-    ),
-}
+MODELS: dict[str, ModelSpec] = _collect(FAMILIES)
 
 
 def get_spec(name: str) -> ModelSpec:

@@ -51,9 +51,14 @@ def write_tokenizer(directory: Path, vocab_size: int = TOKENIZER_VOCAB) -> Path:
     return directory / "tokenizer.json"
 
 
+# Each family's tiny model is seeded apart. A registered family without one fails the tests that
+# take every family (ray_titan.models.registry.FAMILIES): add its seed here and its config below.
+SEEDS = {"llama": 1, "qwen3": 2, "deepseek_v2": 3, "deepseek_v3": 4, "qwen3_moe": 5, "gpt_oss": 6}
+
+
 def hf_config(family: str):
-    """The transformers config of the tiny model of ``family`` (llama, qwen3, deepseek_v2,
-    deepseek_v3, qwen3_moe, gpt_oss)."""
+    """The transformers config of the tiny model of ``family`` (a key of :data:`SEEDS`). Raises
+    ``KeyError`` for a family that has none."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -91,16 +96,18 @@ def hf_config(family: str):
             routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
             v_head_dim=16, rope_parameters=rope, **{**common, "max_position_embeddings": 40 * 64},
         )
-    # DeepSeek-V2-Lite's shape in small: YaRN (its factor, mscale), plain q projection, first layer
-    # dense, 8 routed experts top-2 plus a shared one; a routed scaling factor that matters.
-    rope = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "original_max_position_embeddings": 64,
-            "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
-    return tf.DeepseekV2Config(
-        num_hidden_layers=3, first_k_dense_replace=1, moe_intermediate_size=32, n_routed_experts=8,
-        n_shared_experts=1, num_experts_per_tok=2, routed_scaling_factor=1.5, q_lora_rank=None, kv_lora_rank=16,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_parameters=rope,
-        **{**common, "max_position_embeddings": 40 * 64},
-    )
+    if family == "deepseek_v2":
+        # DeepSeek-V2-Lite's shape in small: YaRN (its factor, mscale), plain q projection, first
+        # layer dense, 8 routed experts top-2 plus a shared one; a routed scaling factor that matters.
+        rope = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "original_max_position_embeddings": 64,
+                "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+        return tf.DeepseekV2Config(
+            num_hidden_layers=3, first_k_dense_replace=1, moe_intermediate_size=32, n_routed_experts=8,
+            n_shared_experts=1, num_experts_per_tok=2, routed_scaling_factor=1.5, q_lora_rank=None,
+            kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_parameters=rope,
+            **{**common, "max_position_embeddings": 40 * 64},
+        )
+    raise KeyError(f"no tiny Hugging Face model of family {family!r}; tests/support/hf_models.py has {sorted(SEEDS)}")
 
 
 def make_hf_model(family: str, directory: Path, dtype: torch.dtype = torch.float32, **changes):
@@ -109,8 +116,7 @@ def make_hf_model(family: str, directory: Path, dtype: torch.dtype = torch.float
     ``changes``: config fields set on :func:`hf_config`'s (e.g. another routing method)."""
     import transformers as tf
 
-    seeds = {"llama": 1, "qwen3": 2, "deepseek_v2": 3, "deepseek_v3": 4, "qwen3_moe": 5, "gpt_oss": 6}
-    torch.manual_seed(seeds[family])
+    torch.manual_seed(SEEDS[family])
     config = hf_config(family)
     for name, value in changes.items():
         setattr(config, name, value)
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(prog="python -m tests.support.hf_models", description=main.__doc__)
     ap.add_argument("out_dir", type=Path)
-    ap.add_argument("--family", choices=["llama", "qwen3", "deepseek_v2", "gpt_oss"], default="qwen3")
+    ap.add_argument("--family", choices=list(SEEDS), default="qwen3")
     a = ap.parse_args(argv)
     make_hf_model(a.family, a.out_dir / a.family)
     (a.out_dir / "text.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_lines()))

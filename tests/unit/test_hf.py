@@ -23,6 +23,7 @@ import torch
 
 from ray_titan.checkpoint import HFCheckpointError, check_hf_checkpoint, load_hf_weights, resolve_hf_job
 from ray_titan.config import ConfigError, load_config
+from ray_titan.models import registry
 from ray_titan.models.decoder import count_parameters
 from ray_titan.models.registry import build_model, get_model_args
 from ray_titan.models.rope import inv_frequencies, softmax_scale_factor
@@ -452,7 +453,7 @@ def test_config_json_sizes_are_bounded(hf_dirs, tmp_path, family, change, messag
     _refused_fast(lambda: check_hf_checkpoint(str(path)), rf"{path}/config\.json: .*{message}")
 
 
-ALL_FAMILIES = ("llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss")
+ALL_FAMILIES = registry.FAMILIES
 
 def _nested(depth):
     return {"a": _nested(depth - 1)} if depth else {}
@@ -491,7 +492,7 @@ def test_every_number_of_config_json_is_range_checked_in_every_family(hf_models,
 
 
 def test_every_numeric_field_of_the_families_configs_has_a_range(hf_models):
-    """The class, not the cases: each numeric field transformers writes in the six families'
+    """The class, not the cases: each numeric field transformers writes in every family's
     config.json (every field of its config classes, defaults included) has a range in the tables
     (SIZE_FIELDS, FLOAT_FIELDS, ``*dropout``), except the token ids (ids of the tokenizer, not
     sizes; an old Llama's pad_token_id is -1). A new numeric field fails here until it has one."""

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from ray_titan.config import load_config
+from ray_titan.models.registry import FAMILIES
 from ray_titan.preflight import memory_plan as memory_planner
 from ray_titan.preflight.memory_plan import LISTED_RANKS, MemoryPlan, memory_plan
 
@@ -52,7 +53,7 @@ def _cli(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out.out, out.err
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_memory_plan_of_a_hugging_face_job_plans_the_checkpoints_family(family, tmp_path, capsys):
     # Before: the command left model.name = "llama": AttributeError (rc 1) for the MoE families.
     from tests.support.hf_models import hf_config
