@@ -6,7 +6,8 @@
 - :mod:`~ray_titan.preflight.checks`: the pre-flight checks: a clear error naming the setting or
   file before any process group, Ray worker or GPU is touched.
 - :mod:`~ray_titan.preflight.memory_plan`: every rank's predicted peak and the levers that would
-  make a job fit.
+  make a job fit; its parts, one concern a module, are the ``plan_*`` modules (``plan_levers``,
+  ``plan_ranks``, ``plan_states``, ``plan_activations``, ``plan_job``, ``plan_types``).
 
 Nothing here imports :mod:`ray_titan.trainer` (the worker side) or Ray.
 """

@@ -10,7 +10,7 @@ import pytest
 
 from ray_titan.config import load_config
 from ray_titan.models.registry import FAMILIES
-from ray_titan.preflight import memory_plan as memory_planner
+from ray_titan.preflight import plan_ranks
 from ray_titan.preflight.memory_plan import LISTED_RANKS, MemoryPlan, memory_plan
 
 _BIG = ["--parallelism.pp=2", "--training.global_batch_size={gbs}", "--parallelism.microbatches=2"]
@@ -25,7 +25,7 @@ def test_a_plan_over_the_listed_ranks_is_one_record_per_pipeline_rank_with_the_s
     cfg = load_config(None, _mesh(2048))
     plan = memory_plan(cfg, levers=False)
     assert [(r.rank, r.through) for r in plan.ranks] == [(0, 2047), (2048, 4095)]
-    monkeypatch.setattr(memory_planner, "LISTED_RANKS", 4096)
+    monkeypatch.setattr(plan_ranks, "LISTED_RANKS", 4096)  # the module that reads the bound
     every = memory_plan(cfg, levers=False)
     assert len(every.ranks) == 4096
     for r in every.ranks:

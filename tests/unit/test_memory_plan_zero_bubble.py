@@ -1,4 +1,4 @@
-"""The memory plan of the zero-bubble schedules (ray_titan.preflight.memory_plan._zero_bubble_peak):
+"""The memory plan of the zero-bubble schedules (ray_titan.preflight.plan_ranks._zero_bubble_peak):
 what an input-gradient step keeps until its weight-gradient step, counted from torch's own
 action order, and what a weight-gradient step of a checkpointed block holds."""
 
@@ -12,7 +12,10 @@ from ray_titan.config import load_config
 from ray_titan.models.llama.args import FLAVORS
 from ray_titan.models.llama.costs import llama_block_activations
 from ray_titan.parallel.schedules import local_stages, rank_actions
-from ray_titan.preflight.memory_plan import _StageActivations, _StageParams, _zero_bubble_peak, memory_plan
+from ray_titan.preflight.memory_plan import memory_plan
+from ray_titan.preflight.plan_activations import _StageActivations
+from ray_titan.preflight.plan_ranks import _zero_bubble_peak
+from ray_titan.preflight.plan_states import _StageParams
 
 
 def test_held_input_gradients_follow_torchs_order_of_the_zbv_cooldown():
@@ -89,7 +92,7 @@ def test_a_tied_heads_last_stage_counts_its_copy_of_the_embedding():
 
     from ray_titan.models.registry import build_model
     from ray_titan.parallel.pipeline import build_stage_module
-    from ray_titan.preflight.memory_plan import _stage_params
+    from ray_titan.preflight.plan_states import _stage_params
 
     with torch.device("meta"):
         whole = build_model("qwen3", "debug")

@@ -1,0 +1,164 @@
+"""One stage's activations of one microbatch in the memory plan: the rows ``activations``,
+``pipeline buffers`` and ``transient`` of the table in :mod:`ray_titan.preflight.memory_plan`, and
+its "Activations per layer" (each family's formula, with its source, in
+``ray_titan/models/<family>/costs.py``). What autograd keeps for backward under each block's
+activation checkpointing, the transient above it while backward runs, and on a zero-bubble
+schedule what an input-gradient step holds until its weight-gradient step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_titan.config.schema import JobConfig
+from ray_titan.preflight.plan_job import _F32, _I64, _Job
+
+
+def _checkpointed(cfg: JobConfig, layer: int) -> str:
+    """How block ``layer`` is checkpointed: ``none``, ``op`` or ``full`` (``ray_titan.parallel.ac``)."""
+    ac = cfg.activation_checkpoint
+    if ac.mode == "none":
+        return "none"
+    if ac.mode == "full":
+        return "full"
+    if ac.selective_option == "op":
+        return "op"
+    return "full" if layer % ac.layer_freq == 0 else "none"
+
+
+@dataclass
+class _StageActivations:
+    """One stage's activations of one microbatch, bytes: what it keeps for backward (``kept``),
+    the MoE experts' share of it, the transient above it while backward runs, its pipeline
+    receive buffers over the step's microbatches, and ``freed``: the part of ``kept`` already
+    freed at the transient's moment (the blocks after the one whose backward peaks, and the
+    head), which the peak's split counts as temporaries (``RankPlan.categories``)."""
+
+    kept: float
+    experts: float
+    transient: float
+    pipe: float
+    freed: float = 0.0  # of ``kept``, freed by the transient's moment (the split of the peak)
+    # Zero-bubble schedules, a stage whose backward is split (not the first): what an input-
+    # gradient step keeps for its weight-gradient step, and the two steps' transients
+    # (:func:`_zero_bubble_terms`).
+    held: float = 0.0
+    input_transient: float = 0.0
+    weight_transient: float = 0.0
+    # The backward's moments, last first (the head on the last stage, then each block): bytes
+    # kept up to it, its transient, its layer (-1: the head); for plan_ranks._fsdp_backward_moment.
+    scan: list[tuple[float, float, int]] = field(default_factory=list)
+
+
+def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageActivations:
+    """Stage ``s``'s activations (the table in :mod:`ray_titan.preflight.memory_plan`); adds its
+    per-token bytes under each AC mode to ``act_modes``."""
+    cfg, args, e, r, pp, tr = j.cfg, j.args, j.e, j.r, j.dims.pp, j.cfg.training
+    first, last = s == 0, s == j.dims.num_stages - 1
+    # Per token of one microbatch: what it keeps, and the most it holds while backward runs (from
+    # the last block back: the blocks not yet done, the block being recomputed, the block's
+    # backward temporaries).
+    kept_so_far, backward_peak, moe_part, unsplit = 0.0, 0.0, 0.0, 0.0
+    kept_at_peak = 0.0  # what is still kept at the backward's peak moment (the blocks up to it)
+    blocks = []  # (block, how checkpointed, layer), for the zero-bubble terms
+    scan: list[tuple[float, float, int]] = []  # per block: kept up to it, its backward's transient, layer
+    for i, layer in enumerate(j.split[s]):
+        blk = j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep)
+        how = _checkpointed(cfg, layer)
+        blocks.append((blk, how, layer))
+        kept = blk.kept(how)
+        if i == 0 and not first:
+            kept -= r * args.dim  # its input is the pipeline's receive buffer
+        kept_so_far += kept
+        scan.append((kept_so_far, blk.recompute(how) + blk.backward, layer))
+        if kept_so_far + blk.recompute(how) + blk.backward > backward_peak:
+            backward_peak, kept_at_peak = kept_so_far + blk.recompute(how) + blk.backward, kept_so_far
+        moe_part += blk.experts(how)
+        unsplit += blk.unsplit(how)
+        lay = layer % cfg.activation_checkpoint.layer_freq == 0
+        act_modes["none"] += blk.none
+        act_modes["full"] += blk.input
+        act_modes["selective_op"] += blk.op
+        act_modes["selective_layer"] += blk.input if lay else blk.none
+    head, loss_whole = 0.0, 0.0
+    if last:  # final norm, output head's input, the loss's log-softmax
+        head = _F32 * (2 * args.dim + 1) + e * args.dim + _F32 * j.vocab
+        if pp > 1:
+            head += e * j.vocab  # the stage output (logits) waits for its backward
+        # The loss's backward: the gradients of the log-softmax and of the logits, both fp32 (the
+        # loss upcasts bf16 logits; measured on the simulated GPU).
+        loss_bwd = 2 * _F32 * j.vocab
+        scan.append((kept_so_far + head, loss_bwd, -1))
+        if kept_so_far + head + loss_bwd >= backward_peak:
+            backward_peak, kept_at_peak = kept_so_far + head + loss_bwd, kept_so_far + head
+        if j.tp > 1 and not cfg.parallelism.loss_parallel:  # replicated logits: the loss's are whole
+            unsplit += _F32 * j.vocab + (e * j.vocab if pp > 1 else 0)
+            loss_whole = loss_bwd
+    elif pp > 1:
+        head = r * args.dim  # the stage's output waits for its backward
+    for key in act_modes:
+        act_modes[key] += head
+    per_token = kept_so_far + head + (_I64 if first else 0)
+    # At the transient's moment (a block's backward) the blocks after it and the head are freed
+    # already: kept bytes that the plan's split counts as temporaries then, not activations. Not
+    # a last stage's logits under PP: the stage output, held by torch's backward_one_chunk until
+    # it returns (simulated GPU, Interleaved1F1B).
+    stays = e * j.vocab if last and pp > 1 else 0.0
+    freed = per_token - (_I64 if first else 0) - kept_at_peak - stays if backward_peak > per_token else 0.0
+    n = cfg.parallelism.microbatches
+    # Tensor parallel splits all but the projections' whole inputs (BlockActivations.whole); under
+    # sequence parallel a stage sends and receives its 1/tp of the sequence.
+    sp = j.tp if j.tp > 1 and cfg.parallelism.sequence_parallel else 1
+    held = input_t = weight_t = 0.0
+    if pp > 1 and j.rule is not None and j.rule.zero_bubble and not first:
+        loss_t = 2.0 * _F32 * j.vocab if last else 0.0
+        held, input_t, weight_t = (x * j.tokens / j.tp for x in _zero_bubble_terms(j, s, blocks, loss_t))
+    return _StageActivations(
+        kept=(per_token / j.tp + unsplit * (1 - 1 / j.tp)) * j.tokens, experts=moe_part * j.tokens / j.tp,
+        transient=(max(0.0, backward_peak - per_token) / j.tp + loss_whole * (1 - 1 / j.tp)) * j.tokens,
+        freed=max(0.0, freed) * j.tokens / j.tp,
+        pipe=r * args.dim * j.tokens * n * ((0 if first else 1) + (0 if last else 1)) / sp if pp > 1 else 0.0,
+        held=held, input_transient=input_t, weight_transient=weight_t,
+        scan=[(k * j.tokens / j.tp, t * j.tokens / j.tp, layer) for k, t, layer in scan])
+
+
+def _zero_bubble_terms(j: _Job, s: int, blocks: list[tuple[Any, str, int]],
+                       loss_bwd: float) -> tuple[float, float, float]:
+    """Per token of one microbatch on stage ``s`` (not the first) of a zero-bubble schedule, bytes:
+    what its input-gradient step ``I`` keeps until its weight-gradient step ``W``, the most ``I``
+    holds above that and the kept activations, and the most ``W`` holds. ``blocks``: the stage's
+    (block activations, how checkpointed, layer); ``loss_bwd``: the loss's backward on the last
+    stage (0 elsewhere).
+
+    Read from torch (``torch/distributed/pipelining``, 2.13): ``stage.backward_one_chunk(...,
+    full_backward=False)`` runs ``_backward.stage_backward_input``, one ``autograd.grad`` to the
+    stage input with ``retain_graph=True``: every saved activation stays (the graph is kept for
+    ``W``, so nothing is freed as a full backward frees it) and each parameter group keeps the
+    gradients flowing into its intermediate node, the output gradient of each weight-consuming op
+    (``BlockActivations.weight_step_inputs``; on the last stage also the logits' gradient ``e·V``
+    and the final norm's, ``4·d + e·d``). The first stage skips ``I`` and runs a full backward at
+    ``W`` (``backward_weight_one_chunk``, ``stage_index == 0``): no terms here. ``W``
+    (``stage_backward_weight``) calls ``autograd.grad`` once per parameter group, one per
+    parameter tensor of a block: for a checkpointed block each call is a new graph task, so
+    ``torch.utils.checkpoint`` (non-reentrant) recomputes the block each time and keeps every
+    recomputed tensor whose saved-tensor holder is still alive until the graph dies at the step's
+    end. Measured on the CPU (real tensors, one stage of debug blocks) and on the simulated GPU:
+    ``W`` holds ``(G − 3)·R`` per checkpointed block plus one recomputation ``R`` in progress,
+    ``G`` the block's parameter tensors and ``R`` its recomputed bytes (Llama: 6.9 R for one
+    block, G = 9; 6.1 R per block over four; Qwen3 8.1 R, G = 11; DeepSeek-V2's dense block 7.8
+    R, G = 10; its MoE block 7.5 R, G = 14, overestimated by this count)."""
+    args, e, last = j.args, j.e, s == j.dims.num_stages - 1
+    held = [blk.weight_step_inputs() for blk, _, _ in blocks]
+    if blocks and not last:
+        held[-1] -= j.r * args.dim  # the last block's output gradient is the received one (a pipeline buffer)
+    head = e * j.vocab + _F32 * args.dim + e * args.dim if last else 0.0
+    # I: from the last block back, each block's backward above the gradients already held.
+    so_far, input_t = head, loss_bwd
+    for (blk, how, _), h in zip(reversed(blocks), reversed(held)):
+        input_t = max(input_t, so_far + blk.recompute(how) + blk.backward)
+        so_far += h
+    input_t = max(input_t, so_far)
+    recomputed = [(sum(1 for _ in j.whole.layers[str(layer)].parameters()), blk.recompute(how))
+                  for blk, how, layer in blocks if how != "none"]
+    leak = sum(max(0, g - 3) * r for g, r in recomputed) + max((r for _, r in recomputed), default=0.0)
+    return so_far, input_t, leak

@@ -1,0 +1,127 @@
+"""The levers of the memory plan ("Levers" in :mod:`ray_titan.preflight.memory_plan`): the changes
+to a job that lower its peak, each re-planned alone and ranked by what it costs, and the cheapest
+set of them that fits."""
+
+from __future__ import annotations
+
+import itertools
+
+from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides
+from ray_titan.preflight.plan_ranks import _plan_ranks
+from ray_titan.preflight.plan_types import Lever, MemoryPlan
+
+# (key, group, cost): levers in cost order, cheapest first. One lever per group at a time.
+_LEVERS = [
+    ("microbatches", "microbatches",
+     "smaller microbatches: no extra compute or devices; smaller matmuls run less efficiently"),
+    ("selective_op", "ac",
+     "recomputes norms, rotary embeddings and activation functions in backward (a few % more compute)"),
+    ("selective_layer", "ac", "recomputes every 2nd block's forward in backward (~+17% compute)"),
+    ("full_ac", "ac", "recomputes every block's forward in backward (~+33% compute)"),
+    ("reshard", "reshard", "all-gathers each block again in backward (more communication)"),
+    ("cpu_offload", "offload", "parameters, gradients and optimizer state in host memory: host-device copies "
+                               "every step, optimizer on the CPU (much slower steps)"),
+    ("dp_shard", "dp_shard", "2× the devices (FSDP shards model states over twice as many ranks)"),
+    ("tp", "tp", "2× the devices (tensor parallel splits matrices and, with sequence parallel, activations)"),
+    ("pp", "pp", "2× the devices (twice the pipeline stages) and a longer pipeline bubble"),
+]
+
+
+def _lever_candidates(cfg: JobConfig, device: str) -> list[tuple[str, str, list[str]]]:
+    """(key, name, overrides) of every lever that applies to ``cfg``, in cost order."""
+    par, ac = cfg.parallelism, cfg.activation_checkpoint
+    out = []
+    local = cfg.training.global_batch_size // (par.dp_shard * par.microbatches)
+    if par.pipeline_schedule != "GPipe" and local % 2 == 0:
+        out.append(("microbatches", f"microbatches {par.microbatches} → {2 * par.microbatches}",
+                    [f"--parallelism.microbatches={2 * par.microbatches}"]))
+    if ac.mode == "none":
+        out.append(("selective_op", "activation checkpointing selective/op",
+                    ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=op"]))
+        out.append(("selective_layer", "activation checkpointing selective/layer (every 2nd)",
+                    ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=layer",
+                     "--activation_checkpoint.layer_freq=2"]))
+    if ac.mode != "full":
+        out.append(("full_ac", "activation checkpointing full", ["--activation_checkpoint.mode=full"]))
+    if par.dp_shard > 1 and par.pp == 1 and par.fsdp_reshard_after_forward == "never":
+        out.append(("reshard", "fsdp_reshard_after_forward always",
+                    ["--parallelism.fsdp_reshard_after_forward=always"]))
+    if par.dp_shard > 1 and not cfg.memory.cpu_offload and device != "cpu":
+        out.append(("cpu_offload", "CPU offload", ["--memory.cpu_offload=true"]))
+    gbs = cfg.training.global_batch_size
+    # More devices keep each rank's batch where the global batch cannot be split further.
+    dp_more = [f"--parallelism.dp_shard={2 * par.dp_shard}"]
+    dp_name = f"dp_shard {par.dp_shard} → {2 * par.dp_shard}"
+    if gbs % (2 * par.dp_shard * par.microbatches):
+        dp_more.append(f"--training.global_batch_size={2 * gbs}")
+        dp_name += f" (global batch {gbs} → {2 * gbs})"
+    out.append(("dp_shard", dp_name, dp_more))
+    if hasattr(par, "tp"):  # tensor parallel, where the mesh has it
+        tp = par.tp
+        out.append(("tp", f"tp {tp} → {2 * tp}", [f"--parallelism.tp={2 * tp}"]))
+    pp_more = [f"--parallelism.pp={2 * par.pp}"]
+    pp_name = f"pp {par.pp} → {2 * par.pp}"
+    if par.pp == 1:
+        pp_more.append("--parallelism.pipeline_schedule=1F1B")
+    n = max(par.microbatches, 2 * par.pp)  # 1F1B and the interleaved schedules need n >= pp
+    if n != par.microbatches:
+        pp_more.append(f"--parallelism.microbatches={n}")
+        pp_name += f", microbatches {par.microbatches} → {n}"
+    g = gbs
+    while g % (par.dp_shard * n):
+        g *= 2
+    if g != gbs:
+        pp_more.append(f"--training.global_batch_size={g}")
+        pp_name += f" (global batch {gbs} → {g})"
+    out.append(("pp", pp_name, pp_more))
+    return out
+
+
+def _variant(cfg: JobConfig, overrides: list[str]) -> JobConfig | None:
+    """``cfg`` with ``overrides``, or None when the result is not a valid job (the checks the
+    driver runs before workers start, without the data ones)."""
+    from ray_titan.preflight.checks import validate_job
+
+    data = cfg.model_dump()
+    data["ray"]["num_workers"] = None  # a lever may change the worker count
+    try:
+        new = JobConfig.from_dict(apply_overrides(data, overrides))
+        validate_job(new, check_data=False)
+    except (ConfigError, ValueError):
+        return None
+    return new
+
+
+def _add_levers(plan: MemoryPlan, cfg: JobConfig, device: str, rho: float, vocab: int) -> None:
+    """Each lever alone (those that lower the peak) into ``plan.levers``, and the cheapest set of
+    levers that fits into ``plan.recommendation``: the one whose dearest lever is cheapest, then
+    with the fewest and cheapest levers (one activation checkpointing mode at a time)."""
+    usable = plan.usable
+    assert usable is not None
+    order = {key: (i, group, cost) for i, (key, group, cost) in enumerate(_LEVERS)}
+    for key, name, overrides in _lever_candidates(cfg, device):
+        variant = _variant(cfg, overrides)
+        if variant is None:
+            continue
+        peak = max(r.peak for r in _plan_ranks(variant, device, rho, vocab)[1])
+        if peak >= plan.max_peak:
+            continue  # does not lower the peak (e.g. more microbatches under GPipe)
+        rank, _, cost = order[key]
+        plan.levers.append(Lever(name, overrides, peak, peak <= usable, cost, rank))
+    best: tuple | None = None
+    for n in range(1, len(plan.levers) + 1):
+        for combo in itertools.combinations(plan.levers, n):
+            groups = [_LEVERS[lv.rank][1] for lv in combo]
+            if len(set(groups)) < len(groups):
+                continue
+            cost_key = (max(lv.rank for lv in combo), n, sum(lv.rank for lv in combo))
+            if best is not None and cost_key >= best[0]:
+                continue
+            overrides = [o for lv in sorted(combo, key=lambda lv: lv.rank) for o in lv.overrides]
+            variant = _variant(cfg, overrides)
+            if variant is None:
+                continue
+            if max(r.peak for r in _plan_ranks(variant, device, rho, vocab)[1]) <= usable:
+                best = (cost_key, overrides)
+    if best is not None:
+        plan.recommendation = best[1]
