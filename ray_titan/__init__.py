@@ -19,12 +19,19 @@ if TYPE_CHECKING:
     from ray_titan.driver import RunResult
     from ray_titan.memory_planner import MemoryPlan
 
-# Modules that moved (issue 28): importing an old name fails with a message naming the new one.
+# Modules that moved (issues 28 and 40): importing an old name fails with a message naming the new one.
 _MOVED = {"ray_titan.progress": "ray_titan.driver.progress", "ray_titan.interrupts": "ray_titan.driver.signals",
           "ray_titan.scaling": "ray_titan.driver.torch_trainer", "ray_titan.gc": "ray_titan.gc_schedule",
-          "ray_titan.run_report": "ray_titan.run_summary", "ray_titan.hf": "ray_titan.checkpoint.huggingface",
+          "ray_titan.run_report": "ray_titan.metrics.reading.run_summary",
+          "ray_titan.run_summary": "ray_titan.metrics.reading.run_summary",
+          "ray_titan.hf": "ray_titan.checkpoint.huggingface",
           **{f"ray_titan.models.{f}.hf": f"ray_titan.models.{f}.state_dict_adapter"
-             for f in ("llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss")}}
+             for f in ("llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss")},
+          **{f"ray_titan.metrics.{m}": f"ray_titan.metrics.{new}" for m, new in (
+              ("memory", "worker.memory"), ("profiling", "worker.profiling"), ("timing", "worker.timing"),
+              ("report", "worker.report"), ("leak", "collector.leak"), ("ray_metrics", "collector.ray_metrics"),
+              ("step_table", "collector.sinks.step_table"), ("moe_stats", "reading.moe_stats"),
+              ("sinks", "collector.sinks (reading a run: ray_titan.metrics.reading.steps)"))}}
 
 
 class _MovedModules(importlib.abc.MetaPathFinder):

@@ -81,7 +81,6 @@ the cheapest prefix of those levers, applied together, that fits.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import itertools
@@ -94,6 +93,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray_titan import storage
 from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides
+from ray_titan.metrics.reading.memory_plan import PLAN_FILE, covering
 
 if TYPE_CHECKING:
     from ray_titan.models.registry import ModelSpec
@@ -102,19 +102,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LISTED_RANKS",
-    "PLAN_FILE",
     "Lever",
     "MemoryPlan",
     "RankPlan",
     "format_bytes",
     "memory_plan",
     "parse_bytes",
-    "planned_rank",
     "write_memory_plan",
 ]
-
-PLAN_FILE = "memory_plan.json"
-"""Where a run records its plan: ``<run_dir>/memory_plan.json``."""
 
 LISTED_RANKS = 1024
 """The one bound on the plan's mesh-sized work: a mesh of up to this many ranks gets one
@@ -339,7 +334,7 @@ class MemoryPlan:
     def for_rank(self, rank: int) -> RankPlan | None:
         """The plan holding ``rank``'s figures (a span's first rank's plan, coords included, when
         ``rank`` is inside it), or None for a rank off the mesh."""
-        i = _covering([r.rank for r in self.ranks], [r.through for r in self.ranks], rank)
+        i = covering([r.rank for r in self.ranks], [r.through for r in self.ranks], rank)
         return None if i is None else self.ranks[i]
 
     def to_dict(self) -> dict[str, Any]:
@@ -845,20 +840,6 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
             activations_freed_at_peak=int(min(freed, a_peak if before_grads >= with_grads else a_grads)),
         ))
     return plans
-
-
-def _covering(firsts: list[int], throughs: list[int | None], rank: int) -> int | None:
-    """Index of the plan (first ranks ``firsts``, ascending; spans to ``throughs``) holding ``rank``."""
-    i = bisect.bisect_right(firsts, rank) - 1
-    last = firsts[i] if i < 0 or throughs[i] is None else throughs[i]
-    return i if i >= 0 and rank <= last else None  # type: ignore[operator]
-
-
-def planned_rank(ranks: list[dict[str, Any]], rank: int) -> dict[str, Any] | None:
-    """Of a recorded plan's ``ranks`` (``memory_plan.json``, in rank order), the one holding
-    ``rank``'s figures (a span's, on a mesh over :data:`LISTED_RANKS` ranks), or None."""
-    return None if (i := _covering([r["rank"] for r in ranks], [r.get("through") for r in ranks], rank)) is None \
-        else ranks[i]
 
 
 def _listed_ranks(dims: ParallelDims, pp_rank: int) -> list[tuple[int, int | None]]:

@@ -18,9 +18,9 @@ import torch
 from ray_titan.checkpoint import LocalCheckpointStorage, find_latest, read_manifest
 from ray_titan.checkpoint.huggingface import check_hf_checkpoint, export_hf, load_hf_weights, resolve_hf_job
 from ray_titan.config import load_config, merge_overrides
-from ray_titan.metrics.collector import MetricsCollector
-from ray_titan.metrics.report import LocalReporter
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.collector.collector import MetricsCollector
+from ray_titan.metrics.reading.steps import read_steps
+from ray_titan.metrics.worker.report import LocalReporter
 from ray_titan.models.registry import build_model
 from ray_titan.preflight import validate_job
 from ray_titan.trainer import train_loop

@@ -189,9 +189,9 @@ def train_one_dropped_step(src: Path, tmp_path: Path) -> tuple[Any, Path]:
     from ray_titan.checkpoint import LocalCheckpointStorage
     from ray_titan.checkpoint.huggingface import resolve_hf_job
     from ray_titan.config import load_config
-    from ray_titan.metrics.collector import MetricsCollector
-    from ray_titan.metrics.report import LocalReporter
-    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.collector.collector import MetricsCollector
+    from ray_titan.metrics.reading.steps import read_steps
+    from ray_titan.metrics.worker.report import LocalReporter
     from ray_titan.preflight import validate_job
     from ray_titan.trainer import train_loop
 

@@ -210,7 +210,10 @@ def test_every_function_reads_in_one_screen():
                                       ("ray_titan.interrupts", "ray_titan.driver.signals"),
                                       ("ray_titan.scaling", "ray_titan.driver.torch_trainer"),
                                       ("ray_titan.gc", "ray_titan.gc_schedule"),
-                                      ("ray_titan.run_report", "ray_titan.run_summary"),
+                                      ("ray_titan.run_report", "ray_titan.metrics.reading.run_summary"),
+                                      ("ray_titan.run_summary", "ray_titan.metrics.reading.run_summary"),
+                                      ("ray_titan.metrics.report", "ray_titan.metrics.worker.report"),
+                                      ("ray_titan.metrics.leak", "ray_titan.metrics.collector.leak"),
                                       ("ray_titan.hf", "ray_titan.checkpoint.huggingface"),
                                       ("ray_titan.models.qwen3.hf", "ray_titan.models.qwen3.state_dict_adapter")])
 def test_a_moved_module_names_its_new_home(old, new):
