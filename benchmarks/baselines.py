@@ -9,7 +9,7 @@
 
 Both use ray_titan's model, data, optimizer settings and LR schedule, so the comparison is on
 the same model, data and batch; they time themselves with the same
-:class:`~ray_titan.metrics.timing.StepClock` as the train loop.
+:class:`~ray_titan.metrics.worker.timing.StepClock` as the train loop.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from ray_titan.config import JobConfig
 from ray_titan.data.corpus import load_texts
 from ray_titan.data.loader import PackedLoader
 from ray_titan.data.tokenizer import build_tokenizer
-from ray_titan.metrics.memory import host_memory
-from ray_titan.metrics.timing import StepClock
+from ray_titan.metrics.worker.memory import host_memory
+from ray_titan.metrics.worker.timing import StepClock
 from ray_titan.models.registry import build_model
 from ray_titan.trainer.build import build_lr_lambda
 

@@ -3,7 +3,7 @@
     python -m benchmarks.collector_scale [--ranks 1024 4096 16384] [--steps 200] [--path auto|direct|aggregated]
     python -m benchmarks.run collector_scale [--quick]
 
-A real :class:`~ray_titan.metrics.collector.MetricsCollector` actor (TensorBoard on, a Parquet part
+A real :class:`~ray_titan.metrics.collector.collector.MetricsCollector` actor (TensorBoard on, a Parquet part
 every step so a step's row is on disk as soon as it is assembled; run at this process's CPU
 priority, not Ray's nice 15 for workers, so a shared machine's other load does not set the lag)
 receives one step per second from sender actors that play the ranks of a pp × dp_shard × tp
@@ -12,10 +12,10 @@ reports carry 4 layers × 16 experts of expert load, 3 on the first stage, whose
 dense, so the step's blocks differ in shape; every memory field is filled, device ones included; rank 1 grows by
 2 MiB per step). Paths:
 
-- ``direct``: each rank has its own :class:`~ray_titan.metrics.report.CollectorReporter` calling
+- ``direct``: each rank has its own :class:`~ray_titan.metrics.worker.report.CollectorReporter` calling
   the collector (one Ray call per rank per step: the design before issue 31).
 - ``aggregated``: each group of ``metrics.ranks_per_aggregator`` ranks hands its reports to a
-  :class:`~ray_titan.metrics.report.MetricsAggregator` (run here inside the sender actors, which
+  :class:`~ray_titan.metrics.collector.aggregator.MetricsAggregator` (run here inside the sender actors, which
   play those aggregators as well as the ranks), which forwards the group's reports as one
   columnar batch per step: the collector receives ranks / ``--group`` calls per step (default 256).
 - ``auto``: ``aggregated`` where this code has it, else ``direct``.
@@ -77,7 +77,8 @@ def _sender_class():
         """Plays ``ranks`` (and, on the aggregated path, their aggregators)."""
 
         def __init__(self, collector, ranks: list[int], world: int, moe: bool, path: str, group: int):
-            from ray_titan.metrics.report import MEMORY_FIELDS, CollectorReporter, StepReport
+            from ray_titan.metrics.fields import MEMORY_FIELDS
+            from ray_titan.metrics.worker.report import CollectorReporter, StepReport
 
             pp, dp, tp = mesh(world)
             self.path, self.ranks = path, ranks
@@ -105,7 +106,7 @@ def _sender_class():
             if path == "direct":
                 self.reporters = [CollectorReporter(collector, interval_s=1.0) for _ in ranks]
             else:
-                from ray_titan.metrics.report import MetricsAggregator
+                from ray_titan.metrics.collector.aggregator import MetricsAggregator
 
                 groups = sorted({r // group for r in ranks})
                 self.aggs = {g: MetricsAggregator(collector, expected=group) for g in groups}
@@ -124,8 +125,8 @@ def _sender_class():
                 mem["device_allocated_bytes"] += (step % 3) * 4096
                 rep.update(step=step, time=now, memory=mem, loss=2.5 if base["is_last_stage"] else None)
                 if self.path == "direct":
-                    self.reporters[i]._hold([rep])
-                    self.reporters[i]._send()
+                    self.reporters[i].hold([rep])
+                    self.reporters[i].send()
                 else:
                     self.aggs[base["rank"] // self.group].report([rep])
             return time.time()
@@ -134,7 +135,7 @@ def _sender_class():
             """Send what is held (a final flush); reports dropped by the workers' or aggregators' bounds."""
             if self.path == "direct":
                 for r in self.reporters:
-                    r._send(flush=True)
+                    r.send(flush=True)
                 return sum(r.dropped for r in self.reporters)
             for a in self.aggs.values():
                 a.forward(flush=True)
@@ -172,14 +173,15 @@ class _DiskPoller(threading.Thread):
 def measure(ranks: int, steps: int, path: str, moe: bool = True, senders: int = 4,
             group: int = GROUP) -> dict[str, Any]:
     """One size: the figures of the printed line (see the module docstring)."""
+    import importlib.util
+
     import numpy as np
     import ray
 
-    from ray_titan.metrics import report
-    from ray_titan.metrics.collector import MetricsCollector
+    from ray_titan.metrics.collector.collector import MetricsCollector
 
     if path == "auto":
-        path = "aggregated" if hasattr(report, "MetricsAggregator") else "direct"
+        path = "aggregated" if importlib.util.find_spec("ray_titan.metrics.collector.aggregator") else "direct"
     pp, dp, tp = mesh(ranks)
     last = [r for r in range(ranks) if r // (dp * tp) == pp - 1]
     run_dir = Path(tempfile.mkdtemp(prefix=f"rt_collector_scale_{ranks}_", dir="/tmp"))
@@ -240,7 +242,7 @@ def _late_slope(trace: list[tuple[int, float]]) -> float:
     """Theil–Sen slope (MiB per 100 steps) of the collector's RSS over the second half of the run:
     ~0 when the memory is flat once warm (the verdict's windows, Arrow's pool and the TensorBoard
     writer filled), > 0 when something grows with the steps."""
-    from ray_titan.metrics.leak import theil_sen_slope
+    from ray_titan.metrics.collector.leak import theil_sen_slope
 
     late = trace[len(trace) // 2:]
     if len(late) < 3:

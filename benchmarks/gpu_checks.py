@@ -286,10 +286,10 @@ def train_here(cfg, device: torch.device | str, storage: Any = None, callbacks: 
     process with the job's leak settings; ``callbacks``: worker-side, after the job's). Returns
     ``summary`` (the rank's), ``outcome`` (the collector's), ``run_dir`` and ``steps`` (the
     metrics table). Raises what ``train_loop`` raises."""
-    from ray_titan.metrics.collector import MetricsCollector
-    from ray_titan.metrics.leak import leak_settings
-    from ray_titan.metrics.report import LocalReporter
-    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.collector.collector import MetricsCollector
+    from ray_titan.metrics.collector.leak import leak_settings
+    from ray_titan.metrics.reading.steps import read_steps
+    from ray_titan.metrics.worker.report import LocalReporter
     from ray_titan.preflight.checks import validate_job
     from ray_titan.run_dir import make_run_dir
     from ray_titan.trainer import train_loop
@@ -419,7 +419,7 @@ def check_cpu_offload_parity(work: Path, device: str, stage: bool = False, steps
                                              "--memory.cpu_offload=true"), stage)
     if proc.returncode or run_dir is None:
         return Check(name, False, f"the offloaded run failed: {failure_line(proc.stderr)}")
-    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.reading.steps import read_steps
 
     ref = train_here(job(work, "offload_ref", *common, "--parallelism.dp_shard=1"), device)
     check = judge_parity(name, _rank_losses(read_steps(run_dir)), _rank_losses(ref["steps"]),
@@ -550,7 +550,7 @@ def check_ep_rank_without_tokens(work: Path, device: str, stage: bool = False, s
                                              "--parallelism.ep=2"), stage, force)
     if proc.returncode or run_dir is None:
         return Check(name, False, f"the ep=2 run failed: {failure_line(proc.stderr)}")
-    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.reading.steps import read_steps
 
     ref = train_here(job(work, "ep_ref", *common, "--parallelism.dp_shard=1"), device, callbacks=[ForceRouting()])
     steps_table = read_steps(run_dir)
@@ -581,8 +581,8 @@ def judge_host_verdict(verdicts: Sequence[str | None]) -> Check:
 
 def judge_device_memory_flat(steps: Sequence[int], allocated: Sequence[int | None], warmup: int) -> Check:
     """Pass when the Theil–Sen slope of device allocated bytes over the steps after ``warmup`` is
-    below :data:`FLAT_MIB_PER_100_STEPS` MiB per 100 steps (``ray_titan.metrics.leak.theil_sen_slope``)."""
-    from ray_titan.metrics.leak import theil_sen_slope
+    below :data:`FLAT_MIB_PER_100_STEPS` MiB per 100 steps (``ray_titan.metrics.collector.leak.theil_sen_slope``)."""
+    from ray_titan.metrics.collector.leak import theil_sen_slope
 
     name = f"device memory flat after step {warmup} (Theil–Sen)"
     pts = [(s, a) for s, a in zip(steps, allocated) if s > warmup and a is not None]

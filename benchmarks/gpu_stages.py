@@ -337,8 +337,8 @@ def stage_main_mesh(ctx: StageContext) -> None:
     ``gpu_checks.launch_ranks``: exit status, loss, tokens/s, the collectives staged."""
     from benchmarks.gpu_checks import failure_line, launch_ranks, staged_counts
     from benchmarks.harness import tokens_per_s
-    from ray_titan.metrics.sinks import read_steps
-    from ray_titan.metrics.timing import read_timings
+    from ray_titan.metrics.reading.steps import read_steps
+    from ray_titan.metrics.worker.timing import read_timings
 
     steps = 4 if ctx.small else 30
     cfg = job_config(ctx.work, "main_mesh", steps, "--checkpoint.enable=false", "--metrics.enable_tensorboard=false",

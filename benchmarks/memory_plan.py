@@ -64,7 +64,7 @@ def configurations(quick: bool) -> list[tuple[str, str, list[str]]]:
 
 def measure(config: str, overrides: list[str], work: Path) -> dict[str, Any]:
     """Run two steps under torchrun; per rank the plan's and the measured peak (bytes)."""
-    from ray_titan.metrics.collector import read_breakdowns
+    from ray_titan.metrics.collector.breakdowns import read_breakdowns
     from ray_titan.preflight.memory_plan import MemoryPlan
 
     pp = int(next(o.split("=")[1] for o in overrides if o.startswith("--parallelism.pp=")))

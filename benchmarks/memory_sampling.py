@@ -1,4 +1,4 @@
-"""Cost of the per-step memory sample (``ray_titan.metrics.memory.MemorySampler``), of each of
+"""Cost of the per-step memory sample (``ray_titan.metrics.worker.memory.MemorySampler``), of each of
 its reads, and of the memory verdict per step in the collector, printed as figures (not a test).
 The heap's cost depends on the process: glibc's ``mallinfo2`` takes ~2 µs here and ~0.55 ms in a
 Ray train worker, whose threads each hold an arena; a run's real cost is its ``metrics_time_s``.
@@ -18,8 +18,8 @@ import time
 import torch
 
 from ray_titan.allocator import host_heap
-from ray_titan.metrics.leak import LeakMonitor, leak_settings
-from ray_titan.metrics.memory import MemorySampler, host_available, host_memory, sample_memory
+from ray_titan.metrics.collector.leak import LeakMonitor, leak_settings
+from ray_titan.metrics.worker.memory import MemorySampler, host_available, host_memory, sample_memory
 
 
 def _per_call_us(fn, n: int) -> float:

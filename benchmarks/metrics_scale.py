@@ -38,12 +38,12 @@ def synthetic_mesh(ranks: int) -> tuple[int, int, int]:
 
 def synthetic_steps(ranks: int, steps: int, *, memory_outliers: tuple[int, ...] = (),
                     time_outliers: tuple[int, ...] = (), first_step: int = 1, seed: int = 0) -> pa.Table:
-    """A steps table (``ray_titan.metrics.sinks.STEP_SCHEMA``, one row per step and rank, sorted
+    """A steps table (``ray_titan.metrics.schema.STEP_SCHEMA``, one row per step and rank, sorted
     by step then rank, as the collector's parts are) of a dense model on :func:`synthetic_mesh`:
     device memory that grows with the number of microbatches a stage holds under 1F1B (earlier
     stages more), warms up over 5 steps and then stays within ±0.2 %; step times of 1 s ± 1 %.
     ``memory_outliers`` hold 15 % more device memory than their stage, ``time_outliers`` take
-    1.5× the step time: :func:`ray_titan.run_summary.outlier_ranks` must name them."""
+    1.5× the step time: :func:`ray_titan.metrics.reading.run_summary.outlier_ranks` must name them."""
     rng = np.random.default_rng(seed)
     pp, dp_shard, tp = synthetic_mesh(ranks)
     n = ranks * steps
@@ -87,7 +87,7 @@ def synthetic_steps(ranks: int, steps: int, *, memory_outliers: tuple[int, ...] 
         "attempt_start_time": pa.array(np.full(n, 1.8e9)), "pid": ints(1000 + rank % 8),
         "node": pa.array(np.char.add("node-", (rank // 8).astype(str))), "world_size": ints(np.full(n, ranks)),
     }
-    from ray_titan.metrics.sinks import STEP_SCHEMA
+    from ray_titan.metrics.schema import STEP_SCHEMA
 
     return pa.table([cols[f.name] if f.name in cols else pa.nulls(n, f.type) for f in STEP_SCHEMA],
                     schema=STEP_SCHEMA)
@@ -97,7 +97,7 @@ def write_synthetic_run(run_dir: Path, ranks: int, steps: int, steps_per_part: i
     """Write :func:`synthetic_steps` as the collector does (a Parquet part every
     ``steps_per_part`` steps) and consolidate it with ``ParquetSink.close``; returns the seconds
     the consolidation took."""
-    from ray_titan.metrics.sinks import ParquetSink, _write_atomically
+    from ray_titan.metrics.collector.sinks.parquet import ParquetSink, _write_atomically
 
     sink = ParquetSink(run_dir / "metrics")
     for i, first in enumerate(range(1, steps + 1, steps_per_part)):
@@ -127,7 +127,7 @@ class _CountingFile(io.FileIO):
 def measure_rank_read(path: Path, rank: int) -> dict[str, float]:
     """Bytes read, row groups touched and seconds for one rank's history (``rank_row_groups``,
     as ``read_rank_history`` reads it) and for the whole table, from one ``steps.parquet``."""
-    from ray_titan.metrics.sinks import rank_row_groups
+    from ray_titan.metrics.reading.steps import rank_row_groups
 
     out: dict[str, float] = {"file_bytes": path.stat().st_size}
     t0 = time.perf_counter()

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 def run(mixed_precision: str, steps: int, dump: Path, extra: list[str]) -> dict:
     """Train the main job for ``steps`` steps in ``mixed_precision``; its per-step losses and wall time."""
     sys.path.insert(0, str(REPO))
-    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.reading.steps import read_steps
 
     out = dump / mixed_precision
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "-m", "ray_titan.launch",

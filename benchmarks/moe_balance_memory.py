@@ -38,7 +38,7 @@ def run_mode(mode: str, steps: int, warmup: int, dump: str, allocator: str = "au
              config: str = "configs/debug_deepseek.toml") -> dict:
     import ray_titan
     from ray_titan.config import load_config
-    from ray_titan.metrics.moe_stats import expert_shares, memory_slopes
+    from ray_titan.metrics.reading.moe_stats import expert_shares, memory_slopes
 
     cfg = load_config(REPO / config, [
         f"--job.name=bench_moe_{mode}", f"--job.dump_folder={dump}", f"--training.steps={steps}",

@@ -31,7 +31,7 @@ Names (default: every CPU benchmark, in this order):
 
 Every comparison runs both sides alternately in this one invocation (A B, B A, ...) and reports
 the median of the paired ratios with min and max (``benchmarks/stats.py``). Tokens/s is measured
-on the workers over the steps after :data:`ray_titan.metrics.timing.WARMUP_STEPS`, so process
+on the workers over the steps after :data:`ray_titan.metrics.worker.timing.WARMUP_STEPS`, so process
 and cluster start-up are excluded (they are the ``startup`` benchmark). Every baseline process
 and plain Ray Train's workers run the C allocator ray_titan gives its workers
 (``memory.allocator``, jemalloc by default; :func:`baseline_env`), so no ratio credits or
@@ -165,7 +165,7 @@ def run_torchrun(bench: Bench, cfg) -> dict[str, Any]:
     """The train loop under ``torchrun --nproc-per-node=<mesh>`` (no Ray). With
     ``training.compile`` each run gets an empty inductor cache, so every run pays the compile."""
     from ray_titan.config import merge_overrides
-    from ray_titan.metrics.timing import read_timings
+    from ray_titan.metrics.worker.timing import read_timings
 
     dump = bench.work / "runs" / f"torchrun-{time.time_ns()}"
     env = {**baseline_env(cfg), "TORCHINDUCTOR_CACHE_DIR": str(dump.with_name(dump.name + "-inductor"))}
@@ -439,7 +439,7 @@ def memory_slopes(table, first: int) -> dict[str, dict[int, float]]:
     Theil–Sen slope in bytes per step over the steps after ``first``. ``table``: a run's steps."""
     import pyarrow.compute as pc
 
-    from ray_titan.metrics.leak import SERIES_NAMES, host_series, theil_sen_slope
+    from ray_titan.metrics.collector.leak import SERIES_NAMES, host_series, theil_sen_slope
 
     series = {  # the verdict's host series leaves out the free bytes malloc keeps (metrics/leak.py)
         SERIES_NAMES["host_rss"]: lambda r: r["host_rss_bytes"],
@@ -485,7 +485,7 @@ def bench_memory(bench: Bench) -> list[Row]:
 def bench_startup(bench: Bench) -> list[Row]:
     """``ray-titan train`` as a user runs it (a fresh local cluster with the dashboard), ``repeats``
     times (at most 3: each is a whole cluster's start); the split shows where the seconds go."""
-    from ray_titan.metrics.timing import read_timings
+    from ray_titan.metrics.worker.timing import read_timings
 
     bench.shutdown_ray()
     runs = []

@@ -4,7 +4,7 @@ torchtitan``); the ``bench`` extra pins it. Run under ``torchrun`` as
 trains torchtitan's own Llama 3 (``Llama3Model`` built from its config helpers) with its own
 ``Trainer`` (parallelize, pipeline schedule, loss, optimizer container, LR schedule, train loop)
 at the shape, batch, optimizer, schedule and mesh of the given ray_titan job, and writes the
-step timing summary of each rank (ray_titan's :class:`~ray_titan.metrics.timing.StepClock`
+step timing summary of each rank (ray_titan's :class:`~ray_titan.metrics.worker.timing.StepClock`
 around torchtitan's ``train_step``) and the losses torchtitan logged. With ``--device cuda``
 (the ``gpu`` benchmark) it runs without the CPU shims below, as torchtitan runs on GPUs, and a
 job's ``training.mixed_precision = "bf16"`` becomes torchtitan's ``mixed_precision_param``.
@@ -102,7 +102,7 @@ def cpu_device_module() -> types.ModuleType:
     the capacity (host memory), and memory statistics, here the host RSS peak in bytes."""
     import platform
 
-    from ray_titan.metrics.memory import host_memory
+    from ray_titan.metrics.worker.memory import host_memory
 
     mod = types.ModuleType("torchtitan_cpu_device")
     for name in ("device_count", "synchronize", "set_device"):
@@ -306,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from torchtitan.trainer import Trainer
 
-    from ray_titan.metrics.memory import host_memory
-    from ray_titan.metrics.timing import StepClock
+    from ray_titan.metrics.worker.memory import host_memory
+    from ray_titan.metrics.worker.timing import StepClock
 
     cfg = _job(a.config_json)
     if cfg.training.threads_per_worker:

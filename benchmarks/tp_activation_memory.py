@@ -8,7 +8,7 @@ parallel), and ``tp = 2`` with neither. Each rank profiles step 2 with the torch
 table gives, per variant and rank, in MiB:
 
 - ``peak above step start``: the highest net allocation during the step over what was alive
-  when it began (``ray_titan.metrics.profiling.allocation_peak``, from the profiler's allocation
+  when it began (``ray_titan.metrics.worker.profiling.allocation_peak``, from the profiler's allocation
   events): the activations kept for backward, plus gradients and temporaries at that moment.
   The parameters and optimizer state are excluded, so with a long sequence at batch size 1 this
   is the activation memory (the profiler's categorised timeline, which docs/memory.md's ``total``
@@ -45,7 +45,7 @@ VARIANTS = {
 def run_variant(name: str, nproc: int, overrides: list[str], seq_len: int, dump: Path) -> dict:
     """Train 2 steps of ``name`` and read each rank's step-2 memory summary and the losses."""
     sys.path.insert(0, str(REPO))
-    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.reading.steps import read_steps
 
     out = dump / name.replace(" ", "").replace(",", "_").replace("=", "")
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"] if nproc > 1 else [

@@ -16,7 +16,7 @@ Events, in order, on every rank:
 ``on_train_start``  once, after the model, optimizer and data are built, before step 1
 ``on_step_begin``   before each step's data is fetched
 ``on_step_end``     after each step: optimizer and LR stepped, GC run, memory sampled; gets the
-                    :class:`~ray_titan.metrics.report.StepReport` about to be sent
+                    :class:`~ray_titan.metrics.worker.report.StepReport` about to be sent
 ``on_train_end``    once, after the last step (also when training failed: ``error`` is set)
 ==================  ===========================================================================
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from ray_titan.config.schema import JobConfig
-    from ray_titan.metrics.report import StepReport
+    from ray_titan.metrics.worker.report import StepReport
 
 __all__ = ["EVENTS", "Callback", "CallbackContext", "CallbackList", "InjectLeak", "InjectOOM", "load_callback",
            "resolve_callback"]

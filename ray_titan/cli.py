@@ -24,7 +24,7 @@ exit 2 before anything starts (:class:`UsageError`, a config error, argparse's o
 prints every rank's predicted memory, whether the job fits, and the levers that would make it
 fit (``ray_titan.preflight.memory_plan``), without starting anything.
 ``ray-titan report RUN_DIR`` writes ``RUN_DIR/report/loss.png`` and ``memory.png`` (every rank's
-memory with its verdicts marked) and prints a summary table per rank (``ray_titan.run_summary``).
+memory with its verdicts marked) and prints a summary table per rank (``ray_titan.metrics.reading.run_summary``).
 """
 
 from __future__ import annotations
@@ -346,7 +346,13 @@ def _dry_run(args, overrides: list[str]) -> int:
 
 
 def _report(args, overrides: list[str]) -> int:
-    from ray_titan.run_summary import ReportError, format_memory_table, format_table, memory_rows, write_report
+    from ray_titan.metrics.reading.run_summary import (
+        ReportError,
+        format_memory_table,
+        format_table,
+        memory_rows,
+        write_report,
+    )
 
     if overrides:
         raise UsageError(f"unexpected arguments {overrides}")

@@ -473,7 +473,7 @@ class Mirror:
     sees complete files; only files new or changed (size or modification time) since the last
     sync are copied, so a run's uploads stay linear in what it writes. Files deleted locally are
     not deleted remotely (a consolidated ``steps.parquet`` then sits beside the parts it replaced,
-    and :func:`ray_titan.metrics.sinks.read_steps` prefers it).
+    and :func:`ray_titan.metrics.reading.steps.read_steps` prefers it).
     """
 
     def __init__(self, local_dir: str | Path, destination: str):

@@ -319,7 +319,7 @@ class Metrics(_Section):
     """Seconds between reads of malloc's statistics and the node's available memory
     (``host_heap_in_use_bytes``, ``host_heap_free_bytes``, ``host_available_bytes``); steps in
     between carry the last read. RSS and device memory are read every step. glibc's
-    ``mallinfo2`` costs ~0.55 ms in a Ray worker (``ray_titan.metrics.memory.MemorySampler``).
+    ``mallinfo2`` costs ~0.55 ms in a Ray worker (``ray_titan.metrics.worker.memory.MemorySampler``).
     0: every step."""
     series_max_ranks: int = Field(64, ge=0)
     """TensorBoard and W&B get every rank's memory series (``memory/rank<r>/...``) up to this many
@@ -330,7 +330,7 @@ class Metrics(_Section):
     Parquet table keeps every rank's row whatever this is."""
     ranks_per_aggregator: int = Field(256, ge=0)
     """Above this many ranks, each group of this many ranks reports to a metrics aggregator actor
-    (``ray_titan.metrics.report.MetricsAggregator``) that forwards the group's reports to the
+    (``ray_titan.metrics.collector.aggregator.MetricsAggregator``) that forwards the group's reports to the
     collector as one columnar batch per step: a Ray call costs the collector ~0.25 ms of CPU
     however much it carries, so 16,384 ranks calling it directly would need four collector-seconds
     per step. The workers still hold every report until the collector has it on disk, so a
@@ -459,7 +459,7 @@ class Memory(_Section):
     breakdown_step: int = Field(2, ge=0)
     """The step whose memory every rank measures by category (parameters, gradients, optimizer
     state, activations, temporaries) at its peak, with the torch profiler's memory timeline
-    (``ray_titan.metrics.profiling``): into ``metrics/memory_breakdown.jsonl``,
+    (``ray_titan.metrics.worker.profiling``): into ``metrics/memory_breakdown.jsonl``,
     ``RunResult.memory_breakdown`` and ``ray-titan report``, beside the memory plan's prediction.
     2: the first step with optimizer state. That step runs slower (profiled) and its analysis
     takes ~0.5-3 s on the debug model, left out of ``step_time_s``; 0: none."""

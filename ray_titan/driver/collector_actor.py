@@ -1,7 +1,7 @@
 """The metrics collector actor, seen from the driver: start it, poll it for the console, give it
 the reports a checkpoint kept, and read its summary as a :class:`~ray_titan.metrics.outcome.RunOutcome`.
 
-The collector itself is :class:`ray_titan.metrics.collector.MetricsCollector`; here it runs as a Ray
+The collector itself is :class:`ray_titan.metrics.collector.collector.MetricsCollector`; here it runs as a Ray
 actor owned by the driver (``num_cpus=0``), so it outlives the worker group and Ray restarts it up to
 ``metrics.collector_max_restarts`` times.
 """
@@ -27,9 +27,9 @@ def start_collector(cfg: JobConfig, run_dir: Path | str, counts: list[int]) -> A
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from ray_titan.metrics.collector import MetricsCollector
-    from ray_titan.metrics.leak import leak_settings
-    from ray_titan.metrics.sinks import wandb_settings
+    from ray_titan.metrics.collector.collector import MetricsCollector
+    from ray_titan.metrics.collector.leak import leak_settings
+    from ray_titan.metrics.collector.sinks.wandb import wandb_settings
     from ray_titan.parallel.elastic import is_elastic, mesh_for_workers
     from ray_titan.trainer.build import parallel_dims
 
@@ -62,11 +62,11 @@ def start_collector(cfg: JobConfig, run_dir: Path | str, counts: list[int]) -> A
 def start_aggregators(cfg: JobConfig, collector: Any, counts: list[int]) -> list | None:
     """The metrics aggregators between the ranks and the collector: one per
     ``metrics.ranks_per_aggregator`` ranks of the largest worker count, forwarding a group's
-    reports as one columnar batch (:func:`ray_titan.metrics.report.create_aggregators`); None
+    reports as one columnar batch (:func:`ray_titan.metrics.collector.aggregator.create_aggregators`); None
     without a collector or for a job no larger than one group."""
     if collector is None:
         return None
-    from ray_titan.metrics.report import create_aggregators
+    from ray_titan.metrics.collector.aggregator import create_aggregators
 
     return create_aggregators(collector, max(counts), cfg.metrics.ranks_per_aggregator)
 

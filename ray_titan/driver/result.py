@@ -28,7 +28,7 @@ class _StepsOnDisk:
         if obj is None:  # the dataclass asking for a default: there is none
             raise AttributeError(self.attr)
         if obj.__dict__.get(self.attr) is None:
-            from ray_titan.metrics.sinks import read_steps
+            from ray_titan.metrics.reading.steps import read_steps
 
             obj.__dict__[self.attr] = read_steps(obj.run_dir)
         return obj.__dict__[self.attr]
@@ -42,14 +42,14 @@ class RunResult:
     """What a run produced.
 
     ``steps``: the per-step, per-rank metrics (``metrics/steps.parquet``; schema
-    ``ray_titan.metrics.sinks.STEP_SCHEMA``), read from the run directory on first access when
-    given None (``ray_titan.metrics.sinks.read_rank_history`` reads one rank's alone).
+    ``ray_titan.metrics.schema.STEP_SCHEMA``), read from the run directory on first access when
+    given None (``ray_titan.metrics.reading.steps.read_rank_history`` reads one rank's alone).
     ``final_loss``: the last step's loss (token-weighted
     mean over the last pipeline stage's DP ranks, nats per token). ``errors``: steps the
     collector could not assemble or reports it found wrong (empty for a healthy run).
     ``run_dir``: a local :class:`~pathlib.Path`, or the URI string of a remote run directory.
     ``memory_verdicts``: every rank's last memory verdict, ``{rank: {"verdict", "slope_mib_per_step",
-    "oom_step", "source", "coords"}}`` (``ray_titan.metrics.leak``); the verdict of every step is
+    "oom_step", "source", "coords"}}`` (``ray_titan.metrics.collector.leak``); the verdict of every step is
     in ``steps``. ``memory_snapshots``: the files under ``<run_dir>/memory/``.
     """
 
@@ -73,7 +73,7 @@ class RunResult:
     """The metrics collector was killed and restarted by Ray during the run."""
     timings: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The run's ``timings/`` files by name (``driver``, ``rank0``, ...;
-    ``ray_titan.metrics.timing``): start-up marks and steady-state step timing."""
+    ``ray_titan.metrics.worker.timing``): start-up marks and steady-state step timing."""
     hf_export: Path | None = None
     """The Hugging Face model directory ``checkpoint.last_save_hf`` wrote (``<run_dir>/hf``)."""
     memory_plan: dict[str, Any] | None = None
@@ -81,7 +81,7 @@ class RunResult:
     ``MemoryPlan.to_dict()``; also ``<run_dir>/memory_plan.json``), None if it could not be made."""
     memory_breakdown: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Every rank's memory measured at ``memory.breakdown_step``, by category at the step's peak
-    (``ray_titan.metrics.profiling.StepProfiler.stop``): ``{rank: {"step", "peak_bytes",
+    (``ray_titan.metrics.worker.profiling.StepProfiler.stop``): ``{rank: {"step", "peak_bytes",
     "at_peak": {category: bytes}, "category_peaks", ...}}``."""
     profiler_traces: list[Path] = field(default_factory=list)
     """Chrome traces of ``profiling.trace_steps``: ``<run_dir>/profile/rank{r}-step{s}.json``."""
@@ -92,7 +92,7 @@ class RunResult:
 
     def memory_peaks(self) -> dict[int, tuple[int | None, int | None]]:
         """``{rank: (predicted peak bytes, measured peak bytes)}``: the plan's and the breakdown's."""
-        from ray_titan.preflight.memory_plan import planned_rank
+        from ray_titan.metrics.reading.memory_plan import planned_rank
 
         planned = (self.memory_plan or {}).get("ranks", [])
         ranks = sorted({r["rank"] for r in planned} | set(self.memory_breakdown))
@@ -127,7 +127,7 @@ class RunResult:
         """Rank 0's rows of ``columns`` (and ``step``), in step order: from the loaded table, or
         else from rank 0's row group alone."""
         if self.__dict__.get("_steps") is None:
-            from ray_titan.metrics.sinks import read_rank_history
+            from ray_titan.metrics.reading.steps import read_rank_history
 
             return read_rank_history(self.run_dir, 0, columns=list(dict.fromkeys(["step", *columns])))
         rows = self.steps.filter(pa.compute.equal(self.steps["rank"], 0))

@@ -100,7 +100,7 @@ def train(
     streams it in order, nothing is materialised here); ``data.source = "ray_data"`` with
     ``data.path`` reads one with Ray Data. Raises :class:`ConfigError` for an invalid job before
     any worker starts,
-    :class:`~ray_titan.metrics.leak.MemoryLeakError` when a rank's memory grew and
+    :class:`~ray_titan.metrics.outcome.MemoryLeakError` when a rank's memory grew and
     ``memory.on_leak = "stop"`` ended the run, and ``ray.train.TrainingFailedError`` if training
     fails otherwise (the metrics recorded until then stay in the run directory), ``NonFiniteError``
     when a non-finite loss stopped it, and :class:`Interrupted` (a ``KeyboardInterrupt``) after
@@ -227,7 +227,7 @@ def _fit(trainer: Any, collector: Any, cfg: JobConfig, run_dir: Path | str, prog
     failure, Ctrl-C), keep the metrics: the error it raised (None if none) and the run's outcome."""
     from ray_titan.checkpoint import remove_staging
     from ray_titan.driver.progress import ConsoleThread, make_display
-    from ray_titan.metrics.timing import write_timings
+    from ray_titan.metrics.worker.timing import write_timings
 
     poller = Poller(collector)
     console = ConsoleThread(poller, make_display(cfg.training.steps, cast("Mode", progress)))
@@ -267,7 +267,7 @@ def _latest_checkpoint(run_dir: Path | str) -> Path | None:
 def _raise_if_stopped(failure: BaseException | None, outcome: RunOutcome, signals: SignalGuard,
                       run_dir: Path | str, where: str) -> None:
     """Raise what ended a run that did not finish: :class:`Interrupted` after Ctrl-C or SIGTERM,
-    :class:`~ray_titan.metrics.leak.MemoryLeakError` when the leak policy stopped a failed run,
+    :class:`~ray_titan.metrics.outcome.MemoryLeakError` when the leak policy stopped a failed run,
     the failure itself otherwise, and ``NonFiniteError`` when a non-finite loss stopped it; each
     after saying where the metrics and the last checkpoint (``where``) are."""
     metrics = under(run_dir, "metrics")
@@ -278,7 +278,7 @@ def _raise_if_stopped(failure: BaseException | None, outcome: RunOutcome, signal
               file=sys.stderr, flush=True)
         raise Interrupted(str(where), signals.signum or signal.SIGINT) from None
     if failure is not None:
-        from ray_titan.metrics.leak import MemoryLeakError
+        from ray_titan.metrics.outcome import MemoryLeakError
 
         for err in outcome.errors:
             print(f"ray_titan: metrics error: {err}", file=sys.stderr)
@@ -298,7 +298,7 @@ def _result(cfg: JobConfig, run_dir: Path | str, outcome: RunOutcome, latest: Pa
     """The :class:`RunResult` of a finished run, its metrics errors printed (a non-finite final
     loss, never a success under ``training.on_nonfinite = "skip"``, is one); exports the last
     checkpoint to Hugging Face when ``checkpoint.last_save_hf`` asks."""
-    from ray_titan.metrics.timing import read_timings
+    from ray_titan.metrics.worker.timing import read_timings
 
     if not outcome.final_loss_is_finite:
         outcome.errors.append(f"the final loss (step {outcome.last_step}) is {outcome.final_loss}, not finite")
@@ -334,7 +334,7 @@ def _remove_incomplete_checkpoints(run_dir: Path | str) -> None:
 def _fit_without_metrics(trainer, cfg: JobConfig, run_dir: Path | str, marks: dict[str, float]) -> RunResult:
     """``metrics.enabled = false``: run the worker group with no collector; only timings are kept."""
     from ray_titan.checkpoint import remove_staging
-    from ray_titan.metrics.timing import read_timings, write_timings
+    from ray_titan.metrics.worker.timing import read_timings, write_timings
 
     marks["fit_called"] = time.time()
     try:

@@ -23,10 +23,11 @@ import torch.distributed as dist
 
 from ray_titan.checkpoint import LocalCheckpointStorage, find_latest, save_last_hf
 from ray_titan.config.schema import JobConfig, load_config
-from ray_titan.metrics.collector import MetricsCollector
-from ray_titan.metrics.leak import leak_settings
+from ray_titan.metrics.collector.collector import MetricsCollector
+from ray_titan.metrics.collector.leak import leak_settings
+from ray_titan.metrics.collector.sinks.wandb import wandb_settings
 from ray_titan.metrics.outcome import RunOutcome
-from ray_titan.metrics.report import (
+from ray_titan.metrics.worker.report import (
     JsonlReporter,
     LocalReporter,
     Reporter,
@@ -34,8 +35,7 @@ from ray_titan.metrics.report import (
     rank_reports_path,
     read_rank_reports,
 )
-from ray_titan.metrics.sinks import wandb_settings
-from ray_titan.metrics.timing import write_timings
+from ray_titan.metrics.worker.timing import write_timings
 from ray_titan.parallel.dims import process_group_backend
 from ray_titan.preflight.prepare import prepare_job
 from ray_titan.run_dir import make_run_dir

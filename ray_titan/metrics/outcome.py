@@ -1,7 +1,8 @@
 """A run's outcome, typed: what the metrics collector's ``finish()`` returns, with one name per
-reason a run stopped.
+reason a run stopped, and :class:`MemoryLeakError`, what a rank and the driver raise when the
+memory-leak policy stopped the run.
 
-The collector summarises a run as a dict (:meth:`ray_titan.metrics.collector.MetricsCollector.finish`),
+The collector summarises a run as a dict (:meth:`ray_titan.metrics.collector.collector.MetricsCollector.finish`),
 where the key ``"stop"`` holds why the memory-leak policy stopped the run and the key
 ``"stop_reason"`` why a non-finite loss did. :meth:`RunOutcome.from_summary` reads that dict once,
 at the boundary, so the driver and the launcher name each reason for what it is
@@ -15,7 +16,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RunOutcome", "StopReason"]
+__all__ = ["MemoryLeakError", "RunOutcome", "StopReason"]
+
+
+class MemoryLeakError(RuntimeError):
+    """A rank's memory is growing and ``memory.on_leak = "stop"`` ended the run. The message
+    names the rank, its mesh coordinates and the rate."""
 
 
 class StopReason(enum.Enum):
@@ -37,7 +43,7 @@ class RunOutcome:
     newest step assembled; ``errors``: steps the collector could not assemble or reports it found
     wrong; ``lines``: console lines not shown yet; ``latest``: the newest step's payload for the
     progress display; ``memory_verdicts`` / ``memory_breakdown``: ``{rank: ...}``
-    (``ray_titan.metrics.leak``, ``ray_titan.metrics.profiling``); ``skipped_steps``,
+    (``ray_titan.metrics.collector.leak``, ``ray_titan.metrics.worker.profiling``); ``skipped_steps``,
     ``steps_run``, ``restarts``, ``collector_restarted``: as :class:`ray_titan.driver.RunResult`'s.
     """
 

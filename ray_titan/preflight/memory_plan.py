@@ -98,6 +98,7 @@ from typing import Any
 
 from ray_titan import storage
 from ray_titan.config.schema import ConfigError, JobConfig
+from ray_titan.metrics.reading.memory_plan import PLAN_FILE, planned_rank
 from ray_titan.preflight.plan_levers import _add_levers
 from ray_titan.preflight.plan_ranks import LISTED_RANKS, _plan_ranks
 from ray_titan.preflight.plan_types import (
@@ -108,7 +109,6 @@ from ray_titan.preflight.plan_types import (
     _rank_list,
     format_bytes,
     parse_bytes,
-    planned_rank,
 )
 
 __all__ = [
@@ -124,8 +124,6 @@ __all__ = [
     "write_memory_plan",
 ]
 
-PLAN_FILE = "memory_plan.json"
-"""Where a run records its plan: ``<run_dir>/memory_plan.json``."""
 
 
 def _detect_device_memory() -> tuple[int | None, str]:

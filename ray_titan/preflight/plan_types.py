@@ -6,7 +6,6 @@ and the dry run read back."""
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
 import math
@@ -14,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ray_titan.metrics.reading.memory_plan import covering
 
 MiB, GiB = 2**20, 2**30
 
@@ -138,7 +139,7 @@ class MemoryPlan:
     def for_rank(self, rank: int) -> RankPlan | None:
         """The plan holding ``rank``'s figures (a span's first rank's plan, coords included, when
         ``rank`` is inside it), or None for a rank off the mesh."""
-        i = _covering([r.rank for r in self.ranks], [r.through for r in self.ranks], rank)
+        i = covering([r.rank for r in self.ranks], [r.through for r in self.ranks], rank)
         return None if i is None else self.ranks[i]
 
     def to_dict(self) -> dict[str, Any]:
@@ -266,18 +267,3 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.3g} {unit}" if n / size < 100 else f"{n / size:.0f} {unit}"
     return f"{n:.0f} B"
-
-
-def _covering(firsts: list[int], throughs: list[int | None], rank: int) -> int | None:
-    """Index of the plan (first ranks ``firsts``, ascending; spans to ``throughs``) holding ``rank``."""
-    i = bisect.bisect_right(firsts, rank) - 1
-    last = firsts[i] if i < 0 or throughs[i] is None else throughs[i]
-    return i if i >= 0 and rank <= last else None  # type: ignore[operator]
-
-
-def planned_rank(ranks: list[dict[str, Any]], rank: int) -> dict[str, Any] | None:
-    """Of a recorded plan's ``ranks`` (``memory_plan.json``, in rank order), the one holding
-    ``rank``'s figures (a span's, on a mesh over
-    :data:`~ray_titan.preflight.plan_ranks.LISTED_RANKS` ranks), or None."""
-    return None if (i := _covering([r["rank"] for r in ranks], [r.get("through") for r in ranks], rank)) is None \
-        else ranks[i]

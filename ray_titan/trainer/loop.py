@@ -31,10 +31,10 @@ from ray_titan.data.build import build_loader
 from ray_titan.data.documents import document_positions
 from ray_titan.data.tokenizer import Tokenizer, build_tokenizer
 from ray_titan.gc_schedule import GarbageCollection
-from ray_titan.metrics.memory import MemorySampler, MemorySnapshots, find_oom, host_memory, oom_site
-from ray_titan.metrics.profiling import StepProfiler
-from ray_titan.metrics.report import Reporter, StepReport
-from ray_titan.metrics.timing import StepClock
+from ray_titan.metrics.worker.memory import MemorySampler, MemorySnapshots, find_oom, host_memory, oom_site
+from ray_titan.metrics.worker.profiling import StepProfiler
+from ray_titan.metrics.worker.report import Reporter, StepReport
+from ray_titan.metrics.worker.timing import StepClock
 from ray_titan.trainer.build import TrainParts, build, parallel_dims
 from ray_titan.trainer.evaluate import Validator
 from ray_titan.trainer.step import train_step
@@ -58,7 +58,7 @@ def train_loop(
     and a restart or ``checkpoint.load_path`` resumes from one. ``node``: the node this rank runs
     on, as reports name it (default: the host name). Returns a small summary of this
     rank (``rank``, ``steps``, ``last_loss``, ``snapshots``, and the timings of
-    :class:`~ray_titan.metrics.timing.StepClock`: ``marks``, ``steady_steps``, ``steady_time_s``,
+    :class:`~ray_titan.metrics.worker.timing.StepClock`: ``marks``, ``steady_steps``, ``steady_time_s``,
     ``tokens_per_step``, ``host_rss_bytes``, ``host_peak_rss_bytes``, and ``allocator``, the malloc
     this process runs: :func:`~ray_titan.allocator.active_allocator`). With
     ``metrics.enabled = false`` nothing is sampled or sent to ``reporter``. Raises ``RuntimeError`` when the

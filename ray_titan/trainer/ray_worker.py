@@ -54,14 +54,14 @@ def worker_entry(loop_config: dict[str, Any]) -> None:
 
     from ray_titan.checkpoint import RayTrainCheckpointStorage
     from ray_titan.fault import NonFiniteError
-    from ray_titan.metrics.report import (
+    from ray_titan.metrics.worker.report import (
         CollectorReporter,
         JsonlReporter,
         Reporter,
         rank_reports_path,
         reporting_target,
     )
-    from ray_titan.metrics.timing import write_timings
+    from ray_titan.metrics.worker.timing import write_timings
     from ray_titan.trainer import train_loop
 
     worker_start, cpu_at_start = time.time(), time.process_time()

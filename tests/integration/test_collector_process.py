@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ray_titan.metrics.collector import read_breakdowns
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.collector.breakdowns import read_breakdowns
+from ray_titan.metrics.reading.steps import read_steps
 from ray_titan.parallel.dims import ParallelDims
 from tests.unit.test_collector import _collector, _report
 
@@ -32,7 +32,7 @@ def test_the_collector_lowers_its_own_cpu_priority_by_nice(tmp_path):
 
     if os.nice(0) > 12:
         pytest.skip("this process already runs at nice > 12")
-    code = ("import os, sys; from ray_titan.metrics.collector import MetricsCollector; "
+    code = ("import os, sys; from ray_titan.metrics.collector.collector import MetricsCollector; "
             "base = os.nice(0); MetricsCollector(sys.argv[1], 1, [0], 10, nice=int(sys.argv[2])); "
             "print(os.nice(0) - base)")
     for nice in (0, 7):
@@ -62,7 +62,7 @@ def test_a_full_disk_loses_no_metric_that_fits_later(small_disk):
         if step == 7:  # memory.breakdown_step's side file fails too: the step keeps its row
             rep["memory_breakdown"] = {"rank": 0, "step": 7, "parameters_bytes": 1024}
         c.report([rep])
-    failures = [e for e in c.errors if "No space left on device" in e]
+    failures = [e for e in c.errors.messages if "No space left on device" in e]
     assert any(f"cannot write {small_disk / 'metrics' / 'parts'}" in e for e in failures)
     assert any(f"memory breakdown {small_disk / 'metrics'}" in e for e in failures)
     assert len([e for e in failures if "part-" in e]) == 1  # once, not at every flush

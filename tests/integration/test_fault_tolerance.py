@@ -32,7 +32,7 @@ import pytest
 import ray_titan
 from ray_titan.checkpoint import find_latest
 from ray_titan.config import load_config, merge_overrides
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.reading.steps import read_steps
 from tests.conftest import REPO, LaunchRun
 
 pytestmark = pytest.mark.ray

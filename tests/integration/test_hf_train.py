@@ -25,9 +25,9 @@ from ray_titan.checkpoint import (
     resolve_hf_job,
 )
 from ray_titan.config import load_config, merge_overrides
-from ray_titan.metrics.collector import MetricsCollector
-from ray_titan.metrics.report import LocalReporter
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.collector.collector import MetricsCollector
+from ray_titan.metrics.reading.steps import read_steps
+from ray_titan.metrics.worker.report import LocalReporter
 from ray_titan.models.registry import build_model
 from ray_titan.preflight.checks import validate_job
 from ray_titan.trainer import train_loop

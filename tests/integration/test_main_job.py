@@ -19,8 +19,8 @@ import pytest
 
 import ray_titan
 from ray_titan.config import load_config
-from ray_titan.metrics.leak import theil_sen_slope
-from ray_titan.metrics.report import read_rank_reports
+from ray_titan.metrics.collector.leak import theil_sen_slope
+from ray_titan.metrics.worker.report import read_rank_reports
 from tests.conftest import LLAMA_ONE_WORKER_STEPS, REPO, LaunchRun
 
 pytestmark = pytest.mark.ray

@@ -10,8 +10,8 @@ import pytest
 import ray_titan
 from ray_titan.callbacks import InjectLeak
 from ray_titan.config import load_config
-from ray_titan.metrics.leak import MemoryLeakError
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.outcome import MemoryLeakError
+from ray_titan.metrics.reading.steps import read_steps
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.ray

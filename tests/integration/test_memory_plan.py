@@ -14,8 +14,8 @@ from torch.distributed.pipelining.schedules import _ComputationType as C
 
 from ray_titan.cli import main
 from ray_titan.config import ConfigError, load_config
-from ray_titan.metrics.report import LocalReporter
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.reading.steps import read_steps
+from ray_titan.metrics.worker.report import LocalReporter
 from ray_titan.models.registry import build_model, get_spec
 from ray_titan.parallel.schedules import SCHEDULES, local_stages
 from ray_titan.preflight.memory_plan import (
@@ -142,7 +142,7 @@ def test_block_activation_formulas_equal_what_autograd_saves(family, layer, dtyp
 # -- the plan's peak against the profiler's ------------------------------------------------------
 def _measured(tmp_path, config, *overrides):
     """Run 2 steps in this process with the breakdown at step 2; the plan and the measured peak."""
-    from ray_titan.metrics.collector import MetricsCollector
+    from ray_titan.metrics.collector.collector import MetricsCollector
     from ray_titan.trainer import train_loop
 
     cfg = load_config(REPO / "configs" / config, ["--parallelism.pp=1", "--parallelism.dp_shard=1",
@@ -220,7 +220,7 @@ def test_plan_is_within_15_percent_on_every_rank_of_pp_dp_ep(tmp_path, corpus_ca
 def _routing_imbalance(steps, step: int, ep: int) -> float:
     """Max over mean of the tokens each ep rank's experts received at ``step``, in the most
     unbalanced MoE layer (``expert_load`` summed over the ranks that route into the layer)."""
-    from ray_titan.metrics.collector import expert_load
+    from ray_titan.metrics.reading.moe_stats import expert_load
 
     loads = expert_load([r for r in steps.to_pylist() if r["step"] == step])
     worst = 1.0
@@ -282,8 +282,8 @@ def test_when_the_timeline_analysis_fails_the_peak_comes_from_the_allocations(mo
     allocation events and what was alive before the step, equal to the timeline's."""
     import gc
 
-    from ray_titan.metrics.memory import live_storages
-    from ray_titan.metrics.profiling import StepProfiler
+    from ray_titan.metrics.worker.memory import live_storages
+    from ray_titan.metrics.worker.profiling import StepProfiler
 
     # What earlier tests left alive in this process: the census counts it, the timeline (which
     # sees only the tensors the profiled step touched) does not.
@@ -321,7 +321,7 @@ def test_when_the_timeline_analysis_fails_the_peak_comes_from_the_allocations(mo
 
 _PROFILED_IN_A_THREAD = """
 import sys, threading, torch
-from ray_titan.metrics.profiling import StepProfiler, _c10_log_level
+from ray_titan.metrics.worker.profiling import StepProfiler, _c10_log_level
 model, x = torch.nn.Linear(64, 64), torch.randn(8, 64)
 model(x).sum().backward()  # gradients allocated before the profile, freed in it
 

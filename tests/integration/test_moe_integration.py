@@ -15,8 +15,7 @@ import pytest
 import ray_titan
 from ray_titan.allocator import jemalloc_library
 from ray_titan.config import load_config
-from ray_titan.metrics.collector import expert_load
-from ray_titan.metrics.moe_stats import expert_shares, memory_slopes
+from ray_titan.metrics.reading.moe_stats import expert_load, expert_shares, memory_slopes
 from tests.conftest import REPO, LaunchRun
 
 pytestmark = pytest.mark.ray

@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from ray_titan.config import load_config, merge_overrides
 from ray_titan.config.schema import ConfigError
-from ray_titan.metrics.collector import MetricsCollector
-from ray_titan.metrics.report import JsonlReporter, rank_reports_path, read_rank_reports
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.collector.collector import MetricsCollector
+from ray_titan.metrics.reading.steps import read_steps
+from ray_titan.metrics.worker.report import JsonlReporter, rank_reports_path, read_rank_reports
 from ray_titan.parallel.dims import ParallelDims
 from ray_titan.parallel.pipeline import SCHEDULES, stage_placement
 from ray_titan.preflight.checks import validate_job
@@ -274,8 +274,8 @@ def test_coordinates_and_dp_rank_on_the_full_mesh():
 def test_allocation_peak_is_what_the_profiled_code_added():
     from torch.profiler import ProfilerActivity, profile
 
-    from ray_titan.metrics.memory import live_storages
-    from ray_titan.metrics.profiling import allocation_peak
+    from ray_titan.metrics.worker.memory import live_storages
+    from ray_titan.metrics.worker.profiling import allocation_peak
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
         kept = torch.ones(1 << 20)  # 4 MiB kept by an earlier profiled step: alive before, counted once

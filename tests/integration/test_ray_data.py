@@ -17,9 +17,9 @@ from ray_titan.config import load_config
 from ray_titan.config.schema import ConfigError, Data
 from ray_titan.data.ray_data import StreamLoader, worker_rows
 from ray_titan.data.tokenizer import ByteTokenizer
-from ray_titan.metrics.collector import MetricsCollector
-from ray_titan.metrics.report import LocalReporter
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.collector.collector import MetricsCollector
+from ray_titan.metrics.reading.steps import read_steps
+from ray_titan.metrics.worker.report import LocalReporter
 from ray_titan.trainer import train_loop
 from tests.conftest import REPO
 

@@ -1,4 +1,4 @@
-"""The collector's Ray metrics (ray_titan/metrics/ray_metrics.py), read back from the Prometheus
+"""The collector's Ray metrics (ray_titan/metrics/collector/ray_metrics.py), read back from the Prometheus
 endpoint of the shared local cluster (started with the dashboard, as `ray-titan train` starts one)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _value(text: str, name: str, **labels: str) -> float | None:
 def test_collector_exports_step_scalars_and_stage_memory_to_prometheus(ray_cluster, tmp_path):
     import ray
 
-    from ray_titan.metrics.collector import MetricsCollector
+    from ray_titan.metrics.collector.collector import MetricsCollector
 
     dims = ParallelDims(pp=2, dp_shard=2)
     run_dir = tmp_path / "métricsjob-20261126-130000"  # a non-ASCII job.name: Ray's gauges take ASCII only

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from ray_titan.metrics.memory import MEMORY_FIELDS
-from ray_titan.metrics.report import CollectorReporter, StepReport
+from ray_titan.metrics.fields import MEMORY_FIELDS
+from ray_titan.metrics.worker.report import CollectorReporter, StepReport
 
 pytestmark = pytest.mark.ray
 
@@ -166,9 +166,10 @@ def test_killing_the_collector_and_an_aggregator_loses_no_report_of_256_ranks(ra
     import numpy as np
     import ray
 
-    from ray_titan.metrics.collector import MetricsCollector
-    from ray_titan.metrics.report import create_aggregators, reporting_target
-    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.collector.aggregator import create_aggregators
+    from ray_titan.metrics.collector.collector import MetricsCollector
+    from ray_titan.metrics.reading.steps import read_steps
+    from ray_titan.metrics.worker.report import reporting_target
     from ray_titan.parallel.dims import ParallelDims
 
     dims, steps = ParallelDims(pp=4, dp_shard=64), 10
@@ -191,8 +192,8 @@ def test_killing_the_collector_and_an_aggregator_loses_no_report_of_256_ranks(ra
         deadline = time.monotonic() + 60
         while any(rep._held for rep in reporters) and time.monotonic() < deadline:
             for rep in reporters:
-                rep._send(flush=not rep._pending)
-                rep._poll()
+                rep.send(flush=not rep.in_flight)
+                rep.poll()
             time.sleep(0.2)
         assert not any(rep._held for rep in reporters)
         assert sum(rep.dropped for rep in reporters) == 0

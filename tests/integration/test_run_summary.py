@@ -7,7 +7,7 @@ import pyarrow.compute
 import pytest
 
 from ray_titan.cli import main
-from ray_titan.metrics.collector import MetricsCollector
+from ray_titan.metrics.collector.collector import MetricsCollector
 from ray_titan.parallel.dims import ParallelDims
 from tests.unit.test_leak import MiB, _rep
 
@@ -67,8 +67,8 @@ def test_report_of_16k_ranks_draws_heatmaps_and_names_the_planted_outliers(tmp_p
     """The benchmark's synthetic table (real schema, 16 stages × 128 × 8 ranks, earlier stages
     holding more memory): only the planted ranks are named, in the table and beside the heatmaps."""
     from benchmarks.metrics_scale import write_synthetic_run
-    from ray_titan.metrics.sinks import read_steps
-    from ray_titan.run_summary import PER_RANK_LIMIT, outlier_ranks
+    from ray_titan.metrics.reading.run_summary import PER_RANK_LIMIT, outlier_ranks
+    from ray_titan.metrics.reading.steps import read_steps
 
     memory, slow = (3, 9000, 16383), (4242,)
     write_synthetic_run(tmp_path, 16384, 12, steps_per_part=6, memory_outliers=memory, time_outliers=slow)
@@ -92,7 +92,7 @@ def test_a_run_result_reads_its_steps_only_when_asked_and_its_losses_from_rank_0
     (the same losses as the whole table's), ``steps`` the whole table on first access."""
     from benchmarks.metrics_scale import write_synthetic_run
     from ray_titan.driver.result import RunResult
-    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.reading.steps import read_steps
 
     write_synthetic_run(tmp_path, 1024, 6, steps_per_part=3)
     whole = read_steps(tmp_path)

@@ -13,8 +13,8 @@ import ray_titan.driver.run as driver
 import ray_titan.run_dir as run_dirs
 from ray_titan import storage
 from ray_titan.config import ConfigError, load_config
-from ray_titan.metrics.collector import MetricsCollector
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.collector.collector import MetricsCollector
+from ray_titan.metrics.reading.steps import read_steps
 from ray_titan.parallel.dims import ParallelDims
 from tests.unit.test_collector import _report
 

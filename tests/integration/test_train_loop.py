@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ray_titan.metrics.report import read_rank_reports
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.reading.steps import read_steps
+from ray_titan.metrics.worker.report import read_rank_reports
 from tests.conftest import REPO
 from tests.support.ranks import launch
 

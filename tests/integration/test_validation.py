@@ -23,9 +23,9 @@ import torch
 
 from ray_titan.config import load_config, merge_overrides
 from ray_titan.data.holdout import holdout_mask, split_holdout
-from ray_titan.metrics.collector import MetricsCollector
-from ray_titan.metrics.report import LocalReporter, Reporter
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.collector.collector import MetricsCollector
+from ray_titan.metrics.reading.steps import read_steps
+from ray_titan.metrics.worker.report import LocalReporter, Reporter
 from tests.conftest import REPO
 from tests.support.ranks import launch
 
@@ -143,7 +143,7 @@ def test_validation_reaches_parquet_tensorboard_console_and_report(pp_runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from ray_titan.driver import RunResult
-    from ray_titan.run_summary import write_report
+    from ray_titan.metrics.reading.run_summary import write_report
 
     (stdout, run_dir, on), _ = pp_runs
     val = _by_step(on, "step_val_loss")

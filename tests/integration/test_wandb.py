@@ -12,8 +12,9 @@ import pytest
 
 from ray_titan.config import load_config
 from ray_titan.config.schema import ConfigError
-from ray_titan.metrics.collector import MetricsCollector
-from ray_titan.metrics.sinks import read_steps, wandb_settings
+from ray_titan.metrics.collector.collector import MetricsCollector
+from ray_titan.metrics.collector.sinks.wandb import wandb_settings
+from ray_titan.metrics.reading.steps import read_steps
 from ray_titan.parallel.dims import ParallelDims
 from tests.conftest import REPO
 from tests.unit.test_collector import _report

@@ -16,7 +16,7 @@ import sys
 import pyarrow.compute as pc
 import pytest
 
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.reading.steps import read_steps
 from tests.conftest import REPO
 from tests.support.hf_models import SEQ, corpus_lines
 from tests.support.no_ray import no_ray_env, ray_imports, split_runs

@@ -194,9 +194,9 @@ def train_one_dropped_step(src: Path, tmp_path: Path) -> tuple[Any, Path]:
     whose export must equal ``src`` bit for bit."""
     from ray_titan.checkpoint import LocalCheckpointStorage, resolve_hf_job
     from ray_titan.config import load_config
-    from ray_titan.metrics.collector import MetricsCollector
-    from ray_titan.metrics.report import LocalReporter
-    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.collector.collector import MetricsCollector
+    from ray_titan.metrics.reading.steps import read_steps
+    from ray_titan.metrics.worker.report import LocalReporter
     from ray_titan.preflight.checks import validate_job
     from ray_titan.trainer import train_loop
 

@@ -24,8 +24,8 @@ from ray_titan.checkpoint import (
 )
 from ray_titan.config import ConfigError, load_config, merge_overrides
 from ray_titan.fault import NonFiniteError
-from ray_titan.metrics.collector import MetricsCollector
-from ray_titan.metrics.report import LocalReporter
+from ray_titan.metrics.collector.collector import MetricsCollector
+from ray_titan.metrics.worker.report import LocalReporter
 from ray_titan.preflight.checks import validate_job
 from ray_titan.trainer import train_loop
 from tests.conftest import REPO
@@ -44,7 +44,7 @@ def _train(run_dir, cfg, save=True):
     storage = LocalCheckpointStorage(run_dir / "checkpoints", cfg.checkpoint.keep_latest_k) if save else None
     train_loop(cfg, LocalReporter(collector), None, checkpoint_storage=storage)
     summary = collector.finish()
-    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.reading.steps import read_steps
 
     t = read_steps(run_dir).sort_by("step")
     return t["step_loss"].to_pylist(), t["skipped_update"].to_pylist(), t["grad_norm"].to_pylist(), summary
@@ -225,7 +225,7 @@ def test_nonfinite_stop_names_the_step_and_stage(tmp_path, corpus_cache):
                                              r"the gradient norm is nan \(non-finite gradients in stage\(s\) \[0\]\)"):
         train_loop(cfg, LocalReporter(collector), None)
     collector.finish()
-    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.reading.steps import read_steps
 
     t = read_steps(tmp_path)  # the failing step is recorded, its update dropped
     assert t["step"].to_pylist() == [1, 2, 3] and t["skipped_update"].to_pylist() == [False, False, True]
@@ -278,7 +278,7 @@ def test_nonfinite_weights_are_never_saved_or_loaded(saved, tmp_path):
     from torch import nn
 
     from ray_titan.checkpoint import Checkpointer, load_metadata
-    from ray_titan.metrics.report import Reporter
+    from ray_titan.metrics.worker.report import Reporter
 
     run_dir, cfg, _ = saved
     model = nn.Sequential(nn.Linear(4, 4))
@@ -316,7 +316,7 @@ def _tiny_checkpointer(tmp_path, rank=0):
     from torch import nn
 
     from ray_titan.checkpoint import Checkpointer
-    from ray_titan.metrics.report import Reporter
+    from ray_titan.metrics.worker.report import Reporter
 
     cfg = _cfg(tmp_path, str(tmp_path / "cache"))
     model = nn.Sequential(nn.Linear(4, 4))

@@ -6,10 +6,12 @@ import pyarrow as pa
 import pyarrow.compute
 import pytest
 
-from ray_titan.metrics.collector import MetricsCollector
-from ray_titan.metrics.memory import MEMORY_FIELDS, host_memory, sample_memory
-from ray_titan.metrics.report import MOE_PAD, StepReport, pack_reports
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.collector.collector import MetricsCollector
+from ray_titan.metrics.fields import MEMORY_FIELDS
+from ray_titan.metrics.packing import MOE_PAD, pack_reports
+from ray_titan.metrics.reading.steps import read_steps
+from ray_titan.metrics.worker.memory import host_memory, sample_memory
+from ray_titan.metrics.worker.report import StepReport
 from ray_titan.parallel.dims import ParallelDims
 
 
@@ -34,7 +36,7 @@ def test_loss_is_the_token_weighted_mean_of_the_last_stage(tmp_path):
     c.report([_report(1, 3, dims, loss=3.0, tokens=300, step_time=0.6)])
     c.report([_report(1, 0, dims)])
     c.report([_report(1, 2, dims, loss=2.0, tokens=100)])
-    assert c.assembled == 0  # rank 1 has not reported
+    assert c.tally.assembled == 0  # rank 1 has not reported
     c.report([_report(1, 1, dims)])
     summary = c.finish()
     assert summary["errors"] == []
@@ -105,7 +107,7 @@ def test_memory_sample_reads_proc():
 def test_memory_sampler_reads_rss_every_step_and_slow_fields_per_interval(monkeypatch):
     import torch
 
-    import ray_titan.metrics.memory as memory
+    import ray_titan.metrics.worker.memory as memory
 
     reads = []
     monkeypatch.setattr(memory, "host_heap", lambda: (reads.append(1), (len(reads), 7))[1])
@@ -142,12 +144,14 @@ def test_finish_is_idempotent_and_parts_never_overwritten(tmp_path):
 
 
 def test_errors_are_bounded(tmp_path):
+    from ray_titan.metrics.collector.errors import ErrorLog
+
     dims = ParallelDims(pp=2, dp_shard=1)
     c = _collector(tmp_path, dims, steps=3000, flush_every_steps=1000)
     for step in range(1, 1201):
         c.report([_report(step, 0, dims), _report(step, 1, dims)])  # the last stage never has a loss
     summary = c.finish()
-    assert c.errors_total == 1200 and len(summary["errors"]) == MetricsCollector.MAX_ERRORS + 1
+    assert c.errors.total == 1200 and len(summary["errors"]) == ErrorLog.MAX + 1
 
 
 def test_final_loss_is_never_stale(tmp_path):
@@ -196,7 +200,7 @@ def test_replayed_steps_replace_the_lost_ones_and_the_restart_is_marked(tmp_path
 
 
 def test_restarted_collector_resumes_from_its_flushed_parts(tmp_path, monkeypatch):
-    import ray_titan.metrics.collector as collector_module
+    from ray_titan.metrics.collector import resume
 
     dims = ParallelDims(pp=1, dp_shard=1)
     c = _collector(tmp_path, dims, steps=6, flush_every_steps=2, log_freq=1)
@@ -207,9 +211,9 @@ def test_restarted_collector_resumes_from_its_flushed_parts(tmp_path, monkeypatc
     assert [line.split("|")[0].strip() for line in shown["lines"] if line.startswith("step")] == \
         ["step 1/6", "step 2/6", "step 3/6"] and "warming_up at step 1" in shown["lines"][1]
     del c  # killed: step 3 was assembled but not flushed
-    monkeypatch.setattr(collector_module, "_reconstructed", lambda: True)  # Ray restarted the actor
+    monkeypatch.setattr(resume, "reconstructed", lambda: True)  # Ray restarted the actor
     again = _collector(tmp_path, dims, steps=6, flush_every_steps=2, log_freq=1)
-    assert again.incarnation != first["incarnation"] and again.last_step == 2 and again.final_loss == 2.0
+    assert again.incarnation != first["incarnation"] and again.tally.last_step == 2 and again.tally.final_loss == 2.0
     answer = again.report([_report(s, 0, dims, loss=float(s)) for s in (1, 2, 3, 4, 5, 6)])  # the worker resends
     assert answer["durable"] == {0.0: 6}  # 6 assembled and flushed; 1 and 2 were ignored
     # The console goes on where it was: step 3 is not shown again, the verdict does not warm up again.
@@ -231,7 +235,7 @@ def test_per_step_bookkeeping_stays_as_small_as_the_unflushed_steps(tmp_path):
     for step in range(1, 2001):
         answer = c.report([_report(step, 0, dims, loss=1.0), _report(step, 1, dims, loss=1.0)])
     assert answer["durable"] == {0.0: 2000}
-    assert len(c._done) == 0 and sum(map(len, c._flushed.values())) == 0 and len(c._pending) == 0
+    assert c.durable.pending() == 0 and c.intake.pending() == 0
     # A late resend of a long-flushed step is still recognised and ignored.
     c.report([_report(7, 0, dims, loss=9.0), _report(7, 1, dims, loss=9.0)])
     assert c.finish()["errors"] == []
@@ -269,7 +273,7 @@ def _moe_report(step, rank, dims, **kw):
 def test_a_groups_reports_in_columns_make_the_same_rows_as_one_call_per_rank(tmp_path):
     """What a metrics aggregator forwards (a group's reports packed in columns) is assembled into
     exactly the rows the ranks' own calls make: MoE load, mixtures, validation, device fields."""
-    from ray_titan.metrics.report import pack_reports
+    from ray_titan.metrics.packing import pack_reports
 
     dims = ParallelDims(pp=2, dp_shard=4)
     per_rank, packed = _collector(tmp_path / "a", dims, steps=3), _collector(tmp_path / "b", dims, steps=3)
@@ -311,13 +315,13 @@ def test_stages_holding_different_numbers_of_moe_layers_keep_their_load(tmp_path
 @pytest.mark.parametrize("chunk_rows", [4096, 3])
 def test_steps_of_one_flush_keep_their_own_moe_shapes_and_missing_figures(tmp_path, chunk_rows):
     """The rows of a flush are built in one go over its steps, or over chunks of them
-    (``ray_titan.metrics.step_table``; ``chunk_rows`` = 3 splits the 8 rows unevenly):
+    (``ray_titan.metrics.collector.sinks.step_table``; ``chunk_rows`` = 3 splits the 8 rows unevenly):
     steps whose MoE reports pack into blocks, ragged ones (expert counts differ between layers)
     and dense ones keep their own layers and load; a NaN loss stays NaN while a step without a
     loss has null, and a group size reported at one step only is in that step's rows only."""
     dims = ParallelDims(pp=1, dp_shard=2)
     c = _collector(tmp_path, dims, steps=4, flush_every_steps=10)
-    c.rows.chunk_rows = chunk_rows
+    c.parquet.rows.chunk_rows = chunk_rows
     for step in range(1, 5):
         reps = [_report(step, r, dims, loss=[1.0, float("nan"), None, 2.0][step - 1]) for r in range(2)]
         if step == 1:  # blocks: two layers of two experts
@@ -338,16 +342,19 @@ def test_steps_of_one_flush_keep_their_own_moe_shapes_and_missing_figures(tmp_pa
     assert t["world_size"].to_pylist() == [2, 2] + [None] * 6
 
 
-def test_beyond_16_ranks_the_console_and_the_sinks_summarise(tmp_path):
+def test_beyond_16_ranks_the_console_and_the_sinks_summarise(tmp_path, monkeypatch):
     """32 ranks (pp=2 × dp_shard=16), rank 7 leaking: the console line gives min / median / max of
     memory with the extreme ranks, the verdict counts naming the growing rank and a per-stage
     maximum; verdict changes of many ranks are counted, the growing one named; TensorBoard gets
     per-rank series beyond ``series_max_ranks`` only for the growing rank, and stage summaries."""
     dims = ParallelDims(pp=2, dp_shard=16)
     leak = {"window": 8, "threshold_mib_per_step": 0.1, "host_threshold_mib_per_step": 0.1, "warmup_max_steps": 8}
-    c = _collector(tmp_path, dims, steps=20, log_freq=20, leak=leak, series_max_ranks=4)
+    from ray_titan.metrics.collector.sinks.tensorboard import TensorBoardSink
+
     logged: dict[int, dict[str, float]] = {}
-    c.tb.add_scalars = lambda step, values: logged.setdefault(step, {}).update(values)  # type: ignore[union-attr]
+    monkeypatch.setattr(TensorBoardSink, "add_scalars",
+                        lambda self, step, values: logged.setdefault(step, {}).update(values))
+    c = _collector(tmp_path, dims, steps=20, log_freq=20, leak=leak, series_max_ranks=4)
     for step in range(1, 21):
         c.report([_report(step, r, dims, loss=1.0 if dims.is_last_stage_rank(r) else None,
                           rss=(100 << 20) + (step * 4 << 20 if r == 7 else 0)) for r in range(32)])
@@ -370,17 +377,18 @@ def test_the_completeness_check_names_missing_rows_and_counts_steps_in_batches(t
     rank missing, a step with no row at all, a smaller elastic group, skipped updates, restarts."""
     import pyarrow.parquet as pq
 
+    from ray_titan.metrics.collector.completeness import check_complete
+
     rows = [(s, r) for s in (1, 2, 4) for r in range(4) if (s, r) != (2, 1)] + [(5, r) for r in range(2)]
     path = tmp_path / "steps.parquet"
     pq.write_table(pa.table({
         "step": [s for s, _ in rows], "rank": [r for _, r in rows],
         "skipped_update": [s == 4 for s, _ in rows], "attempt": [int(s >= 4) for s, _ in rows],
         "world_size": [2 if s == 5 else 4 for s, _ in rows]}), path, row_group_size=3)
-    c = _collector(tmp_path / "run", ParallelDims(pp=1, dp_shard=4))
-    c._check_complete(path)
-    assert c.errors == ["step 2: the metrics table has no row for rank(s) [1]",
-                        "step 3: the metrics table has no row for rank(s) [0, 1, 2, 3]"]
-    assert (c._steps_run, c._skipped_steps, c._restarts) == (4, 1, 1)
+    found = check_complete(path, world_size=4, first_step=None)
+    assert found.errors() == ["step 2: the metrics table has no row for rank(s) [1]",
+                              "step 3: the metrics table has no row for rank(s) [0, 1, 2, 3]"]
+    assert (found.steps_run, found.skipped_steps, found.restarts) == (4, 1, 1)
 
 
 def test_any_job_name_is_a_label_value_rays_gauges_take(monkeypatch):
@@ -390,7 +398,7 @@ def test_any_job_name_is_a_label_value_rays_gauges_take(monkeypatch):
     real gauges take the run's job label here (a gauge records in-process; no cluster starts)."""
     import numpy as np
 
-    from ray_titan.metrics import ray_metrics
+    from ray_titan.metrics.collector import ray_metrics
 
     pytest.importorskip("ray", reason="Ray's gauges (the compatibility job's venv without Ray has none)")
     monkeypatch.setattr(ray_metrics, "_last_memory", [float("-inf")])  # the memory gauges are set too

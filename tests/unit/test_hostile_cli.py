@@ -138,7 +138,7 @@ def test_an_override_with_a_space_in_its_value_is_an_override(capsys):
 def _steps_table(n: int):
     import pyarrow as pa
 
-    from ray_titan.metrics.sinks import STEP_SCHEMA
+    from ray_titan.metrics.schema import STEP_SCHEMA
 
     cols = {f.name: pa.array([i % 3 for i in range(n)], f.type) if pa.types.is_integer(f.type) else
             pa.array([1.0] * n, f.type) if pa.types.is_floating(f.type) else pa.nulls(n, f.type)
@@ -199,7 +199,7 @@ def test_report_reads_a_file_of_one_row_per_row_group_a_batch_at_a_time(tmp_path
     # 5.4 GB and 103 s; now 2.3 GB (pyarrow's own footer) and 25 s.
     import pyarrow.parquet as pq
 
-    from ray_titan.metrics.sinks import read_steps
+    from ray_titan.metrics.reading.steps import read_steps
 
     (tmp_path / "metrics").mkdir()
     pq.write_table(_steps_table(300), tmp_path / "metrics" / "steps.parquet", row_group_size=1)

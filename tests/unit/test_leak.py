@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from ray_titan.metrics.collector import MetricsCollector
-from ray_titan.metrics.leak import (
+from ray_titan.metrics.collector.collector import MetricsCollector
+from ray_titan.metrics.collector.leak import (
     GROWING,
     STABLE,
     WARMING_UP,
@@ -18,9 +18,9 @@ from ray_titan.metrics.leak import (
     leak_settings,
     theil_sen_slope,
 )
-from ray_titan.metrics.memory import MEMORY_FIELDS
-from ray_titan.metrics.report import StepReport
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.fields import MEMORY_FIELDS
+from ray_titan.metrics.reading.steps import read_steps
+from ray_titan.metrics.worker.report import StepReport
 from ray_titan.parallel.dims import ParallelDims
 from tests.conftest import REPO
 

@@ -10,11 +10,12 @@ import torch
 
 from ray_titan.callbacks import Callback, InjectLeak, InjectOOM
 from ray_titan.config import load_config, merge_overrides
-from ray_titan.metrics.collector import MetricsCollector
-from ray_titan.metrics.leak import MemoryLeakError, leak_settings
-from ray_titan.metrics.memory import RankOutOfMemoryError
-from ray_titan.metrics.report import LocalReporter
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.collector.collector import MetricsCollector
+from ray_titan.metrics.collector.leak import leak_settings
+from ray_titan.metrics.outcome import MemoryLeakError
+from ray_titan.metrics.reading.steps import read_steps
+from ray_titan.metrics.worker.memory import RankOutOfMemoryError
+from ray_titan.metrics.worker.report import LocalReporter
 from ray_titan.trainer import train_loop
 from tests.conftest import REPO
 

@@ -8,9 +8,9 @@ import pickle
 import pytest
 import torch
 
-import ray_titan.metrics.memory as memory
-from ray_titan.metrics.memory import (
-    MEMORY_FIELDS,
+import ray_titan.metrics.worker.memory as memory
+from ray_titan.metrics.fields import MEMORY_FIELDS
+from ray_titan.metrics.worker.memory import (
     MemorySnapshots,
     find_oom,
     host_available,

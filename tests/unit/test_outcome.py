@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ray_titan.metrics.collector import MetricsCollector
+from ray_titan.metrics.collector.collector import MetricsCollector
 from ray_titan.metrics.outcome import RunOutcome, StopReason
 
 
@@ -40,7 +40,7 @@ def test_the_driver_raises_each_reason_as_its_own_error(tmp_path, capsys):
     from ray_titan.driver.run import _raise_if_stopped
     from ray_titan.driver.signals import SignalGuard
     from ray_titan.fault import NonFiniteError
-    from ray_titan.metrics.leak import MemoryLeakError
+    from ray_titan.metrics.outcome import MemoryLeakError
 
     signals = SignalGuard(note="")
     failed = RuntimeError("worker group failed")

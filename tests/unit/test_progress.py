@@ -10,7 +10,7 @@ import select
 import time
 
 from ray_titan.driver.progress import BarDisplay, ConsoleThread, LineDisplay, format_eta, format_postfix, make_display
-from ray_titan.metrics.collector import MetricsCollector
+from ray_titan.metrics.collector.collector import MetricsCollector
 from ray_titan.parallel.dims import ParallelDims
 from tests.unit.test_collector import _report
 

@@ -1,6 +1,6 @@
 """`ray-titan report`'s memory table beyond 16 ranks: ranks sharing a plan collapse to one row."""
 
-from ray_titan.run_summary import format_memory_table
+from ray_titan.metrics.reading.run_summary import format_memory_table
 
 MiB = 2**20
 

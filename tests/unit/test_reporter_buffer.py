@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_titan.metrics.report import CollectorReporter
+from ray_titan.metrics.worker.report import CollectorReporter
 
 # CollectorReporter talks to a Ray actor: its calls are patched here, but the module is Ray's.
 ray = pytest.importorskip("ray", reason="the compatibility job's venv without Ray")
@@ -48,8 +48,8 @@ def _reported(monkeypatch, max_buffered, steps):
     collector = _Collector()
     reporter = CollectorReporter(collector, max_inflight=4, max_buffered=max_buffered)
     for step in steps:
-        reporter._hold([_step(step)])
-        reporter._send()
+        reporter.hold([_step(step)])
+        reporter.send()
     return collector, reporter
 
 
@@ -61,16 +61,16 @@ def test_reports_let_go_before_they_are_on_disk_are_counted_when_the_collector_d
     collector, reporter = _reported(monkeypatch, 8, range(1, 21))
     assert reporter.dropped == 0  # the 12 let go may still reach disk
     collector.dying = True
-    reporter._hold([_step(21)])  # lets go of step 13 too
-    reporter._send()  # fails: the collector died
-    reporter._send()  # sees the failure: everything held is due again, after a back-off
+    reporter.hold([_step(21)])  # lets go of step 13 too
+    reporter.send()  # fails: the collector died
+    reporter.send()  # sees the failure: everything held is due again, after a back-off
     reporter._retry_at = 0.0
-    reporter._hold([_step(22)])  # nine held, none sent to the new life: the oldest (14) dropped, counted
-    reporter._send()  # to the new life
-    reporter._send()  # its answer: nothing of steps 1-13 is on disk
+    reporter.hold([_step(22)])  # nine held, none sent to the new life: the oldest (14) dropped, counted
+    reporter.send()  # to the new life
+    reporter.send()  # its answer: nothing of steps 1-13 is on disk
     assert reporter.dropped == 14
     reporter._retry_at = 0.0
-    reporter._send()  # the held reports resent, with the count: the collector ends the run with an error
+    reporter.send()  # the held reports resent, with the count: the collector ends the run with an error
     assert collector.calls[-1][1] == 14 and [r["step"] for r in collector.calls[-1][0]] == list(range(15, 23))
 
 

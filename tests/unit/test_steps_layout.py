@@ -1,5 +1,6 @@
 """``steps.parquet``'s layout: one row per (step, rank) of the newest attempt, sorted by rank then
-step, row groups of whole ranks, so one rank's history is one row group (ray_titan.metrics.sinks)."""
+step, row groups of whole ranks, so one rank's history is one row group
+(ray_titan.metrics.collector.sinks.parquet)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from benchmarks.metrics_scale import synthetic_steps
-from ray_titan.metrics import sinks
-from ray_titan.metrics.sinks import ParquetSink, _write_atomically, rank_row_groups, read_rank_history, read_steps
+from ray_titan.metrics.collector.sinks import parquet as sinks
+from ray_titan.metrics.collector.sinks.parquet import ParquetSink, _write_atomically
+from ray_titan.metrics.reading.steps import rank_row_groups, read_rank_history, read_steps
 
 RANKS, STEPS = 48, 30
 
@@ -49,7 +51,8 @@ def test_steps_parquet_is_one_row_per_step_and_rank_in_rank_blocks(tmp_path, mon
     sink = ParquetSink(tmp_path / "metrics")
     for i, t in enumerate(parts):
         _write_atomically(t, sink.parts / f"part-{i:05d}.parquet")
-    path = sink.close()
+    sink.close()
+    path = sink.steps_path
     assert not (tmp_path / "metrics" / "parts").exists()
 
     t = pq.read_table(path)
@@ -94,7 +97,8 @@ def test_ranks_only_a_replaced_attempt_had_leave_no_gap(tmp_path, monkeypatch, s
     sink = ParquetSink(tmp_path / "metrics")
     for i, t in enumerate([a, b]):
         _write_atomically(t, sink.parts / f"part-{i:05d}.parquet")
-    t = pq.read_table(sink.close())
+    sink.close()
+    t = pq.read_table(sink.steps_path)
     kept = sorted(zip(t["rank"].to_pylist(), t["step"].to_pylist()))
     assert kept == [(r, s) for r in range(5, 10) for s in (1, 2, 3)]
     assert t.num_rows == 15 and set(t["attempt"].to_pylist()) == {1}

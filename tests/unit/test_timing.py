@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ray_titan.config import load_config, merge_overrides
-from ray_titan.metrics.report import Reporter
-from ray_titan.metrics.timing import read_timings, write_timings
+from ray_titan.metrics.worker.report import Reporter
+from ray_titan.metrics.worker.timing import read_timings, write_timings
 from ray_titan.trainer import train_loop
 
 

@@ -127,7 +127,7 @@ def test_the_p2p_warm_up_sends_nothing_to_a_stage_on_the_same_rank(gloo_world_of
 def _profiled_step(monkeypatch_gone: Any) -> dict:
     """A step of a tiny model under ray_titan's StepProfiler with one torch name removed by
     ``monkeypatch_gone()``; the breakdown it reports."""
-    from ray_titan.metrics.profiling import StepProfiler
+    from ray_titan.metrics.worker.profiling import StepProfiler
 
     model = torch.nn.Linear(64, 64)
     x = torch.randn(8, 64)
@@ -155,7 +155,7 @@ def test_a_memory_breakdown_survives_a_change_of_the_private_category_order(monk
     (a ``KeyError`` at the profiled step), and so it does where the mapping is gone."""
     import torch.profiler._memory_profiler as mp
 
-    from ray_titan.metrics.memory import timeline_breakdown
+    from ray_titan.metrics.worker.memory import timeline_breakdown
 
     new = enum.Enum("Category", ["NEW_CATEGORY"]).NEW_CATEGORY
     grown = {**mp._CATEGORY_TO_INDEX, new: len(mp._CATEGORY_TO_INDEX)}

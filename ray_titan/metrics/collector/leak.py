@@ -41,30 +41,27 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from ray_titan.metrics.fields import VERDICT_CODES, VERDICTS, describe_coords
+
 __all__ = [
     "GROWING",
     "SERIES_NAMES",
     "STABLE",
-    "VERDICTS",
     "WARMING_UP",
     "LeakDetector",
     "LeakMonitor",
-    "MemoryLeakError",
     "SeriesBank",
     "Verdict",
-    "describe_coords",
     "host_series",
     "leak_settings",
     "theil_sen_slope",
 ]
 
-WARMING_UP, STABLE, GROWING = "warming_up", "stable", "growing"
+WARMING_UP, STABLE, GROWING = VERDICTS
+"""The verdicts (:data:`~ray_titan.metrics.fields.VERDICTS`, whose index is a verdict's code in
+the arrays here: ``SeriesBank.state``, :meth:`LeakMonitor.update_many`'s ``code``)."""
+_WARMING, _STABLE, _GROWING = (VERDICT_CODES[v] for v in VERDICTS)  # in that order: a later one outranks
 MiB = 2**20
-
-
-class MemoryLeakError(RuntimeError):
-    """A rank's memory is growing and ``memory.on_leak = "stop"`` ended the run. The message
-    names the rank, its mesh coordinates and the rate."""
 
 
 def _median_rows(a: np.ndarray) -> np.ndarray:
@@ -121,11 +118,6 @@ class Verdict:
     slope_mib_per_step: float | None
     oom_step: int | None
     source: str
-
-
-VERDICTS = (WARMING_UP, STABLE, GROWING)
-"""The verdicts by code: the index the vectorised verdict (:meth:`LeakMonitor.update_many`) returns."""
-"""A verdict's code in the arrays of :class:`SeriesBank` (and :data:`VERDICT_CODES` of the sinks)."""
 
 
 class SeriesBank:
@@ -216,7 +208,7 @@ class SeriesBank:
             mx, my = np.split(_quarter_medians(np.concatenate([x, y]), bounds), 2)
             steps = np.diff(my, axis=1) / np.diff(mx, axis=1) / MiB
             lo, hi = steps.min(axis=1), steps.max(axis=1)
-            need = fit[at] | (lo >= thr) | ((self.state[ranks[at]] == 2) & ~(hi < thr / 2))
+            need = fit[at] | (lo >= thr) | ((self.state[ranks[at]] == _GROWING) & ~(hi < thr / 2))
             s = old[at].copy()
             if need.any():
                 i, j = _pairs(int(m))
@@ -230,20 +222,20 @@ class SeriesBank:
             typical[at] = _median_rows(np.column_stack([sd, steps]))
         state = self.state[ranks]
         with np.errstate(invalid="ignore"):
-            warm = state == 0
+            warm = state == _WARMING
             flat = recent < thr  # the newest quarter has flattened (NaN: not yet known)
             end = warm & ((step >= self.warmup_max) | ((n == self.window) & flat))
-            state[end] = 1
+            state[end] = _STABLE
             self.warmup_end[ranks[end]] = step
             # Growing once every part of the window rises at the threshold rate; stable again
             # once the typical part rises at less than half of it (a leak near the threshold
             # would otherwise flap with the noise of one quarter).
-            judged = (state != 0) & (n == self.window) & ~np.isnan(sustained)
+            judged = (state != _WARMING) & (n == self.window) & ~np.isnan(sustained)
             grows = judged & (sustained >= thr)
-            state[grows] = 2
-            state[judged & ~grows & (typical < thr / 2)] = 1
+            state[grows] = _GROWING
+            state[judged & ~grows & (typical < thr / 2)] = _STABLE
             oom = np.full(k, np.nan)
-            proj = (state == 2) & ~np.isnan(free) & (slope > 0)
+            proj = (state == _GROWING) & ~np.isnan(free) & (slope > 0)
             oom[proj] = step + np.ceil(np.maximum(free[proj], 0) / (slope[proj] * MiB))
         self.state[ranks], self.slope[ranks], self.oom[ranks] = state, slope, oom
 
@@ -314,13 +306,6 @@ def leak_settings(memory: Any = None) -> dict[str, Any]:
                 warmup_max_steps=memory.warmup_max_steps)
 
 
-def describe_coords(rank: int, coords: dict[str, int]) -> str:
-    """``"rank 3 (pp=1, dp_shard=1)"``: a rank named with its mesh coordinates (those of the
-    axes the run has: ``"rank 5 (pp=0, dp_shard=1, tp=1)"`` under tensor parallel)."""
-    inner = ", ".join(f"{k}={v}" for k, v in coords.items())
-    return f"rank {rank} ({inner})" if inner else f"rank {rank}"
-
-
 # Verdict.source -> what its rate measures, as the console line and the report say it.
 SERIES_NAMES = {"device": "device allocated", "host": "host RSS - malloc free", "host_rss": "host RSS"}
 
@@ -364,7 +349,7 @@ class LeakMonitor:
         """Judge the ranks of ``step``.
 
         ``ranks``: distinct ranks, int ``(k,)``. ``mem``: the memory fields of
-        ``ray_titan.metrics.report.MEMORY_FIELDS`` by name, float ``(k,)`` in bytes, NaN where a
+        ``ray_titan.metrics.fields.MEMORY_FIELDS`` by name, float ``(k,)`` in bytes, NaN where a
         rank's report had None (device fields on CPU; malloc's free bytes without glibc).
         ``every``: refit each rank's Theil–Sen slope (the ``slope`` reported) every this many
         steps (rank ``r`` at steps where ``(r + step) % every == 0``), so the cost per step stays
@@ -405,9 +390,9 @@ class LeakMonitor:
         d = states[0]
         # growing first (device first), then warming up, then device, then host.
         # (np.select's own overhead is ~100 µs a call: the cascade as nested wheres.)
-        src = np.where(d == 2, 0, np.where(hstate == 2, host, np.where(d == 0, 0, np.where(
-            hstate == 0, host, np.where(d >= 0, 0, np.where(hstate >= 0, host, -1))))))
-        code = np.where(src == 0, d, np.where(src >= 1, hstate, 0)).astype(np.int8)
+        src = np.where(d == _GROWING, 0, np.where(hstate == _GROWING, host, np.where(d == _WARMING, 0, np.where(
+            hstate == _WARMING, host, np.where(d >= 0, 0, np.where(hstate >= 0, host, -1))))))
+        code = np.where(src == 0, d, np.where(src >= 1, hstate, _WARMING)).astype(np.int8)
         slope, oom = np.full(k, np.nan), np.full(k, np.nan)
         for i, name in enumerate(self.SOURCES):
             at = src == i
@@ -438,7 +423,7 @@ class LeakMonitor:
         """The verdict of ``row``'s rank at ``step`` and, when it changed, a console message.
 
         ``row`` has ``rank``, ``coords`` (axis -> index) and the memory fields of
-        ``ray_titan.metrics.memory`` (``host_rss_bytes``, ``host_heap_free_bytes``, ``host_available_bytes``,
+        ``ray_titan.metrics.worker.memory`` (``host_rss_bytes``, ``host_heap_free_bytes``, ``host_available_bytes``,
         ``device_allocated_bytes``, ``device_capacity_bytes``; device ones None on CPU)."""
         rank = row["rank"]
         self.coords[rank] = row.get("coords", {})

@@ -35,14 +35,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from ray_titan.metrics.leak import SERIES_NAMES, host_series
-from ray_titan.metrics.sinks import read_steps
+from ray_titan.metrics.collector.breakdowns import read_breakdowns
+from ray_titan.metrics.collector.leak import SERIES_NAMES, host_series
+from ray_titan.metrics.fields import COORD_AXES
+from ray_titan.metrics.reading.memory_plan import PLAN_FILE, planned_rank
+from ray_titan.metrics.reading.steps import read_steps
+from ray_titan.metrics.schema import STEP_SCHEMA
 
 __all__ = ["HEATMAP_BINS", "OUTLIER_MIN_REL", "OUTLIER_Z", "PER_RANK_LIMIT", "ReportError", "format_memory_table",
            "format_table", "memory_rows", "outlier_ranks", "rank_figures", "summary_rows", "write_report"]
 
 MiB = 2**20
-_COORDS = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
 PER_RANK_LIMIT = 16
 """Up to this many ranks the report draws one line per rank and prints every rank's row."""
 HEATMAP_BINS = (1024, 1000)
@@ -60,7 +63,7 @@ def _rank_tables(t: pa.Table) -> dict[int, dict[str, list]]:
     return out
 
 
-def _coords(r: dict[str, list], axes: tuple[str, ...] = _COORDS) -> str:
+def _coords(r: dict[str, list], axes: tuple[str, ...] = COORD_AXES) -> str:
     return ", ".join(f"{k}={r[k][0]}" for k in axes if k in r and r[k] and r[k][0] is not None)
 
 
@@ -70,11 +73,11 @@ def _axes(t: pa.Table) -> tuple[str, ...]:
     def has(axis: str) -> bool:
         return axis in t.column_names and any(v for v in t[axis].to_pylist())
 
-    return tuple(a for a in _COORDS if a in ("pp", "dp_shard") or has(a))
+    return tuple(a for a in COORD_AXES if a in ("pp", "dp_shard") or has(a))
 
 
 def _memory_series(r: dict[str, list]) -> tuple[str, np.ndarray, np.ndarray | None]:
-    """``(name, MiB, rss MiB or None)``: the series the leak verdict watches (ray_titan.metrics.leak)
+    """``(name, MiB, rss MiB or None)``: the series the leak verdict watches (ray_titan.metrics.collector.leak)
     and, when that is not RSS itself, host RSS to draw beside it."""
     dev = r.get("device_allocated_bytes")
     if dev and all(v is not None for v in dev):
@@ -103,7 +106,7 @@ def _floats(t: pa.Table, col: str) -> np.ndarray:
 def _memory_values(t: pa.Table) -> tuple[str, np.ndarray]:
     """``(name, bytes)`` of the series the leak verdict watches, for every row: device allocated
     where every row has it, else host RSS less malloc's free bytes where every row has those,
-    else host RSS (ray_titan.metrics.leak.host_series)."""
+    else host RSS (ray_titan.metrics.collector.leak.host_series)."""
     dev = _floats(t, "device_allocated_bytes")
     if len(dev) and not np.isnan(dev).any():
         return SERIES_NAMES["device"], dev
@@ -244,8 +247,6 @@ def memory_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     and the measured bytes by category at the peak (``parameters``, ``gradients``,
     ``optimizer_state``, ``activations``, ``temporaries``, ``other``: inputs and unknown). Raises
     :class:`ReportError` naming a plan or breakdown file that cannot be read."""
-    from ray_titan.preflight.memory_plan import PLAN_FILE
-
     plan_path = Path(run_dir) / PLAN_FILE
     try:
         return _memory_rows(run_dir, plan_path)
@@ -256,9 +257,6 @@ def memory_rows(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def _memory_rows(run_dir: str | Path, plan_path: Path) -> list[dict[str, Any]]:
-    from ray_titan.metrics.collector import read_breakdowns
-    from ray_titan.preflight.memory_plan import planned_rank
-
     planned = sorted(json.loads(plan_path.read_text())["ranks"], key=lambda r: int(r["rank"])) \
         if plan_path.is_file() else []
     measured = read_breakdowns(run_dir)
@@ -326,7 +324,7 @@ def format_memory_table(rows: list[dict[str, Any]], limit: int = PER_RANK_LIMIT)
 
 
 _REPORT_COLUMNS = [
-    "step", "rank", *_COORDS, "step_loss", "step_val_loss", "step_time_s", "metrics_time_s", "memory_verdict",
+    "step", "rank", *COORD_AXES, "step_loss", "step_val_loss", "step_time_s", "metrics_time_s", "memory_verdict",
     "memory_slope_mib_per_step", "memory_oom_step", "host_rss_bytes", "host_peak_rss_bytes", "host_heap_free_bytes",
     "device_allocated_bytes", "device_peak_reserved_bytes", "gc_generation", "gc_pause_s",
 ]
@@ -340,8 +338,6 @@ class ReportError(ValueError):
 def _read_metrics(run_dir: str | Path) -> pa.Table:
     """The report's columns of the run's metrics, each of the type ray_titan writes; raises
     :class:`ReportError` naming the file for anything else."""
-    from ray_titan.metrics.sinks import STEP_SCHEMA
-
     where = Path(run_dir) / "metrics"
     try:
         t = read_steps(run_dir, columns=_REPORT_COLUMNS)

@@ -19,133 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from ray_titan.metrics.outcome import MemoryLeakError
+from ray_titan.metrics.packing import pack_reports
 
 __all__ = [
-    "MEMORY_FIELDS",
-    "MOE_PAD",
-    "PACKED_FIELDS",
     "CollectorReporter",
     "JsonlReporter",
     "LocalReporter",
-    "MetricsAggregator",
     "Reporter",
     "StepReport",
-    "create_aggregators",
-    "pack_reports",
     "rank_reports_path",
     "read_rank_reports",
     "reporting_target",
 ]
-
-# The memory sample of a StepReport (ray_titan.metrics.memory.MemorySampler fills it). Here, not
-# beside the sampler: the collector needs the names, and the sampler module imports torch.
-MEMORY_FIELDS = (
-    "host_rss_bytes",
-    "host_peak_rss_bytes",
-    "host_heap_in_use_bytes",
-    "host_heap_free_bytes",
-    "host_available_bytes",
-    "device_allocated_bytes",
-    "device_active_bytes",
-    "device_reserved_bytes",
-    "device_peak_active_bytes",
-    "device_peak_reserved_bytes",
-    "device_alloc_retries",
-    "device_ooms",
-    "device_capacity_bytes",
-)
-
-
-# A batch of reports in columns (:func:`pack_reports`): every scalar of a report, coordinates
-# and memory flattened, in one float64 matrix. One matrix pickles and crosses a Ray call for a
-# fraction of what a dict per report, or an Arrow record batch of 60 columns, costs the collector.
-COORD_AXES = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
-PACKED_FIELDS = (
-    "step", "rank", *COORD_AXES, "is_last_stage", "loss", "tokens", "step_time_s", "data_time_s",
-    "fwd_bwd_time_s", "optim_time_s", "grad_norm", "lr", "gc_pause_s", "time", "metrics_time_s", *MEMORY_FIELDS,
-    "aux_loss", "gc_generation", "loss_tokens", "val_loss", "val_tokens", "val_time_s", "world_size",
-    "skipped_update", "attempt_start_time", "pid", "dropped",
-)
-"""The columns of :func:`pack_reports`'s ``values`` matrix, in order. ``dropped``: the reports
-the sending rank had dropped when it sent this one."""
-PACKED_OBJECTS = ("node", "moe_layers", "expert_load", "source_tokens", "memory_breakdown")
-"""The per-report fields that are not one number, in ``objects``' tuples, in order."""
-
-
-MOE_PAD = -1
-"""The layer index of a padding row in a ``moe`` block: pipeline stages hold different numbers of
-MoE layers (DeepSeek's first dense layers), and the blocks of their ranks are padded to the most
-layers of the batch (padding layers count no tokens)."""
-
-
-def _padded_moe(objects: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
-    """``moe_layers`` and ``expert_load`` of packed objects as int64 blocks ``(n, L)`` and ``(n, L,
-    E)``, rows with fewer than the most layers ``L`` padded with layer :data:`MOE_PAD` and zero
-    load. Raises ValueError where the layers of the reports count different numbers of experts."""
-    n, most = len(objects), max((len(o[1]) for o in objects), default=0)
-    if all(len(o[1]) == most for o in objects):
-        layers = np.asarray([o[1] for o in objects], np.int64).reshape(n, most)
-        load = np.asarray([o[2] for o in objects], np.int64) if layers.size else np.zeros((n, 0, 0), np.int64)
-        return layers, load
-    experts = {len(x) for o in objects for x in o[2]}
-    if len(experts) > 1:
-        raise ValueError(f"expert counts differ between MoE layers: {sorted(experts)}")
-    e = experts.pop() if experts else 0
-    layers = np.full((n, most), MOE_PAD, np.int64)
-    load = np.zeros((n, most, e), np.int64)
-    for i, o in enumerate(objects):
-        k = len(o[1])
-        if len(o[2]) != k:
-            raise ValueError(f"{k} MoE layers but {len(o[2])} rows of expert load")
-        if k:
-            layers[i, :k], load[i, :k] = o[1], o[2]
-    return layers, load
-
-
-def pack_reports(reports: list[dict[str, Any]], dropped: list[int] | int = 0) -> dict[str, Any]:
-    """Reports (``StepReport.to_dict()``) as columns: ``{"values": float64 (n, len(PACKED_FIELDS)),
-    "null": bool (n, len(PACKED_FIELDS)) (the report had None there), "objects": [(node,
-    moe_layers, expert_load, source_tokens, memory_breakdown)] * n, "axes": the mesh axes of the
-    first report's ``coords``, in order, "moe": None or (int64 (n, layers), int64 (n, layers,
-    experts)): ``moe_layers`` and ``expert_load`` of every report, padded where ranks hold
-    different numbers of MoE layers (:data:`MOE_PAD`; then None in ``objects``), None where the
-    layers count different numbers of experts}``. Counts and bytes are exact in float64 up to 2**53.
-    ``dropped``: per report, or one count for all, the reports its rank had dropped (a report's
-    own ``dropped`` key wins)."""
-    n = len(reports)
-    drops = [dropped] * n if isinstance(dropped, int) else dropped
-    rows, objects = [], []
-    for rep, d in zip(reports, drops):
-        d = rep.get("dropped", d)  # set by a MetricsAggregator: the sending rank's count
-        c, m = rep["coords"], rep["memory"]
-        rows.append((
-            rep["step"], rep["rank"], c.get("pp", 0), c.get("dp_replicate", 0), c.get("dp_shard", 0), c.get("tp", 0),
-            c.get("ep", 0), rep["is_last_stage"], rep["loss"], rep["tokens"], rep["step_time_s"], rep["data_time_s"],
-            rep["fwd_bwd_time_s"], rep["optim_time_s"], rep["grad_norm"], rep["lr"], rep["gc_pause_s"],
-            rep.get("time", 0.0), rep.get("metrics_time_s"), *(m.get(k) for k in MEMORY_FIELDS), rep.get("aux_loss"),
-            rep.get("gc_generation"), rep.get("loss_tokens"), rep.get("val_loss"), rep.get("val_tokens"),
-            rep.get("val_time_s"), rep.get("world_size") or None, rep.get("skipped_update", False),
-            rep.get("attempt_start_time", 0.0), rep.get("pid"), d,
-        ))
-        objects.append((rep.get("node") or None, rep.get("moe_layers") or [], rep.get("expert_load") or [],
-                        rep.get("source_tokens"), rep.get("memory_breakdown")))
-    raw = np.array(rows, dtype=object).reshape(n, len(PACKED_FIELDS))
-    null = raw == None  # noqa: E711 (elementwise)
-    raw[null] = np.nan
-    packed = {"values": raw.astype(np.float64), "null": null, "objects": objects,
-              "axes": tuple(reports[0]["coords"]) if reports else (), "moe": None}
-    # MoE: every rank's layers and expert load as two int blocks, (n, layers) and (n, layers,
-    # experts), padded to one shape: built here, on the sender's CPU, instead of element by
-    # element in the collector.
-    try:
-        layers, load = _padded_moe(objects)
-    except (ValueError, TypeError):  # ragged: expert counts differ between layers
-        return packed
-    if n and layers.ndim == 2 and load.ndim == 3 and load.shape[1] == layers.shape[1]:
-        packed["moe"] = (layers, load)
-        packed["objects"] = [(o[0], None, None, o[3], o[4]) for o in objects]
-    return packed
 
 
 @dataclass
@@ -156,7 +42,12 @@ class StepReport:
     the last pipeline stage, and ``None`` on every other rank: never a placeholder number.
     ``tokens`` is the number of label tokens this rank's data-parallel slice held in the step.
     ``coords``: the rank's coordinates by mesh axis (``pp``, ``dp_shard``, and ``dp_replicate``,
-    ``tp``, ``ep`` where the mesh has them: ``ray_titan.parallel.dims.ParallelDims.coords``).
+    ``tp``, ``ep`` where the mesh has them: ``ray_titan.parallel.dims.ParallelDims.coords``);
+    ``memory``: the memory sample (:data:`~ray_titan.metrics.fields.MEMORY_FIELDS`).
+
+    What each field means, and its unit, is in :data:`ray_titan.metrics.fields.FIELDS`, the one
+    table of per-rank fields; a field added here is added there too (``tests/unit/test_fields.py``
+    fails otherwise). ``extra`` travels in the rank's own JSON lines only.
     """
 
     step: int
@@ -192,7 +83,7 @@ class StepReport:
     """Generation of the synchronized GC run in this step (``ray_titan.gc_schedule``), None if none ran."""
     memory_breakdown: dict[str, Any] | None = None
     """At ``memory.breakdown_step``: this rank's memory at the step's peak by category, measured
-    with the torch profiler (``ray_titan.metrics.profiling.StepProfiler.stop``); else None."""
+    with the torch profiler (``ray_titan.metrics.worker.profiling.StepProfiler.stop``); else None."""
     node: str = ""
     """The node this rank runs on (Ray's node id under Ray, the host name otherwise)."""
     world_size: int = 0
@@ -289,7 +180,9 @@ class CollectorReporter(Reporter):
     call per ``interval_s`` seconds (the first report at once): a Ray call costs the worker ~0.6 ms
     and the collector ~0.75 ms of CPU time whether it carries one report or ten, so reports of
     fast steps travel together (0: a call every step). ``pack``: send the batches in columns
-    (:func:`pack_reports`; a :class:`MetricsAggregator`'s delivery). Each
+    (:func:`~ray_titan.metrics.packing.pack_reports`; a
+    :class:`~ray_titan.metrics.collector.aggregator.MetricsAggregator`'s delivery, which drives it
+    through :meth:`hold`, :meth:`send` and :meth:`poll`). Each
     answer names the collector's incarnation and, per attempt, the step up to which rows are on
     disk; held reports up to there are forgotten. A failed call (the collector died) or a new
     incarnation (it was restarted) makes every held report due again, sent after a back-off of
@@ -299,7 +192,7 @@ class CollectorReporter(Reporter):
     step (a few bytes) and counted in ``dropped`` if the collector restarts without it on disk, or
     it is not on disk at :meth:`close`. When an answer asks the run to stop (the memory verdict with
     ``memory.on_leak = "stop"``), the next :meth:`report` raises
-    :class:`~ray_titan.metrics.leak.MemoryLeakError` with the collector's reason.
+    :class:`~ray_titan.metrics.outcome.MemoryLeakError` with the collector's reason.
     """
 
     def __init__(self, handle, max_inflight: int = 16, max_buffered: int = 10_000, retry_s: float = 1.0,
@@ -328,13 +221,35 @@ class CollectorReporter(Reporter):
         """Held reports not yet sent."""
         return list(itertools.islice(self._held, len(self._held) - self._unsent, None))
 
+    @property
+    def unsent(self) -> int:
+        """Held reports not yet sent."""
+        return self._unsent
+
+    @property
+    def in_flight(self) -> int:
+        """Calls sent and not yet answered."""
+        return len(self._pending)
+
+    @property
+    def call_due(self) -> bool:
+        """``interval_s`` has passed since the last call: the next :meth:`send` may call."""
+        return time.monotonic() >= self._next_call
+
+    @property
+    def write_failing(self) -> bool:
+        """The collector's last answer: its disk writes fail (a full disk), so it holds the rows."""
+        return self._write_failing
+
     def report(self, rep: StepReport) -> None:
-        self._hold([rep.to_dict()])
-        if time.monotonic() >= self._next_call:
-            self._send()
+        self.hold([rep.to_dict()])
+        if self.call_due:
+            self.send()
         _raise_if_stopped(self.stop_reason)
 
-    def _hold(self, reports: list[dict[str, Any]]) -> None:
+    def hold(self, reports: list[dict[str, Any]]) -> None:
+        """Keep ``reports`` (dicts, ``StepReport.to_dict()``) until the collector has them on disk;
+        they go with the next :meth:`send`. Beyond ``max_buffered`` the oldest are let go."""
         self._held.extend(reports)
         self._unsent += len(reports)
         while len(self._held) > self.max_buffered:
@@ -350,14 +265,17 @@ class CollectorReporter(Reporter):
             self.dropped += self._released.pop_oldest()
 
     def unacknowledged(self) -> list[dict[str, Any]]:
-        self._poll()
+        self.poll()
         return list(self._held)
 
     def resend(self, reports: list[dict[str, Any]]) -> None:
-        self._hold(reports)
-        self._send()
+        self.hold(reports)
+        self.send()
 
-    def _poll(self, timeout: float = 0.0, num_returns: int | None = None) -> None:
+    def poll(self, timeout: float = 0.0, num_returns: int | None = None) -> None:
+        """Read the answers of calls that have finished (waiting up to ``timeout`` seconds for
+        ``num_returns`` of them, default all): forget what is on disk, resend after a failure
+        or a restart, keep the collector's stop reason."""
         import ray
 
         if not self._pending:
@@ -403,8 +321,10 @@ class CollectorReporter(Reporter):
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(30.0, self._backoff * 2)
 
-    def _send(self, flush: bool = False) -> None:
-        self._poll()
+    def send(self, flush: bool = False) -> None:
+        """Send every unsent held report in one call (``flush``: even none, asking the collector to
+        write what it has), unless ``max_inflight`` calls are unanswered or a back-off runs."""
+        self.poll()
         if time.monotonic() < self._retry_at or len(self._pending) >= self.max_inflight:
             return
         if self._unsent or flush:
@@ -426,8 +346,8 @@ class CollectorReporter(Reporter):
 
         deadline = time.monotonic() + timeout_s
         while (self._held or self._released) and time.monotonic() < deadline:
-            self._send(flush=not self._pending)
-            self._poll(timeout=min(0.5, max(0.0, deadline - time.monotonic())), num_returns=1)
+            self.send(flush=not self._pending)
+            self.poll(timeout=min(0.5, max(0.0, deadline - time.monotonic())), num_returns=1)
             if self._write_failing and not self._unsent and not self._pending:
                 # The collector holds every report in memory but cannot write (a full disk): no
                 # wait here makes room. It writes them at the end, once the driver has removed
@@ -444,7 +364,7 @@ class CollectorReporter(Reporter):
         self._held.clear()
         self._released.clear()
         self._unsent = 0
-        self._poll(timeout=max(0.0, deadline - time.monotonic()))
+        self.poll(timeout=max(0.0, deadline - time.monotonic()))
         unanswered = len(self._pending)
         self._pending = []
         if self.failed_calls or unanswered or lost:
@@ -456,69 +376,6 @@ class CollectorReporter(Reporter):
             )
 
 
-class MetricsAggregator:
-    """Between a group of ranks and the collector: the ranks' :class:`CollectorReporter` call it
-    as they would the collector (same :meth:`report` and answers), and it forwards the group's
-    reports to the collector as one columnar batch (:func:`pack_reports`), so the collector takes
-    ranks / ``expected`` calls a step instead of one per rank (a Ray call costs the collector
-    ~0.25 ms of CPU whatever it carries, measured on this project's 2-core machine).
-
-    Its own delivery to the collector is a :class:`CollectorReporter` (packing its batches): it
-    holds what it forwarded until the collector has it on disk and resends it to a restarted
-    collector. Its answers carry its own incarnation and the collector's ``durable`` steps, so the
-    ranks forget a report only once it is on disk, and resend all they hold when this aggregator
-    was restarted (a new incarnation) or a call to it failed: a killed aggregator loses nothing.
-    Bounded: ``max_inflight`` forwards unanswered, ``max_buffered`` reports held (beyond, the
-    oldest unsent are dropped and counted, and the collector records them as errors).
-
-    Args:
-        collector: the collector actor's handle.
-        expected: reports that make a full batch (the group's ranks): forwarded as soon as this
-            many wait, ``interval_s`` seconds after the last forward, or on a ``flush``.
-    """
-
-    def __init__(self, collector, expected: int, max_inflight: int = 4, max_buffered: int = 100_000,
-                 interval_s: float = 1.0):
-        import uuid
-
-        self.expected = expected
-        self.incarnation = uuid.uuid4().hex
-        self.out = CollectorReporter(collector, max_inflight, max_buffered, interval_s=interval_s, pack=True)
-
-    @property
-    def dropped(self) -> int:
-        return self.out.dropped
-
-    def report(self, batch: list[dict[str, Any]], dropped: int = 0, flush: bool = False) -> dict[str, Any]:
-        """Take one rank's call (see :meth:`MetricsCollector.report`); answer as the collector would."""
-        out = self.out
-        out._hold([{**r, "dropped": dropped} for r in batch] if dropped else batch)
-        if flush or out._unsent >= self.expected or time.monotonic() >= out._next_call:
-            out._send(flush)
-        else:
-            out._poll()
-        return {"incarnation": self.incarnation, "durable": out.durable, "stop": out.stop_reason,
-                "write_failing": out._write_failing}
-
-    def forward(self, flush: bool = False) -> None:
-        """Send what waits now (unless ``max_inflight`` forwards are unanswered)."""
-        self.out._send(flush)
-
-
-def create_aggregators(collector, world_size: int, ranks_per_aggregator: int, max_inflight: int = 4,
-                       max_buffered: int = 100_000) -> list | None:
-    """One :class:`MetricsAggregator` actor per ``ranks_per_aggregator`` ranks (``metrics.ranks_per_aggregator``),
-    owned by the caller (the driver), restarted by Ray whenever it dies; None when the job is no
-    larger than one group (or ``ranks_per_aggregator`` is 0): its ranks call the collector."""
-    import ray
-
-    if not ranks_per_aggregator or world_size <= ranks_per_aggregator:
-        return None
-    actor = ray.remote(MetricsAggregator).options(num_cpus=0, max_restarts=-1, enable_task_events=False)
-    return [actor.remote(collector, ranks_per_aggregator, max_inflight, max_buffered)
-            for _ in range(-(-world_size // ranks_per_aggregator))]
-
-
 def reporting_target(collector, aggregators: list | None, rank: int, ranks_per_aggregator: int):
     """Whom ``rank``'s :class:`CollectorReporter` calls: its group's aggregator, else the collector."""
     return aggregators[rank // ranks_per_aggregator] if aggregators else collector
@@ -526,8 +383,6 @@ def reporting_target(collector, aggregators: list | None, rank: int, ranks_per_a
 
 def _raise_if_stopped(reason: str | None) -> None:
     if reason:
-        from ray_titan.metrics.leak import MemoryLeakError
-
         raise MemoryLeakError(reason)
 
 

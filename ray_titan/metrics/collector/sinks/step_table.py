@@ -1,6 +1,6 @@
 """The collector's Parquet rows, built in columns once per flush.
 
-A step's numbers arrive as one float64 matrix (:func:`~ray_titan.metrics.report.pack_reports`).
+A step's numbers arrive as one float64 matrix (:func:`~ray_titan.metrics.packing.pack_reports`).
 Turning it into Arrow costs one ``pa.array`` per column, about sixty a step, whatever the number
 of ranks: ~1.5 ms a step at 4 ranks, more than the collector's whole step before issue 31.
 :class:`StepTableBuffer` keeps each assembled step's matrices and objects until the collector
@@ -16,16 +16,18 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ray_titan.metrics.leak import VERDICTS
-from ray_titan.metrics.report import MOE_PAD, PACKED_FIELDS
-from ray_titan.metrics.sinks import STEP_SCHEMA
+from ray_titan.metrics.fields import FIELD, PACKED_FIELDS, VERDICTS
+from ray_titan.metrics.packing import MOE_PAD, OBJECT_INDEX
+from ray_titan.metrics.schema import STEP_SCHEMA
 
 __all__ = ["StepColumns", "StepTableBuffer"]
 
 _INT_TYPES = {f.name for f in STEP_SCHEMA if pa.types.is_integer(f.type)}
 _BOOL_TYPES = {f.name for f in STEP_SCHEMA if pa.types.is_boolean(f.type)}
 _VERDICTS = pa.array(VERDICTS)
-_OBJECT_COLUMNS = ("node", "moe_layers", "expert_load", "source_tokens")
+_PACKED_COLUMNS = [(k, name) for k, name in enumerate(PACKED_FIELDS) if FIELD[name].column]
+_LAYERS, _LOAD = OBJECT_INDEX["moe_layers"], OBJECT_INDEX["expert_load"]
+_LISTS = (("node", OBJECT_INDEX["node"]), ("source_tokens", OBJECT_INDEX["source_tokens"]))
 # Step-level figures repeated in every row of the step: (column, key of the step's summary).
 _STEP_LEVEL = (("step_loss", "loss"), ("step_loss_max", "loss_max"), ("step_tokens", "tokens"),
                ("step_tokens_per_s", "tokens_per_s"), ("step_val_loss", "val/loss"))
@@ -48,21 +50,20 @@ def _object_columns(steps: list[StepColumns]) -> dict[str, pa.Array]:
     """The columns that are not numbers (node, MoE layers and load, mixture tokens) of ``steps``:
     MoE layers and load from a step's blocks where it has them, else from each rank's objects."""
     objects = [o for s in steps for o in s.objects]
-    cols = {name: pa.array([o[i] for o in objects], STEP_SCHEMA.field(name).type)
-            for i, name in enumerate(_OBJECT_COLUMNS) if name in ("node", "source_tokens")}
+    cols = {name: pa.array([o[i] for o in objects], STEP_SCHEMA.field(name).type) for name, i in _LISTS}
     shapes = {None if s.moe is None else (s.moe[0].shape[1:], s.moe[1].shape[1:]) for s in steps}
-    for i, name in ((1, "moe_layers"), (2, "expert_load")):
+    for i, block_i, name in ((_LAYERS, 0, "moe_layers"), (_LOAD, 1, "expert_load")):
         type_ = STEP_SCHEMA.field(name).type
         if shapes == {None}:  # ragged steps only: the lists are in the objects
             cols[name] = pa.array([o[i] for o in objects], type_)
         elif None not in shapes and len(shapes) == 1:  # blocks of one shape (dense: no layers): all at once
             layers = np.concatenate([s.moe[0] for s in steps if s.moe is not None])
-            block = layers if i == 1 else np.concatenate([s.moe[1] for s in steps if s.moe is not None])
+            block = layers if block_i == 0 else np.concatenate([s.moe[1] for s in steps if s.moe is not None])
             cols[name] = _block_column(block, layers != MOE_PAD, type_)
         else:
             cols[name] = pa.concat_arrays([
                 pa.array([o[i] for o in s.objects], type_) if s.moe is None
-                else _block_column(s.moe[i - 1], s.moe[0] != MOE_PAD, type_) for s in steps])
+                else _block_column(s.moe[block_i], s.moe[0] != MOE_PAD, type_) for s in steps])
     return cols
 
 
@@ -73,11 +74,11 @@ class StepColumns:
     ``values``, ``nulls``: float64 and bool ``(ranks, len(PACKED_FIELDS))``, the step's packed
     reports (NaN and True where a report had None). ``objects``, ``moe``: each rank's
     ``PACKED_OBJECTS`` and the step's MoE blocks (``(ranks, L)`` layers, :data:`MOE_PAD` for
-    padding, and ``(ranks, L, E)`` load) or None, as ``MetricsCollector`` joins them. ``summary``: the step's figures
-    (``loss``, ``loss_max``, ``tokens``, ``tokens_per_s``, ``val/loss``, ``source_tokens``;
-    ``MetricsCollector._step_summary``). ``code``: each rank's verdict (index into
-    ``WARMING_UP, STABLE, GROWING``); ``slope``: MiB per step, NaN for none; ``oom``: projected
-    OOM step, NaN for none. ``size``: the worker group's ranks.
+    padding, and ``(ranks, L, E)`` load) or None, as ``columns.newest_reports`` joins them.
+    ``summary``: the step's figures (``loss``, ``loss_max``, ``tokens``, ``tokens_per_s``,
+    ``val/loss``, ``source_tokens``; ``summary.step_summary``). ``code``: each rank's verdict
+    (index into :data:`~ray_titan.metrics.fields.VERDICTS`); ``slope``: MiB per step, NaN for
+    none; ``oom``: projected OOM step, NaN for none. ``size``: the worker group's ranks.
     """
 
     values: np.ndarray
@@ -128,9 +129,7 @@ def _table(steps: list[StepColumns]) -> pa.Table:
     cols: dict[str, pa.Array] = {}
     ints = np.where(nulls, 0.0, values).astype(np.int64)  # one conversion for every int column
     any_null: np.ndarray = np.asarray(nulls.any(axis=0))
-    for k, name in enumerate(PACKED_FIELDS):
-        if name == "dropped":
-            continue
+    for k, name in _PACKED_COLUMNS:
         mask = nulls[:, k] if any_null[k] else None
         if name in _INT_TYPES:
             cols[name] = pa.array(ints[:, k], mask=mask)

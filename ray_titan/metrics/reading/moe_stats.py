@@ -1,17 +1,31 @@
 """Read-side analysis of a run's metrics table for MoE runs and memory flatness.
 
 Used by the tests and the benchmark printout; works on the Parquet table the collector writes
-(``ray_titan.metrics.sinks.read_steps``), so it needs no live run.
+(``ray_titan.metrics.reading.steps.read_steps``), so it needs no live run.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow as pa
 
-from ray_titan.metrics.collector import expert_load
-from ray_titan.metrics.leak import theil_sen_slope
+from ray_titan.metrics.collector.leak import theil_sen_slope
 
-__all__ = ["expert_shares", "memory_slopes"]
+__all__ = ["expert_load", "expert_shares", "memory_slopes"]
+
+
+def expert_load(rows: list[dict[str, Any]]) -> dict[int, list[int]]:
+    """Expert load per MoE layer: tokens (× top-k) routed to each expert, summed over the rows
+    (dicts with ``moe_layers`` and ``expert_load``: the ranks holding a layer, each data-parallel
+    rank routing its own tokens); empty for a dense model."""
+    out: dict[int, list[int]] = {}
+    for r in rows:
+        for layer, counts in zip(r.get("moe_layers") or [], r.get("expert_load") or []):
+            acc = out.setdefault(layer, [0] * len(counts))
+            for e, c in enumerate(counts):
+                acc[e] += c
+    return dict(sorted(out.items()))
 
 
 def memory_slopes(steps: pa.Table, after_step: int, column: str = "host_rss_bytes") -> dict[int, float]:

@@ -17,7 +17,7 @@ serves every request of that step from it:
   (``metrics/memory_breakdown.jsonl``, ``RunResult.memory_breakdown``, ``ray-titan report``).
 - ``memory.snapshot_steps`` on CPU: the memory timeline itself and its summary, in
   ``<run_dir>/memory/`` (on CUDA the allocator's history is the snapshot:
-  :class:`~ray_titan.metrics.memory.MemorySnapshots`).
+  :class:`~ray_titan.metrics.worker.memory.MemorySnapshots`).
 
 Profiling costs: the profiled step runs slower (with Python stacks and tensor shapes for the
 memory timeline), and exporting takes ~0.5-3 s for the debug model's step (the memory timeline's
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ray_titan import storage
-from ray_titan.metrics.memory import BREAKDOWN_CATEGORIES, live_storages, timeline_breakdown
+from ray_titan.metrics.worker.memory import BREAKDOWN_CATEGORIES, live_storages, timeline_breakdown
 
 if TYPE_CHECKING:
     from torch.profiler import profile
@@ -97,7 +97,7 @@ _C10_ERROR = 2
 
 def allocation_peak(prof: profile, census: dict[int, dict[str, Any]], device: torch.device) -> dict[str, Any]:
     """The peak bytes of ``device`` during a profile, from its allocation events alone (no
-    categories): what was alive before it (``census``, :func:`~ray_titan.metrics.memory.live_storages`
+    categories): what was alive before it (``census``, :func:`~ray_titan.metrics.worker.memory.live_storages`
     at its start) plus the running sum of the allocations and frees within it. The profiler does
     not report the free of a block allocated while no profiler ran (it never learnt its size):
     of those, the parameters' gradients (which the step's ``zero_grad`` frees first) are taken out

@@ -1,44 +1,7 @@
 """Per-rank memory sampling, cheap enough to run every step, and memory snapshots.
 
-=========================  =====  ==========================================================
-field                      unit   source
-=========================  =====  ==========================================================
-host_rss_bytes             bytes  resident pages of ``/proc/self/statm`` × page size: the
-                                  resident set now (``VmRSS``)
-host_peak_rss_bytes        bytes  ``ru_maxrss`` of ``getrusage(RUSAGE_SELF)``: peak resident
-                                  set of the process so far (``VmHWM``)
-host_heap_in_use_bytes     bytes  what malloc has handed out and not taken back
-                                  (:func:`ray_titan.allocator.host_heap`: jemalloc
-                                  ``stats.allocated`` less its thread caches, glibc
-                                  ``mallinfo2`` ``uordblks + hblkhd``); None without either. Tensor data on CPU is
-                                  malloc'd, so this is the process's own allocations: RSS
-                                  minus it is mostly free space the allocator keeps, plus
-                                  code pages and Python's small-object arenas (mmapped
-                                  directly, so not counted here)
-host_heap_free_bytes       bytes  resident bytes malloc keeps without handing them out
-                                  (jemalloc ``stats.resident`` − in use, glibc
-                                  ``fordblks``): the leak verdict watches
-                                  ``host_rss_bytes − host_heap_free_bytes``, RSS without the
-                                  allocator's free space; None without either
-host_available_bytes       bytes  what the node can still give this process: ``MemAvailable``
-                                  in ``/proc/meminfo``, or less where the process's cgroup
-                                  (v2 ``memory.max`` − ``memory.current``, v1
-                                  ``memory.limit_in_bytes`` − ``memory.usage_in_bytes``) sets
-                                  a tighter limit
-device_allocated_bytes     bytes  ``allocated_bytes.all.current`` (``torch.accelerator.memory_stats``,
-                                  ``torch.cuda.memory_stats`` on older torch)
-device_active_bytes        bytes  ``active_bytes.all.current``
-device_reserved_bytes      bytes  ``reserved_bytes.all.current``: held by the caching allocator
-device_peak_active_bytes   bytes  ``active_bytes.all.peak`` since the previous sample (peaks are
-                                  reset after each sample, ``reset_peak_memory_stats``)
-device_peak_reserved_bytes bytes  ``reserved_bytes.all.peak`` since the previous sample
-device_alloc_retries       count  ``num_alloc_retries``: cudaMalloc retries after freeing the
-                                  cache (cumulative; rising means fragmentation pressure)
-device_ooms                count  ``num_ooms``: out-of-memory errors the allocator raised
-                                  (cumulative)
-device_capacity_bytes      bytes  total of ``torch.accelerator.get_memory_info`` (read once;
-                                  ``get_device_properties(..).total_memory`` on older torch)
-=========================  =====  ==========================================================
+Every field of the sample, its unit and how it is read, is in the one table of per-rank
+fields, :data:`ray_titan.metrics.fields.FIELDS` (those of :data:`~ray_titan.metrics.fields.MEMORY_FIELDS`).
 
 Device fields are ``None`` on CPU-only workers. The train loop samples with
 :class:`MemorySampler`: RSS and the device counters every step, the ``host_heap_*`` and
@@ -50,7 +13,7 @@ reporting is in its ``metrics_time_s`` column.
 :class:`MemorySnapshots` writes snapshots to ``<run_dir>/memory/``: on CUDA the allocator's
 history (``torch.cuda.memory._record_memory_history``, pickled with ``_dump_snapshot``, viewable
 at https://pytorch.org/memory_viz); on CPU the torch profiler's memory timeline of the step
-(written by :class:`ray_titan.metrics.profiling.StepProfiler`). An out-of-memory error on a
+(written by :class:`ray_titan.metrics.worker.profiling.StepProfiler`). An out-of-memory error on a
 rank leaves a snapshot and becomes :class:`RankOutOfMemoryError`, also one that a pipeline
 schedule re-raised wrapped in its own ``RuntimeError`` (:func:`find_oom`).
 """
@@ -72,11 +35,10 @@ from typing import Any
 import torch
 
 from ray_titan.allocator import host_heap
-from ray_titan.metrics.report import MEMORY_FIELDS
+from ray_titan.metrics.fields import MEMORY_FIELDS, describe_coords
 
 __all__ = [
     "BREAKDOWN_CATEGORIES",
-    "MEMORY_FIELDS",
     "MemorySampler",
     "MemorySnapshots",
     "RankOutOfMemoryError",
@@ -89,7 +51,6 @@ __all__ = [
     "oom_site",
     "sample_memory",
     "timeline_breakdown",
-    "timeline_peaks",
 ]
 
 MiB = 2**20
@@ -166,7 +127,7 @@ def host_available() -> int:
 
 
 def sample_memory(device: torch.device) -> dict[str, int | None]:
-    """One sample of every field in the table above, all read now; resets the device peak
+    """One sample of every field of :data:`MEMORY_FIELDS`, all read now; resets the device peak
     statistics. Per step, :class:`MemorySampler` bounds the cost of the slow fields."""
     sampler = MemorySampler(device, 0.0)
     try:
@@ -406,7 +367,7 @@ def timeline_breakdown(sizes: list[list[int]]) -> dict[str, Any]:
     (summing to it), "category_peaks": {category: its own largest}}``, categories as
     :data:`BREAKDOWN_CATEGORIES`. Raises ``ValueError`` where this torch's columns cannot be
     named (the private mapping gone or changed, or rows wider than it): callers fall back to
-    the allocations' peak without categories (``ray_titan.metrics.profiling``).
+    the allocations' peak without categories (``ray_titan.metrics.worker.profiling``).
     """
     columns = _timeline_columns()
     if columns is None or any(len(row) > len(columns) + 1 for row in sizes):
@@ -427,22 +388,9 @@ def timeline_breakdown(sizes: list[list[int]]) -> dict[str, Any]:
     return {"peak_bytes": totals[at], "at_peak": at_peak, "category_peaks": peaks}
 
 
-def timeline_peaks(path: str | Path) -> dict[str, int]:
-    """Peak bytes per category in a memory timeline written by the torch profiler
-    (``export_memory_timeline`` to ``.json`` / ``.json.gz``: ``[times, sizes]``), categories as
-    :data:`BREAKDOWN_CATEGORIES`: each category's own peak, and ``total`` (the peak of the sum)."""
-    import gzip
-
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        _, sizes = json.load(f)
-    b = timeline_breakdown(sizes)
-    return {**b["category_peaks"], "total": b["peak_bytes"]}
-
-
 class MemorySnapshots:
     """Memory snapshots of one rank, on request (``steps``, on CUDA; on CPU the profiler's
-    memory timeline is the snapshot: :class:`ray_titan.metrics.profiling.StepProfiler`) and on
+    memory timeline is the snapshot: :class:`ray_titan.metrics.worker.profiling.StepProfiler`) and on
     out-of-memory.
 
     Args:
@@ -523,8 +471,6 @@ class MemorySnapshots:
         """Write the out-of-memory snapshot and return the error to raise (the caller raises it
         ``from error``). ``error``: the out-of-memory error itself (:func:`find_oom`); ``site``:
         the place in the step it was raised, named in the message (:func:`oom_site`)."""
-        from ray_titan.metrics.leak import describe_coords
-
         _, peak_rss = host_memory()
         parts = [f"peak host RSS {peak_rss / MiB:.0f} MiB"]
         path = None
