@@ -19,10 +19,12 @@ if TYPE_CHECKING:
     from ray_titan.driver import RunResult
     from ray_titan.memory_planner import MemoryPlan
 
-# Modules that moved (issue 28): importing an old name fails with a message naming the new one.
+# Modules that moved (issues 28, 40): importing an old name fails with a message naming the new one.
 _MOVED = {"ray_titan.progress": "ray_titan.driver.progress", "ray_titan.interrupts": "ray_titan.driver.signals",
-          "ray_titan.scaling": "ray_titan.driver.torch_trainer", "ray_titan.gc": "ray_titan.gc_schedule",
+          "ray_titan.scaling": "ray_titan.driver.torch_trainer", "ray_titan.gc": "ray_titan.trainer.gc_schedule",
           "ray_titan.run_report": "ray_titan.run_summary", "ray_titan.hf": "ray_titan.checkpoint.huggingface",
+          # issue 40: the worker-only helpers went under the trainer
+          "ray_titan.gc_schedule": "ray_titan.trainer.gc_schedule", "ray_titan.fault": "ray_titan.trainer.nonfinite",
           **{f"ray_titan.models.{f}.hf": f"ray_titan.models.{f}.state_dict_adapter"
              for f in ("llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss")}}
 

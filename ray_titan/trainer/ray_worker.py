@@ -50,7 +50,6 @@ def worker_entry(loop_config: dict[str, Any]) -> None:
     import torch
 
     from ray_titan.checkpoint import RayTrainCheckpointStorage
-    from ray_titan.fault import NonFiniteError
     from ray_titan.metrics.report import (
         CollectorReporter,
         JsonlReporter,
@@ -61,6 +60,7 @@ def worker_entry(loop_config: dict[str, Any]) -> None:
     from ray_titan.metrics.timing import write_timings
     from ray_titan.parallel.elastic import mesh_for_workers
     from ray_titan.trainer import train_loop
+    from ray_titan.trainer.nonfinite import NonFiniteError
 
     worker_start, cpu_at_start = time.time(), time.process_time()
     cfg = JobConfig.model_validate(loop_config["config"])

@@ -209,7 +209,9 @@ def test_every_function_reads_in_one_screen():
 @pytest.mark.parametrize("old, new", [("ray_titan.progress", "ray_titan.driver.progress"),
                                       ("ray_titan.interrupts", "ray_titan.driver.signals"),
                                       ("ray_titan.scaling", "ray_titan.driver.torch_trainer"),
-                                      ("ray_titan.gc", "ray_titan.gc_schedule"),
+                                      ("ray_titan.gc", "ray_titan.trainer.gc_schedule"),
+                                      ("ray_titan.gc_schedule", "ray_titan.trainer.gc_schedule"),
+                                      ("ray_titan.fault", "ray_titan.trainer.nonfinite"),
                                       ("ray_titan.run_report", "ray_titan.run_summary"),
                                       ("ray_titan.hf", "ray_titan.checkpoint.huggingface"),
                                       ("ray_titan.models.qwen3.hf", "ray_titan.models.qwen3.state_dict_adapter")])
