@@ -42,7 +42,7 @@ from ray_titan.checkpoint.manifest import (
     saved_reports,
 )
 from ray_titan.checkpoint.unpickler import SafeFileSystemReader, SafeLoadPlanner, check_metadata, load_metadata
-from ray_titan.fault import all_finite
+from ray_titan.parallel.finite import all_finite
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 

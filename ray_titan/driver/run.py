@@ -287,7 +287,7 @@ def _raise_if_stopped(failure: BaseException | None, outcome: RunOutcome, signal
             raise MemoryLeakError(outcome.memory_leak) from failure
         raise failure
     if outcome.nonfinite_loss:
-        from ray_titan.fault import NonFiniteError
+        from ray_titan.trainer.nonfinite import NonFiniteError
 
         print(f"ray_titan: run stopped; metrics in {metrics}; {where}", file=sys.stderr)
         raise NonFiniteError(outcome.nonfinite_loss)
@@ -346,7 +346,7 @@ def _fit_without_metrics(trainer, cfg: JobConfig, run_dir: Path | str, marks: di
     where = f"metrics.enabled = false: timings only in {under(run_dir, 'timings')}"
     stop = under(run_dir, STOP_REASON_FILE)
     if storage.exists(stop):
-        from ray_titan.fault import NonFiniteError
+        from ray_titan.trainer.nonfinite import NonFiniteError
 
         print(f"ray_titan: run stopped ({where})", file=sys.stderr, flush=True)
         raise NonFiniteError(storage.read_text(stop))

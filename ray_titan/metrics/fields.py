@@ -139,7 +139,7 @@ FIELDS: tuple[Field, ...] = (
           "MoE: per layer of ``moe_layers``, the tokens (× top-k) the rank's router sent to each expert in "
           "the step; summed over a stage's ranks it is the layer's load.", empty="list"),
     Field("gc_generation", "", "int64", REPORT,
-          "The generation of the synchronized GC run of the step (``ray_titan.gc_schedule``); null: none ran."),
+          "The generation of the synchronized GC run of the step (``ray_titan.trainer.gc_schedule``); null: none ran."),
     Field("memory_verdict", "", "string", COLLECTOR,
           "The rank's memory verdict at the step (``ray_titan.metrics.collector.leak``): ``warming_up``, "
           "``stable`` or ``growing``."),

@@ -24,13 +24,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 from ray_titan.checkpoint import hf_model, load_hf_weights
 from ray_titan.config.schema import JobConfig
 from ray_titan.data.loader import IGNORE_INDEX, PackedLoader
-from ray_titan.fault import FaultHandler
 from ray_titan.models.registry import build_model, get_spec
 from ray_titan.parallel.dims import Meshes, ParallelDims, parallel_dims
 from ray_titan.parallel.expert import MoEStepState
 from ray_titan.parallel.fsdp import autocast_dtype, materialize, resolve_mixed_precision
 from ray_titan.parallel.pipeline import ScheduleLoss, build_pipeline_schedule, build_stage_module, split_layers
 from ray_titan.parallel.tied import TiedEmbeddings
+from ray_titan.trainer.backup import UpdateBackup
+from ray_titan.trainer.fault_injection import FaultInjection
 
 __all__ = [
     "TrainParts", "build", "build_lr_lambda", "build_optimizer", "cross_entropy_loss",
@@ -99,15 +100,18 @@ class TrainParts:
     ``params``: their parameters; ``schedule``: the pipeline schedule, None without PP (then
     ``stages`` holds the whole model and microbatches are accumulated); ``loss_fn``: the
     per-microbatch loss (:func:`cross_entropy_loss`, poisoned by ``debug.nonfinite_loss_at_steps``);
-    ``moe``: the MoE layers' per-step bookkeeping (inactive for a dense model); ``faults``: the
-    non-finite policy and fault injection; ``pp_group``: the ``pp`` process group (None without PP);
+    ``moe``: the MoE layers' per-step bookkeeping (inactive for a dense model); ``injection``:
+    the ``[debug]`` faults (``ray_titan.trainer.fault_injection``); ``pp_group``: the ``pp``
+    process group (None without PP);
     ``tied``: a tied embedding's copies across pipeline stages (``ray_titan.parallel.tied``);
     ``loss_parallel``: the output head's logits are vocabulary-sharded ``DTensor``s, so the loss
     and its backward run under ``torch.distributed.tensor.parallel.loss_parallel()``;
     ``autocast``: the dtype forward passes run under ``torch.autocast`` in (a ``bf16`` run without
     FSDP2, ``ray_titan.parallel.fsdp.autocast_dtype``), None: no autocast; ``schedule_loss``:
     ``loss_fn`` as the pipeline schedule calls it, with each step's loss arguments bound
-    (``ScheduleLoss.bound``; None without PP).
+    (``ScheduleLoss.bound``; None without PP); ``backup``: under ``training.on_nonfinite =
+    "skip"``, the state before the latest update, so that it can be undone
+    (``ray_titan.trainer.backup``; None under ``stop``).
     """
 
     dims: ParallelDims
@@ -121,13 +125,14 @@ class TrainParts:
     schedule: _PipelineSchedule | None
     loss_fn: Callable[..., torch.Tensor]
     moe: MoEStepState
-    faults: FaultHandler
+    injection: FaultInjection
     pp_group: dist.ProcessGroup | None
     device: torch.device
     tied: TiedEmbeddings | None = None
     loss_parallel: bool = False
     autocast: torch.dtype | None = None
     schedule_loss: ScheduleLoss | None = None
+    backup: UpdateBackup | None = None
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Where the loss and its backward run: ``loss_parallel()`` under TP with loss parallel."""
@@ -191,14 +196,15 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
     pp_group = meshes["pp"].get_group() if meshes is not None and dims.pp > 1 else None
     dp_group = meshes["dp"].get_group() if meshes is not None and dims.dp > 1 else None
     moe = MoEStepState(stages, dims.ep, dp_group, n_mb)
-    faults = FaultHandler(cfg, rank, sorted(stages), dims.num_stages - 1, device)
-    loss_fn = faults.wrap_loss(cross_entropy_loss)
+    injection = FaultInjection(cfg.debug, rank)
+    loss_fn = injection.wrap_loss(cross_entropy_loss)
     tied = TiedEmbeddings(stages, dims, rank, bool(getattr(next(iter(stages.values())), "tied", False)))
     parts = TrainParts(dims, rank, coords, meshes, stages, params, optimizer, scheduler, None, loss_fn,
-                       moe, faults, pp_group, device, tied,
+                       moe, injection, pp_group, device, tied,
                        loss_parallel=dims.tp > 1 and cfg.parallelism.loss_parallel,
                        autocast=autocast_dtype(resolve_mixed_precision(cfg.training.mixed_precision, device.type),
-                                               dims.fsdp))
+                                               dims.fsdp),
+                       backup=UpdateBackup() if cfg.training.on_nonfinite == "skip" else None)
     if dims.pp > 1:
         parts.schedule_loss = ScheduleLoss(loss_fn)
         parts.schedule = build_pipeline_schedule(

@@ -5,10 +5,11 @@
 (``ray_titan.launch``), which is how the CUDA paths are exercised on a machine without Ray.
 
 Per step: data → :func:`~ray_titan.trainer.step.train_step` (forward/backward, clip, optimizer,
-LR; the loss becomes a host float on last-stage ranks) → synchronized GC → the validation loss
-when due (:mod:`~ray_titan.trainer.evaluate`, outside the step time) → memory sample → one
-StepReport, sent without waiting → checkpoint when due. Nothing from a step outlives it on the
-device (docs/design.md, lesson 1).
+LR; the loss becomes a host float on last-stage ranks) → the non-finite policy's decision on the
+step's facts, acted on here (:mod:`~ray_titan.trainer.nonfinite`) → synchronized GC → the
+validation loss when due (:mod:`~ray_titan.trainer.evaluate`, outside the step time) → memory
+sample → one StepReport, sent without waiting → the policy's stop, if it decided one → checkpoint
+when due. Nothing from a step outlives it on the device (docs/design.md, lesson 1).
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from ray_titan.config.schema import JobConfig
 from ray_titan.data.build import build_loader
 from ray_titan.data.documents import document_positions
 from ray_titan.data.tokenizer import Tokenizer, build_tokenizer
-from ray_titan.gc_schedule import GarbageCollection
 from ray_titan.metrics.worker.memory import MemorySampler, MemorySnapshots, find_oom, host_memory, oom_site
 from ray_titan.metrics.worker.profiling import StepProfiler
 from ray_titan.metrics.worker.report import Reporter, StepReport
 from ray_titan.metrics.worker.timing import StepClock
 from ray_titan.trainer.build import TrainParts, build, parallel_dims
 from ray_titan.trainer.evaluate import Validator
+from ray_titan.trainer.gc_schedule import GarbageCollection
+from ray_titan.trainer.nonfinite import Action, NonFiniteError, NonFinitePolicy
 from ray_titan.trainer.step import train_step
 
 __all__ = ["train_loop"]
@@ -93,8 +95,9 @@ def train_loop(
 @dataclass
 class _Rank:
     """What :func:`_set_up` builds for one rank and the steps use: where it sits in the mesh,
-    its data, model and checkpointer, the step to resume after, and its memory, GC, profiling
-    and callback tools."""
+    its data, model and checkpointer, the step to resume after, when its worker group started
+    (:func:`_attempt_start_time`), the non-finite policy, and its memory, GC, profiling and
+    callback tools."""
 
     clock: StepClock
     rank: int
@@ -108,6 +111,8 @@ class _Rank:
     parts: TrainParts
     ckpt: Checkpointer
     start_step: int
+    attempt_start_time: float
+    policy: NonFinitePolicy
     allocator: str
     gc_policy: GarbageCollection
     snapshots: MemorySnapshots
@@ -149,6 +154,8 @@ def _set_up(
     ckpt = Checkpointer(cfg, rank, parts.stages.values(), parts.optimizer, parts.scheduler, loader, reporter,
                         checkpoint_storage, tokenizer.vocab_size, device)
     start_step = ckpt.restore()
+    attempt_start_time = _attempt_start_time(device)
+    policy = NonFinitePolicy(cfg.training.on_nonfinite, dims.num_stages - 1, cfg.optimizer.lr)
     clock.mark("model_built")
 
     mem = cfg.memory
@@ -167,19 +174,30 @@ def _set_up(
         rank, coords, world, device, Path(run_dir) if run_dir is not None else None, cfg))
     sampler = MemorySampler(device, cfg.metrics.heap_stats_interval_s)
     return _Rank(clock, rank, world, coords, node, device, tokenizer, loader, validator, parts, ckpt, start_step,
-                 allocator, gc_policy, snapshots, profiler, hooks, sampler)
+                 attempt_start_time, policy, allocator, gc_policy, snapshots, profiler, hooks, sampler)
+
+
+def _attempt_start_time(device: torch.device) -> float:
+    """When this worker group started: rank 0's clock (Unix seconds), the same on every rank.
+    Stamped on every report, so the collector can tell a restarted group's replayed steps from
+    the lost ones and keep the newest. Collective (one broadcast)."""
+    t = torch.tensor([time.time()], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(t, src=0)
+    return float(t.item())
 
 
 def _train_one_step(
     cfg: JobConfig, run: _Rank, reporter: Reporter, step: int, metrics_time: float | None,
 ) -> tuple[float | None, int, float | None]:
-    """One step: data → :func:`train_step` → GC → validation when due → memory sample and
-    :class:`StepReport` (``metrics_time``: the previous step's sampling + reporting, seconds) →
-    fault checks → checkpoint when due. Returns the step's loss (None off the last stage), its
-    tokens and this step's sampling + reporting seconds (None with ``metrics.enabled = false``:
-    the value passed in)."""
-    faults, loader, device = run.parts.faults, run.loader, run.device
-    faults.begin_step(step)
+    """One step: data → :func:`train_step` → the non-finite decision, an undo acted on at once
+    → GC → validation when due → memory sample and :class:`StepReport` (``metrics_time``: the
+    previous step's sampling + reporting, seconds) → a stop decided raised, ``debug.kill_at_step``
+    → checkpoint when due. Returns the step's loss (None off the last stage), its tokens and this
+    step's sampling + reporting seconds (None with ``metrics.enabled = false``: the value passed
+    in)."""
+    loader, device, injection = run.loader, run.device, run.parts.injection
+    injection.begin_step(step)
     run.hooks.on_step_begin(step)
     run.snapshots.before_step(step)
     run.profiler.start(step)
@@ -190,6 +208,12 @@ def _train_one_step(
     t1 = time.perf_counter()
     out = train_step(run.parts, inputs, labels, step, cfg.parallelism.microbatches, cfg.training.max_norm,
                      loader.counted_tokens, positions)
+    decision = run.policy.decide(out.health)  # training.on_nonfinite
+    if decision.action is Action.UNDO:  # before anything reads the weights again
+        assert run.parts.backup is not None  # saved under "skip", the only policy that undoes
+        run.parts.backup.restore(run.parts.params, run.parts.optimizer)
+    if decision.action in (Action.SKIP, Action.UNDO) and run.rank == 0:
+        print(f"ray_titan: {decision.message}", flush=True)
     t_export = time.perf_counter()
     breakdown = run.profiler.stop(step)
     export_s = time.perf_counter() - t_export  # writing traces and the memory timeline's analysis
@@ -207,8 +231,8 @@ def _train_one_step(
             fwd_bwd_time_s=out.fwd_bwd_time_s, optim_time_s=out.optim_time_s,
             grad_norm=out.grad_norm, lr=out.lr, memory=memory, gc_pause_s=gc_result.pause_s,
             time=time.time(), gc_generation=gc_result.generation, aux_loss=out.aux_loss,
-            moe_layers=out.moe_layers, expert_load=out.expert_load, skipped_update=out.skipped,
-            attempt_start_time=faults.attempt_start_time, metrics_time_s=metrics_time,
+            moe_layers=out.moe_layers, expert_load=out.expert_load, skipped_update=decision.skipped_update,
+            attempt_start_time=run.attempt_start_time, metrics_time_s=metrics_time,
             memory_breakdown=breakdown, loss_tokens=out.loss_tokens, source_tokens=loader.source_tokens,
             val_loss=val.loss if val else None, val_tokens=val.tokens if val else None,
             val_time_s=val.time_s if val else None,
@@ -220,7 +244,9 @@ def _train_one_step(
         reporter.report(report)
         metrics_time = (t_hooks - t_sample) + (time.perf_counter() - t_report)
     run.clock.step_end(step)
-    faults.end_step(step, run.ckpt.restarted)  # on_nonfinite = "stop"; debug.kill_at_step
+    if decision.action is Action.STOP:  # once the step is reported, so the metrics show it
+        raise NonFiniteError(decision.message)
+    injection.kill_if_due(step, run.ckpt.restarted)
     if run.ckpt.due(step):
         run.gc_policy.at_checkpoint()
         run.ckpt.save(step)

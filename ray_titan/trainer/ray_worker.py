@@ -53,7 +53,6 @@ def worker_entry(loop_config: dict[str, Any]) -> None:
     import torch
 
     from ray_titan.checkpoint import RayTrainCheckpointStorage
-    from ray_titan.fault import NonFiniteError
     from ray_titan.metrics.worker.report import (
         CollectorReporter,
         JsonlReporter,
@@ -63,6 +62,7 @@ def worker_entry(loop_config: dict[str, Any]) -> None:
     )
     from ray_titan.metrics.worker.timing import write_timings
     from ray_titan.trainer import train_loop
+    from ray_titan.trainer.nonfinite import NonFiniteError
 
     worker_start, cpu_at_start = time.time(), time.process_time()
     context = ray.train.get_context()

@@ -10,19 +10,22 @@ on the device.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 from torch.profiler import record_function
 
 from ray_titan.data.loader import IGNORE_INDEX
-from ray_titan.fault import nonfinite_flag
 from ray_titan.parallel import local_tensor
+from ray_titan.parallel.finite import nonfinite_flag
 from ray_titan.parallel.grad_norm import clip_grad_norm_
 from ray_titan.trainer.build import TrainParts
+from ray_titan.trainer.nonfinite import StepHealth
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -34,16 +37,16 @@ __all__ = ["StepResult", "microbatches", "model_kwargs", "run_schedule", "train_
 class StepResult:
     """What a step gives the loop: ``loss`` (nats per token, mean over this rank's microbatches;
     None off the last stage), ``grad_norm`` (whole model, before clipping), ``lr`` (the step's
-    learning rate), ``skipped`` (its update was dropped, ``training.on_nonfinite = "skip"``),
-    the MoE statistics (``aux_loss``, ``moe_layers``, ``expert_load``; see
-    ``ray_titan.parallel.expert.MoEStepScalars.read``), and the seconds of forward/backward
-    and of clipping plus the optimizer; ``loss_tokens``: with loss masks, the counted labels
-    behind ``loss`` on this rank (None: every label counts)."""
+    learning rate), ``health`` (the facts the non-finite policy decides on:
+    ``ray_titan.trainer.nonfinite``), the MoE statistics (``aux_loss``, ``moe_layers``,
+    ``expert_load``; see ``ray_titan.parallel.expert.MoEStepScalars.read``), and the seconds of
+    forward/backward and of clipping plus the optimizer; ``loss_tokens``: with loss masks, the
+    counted labels behind ``loss`` on this rank (None: every label counts)."""
 
     loss: float | None
     grad_norm: float
     lr: float
-    skipped: bool
+    health: StepHealth
     aux_loss: float | None
     moe_layers: list[int]
     expert_load: list[list[int]]
@@ -80,12 +83,12 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
 
     Splits the batch into ``n_microbatches``, runs forward and backward (pipeline schedule or
     gradient accumulation, scaled once by ``1 / n_microbatches``), scales the routed experts'
-    gradients under EP, clips to ``max_norm`` over the whole model (0: no clipping), applies the
-    non-finite policy, steps the optimizer (unless the update is dropped; an update that makes a
-    parameter non-finite is undone or stops the run, ``FaultHandler.check_update``) and the LR
-    schedule.
-    Raises what the collectives raise; the non-finite stop is raised later, by the loop
-    (``FaultHandler.end_step``), after the step is reported.
+    gradients under EP, clips to ``max_norm`` over the whole model (0: no clipping), steps the
+    optimizer unless the loss or the gradient norm is non-finite (then the update is withheld)
+    and the LR schedule, and gathers the facts of the step (``StepResult.health``): the caller
+    decides on them (``ray_titan.trainer.nonfinite``) and acts, undoing an update that made a
+    parameter non-finite (from ``parts.backup``, saved here) or stopping the run.
+    Raises what the collectives raise.
 
     ``counted_tokens``: with loss masks (labels ``IGNORE_INDEX`` that count in no loss), the
     counted labels of the whole global batch. Then each microbatch's loss is its summed
@@ -173,7 +176,7 @@ def _forward_backward(parts: TrainParts, inputs: torch.Tensor, labels: torch.Ten
 
 def _update(parts: TrainParts, step: int, loss: torch.Tensor | None, max_norm: float, t1: float,
             masked: tuple[float, torch.Tensor] | None = None) -> StepResult:
-    """After backward: expert-gradient scaling, clipping, the non-finite policy, the optimizer
+    """After backward: expert-gradient scaling, clipping, the non-finite flags, the optimizer
     and LR steps, the MoE statistics, then the step's one host synchronisation.
 
     ``loss``: this rank's loss on the device (0-dim; None off the last stage): the mean over its
@@ -181,28 +184,30 @@ def _update(parts: TrainParts, step: int, loss: torch.Tensor | None, max_norm: f
     of the scaled microbatch losses, turned into the mean over the counted labels on the host as
     before. ``t1``: when the step's forward began.
 
-    The non-finite verdict is decided on the device before the optimizer step: a fused optimizer
-    takes it as ``found_inf`` (its kernel skips the update and the step count, as under
-    ``GradScaler``); any other implementation reads it on the host first (one more sync). Every
-    scalar of the step (loss, counted labels, gradient norm, the two non-finite flags, the MoE
-    balance loss and routing counts) goes into one float64 buffer, copied to the host once after
-    the optimizer step is queued (:func:`_to_host`). Values are those of separate ``.item()`` calls
-    (float32 and int64 < 2**53 are exact in float64)."""
+    Whether the update is withheld (a non-finite loss or gradient norm, under either policy) is
+    decided on the device before the optimizer step: a fused optimizer takes it as ``found_inf``
+    (its kernel skips the update and the step count, as under ``GradScaler``); any other
+    implementation reads it on the host first (one more sync). Every scalar of the step (loss,
+    counted labels, gradient norm, the two non-finite flags, the MoE balance loss and routing
+    counts) goes into one float64 buffer, copied to the host once after the optimizer step is
+    queued (:func:`_to_host`). Values are those of separate ``.item()`` calls (float32 and int64
+    < 2**53 are exact in float64). The non-finite facts leave in ``StepResult.health``."""
     parts.moe.scale_expert_grads()
     exclude: list[torch.Tensor] = []
     if parts.tied is not None:
         parts.tied.sync_grads()
         exclude = parts.tied.norm_exclude
     t2 = time.perf_counter()
-    faults, optimizer = parts.faults, parts.optimizer
+    optimizer = parts.optimizer
     with record_function("ray_titan/optimizer"):
         norm = clip_grad_norm_(parts.params, max_norm, parts.pp_group, exclude)
         lr = float(parts.scheduler.get_last_lr()[0])  # typed float | Tensor; a float here
-        # training.on_nonfinite: the whole step's verdict, the same on every rank, on the device.
-        loss_bad = faults.loss_flag(loss)
+        # A non-finite loss or norm withholds the update: the same on every rank, on the device.
+        loss_bad = _loss_flag(loss, parts.device)
         norm_bad = ~torch.isfinite(norm.detach().to(loss_bad.device))  # cpu_offload: the norm is on the host
         bad = torch.maximum(loss_bad, norm_bad.to(loss_bad.dtype).reshape(1))
-        faults.before_update(parts.params, optimizer)
+        if parts.backup is not None:  # training.on_nonfinite = "skip" may have to undo this update
+            parts.backup.save(parts.params, optimizer)
         if optimizer.defaults.get("fused"):
             # On the parameters' device, by a blocking copy: under memory.cpu_offload the host
             # optimizer must read the flag itself (one more sync there, which offloading's
@@ -215,7 +220,7 @@ def _update(parts: TrainParts, step: int, loss: torch.Tensor | None, max_norm: f
                 del optimizer.found_inf  # type: ignore[attr-defined]
         elif bad.item() == 0:  # foreach / for-loop kernels take no found_inf: one more host sync
             optimizer.step()
-        update_bad = nonfinite_flag(parts.params, faults.device)
+        update_bad = nonfinite_flag(parts.params, parts.device)
         parts.scheduler.step()
     moe = parts.moe.end_step()
     scalars = [loss_bad, norm, update_bad, *([] if loss is None else [loss]),
@@ -232,12 +237,37 @@ def _update(parts: TrainParts, step: int, loss: torch.Tensor | None, max_norm: f
         # This rank's mean over its counted labels; 0 of 0 weighs nothing in the collector's mean.
         loss_h = None if loss_h is None else (loss_h / masked[0] / loss_tokens if loss_tokens else 0.0)
     aux_loss, moe_layers, expert_load = moe.read(rest)
-    skipped = faults.check(step, loss_bad_h, grad_norm, parts.params)
-    if not skipped:
-        skipped = faults.check_update(step, update_bad_h, parts.params, optimizer)
+    # Rare path: which stages hold the non-finite gradients, for the message (every rank takes it:
+    # the norm is the whole model's).
+    grad_stages = _nonfinite_grad_stages(parts) if not math.isfinite(grad_norm) else ()
+    health = StepHealth(step, loss_bad_h, grad_norm, update_bad_h, grad_stages)
     t3 = time.perf_counter()
-    return StepResult(loss_h, grad_norm, lr, skipped, aux_loss, moe_layers, expert_load, t2 - t1, t3 - t2,
+    return StepResult(loss_h, grad_norm, lr, health, aux_loss, moe_layers, expert_load, t2 - t1, t3 - t2,
                       loss_tokens)
+
+
+def _loss_flag(loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``(1,)`` float32 on ``device``: 1 when the loss (``loss``, this rank's; None off the last
+    stage) is not finite on some rank. One tiny all-reduce, no host sync."""
+    flag = torch.zeros(1, device=device)
+    if loss is not None:
+        flag = (~torch.isfinite(loss.detach().reshape(1).to(device))).to(flag.dtype)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag
+
+
+def _nonfinite_grad_stages(parts: TrainParts) -> tuple[int, ...]:
+    """The pipeline stages of the ranks whose gradients are not all finite (all of a rank's
+    stages if it has several), from every rank: one ``all_gather_object``; the gradients must
+    still be there. Collective."""
+    local_bad = any(p.grad is not None and not torch.isfinite(local_tensor(p.grad)).all() for p in parts.params)
+    mine = (sorted(parts.stages), local_bad)
+    everyone: list[Any] = [mine]  # every rank's (stage ids, gradients bad)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    return tuple(sorted({s for ids, bad in everyone if bad for s in ids}))
 
 
 def _to_host(scalars: list[torch.Tensor], device: torch.device) -> list[float]:

@@ -135,7 +135,7 @@ def test_load_path_onto_another_mesh_continues_the_run(case, uninterrupted, faul
 
 
 def test_nonfinite_stop_ends_the_run_without_a_restart(ray_cluster, tmp_path_factory, corpus_cache):
-    from ray_titan.fault import NonFiniteError
+    from ray_titan.trainer.nonfinite import NonFiniteError
 
     with pytest.raises(NonFiniteError, match=r"step 2: the loss is not finite on the last stage \(stage 0\)"):
         _run(tmp_path_factory, corpus_cache, "nan_stop", "--parallelism.pp=1", "--parallelism.dp_shard=2",
@@ -149,8 +149,8 @@ def test_nonfinite_stop_ends_the_run_without_a_restart(ray_cluster, tmp_path_fac
 def test_nonfinite_stop_without_metrics_raises_too(ray_cluster, tmp_path_factory, corpus_cache):
     """``metrics.enabled = false``: no collector to tell, so rank 0 leaves the reason in the run
     directory and the driver raises it (the group is not restarted to meet the same NaN)."""
-    from ray_titan.fault import NonFiniteError
     from ray_titan.run_dir import STOP_REASON_FILE
+    from ray_titan.trainer.nonfinite import NonFiniteError
 
     with pytest.raises(NonFiniteError, match=r"step 2: the loss is not finite on the last stage \(stage 0\)"):
         _run(tmp_path_factory, corpus_cache, "nan_stop_nometrics", "--parallelism.pp=1", "--parallelism.dp_shard=2",

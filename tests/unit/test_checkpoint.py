@@ -23,11 +23,11 @@ from ray_titan.checkpoint import (
     resolve_checkpoint,
 )
 from ray_titan.config import ConfigError, load_config, merge_overrides
-from ray_titan.fault import NonFiniteError
 from ray_titan.metrics.collector.collector import MetricsCollector
 from ray_titan.metrics.worker.report import LocalReporter
 from ray_titan.preflight.checks import validate_job
 from ray_titan.trainer import train_loop
+from ray_titan.trainer.nonfinite import NonFiniteError
 from tests.conftest import REPO
 
 

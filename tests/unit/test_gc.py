@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from ray_titan.gc_schedule import GarbageCollection
+from ray_titan.trainer.gc_schedule import GarbageCollection
 
 
 def test_collects_at_gc_freq_with_a_full_collection_every_full_every():

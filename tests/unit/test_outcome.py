@@ -39,8 +39,8 @@ def test_the_driver_raises_each_reason_as_its_own_error(tmp_path, capsys):
 
     from ray_titan.driver.run import _raise_if_stopped
     from ray_titan.driver.signals import SignalGuard
-    from ray_titan.fault import NonFiniteError
     from ray_titan.metrics.outcome import MemoryLeakError
+    from ray_titan.trainer.nonfinite import NonFiniteError
 
     signals = SignalGuard(note="")
     failed = RuntimeError("worker group failed")

@@ -80,7 +80,7 @@ class StepReport:
     """MoE: per layer in ``moe_layers``, tokens (× top-k) this rank's router sent to each expert in
     the step (host ints). Summed over the ranks of a stage it is the layer's load for the step."""
     gc_generation: int | None = None
-    """Generation of the synchronized GC run in this step (``ray_titan.gc_schedule``), None if none ran."""
+    """Generation of the synchronized GC run in this step (``ray_titan.trainer.gc_schedule``), None if none ran."""
     memory_breakdown: dict[str, Any] | None = None
     """At ``memory.breakdown_step``: this rank's memory at the step's peak by category, measured
     with the torch profiler (``ray_titan.metrics.worker.profiling.StepProfiler.stop``); else None."""
