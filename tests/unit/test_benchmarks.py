@@ -106,11 +106,12 @@ def test_worker_side_cost_reads_the_runs_own_metrics_time():
     assert c["fraction_of_step"] == pytest.approx(0.01)
 
 
-def test_the_runner_lists_every_registered_benchmark(capsys):
+def test_the_runner_lists_every_registered_benchmark_and_docs_say_how_to_run_each(capsys):
     """``python -m benchmarks.run --help`` names every benchmark of the registry (and ``gpu``), an
-    unknown name is refused naming the valid ones."""
+    unknown name is refused naming the valid ones, and docs/benchmarks.md has a command for each."""
     from benchmarks.registry import ALL_NAMES, BENCHMARKS, CPU_NAMES, STEPS
     from benchmarks.run import main
+    from tests.conftest import REPO
 
     assert CPU_NAMES == ["collector", "bare", "torchrun", "ray_train", "memory", "startup"]
     assert ALL_NAMES[:len(CPU_NAMES)] == CPU_NAMES and set(STEPS) == set(BENCHMARKS) == set(ALL_NAMES)
@@ -121,6 +122,8 @@ def test_the_runner_lists_every_registered_benchmark(capsys):
     with pytest.raises(SystemExit) as e:
         main(["collector", "nope"])
     assert e.value.code == 2 and "unknown benchmark(s) ['nope']" in capsys.readouterr().err
+    doc = (REPO / "docs" / "benchmarks.md").read_text()
+    assert [n for n in [*ALL_NAMES, "gpu"] if f"python -m benchmarks.run {n}" not in doc] == []
 
 
 def test_gpu_run_without_cuda_says_why_runs_the_environment_stage_and_exits_1(tmp_path, monkeypatch):
