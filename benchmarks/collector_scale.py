@@ -42,9 +42,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from benchmarks.stats import Row
 from ray_titan.config.schema import Metrics
+
+if TYPE_CHECKING:
+    from benchmarks.sides import Bench
 
 SIZES = (1024, 4096, 16384)
 GROUP: int = Metrics.model_fields["ranks_per_aggregator"].default  # ranks per aggregator, as a job's
@@ -274,6 +278,19 @@ def run(sizes=SIZES, steps: int = 200, path: str = "auto", moe: bool = True,
         shutil.rmtree(m.pop("run_dir"), ignore_errors=True)
         out.append(m)
     return out
+
+
+def rows_for_runner(bench: Bench) -> list[Row]:
+    """The runner's rows (``python -m benchmarks.run collector_scale``): every size of :data:`SIZES`
+    on the invocation's Ray cluster (``--quick``: 1,024 ranks, 20 steps). This module's own flags
+    (:func:`main`) choose sizes, steps and the path."""
+    bench.ray()
+    sizes, steps = ((1024,) if bench.quick else SIZES), bench.steps("collector_scale")
+    return [Row(f"collector_scale ranks={m['ranks']}", "µs of collector CPU per rank report",
+                f"{m['us_per_rank_report']:.1f}", target="≤ 25 µs at 16,384 ranks, p99 lag ≤ 2 s, nothing dropped",
+                note=f"lag p99 {m['lag_p99_s']:.2f} s, RSS {m['rss_mib'][0]:.0f}→{m['rss_mib'][1]:.0f} MiB, "
+                     f"dropped {m['dropped']}, {m['steps']} steps at 1/s, path {m['path']}", data=m)
+            for m in run(sizes, steps)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,8 +103,9 @@ CASES: list[Case] = [
     _case("qwen3 tied pp2 dp2 GPipe fp32 full-AC", model="qwen3", pp=2, dp=2, sched="GPipe", n=2, ac="full"),
 ]
 # One realistic mesh per flavor of every family, bf16, 1F1B, no activation checkpointing, one
-# sequence per microbatch: the meshes docs/benchmarks.md uses for the MoE flavors and the 70B / 8B
-# rows. The debug dense flavors are the composition matrix's (CASES).
+# sequence per microbatch: the meshes of the MoE flavors' and the 70B / 8B rows before it
+# (benchmarks/results/2026-11-26-moe-families-plan.md, 2026-11-26-simulated-gpu-vs-plan.md). The
+# debug dense flavors are the composition matrix's (CASES).
 _MOE_DEBUG = dict(pp=2, dp=2, ep=2, n=4, seq=128, bf16=True)
 FLAVOR_CASES: list[Case] = [
     *[_case(f"{m} debug pp2 dp2 ep2", model=m, **_MOE_DEBUG)  # type: ignore[arg-type]

@@ -1,7 +1,12 @@
-"""What every benchmark shares and nothing more: the job template, the flags that reproduce a
-job in a subprocess, tokens/s and FLOPs per token, the baselines' environment and torchtitan's
-run. ``benchmarks.run`` (the CPU benchmarks, on Ray), ``benchmarks.gpu`` (the first-contact GPU
-run, without Ray) and ``benchmarks.gpu_checks`` import it; it imports none of them, and no Ray.
+"""The harness: what every benchmark shares and nothing more. The job template, the flags that
+reproduce a job in a subprocess, running a command under a deadline (its whole process tree
+killed past it), timing a run, tokens/s, FLOPs per token and MFU against the measured CPU peak,
+the baselines' environment and torchtitan's run.
+
+The benchmarks (``benchmarks.main_job``, ``benchmarks.gpu`` and its stages, ...) import it; it
+imports no benchmark, nothing of the runner (``benchmarks.run``, ``benchmarks.registry``), and no
+Ray: the first-contact GPU run uses it where Ray is absent. The statistics and the printed table
+are ``benchmarks.stats``. pyproject.toml's import contracts hold these layers.
 """
 
 from __future__ import annotations
@@ -12,13 +17,31 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MEMORY_WARMUP", "REPO", "baseline_env", "flops_per_token", "job_config", "run_bounded", "run_torchtitan",
-           "subprocess_flags", "tokens_per_s"]
+from benchmarks.stats import Row
+
+__all__ = [
+    "MEMORY_WARMUP",
+    "REPO",
+    "MiB",
+    "add_mfu",
+    "baseline_env",
+    "flops_per_token",
+    "job_config",
+    "measure_cpu_peak",
+    "peak_flops_cpu",
+    "run_bounded",
+    "run_torchtitan",
+    "subprocess_flags",
+    "timed",
+    "tokens_per_s",
+]
 
 REPO = Path(__file__).resolve().parents[1]
+MiB = 2**20
 MEMORY_WARMUP = 100
 """Steps the ``memory`` benchmark and the GPU run's flat-memory check leave out before fitting
 slopes (allocator pools, thread caches and the first checkpoint settle)."""
@@ -152,3 +175,45 @@ def run_bounded(cmd: list[str], timeout: float | None, **kwargs: Any) -> subproc
         kill_tree(proc.pid)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def timed(fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """``fn`` that also records its wall seconds as ``wall_s`` in the dict it returns."""
+    def run() -> dict[str, Any]:
+        t0 = time.time()
+        out = fn()
+        out["wall_s"] = time.time() - t0
+        return out
+    return run
+
+
+_PEAK_PER_THREAD: list[float] = []
+
+
+def measure_cpu_peak() -> list[float]:
+    """Measure the single-thread fp32 matmul peak (FLOP/s) again; returns every measurement so far
+    (the best is the one used: a peak measured at a busy moment must not inflate MFU)."""
+    from ray_titan.metrics.flops import measure_matmul_peak_flops
+
+    _PEAK_PER_THREAD.append(measure_matmul_peak_flops("cpu", n=1024, repeats=10, threads=1))
+    return list(_PEAK_PER_THREAD)
+
+
+def peak_flops_cpu(threads: int) -> float:
+    """Best measured single-thread fp32 matmul peak × ``threads`` (at most the machine's cores)."""
+    per_thread = max(_PEAK_PER_THREAD) if _PEAK_PER_THREAD else max(measure_cpu_peak())
+    return per_thread * min(threads, os.cpu_count() or 1)
+
+
+def add_mfu(rows: list[Row]) -> None:
+    """Append MFU to the tokens/s of comparison rows (those with ``mfu_inputs``), with the best CPU
+    peak measured in the whole invocation."""
+    for r in rows:
+        m = r.data.get("mfu_inputs")
+        if not m:
+            continue
+        peak = peak_flops_cpu(m["threads"])
+        r.data["mfu"] = {"a": m["tps_a"] * m["flops_per_token"] / peak, "b": m["tps_b"] * m["flops_per_token"] / peak,
+                         "peak_flops": peak}
+        r.a_value += f" (MFU {100 * r.data['mfu']['a']:.1f}%)"
+        r.b_value += f" (MFU {100 * r.data['mfu']['b']:.1f}%)"

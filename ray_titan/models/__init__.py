@@ -36,7 +36,7 @@ Adding a family ``<name>`` (a Python identifier; it becomes ``model.name``):
    docs/configuration.md``); every module of the package but ``__init__`` and ``parallelize`` in
    the import-linter contract "Models know nothing of parallelism" (``pyproject.toml``); a row of
    the README's model table (name, architecture, Hugging Face ``model_type`` and aliases) and its
-   named flavors in the README's flavor table; its ``model_type`` in the opening paragraph of
+   named flavors in the flavor table of ``docs/huggingface.md``; its ``model_type`` in the opening paragraph of
    ``docs/huggingface.md``; its package in the layout of ``docs/design.md``.
 4. Tests: a tiny random Hugging Face model of it (``hf_config`` and a seed in
    ``tests/support/hf_models.py``), which the tests that take every family read ``FAMILIES`` for

@@ -2,7 +2,7 @@
 ``MixedPrecisionPolicy``), launched without Ray (``tests/support/ranks.py``): it learns as fp32
 does, and the memory plan predicts its measured peak on every rank.
 
-The 100-step comparison (docs/benchmarks.md, ``python benchmarks/mixed_precision.py``) takes
+The 100-step comparison (``python benchmarks/mixed_precision.py``; benchmarks/results/2026-11-25-bf16-vs-fp32.md) takes
 ~6 minutes on 2 cores (bf16 matmuls are emulated on this CPU: ~2.9× fp32's step time); this
 checks ``STEPS`` steps of 8 sequences (not 16) with a shorter LR warm-up (5 steps, not 20), in
 which the loss falls by > 1 nat."""

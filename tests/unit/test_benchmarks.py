@@ -75,7 +75,7 @@ def test_moe_is_one_call_with_activated_parameters_and_mfu():
 def test_subprocess_flags_reproduce_the_config():
     """The torchrun comparison passes the job to its ranks as flags: every section, scalars,
     lists and strings, must come back equal (the [[callbacks]] array has no flag form)."""
-    from benchmarks.run import _flags
+    from benchmarks.harness import subprocess_flags as _flags
     from ray_titan.config.schema import Callback, load_config
     from tests.conftest import REPO
 
@@ -93,7 +93,7 @@ def test_worker_side_cost_reads_the_runs_own_metrics_time():
 
     import pyarrow as pa
 
-    from benchmarks.run import worker_side_cost
+    from benchmarks.main_job import worker_side_cost
 
     def run(costs, step_s):
         t = pa.table({"rank": [0, 1] * len(costs), "metrics_time_s": [c for c in costs for _ in (0, 1)],
@@ -104,6 +104,26 @@ def test_worker_side_cost_reads_the_runs_own_metrics_time():
     # The first step of a run has no figure; a cost is a mean, the rare dear step included.
     assert c["per_step_us"] == pytest.approx(2000) and c["median_us"] == pytest.approx(1000)
     assert c["fraction_of_step"] == pytest.approx(0.01)
+
+
+def test_the_runner_lists_every_registered_benchmark_and_docs_say_how_to_run_each(capsys):
+    """``python -m benchmarks.run --help`` names every benchmark of the registry (and ``gpu``), an
+    unknown name is refused naming the valid ones, and docs/benchmarks.md has a command for each."""
+    from benchmarks.registry import ALL_NAMES, BENCHMARKS, CPU_NAMES, STEPS
+    from benchmarks.run import main
+    from tests.conftest import REPO
+
+    assert CPU_NAMES == ["collector", "bare", "torchrun", "ray_train", "memory", "startup"]
+    assert ALL_NAMES[:len(CPU_NAMES)] == CPU_NAMES and set(STEPS) == set(BENCHMARKS) == set(ALL_NAMES)
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and all(f"  {n} " in out for n in [*ALL_NAMES, "gpu"])
+    with pytest.raises(SystemExit) as e:
+        main(["collector", "nope"])
+    assert e.value.code == 2 and "unknown benchmark(s) ['nope']" in capsys.readouterr().err
+    doc = (REPO / "docs" / "benchmarks.md").read_text()
+    assert [n for n in [*ALL_NAMES, "gpu"] if f"python -m benchmarks.run {n}" not in doc] == []
 
 
 def test_gpu_run_without_cuda_says_why_runs_the_environment_stage_and_exits_1(tmp_path, monkeypatch):

@@ -88,14 +88,16 @@ def _ticked(cell: str) -> list[str]:
 
 def test_the_readme_model_tables_are_the_registry():
     """The README's model table: one row per registered family, in ``FAMILIES``' order, with the
-    ``model_type`` values its adapter reads; its flavor table: every flavor but ``debug``."""
+    ``model_type`` values its adapter reads; the flavor table (docs/huggingface.md, which the
+    README links): every flavor but ``debug``."""
     readme = (REPO / "README.md").read_text()
     families = _table(readme, "## Models", "`model.name` | architecture")
     assert [_ticked(r[0]) for r in families] == [[f] for f in FAMILIES]
     for row in families:
         hf = MODELS[_ticked(row[0])[0]].hf
         assert _ticked(row[2]) == [hf.model_type, *hf.model_type_aliases], row[0]
-    flavors = _table(readme, "## Models", "`model.name` | `model.flavor`")
+    guide = (REPO / "docs" / "huggingface.md").read_text()
+    flavors = _table(guide, "## Flavors: sizes against the model cards", "`model.name` | `model.flavor`")
     listed = {(_ticked(r[0])[0], f) for r in flavors for f in _ticked(r[1])}
     assert listed == {(n, f) for n, s in MODELS.items() for f in s.flavors if f != "debug"}
 

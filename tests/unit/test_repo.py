@@ -79,7 +79,7 @@ def test_pre_commit_runs_the_static_checks():
 
 # Links: every relative link and image in the docs, every repository path a doc names in its text,
 # and every docs/ path or design citation in code, points at something that exists.
-DOC_FILES = ("README.md", "DEVELOPERS.md", "docker/README.md", "docs/**/*.md")
+DOC_FILES = ("README.md", "DEVELOPERS.md", "docker/README.md", "docs/**/*.md", "benchmarks/**/*.md")
 _FENCE = re.compile(r"^```.*?^```", flags=re.S | re.M)
 _LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)\)")
 _REPO_PATH = re.compile(r"(?<![\w./<-])((?:ray_titan|tests|benchmarks|configs|docker|jobs|docs)/[\w./-]*[\w/])")
@@ -143,7 +143,7 @@ def broken_links(root, files) -> list[str]:
 
 def test_doc_links_point_at_files_and_headings_that_exist():
     files = sorted({str(p.relative_to(REPO)) for pattern in DOC_FILES for p in REPO.glob(pattern)})
-    assert "docs/design.md" in files and "README.md" in files
+    assert "docs/design.md" in files and "README.md" in files and "benchmarks/results/README.md" in files
     assert broken_links(REPO, files) == []
 
 
