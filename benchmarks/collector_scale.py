@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from benchmarks.stats import Row
 from ray_titan.config.schema import Metrics
+from ray_titan.config.units import MiB
 
 if TYPE_CHECKING:
     from benchmarks.sides import Bench
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
 SIZES = (1024, 4096, 16384)
 GROUP: int = Metrics.model_fields["ranks_per_aggregator"].default  # ranks per aggregator, as a job's
 NODE = 8  # ranks per node (8 GPUs)
-MiB = 2**20
 
 
 def mesh(ranks: int) -> tuple[int, int, int]:

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ray_titan.config.units import MiB
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "debug_llama.toml")
-MiB = 2**20
 THRESHOLD = 0.10
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from benchmarks.harness import MEMORY_WARMUP, REPO, job_config, run_bounded, subprocess_flags
 from ray_titan.callbacks import Callback, CallbackContext
+from ray_titan.config.units import MiB
 
 __all__ = [
     "Check", "ForceRouting", "check_cpu_checkpoint_resumes", "check_cpu_offload_parity",
@@ -44,7 +45,6 @@ __all__ = [
     "rank_main", "stage_collectives_through_host", "train_here",
 ]
 
-MiB = 2**20
 PARITY_RTOL = 1e-3
 """Relative tolerance of fp32 loss parity between two runs on the device (1e-4 on CPU in the
 suite; the device's reduction orders and a host optimizer step under offload differ more)."""

@@ -30,11 +30,11 @@ import torch
 from benchmarks.facts import FactLog, read_facts
 from benchmarks.harness import REPO, flops_per_token, job_config, subprocess_flags
 from ray_titan.callbacks import Callback, CallbackContext
+from ray_titan.config.units import MiB
 
 __all__ = ["NA", "HostSyncCounter", "StageContext", "count_host_syncs", "main"]
 
 NA = "n/a on cpu"
-MiB = 2**20
 DEPENDENCIES = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions",
                 "tensorboardX", "crc32c", "google.protobuf", "pyarrow", "tokenizers", "numpy", "tqdm", "matplotlib",
                 "safetensors", "ninja", "ray", "torchtitan")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import Row
+from ray_titan.config.units import MiB
 
 __all__ = [
     "MEMORY_WARMUP",
@@ -41,7 +42,6 @@ __all__ = [
 ]
 
 REPO = Path(__file__).resolve().parents[1]
-MiB = 2**20
 MEMORY_WARMUP = 100
 """Steps the ``memory`` benchmark and the GPU run's flat-memory check leave out before fitting
 slopes (allocator pools, thread caches and the first checkpoint settle)."""

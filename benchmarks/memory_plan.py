@@ -26,8 +26,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ray_titan.config.units import MiB
+
 REPO = Path(__file__).resolve().parents[1]
-MiB = 2**20
 
 AC_MODES = {
     "none": [],

@@ -20,8 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from benchmarks.stats import Row
-
-GiB, MiB = 2**30, 2**20
+from ray_titan.config.units import GiB, MiB
 
 # The 16,384-rank job of issue 31 (Llama 3.1 70B on 16 stages × 128 FSDP shards × 8 TP ranks).
 JOB_16K = ["--model.name=llama", "--model.flavor=3.1-70B", "--parallelism.pp=16", "--parallelism.dp_shard=128",

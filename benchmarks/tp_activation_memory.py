@@ -30,8 +30,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ray_titan.config.units import MiB
+
 REPO = Path(__file__).resolve().parents[1]
-MiB = 2**20
 
 VARIANTS = {
     "tp=1": (1, []),

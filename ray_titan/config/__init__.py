@@ -2,6 +2,8 @@
 
 - :mod:`~ray_titan.config.schema`: the sections (pydantic), TOML loading and dotted overrides;
   imports nothing of the project. Its names are re-exported here.
+- :mod:`~ray_titan.config.units`: units of memory (``MiB``, ``GiB``) and sizes read or printed;
+  imports nothing of the project.
 - :mod:`~ray_titan.config.docs`: the configuration reference (``docs/configuration.md``) and
   ``ray-titan config show``, rendered from the schema.
 

@@ -17,11 +17,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal, TextIO, get_args
 
+from ray_titan.config.units import MiB
+
 __all__ = [
     "MODES", "BarDisplay", "ConsoleThread", "LineDisplay", "check_mode", "format_eta", "format_postfix", "make_display",
 ]
 
-MiB = 2**20
 Mode = Literal["auto", "bar", "lines"]
 MODES: tuple[str, ...] = get_args(Mode)
 

@@ -155,7 +155,7 @@ def representative_ranks(cfg: JobConfig) -> list[int]:
 def format_results(results: list[RankResult]) -> str:
     """A table, one line per simulated rank, then each rank's peak by the plan's categories
     (simulated / planned), its checkpoint's planning and its host synchronisation sites."""
-    from ray_titan.preflight.memory_plan import format_bytes
+    from ray_titan.config.units import format_bytes
 
     lines = [f"{'rank':>5}  {'coords':<28} {'stages':<8} {'steps':>5} {'seconds':>8} {'syncs/step':>10} "
              f"{'collectives':>11} {'peak device':>12} {'plan peak':>10}"]

@@ -98,6 +98,7 @@ from typing import Any
 
 from ray_titan import storage
 from ray_titan.config.schema import ConfigError, JobConfig
+from ray_titan.config.units import format_bytes, parse_bytes
 from ray_titan.metrics.reading.memory_plan import PLAN_FILE, planned_rank
 from ray_titan.preflight.plan_levers import _add_levers
 from ray_titan.preflight.plan_ranks import LISTED_RANKS, _plan_ranks
@@ -107,8 +108,6 @@ from ray_titan.preflight.plan_types import (
     RankPlan,
     _groups,
     _rank_list,
-    format_bytes,
-    parse_bytes,
 )
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The memory plan's results (:mod:`ray_titan.preflight.memory_plan`): :class:`RankPlan` (one rank's
 predicted memory, bytes), :class:`Lever`, :class:`MemoryPlan` (a job's plan, its JSON form and its
-table as text), and the sizes a plan reads and prints (:func:`parse_bytes`, :func:`format_bytes`).
+table as text), and the sizes a plan prints (:func:`~ray_titan.config.units.format_bytes`).
 Nothing is planned here: these are what the planning modules fill in and what the run, its summary
 and the dry run read back."""
 
@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ray_titan.config.units import format_bytes
 from ray_titan.metrics.reading.memory_plan import covering
-
-MiB, GiB = 2**20, 2**30
 
 
 @dataclass
@@ -235,35 +232,3 @@ def _groups(ranks: list[RankPlan]) -> list[tuple[list[tuple[int, int]], RankPlan
 def _rank_list(runs: list[tuple[int, int]]) -> str:
     """``0-7`` for a run of three or more ranks, else the ranks: ``0,1``."""
     return ",".join(f"{a}-{b}" if b > a + 1 else ",".join(map(str, range(a, b + 1))) for a, b in runs)
-
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """``80GiB``, ``80GB``, ``81920MiB``, ``1.5e9`` → bytes (``GB`` = 10⁹, ``GiB`` = 2³⁰), at least
-    one byte and at most an exbibyte. Raises ``ValueError`` naming the text for anything else."""
-    bad = f"{text!r} is not a size of memory; write e.g. 80GiB, 80GB or 81920MiB"
-    if isinstance(text, int):
-        n = text
-    else:
-        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(bad)
-        try:
-            x = float(m.group(1)) * _UNITS[m.group(2).lower()]
-        except ValueError:
-            raise ValueError(bad) from None
-        n = int(x) if math.isfinite(x) and x <= 2**60 else 2**61  # 1e400 is inf: refused below
-    if not 1 <= n <= 2**60:
-        raise ValueError(f"{bad} (between 1 B and 1 EiB)")
-    return n
-
-
-def format_bytes(n: float) -> str:
-    """``1.50 GiB``, ``12.3 MiB``, ``512 KiB``."""
-    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", MiB), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}" if n / size < 100 else f"{n / size:.0f} {unit}"
-    return f"{n:.0f} B"

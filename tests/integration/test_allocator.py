@@ -14,6 +14,7 @@ import pytest
 import ray_titan.allocator as allocator
 from ray_titan.allocator import active_allocator, jemalloc_library, worker_env_vars
 from ray_titan.config import ConfigError, JobConfig
+from ray_titan.config.units import MiB
 from ray_titan.preflight.checks import validate_job
 
 JEMALLOC = jemalloc_library()
@@ -58,7 +59,6 @@ _CHILD = r"""
 import json, torch
 from ray_titan.allocator import active_allocator, host_heap, malloc_trim
 from ray_titan.metrics.worker.memory import host_memory
-MiB = 2**20
 out = {"allocator": active_allocator(), "before": host_heap()}
 t = torch.ones(64 * MiB // 4)
 out["during"] = host_heap()
@@ -77,7 +77,6 @@ def test_under_jemalloc_in_use_follows_a_tensor_and_trim_returns_its_free_pages(
     env = {**os.environ, **worker_env_vars("jemalloc")}
     got = json.loads(subprocess.run([sys.executable, "-c", _CHILD], env=env, check=True,
                                     capture_output=True, text=True).stdout)
-    MiB = 2**20
     assert got["allocator"] == "jemalloc"
     (in0, _), (in1, _), (in2, free2) = got["before"], got["during"], got["after"]
     assert 64 * MiB <= in1 - in0 < 65 * MiB
@@ -92,7 +91,6 @@ _LAZY_CHILD = r"""
 import json, time, torch
 from ray_titan.allocator import host_heap, jemalloc_muzzy_decay_ms, lazy_free_bytes
 from ray_titan.metrics.worker.memory import host_memory
-MiB = 2**20
 def series():
     return host_memory()[0] - host_heap()[1]  # what the leak verdict watches: RSS less malloc's free bytes
 out = {"muzzy": jemalloc_muzzy_decay_ms(), "before": series()}
@@ -117,7 +115,6 @@ def test_pages_handed_back_with_madv_free_are_not_read_as_growth():
     env = {**os.environ, **worker_env_vars("jemalloc"), "MALLOC_CONF": "dirty_decay_ms:500,muzzy_decay_ms:100000"}
     got = json.loads(subprocess.run([sys.executable, "-c", _LAZY_CHILD], env=env, check=True,
                                     capture_output=True, text=True).stdout)
-    MiB = 2**20
     assert got["muzzy"] == 100000 and got["lazy"] > 10 * MiB
     assert abs(got["after"] - got["before"]) < 8 * MiB
     assert got["after_uncorrected"] - got["before"] > 10 * MiB  # what jemalloc's own count would read

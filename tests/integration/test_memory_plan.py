@@ -14,6 +14,7 @@ from torch.distributed.pipelining.schedules import _ComputationType as C
 
 from ray_titan.cli import main
 from ray_titan.config import ConfigError, load_config
+from ray_titan.config.units import MiB
 from ray_titan.metrics.reading.steps import read_steps
 from ray_titan.metrics.worker.report import LocalReporter
 from ray_titan.models.registry import build_model, get_spec
@@ -26,8 +27,6 @@ from ray_titan.preflight.memory_plan import (
 )
 from tests.conftest import REPO
 from tests.support.ranks import forkserver, launch
-
-MiB = 2**20
 
 
 # -- microbatches in flight: the table against torch's schedules ---------------------------------

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from ray_titan.config.units import MiB
 from ray_titan.metrics.collector.collector import MetricsCollector
 from ray_titan.metrics.collector.leak import (
     GROWING,
@@ -23,8 +24,6 @@ from ray_titan.metrics.reading.steps import read_steps
 from ray_titan.metrics.worker.report import StepReport
 from ray_titan.parallel.dims import ParallelDims
 from tests.conftest import REPO
-
-MiB = 2**20
 
 
 def _detector(**kw):

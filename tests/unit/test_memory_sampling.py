@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ray_titan.metrics.worker.memory as memory
+from ray_titan.config.units import MiB
 from ray_titan.metrics.fields import MEMORY_FIELDS
 from ray_titan.metrics.worker.memory import (
     MemorySnapshots,
@@ -19,8 +20,6 @@ from ray_titan.metrics.worker.memory import (
     sample_memory,
 )
 from ray_titan.parallel.pipeline import SCHEDULES, build_pipeline_schedule
-
-MiB = 2**20
 
 
 def test_host_available_is_positive_and_below_total():

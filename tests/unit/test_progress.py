@@ -9,12 +9,12 @@ import re
 import select
 import time
 
+from ray_titan.config.units import MiB
 from ray_titan.driver.progress import BarDisplay, ConsoleThread, LineDisplay, format_eta, format_postfix, make_display
 from ray_titan.metrics.collector.collector import MetricsCollector
 from ray_titan.parallel.dims import ParallelDims
 from tests.unit.test_collector import _report
 
-MiB = 2**20
 LATEST = {"step": 3, "total": 10, "loss": 2.5, "tokens_per_s": 6843.2,
           "max_memory": {"rank": 2, "bytes": 583 * MiB, "kind": "rss"}}
 

@@ -1,8 +1,7 @@
 """`ray-titan report`'s memory table beyond 16 ranks: ranks sharing a plan collapse to one row."""
 
+from ray_titan.config.units import MiB
 from ray_titan.metrics.reading.run_summary import format_memory_table
-
-MiB = 2**20
 
 
 def _row(rank, predicted, measured=None):

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_titan.config.units import MiB
 from ray_titan.metrics.collector.columns import Columns
 from ray_titan.metrics.collector.leak import GROWING, LeakMonitor, Verdict
 from ray_titan.metrics.fields import VERDICT_CODES, VERDICTS
@@ -21,7 +22,6 @@ from ray_titan.metrics.fields import VERDICT_CODES, VERDICTS
 __all__ = ["CONSOLE_RANKS", "Console", "format_scale_line", "format_step_line", "layout_line", "leak_stop_reason",
            "span", "verdict_messages"]
 
-MiB = 2**20
 CONSOLE_RANKS = 16
 """Up to this many ranks the console line names every rank's memory; beyond, it summarises."""
 

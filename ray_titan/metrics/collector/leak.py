@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from ray_titan.config.units import MiB
 from ray_titan.metrics.fields import VERDICT_CODES, VERDICTS, describe_coords
 
 __all__ = [
@@ -61,7 +62,6 @@ WARMING_UP, STABLE, GROWING = VERDICTS
 """The verdicts (:data:`~ray_titan.metrics.fields.VERDICTS`, whose index is a verdict's code in
 the arrays here: ``SeriesBank.state``, :meth:`LeakMonitor.update_many`'s ``code``)."""
 _WARMING, _STABLE, _GROWING = (VERDICT_CODES[v] for v in VERDICTS)  # in that order: a later one outranks
-MiB = 2**20
 
 
 def _median_rows(a: np.ndarray) -> np.ndarray:

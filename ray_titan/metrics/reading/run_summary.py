@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
+from ray_titan.config.units import MiB
 from ray_titan.metrics.collector.breakdowns import read_breakdowns
 from ray_titan.metrics.collector.leak import SERIES_NAMES, host_series
 from ray_titan.metrics.fields import COORD_AXES
@@ -45,7 +46,6 @@ from ray_titan.metrics.schema import STEP_SCHEMA
 __all__ = ["HEATMAP_BINS", "OUTLIER_MIN_REL", "OUTLIER_Z", "PER_RANK_LIMIT", "ReportError", "format_memory_table",
            "format_table", "memory_rows", "outlier_ranks", "rank_figures", "summary_rows", "write_report"]
 
-MiB = 2**20
 PER_RANK_LIMIT = 16
 """Up to this many ranks the report draws one line per rank and prints every rank's row."""
 HEATMAP_BINS = (1024, 1000)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ray_titan.allocator import host_heap
+from ray_titan.config.units import MiB
 from ray_titan.metrics.fields import MEMORY_FIELDS, describe_coords
 
 __all__ = [
@@ -53,7 +54,6 @@ __all__ = [
     "timeline_breakdown",
 ]
 
-MiB = 2**20
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 

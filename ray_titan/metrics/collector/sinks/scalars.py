@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
+from ray_titan.config.units import MiB
 from ray_titan.metrics.collector.columns import Columns
 from ray_titan.metrics.fields import VERDICT_CODES, VERDICTS
 
 __all__ = ["expert_load_scalars", "memory_summary_scalars", "step_scalars"]
 
-MiB = 2**20
 
 
 def step_scalars(scalars: Mapping[str, float | None], rows: list[dict[str, Any]]) -> list[tuple[str, float]]:
