@@ -6,12 +6,13 @@ always, while the others come from the forward."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ray_titan.models.registry import build_model
+from ray_titan.models.registry import build_model, get_spec
 from ray_titan.parallel.ac import apply_ac
 
 WIDTHS = (2, 3, 5, 7, 11, 13)  # increasing: a forward matmul's weight operand (in, out) has in < out
@@ -136,7 +137,42 @@ def test_op_sac_keeps_the_loss_and_gradients_of_a_llama_and_a_moe_model():
 
 
 def test_unknown_option_is_refused():
-    import pytest
-
     with pytest.raises(ValueError, match="selective_option"):
         apply_ac(_Model(1), "selective", "op_all")
+
+
+@pytest.mark.parametrize("family,layer", [("llama", 0), ("qwen3", 0), ("deepseek_v2", 0), ("deepseek_v2", 1),
+                                          ("qwen3_moe", 1)])
+def test_the_plans_op_formula_equals_what_op_sac_saves(monkeypatch, family, layer):
+    """The family's ``BlockActivations.op`` (fp32, CPU) against the storages op SAC keeps from one
+    block's forward (the outputs its policy saves, read from torch's SAC cache) plus the block
+    input: equal for dense blocks; MoE blocks within 1 % (the plan assumes balanced routing)."""
+    import ray_titan.parallel.ac as ac
+
+    caches = []
+    real = ac.create_selective_checkpoint_contexts
+
+    def recording(policy):
+        forward, recompute = real(policy)
+        caches.append(forward.storage)
+        return forward, recompute
+
+    monkeypatch.setattr(ac, "create_selective_checkpoint_contexts", recording)
+    torch.manual_seed(0)
+    model = build_model(family, "debug", vocab_size=258)
+    model.init_weights(0)
+    apply_ac(model, "selective", "op")
+    b, s = 4, 128
+    x = torch.randn(b, s, model.args.dim, requires_grad=True)
+    model.layers[str(layer)](x, model.rope_cos[:s], model.rope_sin[:s])
+    (cache,) = caches
+    kept = {}
+    for outputs in cache.values():
+        for out in outputs.values():
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                t = getattr(t, "val", None)  # a saved output; a recomputed one is a marker
+                if isinstance(t, torch.Tensor):
+                    kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    saved = sum(kept.values()) + x.numel() * x.element_size()
+    planned = get_spec(family).block_activations(model.args, layer, 4, s, "cpu", 1.0, 1).op * b * s
+    assert planned == pytest.approx(saved, rel=0.01 if layer else 0)
