@@ -521,10 +521,13 @@ class ActivationCheckpoint(_Section):
     """``full``: every block keeps only its input and recomputes the rest in backward.
     ``selective``: see ``selective_option``."""
     selective_option: Literal["op", "layer"] = "op"
-    """``op``: every block saves the outputs of matrix multiplications and attention and
-    recomputes the cheap ones (norms, rotary embeddings, activations, products); not with the
-    zero-bubble pipeline schedules (torch's selective checkpoint allows one backward per region;
-    they run two). ``layer``: full checkpointing of every ``layer_freq``-th block."""
+    """``op``: torchtitan's op-level selective checkpointing (torchtitan 0.3.0,
+    ``torchtitan/distributed/activation_checkpoint.py``, ``SelectiveAC``): every block saves the
+    outputs of attention and of every other matrix multiplication (the 1st, 3rd, … of the block;
+    the router's is recomputed) and recomputes the rest (norms, rotary embeddings, activations,
+    products, the other matmuls; ``ray_titan.parallel.ac``); not with the zero-bubble pipeline
+    schedules (torch's selective checkpoint allows one backward per region; they run two).
+    ``layer``: full checkpointing of every ``layer_freq``-th block."""
     layer_freq: int = Field(2, gt=0)
     """With ``selective_option = "layer"``: blocks whose index in the whole model is a multiple
     of this are checkpointed (1 = every block = ``full``)."""

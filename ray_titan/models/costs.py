@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["F32", "I64", "BlockActivations", "fused_attention", "transformer_flops_per_token"]
+__all__ = ["F32", "I64", "BlockActivations", "fused_attention", "op_sac_saved", "transformer_flops_per_token"]
 
 F32, I64 = 4, 8
 """Bytes of an fp32 and an int64 element."""
@@ -63,7 +63,8 @@ def transformer_flops_per_token(
 @dataclass(frozen=True)
 class BlockActivations:
     """Bytes per token one block saves for backward: ``none`` (everything autograd saves),
-    ``op`` (op-level selective AC: the block input and the outputs of matmuls and attention),
+    ``op`` (op-level selective AC: the block input, attention's outputs and every second matmul's,
+    :func:`op_sac_saved`),
     ``input`` (full AC: the block input), and ``backward`` (the transient of its backward, or of
     its forward where that is larger: an MoE layer's combine of the routed outputs);
     ``experts_none`` / ``experts_op``: the MoE dispatch and expert part of ``none`` / ``op``;
@@ -107,6 +108,14 @@ class BlockActivations:
     def recompute(self, checkpointed: str) -> float:
         """Bytes per token that exist only while backward recomputes this block."""
         return {"none": 0.0, "op": self.none - self.op, "full": self.none - self.input}[checkpointed]
+
+
+def op_sac_saved(outputs: list[float], before: int = 0) -> float:
+    """Bytes per token op-level selective AC saves of a block's matrix multiplications, given the
+    outputs (bytes per token) of those it counts, in forward order, after ``before`` counted ones:
+    the 1st, 3rd, 5th… of the block (torchtitan 0.3.0's every-second-matmul rule,
+    ``ray_titan.parallel.ac.op_sac_policy``)."""
+    return sum(size for i, size in enumerate(outputs, before + 1) if i % 2)
 
 
 def fused_attention(args: Any, device: str) -> bool:

@@ -54,9 +54,10 @@ The plan applies, for every family:
 
 - Activation checkpointing (``[activation_checkpoint]``): ``full`` keeps each block's input
   (``4·d``) and recomputes one block at a time in backward (a transient of one block's
-  activations); ``selective``/``op`` keeps the block input and the outputs of the matrix
-  multiplications and attention (:data:`ray_titan.parallel.ac.SAVED_OPS`) and recomputes the
-  rest; ``selective``/``layer`` checkpoints every ``layer_freq``-th block fully.
+  activations); ``selective``/``op`` keeps the block input and the outputs of attention and of
+  every second matrix multiplication (torchtitan's policy: ``ray_titan.parallel.ac``,
+  :func:`ray_titan.models.costs.op_sac_saved`) and recomputes the rest; ``selective``/``layer``
+  checkpoints every ``layer_freq``-th block fully.
 - The last stage keeps the logits ``e·V`` of every microbatch in flight (pipelining holds a
   stage's output until its backward) and the loss's log-softmax ``4·V``; other stages keep their
   output ``4·d``.

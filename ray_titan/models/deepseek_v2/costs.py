@@ -25,7 +25,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray_titan.models.costs import F32, I64, BlockActivations, fused_attention, transformer_flops_per_token
+from ray_titan.models.costs import (
+    F32,
+    I64,
+    BlockActivations,
+    fused_attention,
+    op_sac_saved,
+    transformer_flops_per_token,
+)
 
 __all__ = ["deepseek_block_activations", "deepseek_flops_per_token", "moe_activations"]
 
@@ -47,12 +54,18 @@ def deepseek_flops_per_token(args: Any, seq_len: int) -> int:
     return transformer_flops_per_token(n, args.n_layers, width, seq_len)
 
 
-def moe_activations(a: Any, e: int, rho: float, ep: int, norm_in: float) -> BlockActivations:
+def moe_activations(a: Any, e: int, rho: float, ep: int, norm_in: float, *, device: str = "cpu",
+                    mm_before: int = 0) -> BlockActivations:
     """Bytes per token an MoE feed-forward (``ray_titan.models.deepseek_v2.model.MoE``: router,
     dispatch, ``top_k`` routed experts, ``n_shared_experts`` shared) saves, ``norm_in`` (its input
     norm's) included: ``none``, ``op``, ``backward`` (the larger of its backward's transient and
     its forward's, at the combine of the routed outputs: measured on the simulated GPU) and the
-    experts' parts (``input`` unused)."""
+    experts' parts (``input`` unused). ``op`` follows op SAC's every-second-matmul rule after
+    ``mm_before`` counted matmuls of the block (``ray_titan.parallel.ac``): the router's matmul is
+    recomputed (a biased router's is an ``addmm``, saved: its family adds it); each local expert
+    runs three (w1, w3, w2, rows or none), so alternate experts save w1's and w2's outputs or
+    w3's; bf16 on a GPU (``device`` not ``"cpu"``) runs ``torch._grouped_mm``, which op SAC
+    recomputes and does not count; then the shared experts' three."""
     d = a.dim
     k, m, ns, n_exp = a.n_activated_experts, a.moe_inter_dim, a.n_shared_experts, a.n_routed_experts
     routed = rho * k if ep > 1 else k  # copies this rank's experts process per token
@@ -65,12 +78,17 @@ def moe_activations(a: Any, e: int, rho: float, ep: int, norm_in: float) -> Bloc
     # order (``run_remote_experts``' ``index_copy``, whose backward formula saves its source).
     dispatched = e * routed * d + (F32 + e) * k * d + ((I64 + e * d) * routed if ep > 1 else 0)
     experts_none = dispatched + e * 4 * m * routed
-    experts_op = e * routed * (2 * m + d)
+    n_local = n_exp // ep
+    if device != "cpu" and e < F32:  # torch._grouped_mm (GroupedExperts.grouped): recomputed
+        experts_op, shared_before = 0.0, mm_before
+    else:  # per local expert j, counted matmuls mm_before + 3j + 1…3: w1 and w2 saved where odd
+        odd = sum((mm_before + 3 * j) % 2 == 0 for j in range(n_local)) / n_local
+        experts_op, shared_before = e * routed * (m + odd * d), mm_before + 3 * n_local
     # bf16: the router's fp32 copy of its input; the MoE's bf16 input (the norm's output, which
     # ``norm_in`` or the caller's norms count) is saved only where shared experts read it.
     upcast = 0 if e == F32 else F32 * d - (0 if ns else e * d)
     none = norm_in + route + upcast + experts_none + e * 4 * ns * m
-    op = F32 * n_exp + experts_op + e * (2 * ns * m + d)
+    op = experts_op + (op_sac_saved([e * ns * m, e * ns * m, e * d], shared_before) if ns else 0.0)
     backward = e * (routed * (2 * m + 2 * d) + 2 * ns * m)
     # Its forward's transient where the routed outputs are combined (route_tokens): the weighted
     # outputs in fp32, the outputs as received (bf16: its fp32 copy is what is saved), the
@@ -110,14 +128,17 @@ def deepseek_block_activations(a: Any, layer: int, e: int, seq: int, device: str
         core = e * (2 * h * qk + h * seq + 2 * h * vd)
         core_op = e * (h * seq + h * vd)
     attention = norm_in + q + kv + core
-    q_mm = e * (a.q_lora_rank + h * qk) if a.q_lora_rank else e * h * qk
-    attention_op = F32 * d + q_mm + e * (r_kv + r_rope) + e * h * (a.qk_nope_head_dim + vd) + core_op + e * d
+    # Op SAC: the block input, attention's output, and of the matmuls (wq_a, wq_b or wq; wkv_a,
+    # wkv_b, wo) the 1st, 3rd…
+    q_mms = [e * a.q_lora_rank, e * h * qk] if a.q_lora_rank else [e * h * qk]
+    mms = q_mms + [e * (r_kv + r_rope), e * h * (a.qk_nope_head_dim + vd), e * d]
+    attention_op = F32 * d + core_op + op_sac_saved(mms)
     if layer < a.n_dense_layers:
         ffn = norm_in + e * 4 * a.inter_dim
-        ffn_op = e * (2 * a.inter_dim + d)
+        ffn_op = op_sac_saved([e * a.inter_dim, e * a.inter_dim, e * d], len(mms))
         backward = e * 2 * a.inter_dim
     else:
-        moe = moe_activations(a, e, rho, ep, norm_in)
+        moe = moe_activations(a, e, rho, ep, norm_in, device=device, mm_before=len(mms))
         return BlockActivations(attention + moe.none, attention_op + moe.op, F32 * d, moe.backward,
                                 moe.experts_none, moe.experts_op)
     return BlockActivations(attention + ffn, attention_op + ffn_op, F32 * d, backward)

@@ -44,12 +44,16 @@ def gpt_oss_block_activations(a: Any, layer: int, e: int, seq: int, device: str,
                      attn_head_dim=a.head_dim, ffn_dim=0, multiple_of=1, ffn_dim_multiplier=None)
     base = llama_block_activations(attn, layer, e, seq, device, rho, ep)
     mask = e * a.n_heads * (seq + 1) + e * 2 * a.n_kv_heads * a.head_dim
-    moe = moe_activations(a, e, rho, ep, 0.0)
+    # Op SAC: its biased projections and router run addmm, saved and not counted (Llama's formula
+    # counts wq, wk, wv, wo as matmuls and saves wq's and wv's): wk's and wo's outputs and the
+    # router's logits saved too, and the experts' matmuls are the block's first counted ones.
+    moe = moe_activations(a, e, rho, ep, 0.0, device=device)
+    sac = e * (a.n_kv_heads * a.head_dim + a.dim) + F32 * a.n_routed_experts
     routed = rho * a.n_activated_experts if ep > 1 else a.n_activated_experts
     clamp = e * 3 * a.moe_inter_dim * routed
     # Its router (routing.topk_softmax) saves the biased logits and the softmax over the top k; the
     # experts' biases the expert of each routed row (int64): measured on the simulated GPU.
     router = F32 * (a.n_routed_experts + a.n_activated_experts) + I64 * routed
-    return BlockActivations(base.none + mask + moe.none + clamp + router, base.op + mask + moe.op, base.input,
+    return BlockActivations(base.none + mask + moe.none + clamp + router, base.op + sac + mask + moe.op, base.input,
                             max(base.backward + e * a.n_heads * (seq + 1) - moe.none - clamp, moe.backward),
                             moe.experts_none + clamp, moe.experts_op)

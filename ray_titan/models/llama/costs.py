@@ -25,9 +25,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray_titan.models.costs import F32, BlockActivations, transformer_flops_per_token
+from ray_titan.models.costs import F32, BlockActivations, op_sac_saved, transformer_flops_per_token
 
-__all__ = ["llama_block_activations", "llama_flops_per_token", "llama_non_embedding_params"]
+__all__ = ["LLAMA_MATMULS", "llama_block_activations", "llama_flops_per_token", "llama_non_embedding_params"]
+
+LLAMA_MATMULS = 4
+"""Matmuls op SAC counts in Llama's attention (wq, wk, wv, wo; ``ray_titan.parallel.ac``)."""
 
 
 def llama_non_embedding_params(args: Any) -> int:
@@ -64,7 +67,10 @@ def llama_block_activations(a: Any, layer: int, e: int, seq: int, device: str, r
     if a.qk_norm:  # per-head RMSNorm of q and k: input, output and RMS, fp32
         attention += F32 * (2 * q + h) + F32 * (2 * kv + a.n_kv_heads)
     none = norms + attention + e * 4 * f
-    op = F32 * d + e * (q + 2 * kv) + e * q + F32 * h + e * d + e * 2 * f + e * d
+    # Op SAC: the block input, attention's output and log-sum-exp, and of the matmuls wq, wk, wv,
+    # wo (and w1, w3, w2) the 1st, 3rd… (LLAMA_MATMULS counted ones with no feed-forward).
+    mms = [e * q, e * kv, e * kv, e * d] + ([e * f, e * f, e * d] if f else [])
+    op = F32 * d + e * q + F32 * h + op_sac_saved(mms)
     # The SwiGLU's backward, out = w2(h), h = silu(a)·b: at silu's backward the gradients of h,
     # silu(a), b and a are alive at once (autograd's derivatives of mul and silu), 4 f-wide, and
     # h itself, saved for w2's weight gradient, is freed by then: 3 f-wide above what is kept.

@@ -8,7 +8,7 @@ from typing import Any
 
 from ray_titan.models.costs import BlockActivations, transformer_flops_per_token
 from ray_titan.models.deepseek_v2.costs import moe_activations
-from ray_titan.models.llama.costs import llama_block_activations
+from ray_titan.models.llama.costs import LLAMA_MATMULS, llama_block_activations
 
 __all__ = ["qwen3_moe_block_activations", "qwen3_moe_flops_per_token"]
 
@@ -39,6 +39,6 @@ def qwen3_moe_block_activations(a: Any, layer: int, e: int, seq: int, device: st
     if layer not in a.moe_layers:
         return llama_block_activations(attn, layer, e, seq, device, rho, ep)
     base = llama_block_activations(dataclasses.replace(attn, ffn_dim=0), layer, e, seq, device, rho, ep)
-    moe = moe_activations(a, e, rho, ep, 0.0)  # the norms are in Llama's formula
+    moe = moe_activations(a, e, rho, ep, 0.0, device=device, mm_before=LLAMA_MATMULS)  # norms: Llama's
     return BlockActivations(base.none + moe.none, base.op + moe.op, base.input, base.backward + moe.backward,
                             moe.experts_none, moe.experts_op, base.whole + moe.whole)
