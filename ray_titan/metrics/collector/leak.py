@@ -296,7 +296,7 @@ class LeakDetector:
 
 def leak_settings(memory: Any = None) -> dict[str, Any]:
     """Keyword arguments of :class:`LeakMonitor` from a ``[memory]`` config section
-    (``ray_titan.config.Memory``; its defaults when None)."""
+    (``ray_titan.config.schema.Memory``; its defaults when None)."""
     if memory is None:
         from ray_titan.config.schema import Memory
 
