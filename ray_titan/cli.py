@@ -22,7 +22,8 @@ input one way: one line ``ray-titan <command>: <what, which value, what would be
 exit 2 before anything starts (:class:`UsageError`, a config error, argparse's own).
 ``ray-titan memory plan [--config X.toml] [--device-memory 80GiB] [--section.key=value ...]``
 prints every rank's predicted memory, whether the job fits, and the levers that would make it
-fit (``ray_titan.preflight.memory_plan``), without starting anything.
+fit (``ray_titan.preflight.memory_plan``), without starting anything; with ``--memory.fit=auto``
+also the line a run prints with the levers it would apply (``ray_titan.preflight.prepare.fit_memory``).
 ``ray-titan report RUN_DIR`` writes ``RUN_DIR/report/loss.png`` and ``memory.png`` (every rank's
 memory with its verdicts marked) and prints a summary table per rank (``ray_titan.metrics.reading.run_summary``).
 """
@@ -159,13 +160,16 @@ def _memory_parser(sub: Any) -> None:
         "on the meta device): parameters, gradients, optimizer state, FSDP's gathered buffers, "
         "activations times the microbatches the pipeline schedule keeps in flight, and the peak; "
         "with a device capacity, whether it fits and the levers that would make it fit, cheapest "
-        "first (ray_titan.preflight.memory_plan). " + _OVERRIDES + ". Exit status: 0 fits (or no capacity "
-        "known), 1 does not fit, 2 config error, 3 the plan itself failed.",
+        "first (ray_titan.preflight.memory_plan); with --memory.fit=auto, also the line a run prints with "
+        "the microbatches / activation checkpointing it would train with, and --json writes that job's plan. "
+        + _OVERRIDES + ". Exit status: 0 fits (or no capacity known; with --memory.fit=auto: the chosen job "
+        "fits), 1 does not fit, 2 config error (memory.fit = auto with no fitting choice among them), "
+        "3 the plan itself failed.",
     )
     plan.add_argument("--config", metavar="X.toml", help="TOML job config (default: the built-in defaults)")
     plan.add_argument("--device-memory", metavar="SIZE",
-                      help="memory of each rank's device, e.g. 80GiB, 80GB, 141GB (default: the CUDA device "
-                      "here, if any)")
+                      help="memory of each rank's device, e.g. 80GiB, 80GB, 141GB (default: memory.device_memory, "
+                      "else the CUDA device here, if any)")
     plan.add_argument("--device", choices=("cuda", "cpu"),
                       help="device kind of the workers (default: cuda with --device-memory or ray.use_gpu, else cpu)")
     plan.add_argument("--routing-imbalance", type=float, default=1.0, metavar="RHO",
@@ -306,15 +310,22 @@ def _export(args, overrides: list[str]) -> int:
 def _memory(args, overrides: list[str]) -> int:
     from ray_titan.config import load_config
     from ray_titan.preflight.memory_plan import memory_plan
+    from ray_titan.preflight.prepare import fit_memory
 
     if args.json:  # before planning: a path it cannot write is bad input, refused before any output
         where = Path(args.json)
         if where.is_dir() or not where.parent.is_dir() or not os.access(where.parent, os.W_OK):
             raise UsageError(f"--json {args.json}: cannot write it there (a directory, or a folder that is "
                              "missing or not writable); give a file path in a writable folder")
-    plan = memory_plan(load_config(args.config, overrides), args.device_memory, args.device,
-                       args.routing_imbalance, args.vocab_size, margin=args.margin)
+    cfg = load_config(args.config, overrides)
+    capacity = args.device_memory if args.device_memory is not None else cfg.memory.device_memory
+    plan = memory_plan(cfg, capacity, args.device, args.routing_imbalance, args.vocab_size, margin=args.margin)
     print(plan.format())
+    if cfg.memory.fit == "auto":  # the choice a run makes (ray_titan.preflight.prepare.fit_memory)
+        _, fitted, line = fit_memory(cfg, args.device, capacity, margin=args.margin)
+        if line:
+            print(f"ray_titan: {line}")
+        plan = fitted if fitted is not None else plan
     if args.json:
         try:
             plan.save(args.json)

@@ -3,7 +3,7 @@
 A job is described by one :class:`JobConfig`. It is loaded from a TOML file whose tables are the
 sections below, then overridden by dotted flags (``--training.steps=50``). Unknown keys and wrong
 types are errors (pydantic, ``extra="forbid"``, strict types). This module imports nothing of
-the project (an import contract in the test suite keeps it so); cross-field checks that need the
+the project but its units of memory (an import contract in the test suite keeps it so); cross-field checks that need the
 model registry, the data files or a checkpoint live in :mod:`ray_titan.preflight.checks`, which
 the driver calls before any worker starts.
 
@@ -16,7 +16,9 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ray_titan.config.units import parse_bytes
 
 __all__ = ["ConfigError", "JobConfig", "apply_overrides", "load_config", "merge_overrides"]
 
@@ -501,6 +503,25 @@ class Memory(_Section):
     cpu_offload: bool = False
     """FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state live in host
     memory (pinned on CUDA) and the optimizer steps on the CPU. Needs ``parallelism.dp_shard`` > 1."""
+    fit: Literal["off", "auto"] = "off"
+    """``auto``: where the memory plan's peak does not fit the device (``device_memory``, less the
+    plan's margin), the job is rewritten before any worker starts with the cheapest levers that
+    keep its devices and its model states on them (more microbatches, activation checkpointing;
+    never ``dp_shard``, ``tp``, ``pp`` or CPU offload), one line printed saying what was chosen;
+    where none fits, a ``ConfigError`` says what would (more devices). Off by default: the driver of
+    a Ray run often cannot see the workers' GPUs, so the capacity must be known
+    (``device_memory``, else the CUDA device of the planning process); without one, nothing changes."""
+    device_memory: str | None = None
+    """Memory of each rank's device (``"80GiB"``, ``"80GB"``, ``"141GB"``: GiB = 2³⁰ bytes, GB = 10⁹),
+    the capacity ``fit`` and the run's memory plan compare the peak with; None: the CUDA device the
+    planning process sees, if any."""
+
+    @field_validator("device_memory")
+    @classmethod
+    def _device_memory_is_a_size(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_bytes(v)  # ValueError naming the text: a ConfigError naming memory.device_memory
+        return v
 
 
 class Profiling(_Section):

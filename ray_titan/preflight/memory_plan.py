@@ -101,7 +101,7 @@ from ray_titan import storage
 from ray_titan.config.schema import ConfigError, JobConfig
 from ray_titan.config.units import format_bytes, parse_bytes
 from ray_titan.metrics.reading.memory_plan import PLAN_FILE, planned_rank
-from ray_titan.preflight.plan_levers import _add_levers
+from ray_titan.preflight.plan_levers import FIT_GROUPS, LEVER_GROUPS, _add_levers
 from ray_titan.preflight.plan_ranks import LISTED_RANKS, _plan_ranks
 from ray_titan.preflight.plan_types import (
     Lever,
@@ -112,6 +112,8 @@ from ray_titan.preflight.plan_types import (
 )
 
 __all__ = [
+    "FIT_GROUPS",
+    "LEVER_GROUPS",
     "LISTED_RANKS",
     "PLAN_FILE",
     "Lever",
@@ -138,7 +140,7 @@ def _detect_device_memory() -> tuple[int | None, str]:
 def memory_plan(
     cfg: JobConfig, device_memory: int | str | None = None, device: str | None = None,
     routing_imbalance: float = 1.0, vocab_size: int | None = None, levers: bool = True,
-    margin: float | None = None,
+    margin: float | None = None, lever_groups: tuple[str, ...] | None = None,
 ) -> MemoryPlan:
     """Plan every rank's memory for ``cfg`` without starting anything (module docstring).
 
@@ -150,13 +152,15 @@ def memory_plan(
     MoE only, max over mean of the tokens an expert-parallel rank's experts receive (>= 1).
     ``vocab_size``: default the tokenizer's, as the trainer builds the model (the flavor's where the
     tokenizer file is not here). ``levers``: also rank the levers when the job does not fit.
-    ``margin``: share of the capacity kept free for what the plan does not count (the CUDA
-    context, NCCL buffers, the caching allocator's fragmentation); default 0.08 on ``cuda``
-    (PyTorch's own context and NCCL take ~1-3 GiB of an 80 GiB device, fragmentation a few %
-    more), 0 on ``cpu``.
+    ``lever_groups``: only the levers of these groups
+    (:data:`~ray_titan.preflight.plan_levers.LEVER_GROUPS`), so ``recommendation`` is the cheapest
+    fitting set among them; default all. ``margin``: share of the capacity kept free for what the
+    plan does not count (the CUDA context, NCCL buffers, the caching allocator's fragmentation);
+    default 0.08 on ``cuda`` (PyTorch's own context and NCCL take ~1-3 GiB of an 80 GiB device,
+    fragmentation a few % more), 0 on ``cpu``.
 
     Raises :class:`ConfigError` for a job that is not valid (mesh, batch, schedule) or a bad
-    argument.
+    argument (a lever group not in ``LEVER_GROUPS`` among them).
     """
     from ray_titan.checkpoint import resolve_hf_job
     from ray_titan.preflight.checks import validate_job
@@ -168,6 +172,8 @@ def memory_plan(
     if vocab_size is not None and not 1 <= vocab_size <= 2**31 - 1:  # token ids are int32 at most
         raise ConfigError(f"vocab size = {vocab_size}: a positive number of tokens (at most 2^31 - 1), or leave "
                           "it unset for the tokenizer's")
+    if lever_groups is not None and not set(lever_groups) <= set(LEVER_GROUPS):
+        raise ConfigError(f"lever groups = {list(lever_groups)}: some of {list(LEVER_GROUPS)}")
     try:
         capacity = parse_bytes(device_memory) if device_memory is not None else None
     except ValueError as e:
@@ -191,7 +197,7 @@ def memory_plan(
         plan.notes.append("bf16 activations are estimated (the formulas are checked against fp32 runs, "
                           "and bf16 Llama blocks under FSDP2 mixed precision)")
     if levers and plan.fits is False:
-        _add_levers(plan, cfg, device, routing_imbalance, job["vocab_size"])
+        _add_levers(plan, cfg, device, routing_imbalance, job["vocab_size"], lever_groups)
     return plan
 
 

@@ -92,14 +92,27 @@ def _variant(cfg: JobConfig, overrides: list[str]) -> JobConfig | None:
     return new
 
 
-def _add_levers(plan: MemoryPlan, cfg: JobConfig, device: str, rho: float, vocab: int) -> None:
+LEVER_GROUPS = tuple(dict.fromkeys(group for _, group, _ in _LEVERS))
+"""The groups of levers, cheapest first: ``microbatches``, ``ac`` (activation checkpointing),
+``reshard``, ``offload``, ``dp_shard``, ``tp``, ``pp``."""
+
+FIT_GROUPS = ("microbatches", "ac")
+"""The groups ``memory.fit = "auto"`` may apply: they keep the job's devices and its model states on
+them."""
+
+
+def _add_levers(plan: MemoryPlan, cfg: JobConfig, device: str, rho: float, vocab: int,
+                groups: tuple[str, ...] | None = None) -> None:
     """Each lever alone (those that lower the peak) into ``plan.levers``, and the cheapest set of
     levers that fits into ``plan.recommendation``: the one whose dearest lever is cheapest, then
-    with the fewest and cheapest levers (one activation checkpointing mode at a time)."""
+    with the fewest and cheapest levers (one activation checkpointing mode at a time).
+    ``groups``: only the levers of these groups (:data:`LEVER_GROUPS`); None: all."""
     usable = plan.usable
     assert usable is not None
     order = {key: (i, group, cost) for i, (key, group, cost) in enumerate(_LEVERS)}
     for key, name, overrides in _lever_candidates(cfg, device):
+        if groups is not None and order[key][1] not in groups:
+            continue
         variant = _variant(cfg, overrides)
         if variant is None:
             continue
@@ -111,8 +124,8 @@ def _add_levers(plan: MemoryPlan, cfg: JobConfig, device: str, rho: float, vocab
     best: tuple | None = None
     for n in range(1, len(plan.levers) + 1):
         for combo in itertools.combinations(plan.levers, n):
-            groups = [_LEVERS[lv.rank][1] for lv in combo]
-            if len(set(groups)) < len(groups):
+            combo_groups = [_LEVERS[lv.rank][1] for lv in combo]
+            if len(set(combo_groups)) < len(combo_groups):
                 continue
             cost_key = (max(lv.rank for lv in combo), n, sum(lv.rank for lv in combo))
             if best is not None and cost_key >= best[0]:

@@ -8,7 +8,9 @@ import pytest
 
 import ray_titan.driver.run as driver
 import ray_titan.launch.torchrun as launch
-from ray_titan.config.schema import JobConfig
+from ray_titan.config.schema import ConfigError, JobConfig
+from ray_titan.config.units import format_bytes
+from ray_titan.preflight.memory_plan import MemoryPlan
 from tests.conftest import REPO
 
 
@@ -130,3 +132,96 @@ def test_workers_get_the_driver_s_configs_one_per_granted_worker_count():
     assert all(isinstance(c, JobConfig) and c.world_size == n and c.training.threads_per_worker == 2
                for n, c in configs.items())
     assert configs[2].parallelism.dp_shard == 1 and configs[4] is cfg
+
+
+# memory.fit = "auto" (issue 41): the debug Llama's plan peaks at 18.1 MiB on CPU (pp=2 × dp_shard=2,
+# 4 microbatches, no AC). At 12 MiB microbatches 8 + selective/op AC is the cheapest fit; at 7 MiB
+# only more devices would fit; at 20 MiB it fits as given.
+FIT_JOB = str(REPO / "configs" / "debug_llama.toml")
+
+
+def _fit(corpus_cache, device_memory: str, *flags: str, **kwargs):
+    from ray_titan.preflight.prepare import prepare_job
+
+    return prepare_job(FIT_JOB, [f"--data.cache_dir={corpus_cache}", "--training.threads_per_worker=1",
+                                 f"--memory.device_memory={device_memory}", *flags], **kwargs)
+
+
+def test_fit_auto_applies_the_cheapest_microbatches_and_ac_choice(corpus_cache, capsys):
+    off = _fit(corpus_cache, "12MiB")
+    assert off.memory_plan is not None and off.memory_plan.fits is False  # compared with memory.device_memory
+    assert "memory.fit" not in capsys.readouterr().out
+    job = _fit(corpus_cache, "12MiB", "--memory.fit=auto")
+    out = capsys.readouterr().out
+    chosen = ["--parallelism.microbatches=8", "--activation_checkpoint.mode=selective",
+              "--activation_checkpoint.selective_option=op"]
+    cfg, plan = job.config, job.memory_plan
+    assert (cfg.parallelism.microbatches, cfg.activation_checkpoint.mode,
+            cfg.activation_checkpoint.selective_option) == (8, "selective", "op")
+    # Same devices, model states on them: only the two lever groups changed.
+    assert (cfg.parallelism.pp, cfg.parallelism.dp_shard, cfg.world_size, cfg.ray.num_workers,
+            cfg.memory.cpu_offload) == (2, 2, 4, off.config.ray.num_workers, False)
+    by_hand = _fit(corpus_cache, "12MiB", *chosen).config
+    assert cfg.model_dump() == by_hand.model_dump() | {"memory": by_hand.memory.model_dump() | {"fit": "auto"}}
+    assert plan is not None and plan.fits is True and plan.max_peak <= 12 * 2**20
+    assert plan.job["microbatches"] == 8  # the re-plan is of the chosen job
+    lines = [line for line in out.splitlines() if "memory.fit" in line]
+    assert lines == [f"ray_titan: memory.fit = auto: the plan's peak {format_bytes(off.memory_plan.max_peak)} does "
+                     f"not fit 12 MiB; training with {' '.join(chosen)} (peak {format_bytes(plan.max_peak)})"]
+    # A launch's other ranks (no warnings, no plan) train the same job, silently.
+    quiet = _fit(corpus_cache, "12MiB", "--memory.fit=auto", warn=False, plan=False)
+    assert quiet.config.model_dump() == cfg.model_dump() and "memory.fit" not in capsys.readouterr().out
+
+
+def test_fit_auto_leaves_a_job_that_fits_and_fit_off_leaves_every_job(corpus_cache, capsys):
+    given = _fit(corpus_cache, "20MiB")
+    fits = _fit(corpus_cache, "20MiB", "--memory.fit=auto")
+    assert fits.config.model_dump() == given.config.model_dump() | {
+        "memory": given.config.memory.model_dump() | {"fit": "auto"}}
+    assert fits.memory_plan is not None and fits.memory_plan.fits is True
+    off = _fit(corpus_cache, "12MiB", "--memory.fit=off")
+    assert (off.config.parallelism.microbatches, off.config.activation_checkpoint.mode) == (4, "none")
+    assert "memory.fit" not in capsys.readouterr().out
+
+
+def test_fit_auto_refuses_a_job_no_allowed_lever_fits_saying_what_would(corpus_cache):
+    with pytest.raises(ConfigError) as info:
+        _fit(corpus_cache, "7MiB", "--memory.fit=auto")
+    msg = str(info.value)
+    assert "memory.fit" in msg and "does not fit 7 MiB" in msg
+    assert "--parallelism.dp_shard=4" in msg  # what would fit: more devices
+
+
+def test_a_bad_device_memory_is_refused_naming_the_setting(corpus_cache):
+    for bad in ("80GX", "0GiB", "lots"):
+        with pytest.raises(ConfigError) as info:
+            _fit(corpus_cache, bad, "--memory.fit=auto")
+        assert "memory.device_memory" in str(info.value) and repr(bad) in str(info.value)
+
+
+def test_memory_plan_prints_the_choice_a_run_makes(corpus_cache, capsys, tmp_path):
+    from ray_titan.cli import main
+
+    job = _fit(corpus_cache, "12MiB", "--memory.fit=auto")
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "memory.fit" in x]
+    flags = [f"--data.cache_dir={corpus_cache}", "--memory.device_memory=12MiB", "--memory.fit=auto"]
+    assert main(["memory", "plan", "--config", FIT_JOB, "--device", "cpu", *flags,
+                 "--json", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and out.splitlines()[-1] == line
+    assert job.memory_plan is not None
+    assert MemoryPlan.load(tmp_path / "plan.json").max_peak == job.memory_plan.max_peak  # the chosen job's plan
+    assert main(["memory", "plan", "--config", FIT_JOB, "--device", "cpu", *flags[:-1]]) == 1  # fit off
+
+
+def test_lever_groups_restrict_the_levers_and_the_recommendation():
+    from ray_titan.preflight.memory_plan import memory_plan
+
+    cfg = JobConfig.from_dict({})
+    plan = memory_plan(cfg, "7MiB", "cpu", lever_groups=("microbatches", "ac"))
+    allowed = ("--parallelism.microbatches", "--activation_checkpoint.mode")
+    assert plan.levers and all(lv.overrides[0].split("=")[0] in allowed for lv in plan.levers)
+    assert plan.recommendation is None
+    assert memory_plan(cfg, "7MiB", "cpu").recommendation is not None
+    with pytest.raises(ConfigError, match="lever groups"):
+        memory_plan(cfg, "7MiB", "cpu", lever_groups=("more_gpus",))
