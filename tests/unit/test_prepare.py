@@ -225,3 +225,17 @@ def test_lever_groups_restrict_the_levers_and_the_recommendation():
     assert memory_plan(cfg, "7MiB", "cpu").recommendation is not None
     with pytest.raises(ConfigError, match="lever groups"):
         memory_plan(cfg, "7MiB", "cpu", lever_groups=("more_gpus",))
+
+
+def test_fit_auto_without_a_capacity_runs_the_job_as_given_and_says_so(corpus_cache, capsys, monkeypatch):
+    import ray_titan.preflight.memory_plan as plan_module
+    from ray_titan.preflight.prepare import prepare_job
+
+    monkeypatch.setattr(plan_module, "_detect_device_memory", lambda: (None, "no CUDA device here"))
+    flags = [f"--data.cache_dir={corpus_cache}", "--training.threads_per_worker=1"]
+    given = prepare_job(FIT_JOB, flags).config
+    job = prepare_job(FIT_JOB, [*flags, "--memory.fit=auto"])
+    assert job.config.model_dump() == given.model_dump() | {"memory": given.memory.model_dump() | {"fit": "auto"}}
+    assert job.memory_plan is not None and job.memory_plan.fits is None
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "memory.fit" in x]
+    assert "no device capacity" in line and "memory.device_memory" in line and "runs as given" in line
