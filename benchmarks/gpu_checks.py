@@ -245,7 +245,7 @@ def rank_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], required=True)
     ap.add_argument("--stage", action="store_true", help="stage collectives through host copies on CPU too")
     a, rest = ap.parse_known_args(argv)
-    from ray_titan.launch.torchrun import torchrun as launch
+    from ray_titan.launch import torchrun as launch
 
     world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     device, shared = torch.device("cpu"), False

@@ -65,7 +65,7 @@ def test_the_collector_logs_every_step_and_the_config_to_an_offline_run(tmp_path
 def test_wandb_without_the_package_is_refused_before_workers(monkeypatch, corpus_cache):
     import importlib.util
 
-    from ray_titan import preflight
+    from ray_titan.preflight import checks as preflight
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
