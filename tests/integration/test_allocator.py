@@ -58,6 +58,7 @@ def test_without_rays_jemalloc_auto_falls_back_and_jemalloc_is_a_config_error(mo
 _CHILD = r"""
 import json, torch
 from ray_titan.allocator import active_allocator, host_heap, malloc_trim
+from ray_titan.config.units import MiB
 from ray_titan.metrics.worker.memory import host_memory
 out = {"allocator": active_allocator(), "before": host_heap()}
 t = torch.ones(64 * MiB // 4)
@@ -90,6 +91,7 @@ def test_under_jemalloc_in_use_follows_a_tensor_and_trim_returns_its_free_pages(
 _LAZY_CHILD = r"""
 import json, time, torch
 from ray_titan.allocator import host_heap, jemalloc_muzzy_decay_ms, lazy_free_bytes
+from ray_titan.config.units import MiB
 from ray_titan.metrics.worker.memory import host_memory
 def series():
     return host_memory()[0] - host_heap()[1]  # what the leak verdict watches: RSS less malloc's free bytes
