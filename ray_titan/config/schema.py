@@ -635,6 +635,12 @@ class JobConfig(_Section):
         except ValidationError as e:
             raise ConfigError(_format_validation_error(e)) from None
 
+    def with_overrides(self, overrides: list[str]) -> JobConfig:
+        """This config with dotted overrides (``["--training.steps=50"]``) applied and validated
+        again, as :func:`load_config` applies them to a file. Raises :class:`ConfigError` for a
+        malformed or repeated flag or a value the schema refuses."""
+        return JobConfig.from_dict(apply_overrides(self.model_dump(), overrides))
+
 
 _REMOVED = {
     "training.autocast": "it was replaced by training.mixed_precision = \"bf16\" | \"fp32\" (FSDP2 mixed "

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_titan.checkpoint import resolve_hf_job
-from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides, load_config
+from ray_titan.config.schema import ConfigError, JobConfig, load_config
 from ray_titan.config.units import format_bytes
 from ray_titan.parallel.elastic import fitting_worker_counts, mesh_for_workers
 from ray_titan.preflight.checks import job_warnings, validate_job
@@ -38,7 +38,7 @@ def resolve_job(config: JobConfig | str | Path | None, overrides: list[str] | No
     ``data.path``). Raises :class:`~ray_titan.config.ConfigError` for a config that cannot load.
     """
     if isinstance(config, JobConfig):
-        cfg = JobConfig.from_dict(apply_overrides(config.model_dump(), overrides)) if overrides else config
+        cfg = config.with_overrides(overrides) if overrides else config
     else:
         cfg = load_config(config, overrides)
     warnings = []
@@ -143,7 +143,7 @@ def fit_memory(cfg: JobConfig, device: str | None, device_memory: int | str | No
         raise ConfigError(f"{head}, and no choice of microbatches and activation checkpointing fits (the levers "
                           f"memory.fit = 'auto' may apply){would}; give the job more devices, or set "
                           "memory.fit = 'off'")
-    new = JobConfig.from_dict(apply_overrides(cfg.model_dump(), plan.recommendation))
+    new = cfg.with_overrides(plan.recommendation)
     new = validate_job(new, has_dataset=dataset)
     after = memory_plan(new, capacity, device, levers=False, margin=margin)
     return new, after, f"{head}; training with {' '.join(plan.recommendation)} (peak {format_bytes(after.max_peak)})"
