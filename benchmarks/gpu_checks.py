@@ -41,7 +41,7 @@ from ray_titan.config.units import MiB
 __all__ = [
     "Check", "ForceRouting", "check_cpu_checkpoint_resumes", "check_cpu_offload_parity",
     "check_ep_expert_without_tokens", "check_ep_rank_without_tokens", "check_oom_under_pp", "check_steady_run",
-    "judge_device_fields", "judge_device_memory_flat", "judge_host_verdict", "judge_oom", "judge_parity",
+    "indexed", "judge_device_fields", "judge_device_memory_flat", "judge_host_verdict", "judge_oom", "judge_parity",
     "rank_main", "stage_collectives_through_host", "train_here",
 ]
 
@@ -281,6 +281,15 @@ def job(work: Path, name: str, *overrides: str):
                       *overrides, *JOB_OVERRIDES)
 
 
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` becomes the current CUDA device
+    (``torch.cuda.set_device`` refuses a device without an index: the first GPU contact's
+    ValueError in four checks, 2026-11-27). Other devices are returned as they are."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def train_here(cfg, device: torch.device | str, storage: Any = None, callbacks: list | None = None) -> dict[str, Any]:
     """``cfg`` on one rank in this process (``train_loop`` without Ray, the collector in
     process with the job's leak settings; ``callbacks``: worker-side, after the job's). Returns
@@ -295,7 +304,7 @@ def train_here(cfg, device: torch.device | str, storage: Any = None, callbacks: 
     from ray_titan.trainer import train_loop
 
     cfg = validate_job(cfg)
-    device = torch.device(device)
+    device = indexed(torch.device(device))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     run_dir = make_run_dir(cfg)

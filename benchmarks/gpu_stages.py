@@ -322,14 +322,21 @@ def stage_gpu_checks(ctx: StageContext) -> None:
     as on one shared GPU, so the rehearsal runs that code too."""
     from benchmarks.gpu_checks import run_checks
 
+    failed: list[str] = []
+
     def record(c: Any) -> None:
         if not ctx.cuda and c.name.startswith(DEVICE_ONLY_CHECKS):  # CPU has no device counters to judge
             ctx.log.add(c.name, NA, note=c.reason)
         else:
             ctx.log.add(c.name, "PASS" if c.passed else "FAIL", "pass/fail", note=c.reason)
+            if not c.passed:
+                failed.append(c.name)
 
     run_checks(ctx.work / "checks", ctx.device.type, steps=16 if ctx.small else 200, stage=not ctx.cuda,
                until=ctx.until - 1, on_check=record)
+    # A FAIL fails the stage: the first GPU contact's "7 of 7 stages ok" hid four failed checks.
+    if failed:
+        raise SystemExit(f"{len(failed)} check(s) failed: {', '.join(failed)}")
 
 
 def stage_main_mesh(ctx: StageContext) -> None:

@@ -4,7 +4,7 @@
     python -m benchmarks.wheelhouse --out wheelhouse [--python-version 3.12]
         [--platform manylinux_2_28_x86_64] [--torch-only] [--torchtitan]
 
-and installed there with ``pip install --no-index --find-links wheelhouse -r wheelhouse/requirements.txt``.
+and installed there with ``python -m pip install --no-index --find-links wheelhouse -r wheelhouse/requirements.txt``.
 
 - :data:`CORE`: what a GPU node as it ships (torch, numpy, pyarrow and the usual scientific
   Python preinstalled) lacks: pydantic with its three dependencies, tensorboardX, crc32c.
@@ -34,9 +34,11 @@ __all__ = ["CORE", "TORCHTITAN", "TORCH_ONLY", "download", "main", "platform_tag
 
 CORE = {"resolved": ["pydantic>=2.5"], "no_deps": ["tensorboardX>=2.6", "crc32c>=2.3"]}
 """Project dependencies a GPU node with torch and the usual scientific Python lacks."""
-TORCH_ONLY = ["numpy>=1.24", "pyarrow>=14", "protobuf>=3.20", "packaging", "tqdm>=4.60"]
+TORCH_ONLY = ["numpy>=1.24", "pyarrow>=14,<19", "protobuf>=3.20", "packaging", "tqdm>=4.60"]
 """Also imported on the launcher path and absent where only torch is installed (tensorboardX
-needs numpy, protobuf and packaging; the metrics table needs pyarrow)."""
+needs numpy, protobuf and packaging; the metrics table needs pyarrow). pyarrow below 19: its
+18.1 wheel is 38 MiB against 26.0's 52 MiB, which keeps this wheelhouse (56.6 MiB) under the
+64 MiB a command may carry to a lent node; 18.1 ran the first GPU contact (2026-11-27)."""
 TORCHTITAN = "torchtitan==0.3.0"
 """torchtitan's side: its dependency tree for the target, resolved by pip (``pip install
 --dry-run --report``), less torch's own tree and what the project's side already holds."""
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = a.out if side == "project" else torchtitan_folder(a.out)
         names = ", ".join(w.name for w in sorted(folder.glob("*.whl")))
         print(f"{side}: {n / 2**20:.1f} MiB in {len(list(folder.glob('*.whl')))} wheels: {names}")
-    print(f"install on the node: pip install --no-index --find-links {a.out} -r {a.out / 'requirements.txt'}")
+    print(f"install on the node: python -m pip install --no-index --find-links {a.out} -r {a.out / 'requirements.txt'}")
     return 0
 
 

@@ -327,3 +327,20 @@ def test_staged_counts_survive_ranks_writing_into_one_stderr():
     err = ("gpu_checks staged: batch_p2p=3 recv_object_list=1gpu_checks staged: batch_p2p=4 send=2\n"
            "[rank1]: other\ngpu_checks staged: \n")
     assert staged_counts(err) == {"batch_p2p": 7, "recv_object_list": 1, "send": 2}
+
+
+def test_a_bare_cuda_device_gets_the_index_set_device_needs(monkeypatch):
+    """The first GPU contact (2026-11-27, H100): four checks handed ``torch.device("cuda")`` to
+    ``torch.cuda.set_device``, which refuses a device without an index (ValueError). The index
+    check here is torch's own, the one ``set_device`` makes."""
+    import torch
+    from torch.cuda._utils import _get_device_index
+
+    from benchmarks.gpu_checks import indexed
+
+    with pytest.raises(ValueError, match="specified index"):
+        _get_device_index(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert _get_device_index(indexed(torch.device("cuda"))) == 3
+    assert indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert indexed(torch.device("cpu")) == torch.device("cpu")
