@@ -134,3 +134,28 @@ def test_chunks_lower_the_peak_of_the_loss():
     print(f"loss peak: plain {plain / 2**20:.1f} MiB, chunks of 256 {chunked / 2**20:.1f} MiB")
     assert plain >= 2 * logits
     assert chunked < plain / 4
+
+
+def test_memory_plan_follows_the_setting_on_the_8b_row():
+    """Issue 41's row (Llama 3.1 8B, FSDP 8, 2 × 8192 tokens, vocabulary 128256, bf16, selective
+    op AC): the plain loss's transient is its fp32 gradients over the vocabulary (15.7 GiB);
+    in chunks of 2048 tokens it falls at least 4× (to a block's backward), and the activations
+    lose the log-softmax the plain loss keeps (4 bytes × tokens × vocabulary)."""
+    from ray_titan.config import load_config
+    from ray_titan.preflight.memory_plan import memory_plan
+    from tests.conftest import REPO
+
+    def rank0(chunk):
+        cfg = load_config(REPO / "configs" / "debug_llama.toml", [
+            "--model.name=llama", "--model.flavor=3.1-8B", "--parallelism.pp=1", "--parallelism.dp_shard=8",
+            "--parallelism.microbatches=1", "--training.seq_len=8192", "--training.global_batch_size=16",
+            "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=op",
+            "--training.mixed_precision=bf16", f"--training.loss_chunk_tokens={chunk}"])
+        return memory_plan(cfg, device="cuda", levers=False, vocab_size=128256).ranks[0]
+
+    plain, chunked = rank0(0), rank0(2048)
+    tokens_x_vocab = 2 * 8192 * 128256
+    assert plain.transient == pytest.approx(2 * 4 * tokens_x_vocab, rel=1e-3)
+    print(f"8B row transient: plain {plain.transient / 2**30:.2f} GiB, chunked {chunked.transient / 2**30:.2f} GiB")
+    assert chunked.transient * 4 <= plain.transient
+    assert plain.activations - chunked.activations >= 4 * tokens_x_vocab
