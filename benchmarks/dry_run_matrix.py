@@ -123,6 +123,10 @@ FLAVOR_CASES: list[Case] = [
           bf16=True),
     _case("llama 3.1-8B pp2 dp2 tp2 seq2048", model="llama", flavor="3.1-8B", pp=2, dp=2, tp=2, n=4, mb=2,
           seq=2048, bf16=True, extra=("--parallelism.loss_parallel=false",)),
+    # The chunked loss (training.loss_chunk_tokens) on the 8B row of issue 41 (torchtitan's peak
+    # 82.4 GiB there): the head's logits and their gradient a chunk of 2048 tokens at a time.
+    _case("llama 3.1-8B fsdp8 seq8192 sel-op chunked loss", model="llama", flavor="3.1-8B", dp=8, mb=2, seq=8192,
+          bf16=True, ac="op", extra=("--training.loss_chunk_tokens=2048",)),
     _case("gpt_oss 20B pp2 dp4 ep4 seq2048", model="gpt_oss", flavor="20B", pp=2, dp=4, ep=4, n=2, mb=1,
           seq=2048, bf16=True),
     _case("deepseek_v2 V2-Lite pp2 dp8 ep8 seq4096", model="deepseek_v2", flavor="V2-Lite", pp=2, dp=8, ep=8,

@@ -175,6 +175,20 @@ class Training(_Section):
     every document, so a packed sequence computes what its documents would alone. Computed with
     ``scaled_dot_product_attention`` and a boolean mask on every device. Off: causal attention
     over the whole sequence (documents see their predecessors)."""
+    loss_chunk_tokens: int = Field(0, ge=0)
+    """Tokens per chunk of the loss; 0: the plain loss. With ``n > 0`` the last pipeline stage
+    gives its final-normed hidden states and the loss applies the output head and the
+    cross-entropy ``n`` tokens at a time, each chunk recomputed in backward
+    (``ray_titan.trainer.chunked_loss``): only one chunk's fp32 logits and their gradient are
+    live, not the microbatch's (``tokens × vocab`` each: 7.8 GiB for 2 × 8192 tokens of a 128256
+    vocabulary), for the head's forward matmul once more. Same values and gradients as the plain
+    loss (up to fp32 summation order), under FSDP, tensor parallel's loss parallel, pipelining,
+    tied embeddings, loss masks and document masks. The memory plan's transient and activations
+    follow it: Llama 3.1 8B on FSDP 8 at 2 × 8192 tokens, chunks of 2048, transient 15.7 → 3.9 GiB
+    (docs/memory.md). Off by default: on CPU the debug runs gain nothing and pay the head's
+    recomputation (1.01× the plain loss's forward and backward with one chunk, 1.13× with a
+    32000-token vocabulary); turn it on where the logits dominate the peak (large vocabularies,
+    long microbatches)."""
     threads_per_worker: int | None = Field(None, gt=0)
     """``torch.set_num_threads`` per worker; default: the worker's CPU share rounded up."""
     on_nonfinite: Literal["stop", "skip"] = "stop"

@@ -132,7 +132,8 @@ class Decoder(nn.Module):
 
     ``forward`` takes token ids ``(batch, seq)`` int64 when this module holds the embedding,
     otherwise hidden states ``(batch, seq, dim)``; it returns logits ``(batch, seq, vocab_size)``
-    when it holds the output head, otherwise hidden states. ``positions (batch, seq)`` int64, when
+    when it holds the output head (final-normed hidden states instead with :attr:`hidden_out`),
+    otherwise hidden states. ``positions (batch, seq)`` int64, when
     given, is each token's position within its document (documents packed in one sequence): the
     rotary angles follow it and attention is block-causal within each document
     (:func:`document_causal_mask`); each block is then called with the mask as a fourth
@@ -150,6 +151,10 @@ class Decoder(nn.Module):
 
     #: Parameter-name suffixes of residual output projections, scaled by 1/sqrt(2·n_layers).
     RESIDUAL_OUTPUTS: tuple[str, ...] = ("wo.weight", "w2.weight")
+    #: When True, :meth:`forward` on the last stage returns the final-normed hidden states
+    #: ``(batch, seq, dim)``, not the logits: a chunked loss then applies the head itself
+    #: (:meth:`logits`, a chunk of tokens at a time; ``training.loss_chunk_tokens``).
+    hidden_out: bool = False
 
     # Types of the attributes set in __init__ (nn.Module's __getattr__ would give them as
     # ``Tensor | Module``); annotations only, no class attributes.
@@ -202,11 +207,19 @@ class Decoder(nn.Module):
                 h = layer(h, cos, sin, mask)
         if self.norm is not None:  # the last stage
             h = self.norm(h)
-            if self.output is not None:
-                h = self.output(h)
-            elif self.tok_embeddings is not None:  # tied, and this module holds the embedding
-                h = F.linear(h, self.tok_embeddings.weight)
+            if not self.hidden_out:
+                h = self.logits(h)
         return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The output head on final-normed hidden states ``h (..., dim)``: logits ``(...,
+        vocab_size)``, by the ``output`` module, or by the embedding's weight when tied and this
+        module holds the embedding. Raises ``AttributeError`` on a stage without either."""
+        if self.output is not None:
+            return self.output(h)
+        if self.tok_embeddings is not None:  # tied, and this module holds the embedding
+            return F.linear(h, self.tok_embeddings.weight)
+        raise AttributeError("this stage holds no output head")
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -60,7 +60,10 @@ The plan applies, for every family:
   checkpoints every ``layer_freq``-th block fully.
 - The last stage keeps the logits ``e·V`` of every microbatch in flight (pipelining holds a
   stage's output until its backward) and the loss's log-softmax ``4·V``; other stages keep their
-  output ``4·d``.
+  output ``4·d``. With ``training.loss_chunk_tokens = c`` it keeps neither (its output is the
+  final-normed hidden state ``e·d``), and the loss's backward holds one chunk's log-softmax and
+  gradients, ``3·4·V·c``, and a chunk's head-weight gradient ``e·V·d``, instead of ``2·4·V`` per
+  token of the microbatch (``plan_activations._loss_backward``).
 
 **Microbatches in flight.** Each pipeline schedule's rule (the microbatches whose forward ran and
 whose backward has not, at a rank's peak, per local stage) is its ``in_flight`` in

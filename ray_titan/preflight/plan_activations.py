@@ -81,18 +81,17 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         act_modes["selective_op"] += blk.op
         act_modes["selective_layer"] += blk.input if lay else blk.none
     head, loss_whole = 0.0, 0.0
-    if last:  # final norm, output head's input, the loss's log-softmax
-        head = _F32 * (2 * args.dim + 1) + e * args.dim + _F32 * j.vocab
-        if pp > 1:
+    chunked = tr.loss_chunk_tokens > 0
+    if last:  # final norm, output head's input, the loss's log-softmax (not kept by a chunked loss)
+        head = _F32 * (2 * args.dim + 1) + e * args.dim + (0 if chunked else _F32 * j.vocab)
+        if pp > 1 and not chunked:
             head += e * j.vocab  # the stage output (logits) waits for its backward
-        # The loss's backward: the gradients of the log-softmax and of the logits, both fp32 (the
-        # loss upcasts bf16 logits; measured on the simulated GPU).
-        loss_bwd = 2 * _F32 * j.vocab
+        loss_bwd = _loss_backward(j)
         scan.append((kept_so_far + head, loss_bwd, -1))
         if kept_so_far + head + loss_bwd >= backward_peak:
             backward_peak, kept_at_peak = kept_so_far + head + loss_bwd, kept_so_far + head
         if j.tp > 1 and not cfg.parallelism.loss_parallel:  # replicated logits: the loss's are whole
-            unsplit += _F32 * j.vocab + (e * j.vocab if pp > 1 else 0)
+            unsplit += 0 if chunked else _F32 * j.vocab + (e * j.vocab if pp > 1 else 0)
             loss_whole = loss_bwd
     elif pp > 1:
         head = r * args.dim  # the stage's output waits for its backward
@@ -103,7 +102,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     # already: kept bytes that the plan's split counts as temporaries then, not activations. Not
     # a last stage's logits under PP: the stage output, held by torch's backward_one_chunk until
     # it returns (simulated GPU, Interleaved1F1B).
-    stays = e * j.vocab if last and pp > 1 else 0.0
+    stays = (e * args.dim if chunked else e * j.vocab) if last and pp > 1 else 0.0
     freed = per_token - (_I64 if first else 0) - kept_at_peak - stays if backward_peak > per_token else 0.0
     n = cfg.parallelism.microbatches
     # Tensor parallel splits all but the projections' whole inputs (BlockActivations.whole); under
@@ -111,7 +110,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     sp = j.tp if j.tp > 1 and cfg.parallelism.sequence_parallel else 1
     held = input_t = weight_t = 0.0
     if pp > 1 and j.rule is not None and j.rule.zero_bubble and not first:
-        loss_t = 2.0 * _F32 * j.vocab if last else 0.0
+        loss_t = _loss_backward(j) if last else 0.0
         held, input_t, weight_t = (x * j.tokens / j.tp for x in _zero_bubble_terms(j, s, blocks, loss_t))
     return _StageActivations(
         kept=(per_token / j.tp + unsplit * (1 - 1 / j.tp)) * j.tokens, experts=moe_part * j.tokens / j.tp,
@@ -120,6 +119,21 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         pipe=r * args.dim * j.tokens * n * ((0 if first else 1) + (0 if last else 1)) / sp if pp > 1 else 0.0,
         held=held, input_transient=input_t, weight_transient=weight_t,
         scan=[(k * j.tokens / j.tp, t * j.tokens / j.tp, layer) for k, t, layer in scan])
+
+
+def _loss_backward(j: _Job) -> float:
+    """Bytes per token of a microbatch (of ``j.tokens``) that the loss's backward holds above
+    what is kept. The plain loss: the gradients of the log-softmax and of the logits, both fp32
+    (the loss upcasts bf16 logits; measured on the simulated GPU), ``2·4·V``. The chunked loss
+    (``training.loss_chunk_tokens = c``, ``ray_titan.trainer.chunked_loss``): one chunk's
+    recomputed log-softmax and those two gradients, ``3·4·V`` per token of ``min(c, T)``, and
+    with more than one chunk the head weight's gradient of a chunk, ``e·V·d``, before autograd
+    adds it to the others; spread over the microbatch's ``T`` tokens."""
+    c, t = j.cfg.training.loss_chunk_tokens, j.tokens
+    if c <= 0:
+        return 2.0 * _F32 * j.vocab
+    chunk = min(c, t)
+    return (3.0 * _F32 * j.vocab * chunk + (j.e * j.vocab * j.args.dim if chunk < t else 0.0)) / t
 
 
 def _zero_bubble_terms(j: _Job, s: int, blocks: list[tuple[Any, str, int]],

@@ -162,7 +162,7 @@ def _fsdp_backward_moment(j: _Job, a: _StageActivations, p: _StageParams) -> _Mo
         if n > 1:
             grads = _F32 * (total_full - sum(g.full for g in done)) + shards
         else:
-            grads = shards + pe * p.root.full
+            grads = shards + pe * (p.root.full - _root_grads_later(j, layer))
         rs = (pe + _F32) * biggest if done else 0.0
         m = _Moment(kept + extra, t + rs, 0.0, grads, {0: 1})
         if best is None or m.activations + m.transient + m.grads > best.activations + best.transient + best.grads:
@@ -171,6 +171,19 @@ def _fsdp_backward_moment(j: _Job, a: _StageActivations, p: _StageParams) -> _Mo
             finished.append(layer)
     assert best is not None
     return best
+
+
+def _root_grads_later(j: _Job, layer: int) -> float:
+    """Elements of the root group's unsharded gradients (one stage without PP: embedding, final
+    norm, head) not yet computed at the backward moment of ``layer`` (-1: the loss's), one
+    microbatch: an untied embedding's, computed last; at the loss's moment the head's too, unless
+    the chunked loss has summed earlier chunks' head gradients (the simulated GPU, 2026-11-27:
+    none at the plain loss's backward, the head's at a block's)."""
+    head = j.vocab * j.args.dim / j.tp
+    later = 0.0 if j.args.tie_word_embeddings else head  # the untied embedding
+    if layer < 0 and j.cfg.training.loss_chunk_tokens <= 0:
+        later += head
+    return later
 
 
 def _zero_bubble_peak(j: _Job, pp_rank: int, stage_ids: list[int], acts: dict[int, _StageActivations],

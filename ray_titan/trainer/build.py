@@ -13,6 +13,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from ray_titan.checkpoint import hf_model, load_hf_weights
 from ray_titan.config.schema import JobConfig
 from ray_titan.data.loader import IGNORE_INDEX, PackedLoader
+from ray_titan.models.decoder import Decoder
 from ray_titan.models.registry import build_model, get_spec
 from ray_titan.parallel.dims import Meshes, ParallelDims, parallel_dims
 from ray_titan.parallel.expert import MoEStepState
@@ -31,6 +33,7 @@ from ray_titan.parallel.fsdp import autocast_dtype, materialize, resolve_mixed_p
 from ray_titan.parallel.pipeline import ScheduleLoss, build_pipeline_schedule, build_stage_module, split_layers
 from ray_titan.parallel.tied import TiedEmbeddings
 from ray_titan.trainer.backup import UpdateBackup
+from ray_titan.trainer.chunked_loss import ChunkedCrossEntropy
 from ray_titan.trainer.fault_injection import FaultInjection
 
 __all__ = [
@@ -52,6 +55,18 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, scale: float 
     total = torch.nn.functional.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum")
     return total * scale
+
+
+def _loss(cfg: JobConfig, stages: dict[int, nn.Module], last: int) -> Callable[..., torch.Tensor]:
+    """The microbatch loss: :func:`cross_entropy_loss` on the logits, or with
+    ``training.loss_chunk_tokens`` on a rank that holds the last stage ``last``, the chunked
+    loss on its hidden states (``ray_titan.trainer.chunked_loss``)."""
+    chunk = cfg.training.loss_chunk_tokens
+    if not chunk or last not in stages:
+        return cross_entropy_loss
+    head = cast(Decoder, stages[last])
+    head.hidden_out = True
+    return ChunkedCrossEntropy(head.logits, chunk)
 
 
 def build_lr_lambda(cfg: JobConfig) -> Callable[[int], float]:
@@ -197,7 +212,7 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
     dp_group = meshes["dp"].get_group() if meshes is not None and dims.dp > 1 else None
     moe = MoEStepState(stages, dims.ep, dp_group, n_mb)
     injection = FaultInjection(cfg.debug, rank)
-    loss_fn = injection.wrap_loss(cross_entropy_loss)
+    loss_fn = injection.wrap_loss(_loss(cfg, stages, dims.num_stages - 1))
     tied = TiedEmbeddings(stages, dims, rank, bool(getattr(next(iter(stages.values())), "tied", False)))
     parts = TrainParts(dims, rank, coords, meshes, stages, params, optimizer, scheduler, None, loss_fn,
                        moe, injection, pp_group, device, tied,

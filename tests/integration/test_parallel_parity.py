@@ -43,6 +43,7 @@ RTOL = 1e-4
 COMMON = ["--training.global_batch_size=4", "--training.seq_len=32", "--parallelism.microbatches=1",
           "--training.threads_per_worker=1", "--metrics.enable_tensorboard=false", "--metrics.log_freq=1000",
           "--checkpoint.enable=false", "--parallelism.pp=1", "--parallelism.dp_shard=1", "--memory.breakdown_step=0"]
+CHUNKED = "--training.loss_chunk_tokens=24"
 V_SHAPED = ["--parallelism.pp=2", "--parallelism.stages_per_rank=2", "--parallelism.microbatches=4"]
 
 DENSE = {
@@ -61,6 +62,15 @@ DENSE = {
     "pp2_InterleavedZeroBubble": (2, ["--parallelism.pp=2", "--parallelism.stages_per_rank=2",
                                       "--parallelism.microbatches=2",
                                       "--parallelism.pipeline_schedule=InterleavedZeroBubble"]),
+    # The chunked loss (training.loss_chunk_tokens; 24 tokens: uneven chunks of a microbatch):
+    # under FSDP with tp's loss parallel (Shard(-1) logits per chunk), on a pipeline's last stage
+    # with tp, and through a zero-bubble schedule's split backward.
+    "chunked_loss_tp2_dp_shard2": (4, ["--parallelism.tp=2", "--parallelism.dp_shard=2", CHUNKED]),
+    "chunked_loss_pp2_tp2_1F1B": (4, ["--parallelism.tp=2", "--parallelism.pp=2", "--parallelism.microbatches=2",
+                                      CHUNKED]),
+    "chunked_loss_pp2_InterleavedZeroBubble": (2, ["--parallelism.pp=2", "--parallelism.stages_per_rank=2",
+                                                   "--parallelism.microbatches=2",
+                                                   "--parallelism.pipeline_schedule=InterleavedZeroBubble", CHUNKED]),
 }
 MOE = {
     "tp2_dp_shard2_ep2": (4, ["--parallelism.tp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
@@ -83,7 +93,8 @@ MOE_V3 = {"pp2_dp_shard2_ep2": (4, ["--parallelism.pp=2", "--parallelism.dp_shar
 MOE_2026 = {"qwen3_moe": (4, ["--parallelism.tp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
             "gpt_oss": (2, ["--parallelism.dp_shard=2", "--parallelism.ep=2"])}
 # A tied head under tp: the vocab-parallel embedding's gradient and the head's, summed on one weight.
-TIED = {"qwen3": (2, ["--model.name=qwen3", "--parallelism.tp=2"])}
+TIED = {"qwen3": (2, ["--model.name=qwen3", "--parallelism.tp=2"]),
+        "qwen3_chunked_loss": (2, ["--model.name=qwen3", "--parallelism.tp=2", CHUNKED])}
 REFERENCE_FLAGS = {"qwen3": ["--model.name=qwen3"], "qwen3_moe": ["--parallelism.microbatches=2"],
                    "gpt_oss": ["--parallelism.microbatches=2"]}
 CONFIGS = {"llama": "debug_llama.toml", "qwen3": "debug_llama.toml",
@@ -237,7 +248,8 @@ def test_tied_head_under_tp_matches_one_worker(model, corpus, references):
     be off by far more); later steps to 3e-4: fp32 sums in another order through the tied
     weight's two gradients drift to 1.3e-4 by step 9 (the same figures before the vocab-parallel
     embedding, bit for bit)."""
-    run, ref = _run(corpus / f"{model}_tied", model, *TIED[model]), references(model)
+    family = model.removesuffix("_chunked_loss")
+    run, ref = _run(corpus / f"{model}_tied", family, *TIED[model]), references(family)
     np.testing.assert_allclose(_curve(run[1], "grad_norm")[0], _curve(ref[1], "grad_norm")[0], rtol=1e-5)
     _check_parity(model, run, ref, grad_rtol=3e-4)
 
