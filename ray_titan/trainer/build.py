@@ -32,6 +32,7 @@ from ray_titan.parallel.pipeline import ScheduleLoss, build_pipeline_schedule, b
 from ray_titan.parallel.tied import TiedEmbeddings
 from ray_titan.trainer.backup import UpdateBackup
 from ray_titan.trainer.fault_injection import FaultInjection
+from ray_titan.trainer.mtp import MtpLoss
 
 __all__ = [
     "TrainParts", "build", "build_lr_lambda", "build_optimizer", "cross_entropy_loss",
@@ -111,7 +112,9 @@ class TrainParts:
     ``loss_fn`` as the pipeline schedule calls it, with each step's loss arguments bound
     (``ScheduleLoss.bound``; None without PP); ``backup``: under ``training.on_nonfinite =
     "skip"``, the state before the latest update, so that it can be undone
-    (``ray_titan.trainer.backup``; None under ``stop``).
+    (``ray_titan.trainer.backup``; None under ``stop``); ``mtp``: under ``model.mtp_layers``,
+    ``loss_fn`` itself, the multi-token-prediction loss, which keeps each depth's loss for the
+    metrics (``ray_titan.trainer.mtp``; None without).
     """
 
     dims: ParallelDims
@@ -133,6 +136,7 @@ class TrainParts:
     autocast: torch.dtype | None = None
     schedule_loss: ScheduleLoss | None = None
     backup: UpdateBackup | None = None
+    mtp: MtpLoss | None = None
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Where the loss and its backward run: ``loss_parallel()`` under TP with loss parallel."""
@@ -198,13 +202,16 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
     moe = MoEStepState(stages, dims.ep, dp_group, n_mb)
     injection = FaultInjection(cfg.debug, rank)
     loss_fn = injection.wrap_loss(cross_entropy_loss)
-    tied = TiedEmbeddings(stages, dims, rank, bool(getattr(next(iter(stages.values())), "tied", False)))
+    mtp = MtpLoss(loss_fn, cfg.training.mtp_loss_weight, cfg.model.mtp_layers) if cfg.model.mtp_layers else None
+    loss_fn = mtp or loss_fn
+    tied = TiedEmbeddings(stages, dims, rank, bool(getattr(next(iter(stages.values())), "tied", False)),
+                          mtp=mtp is not None)
     parts = TrainParts(dims, rank, coords, meshes, stages, params, optimizer, scheduler, None, loss_fn,
                        moe, injection, pp_group, device, tied,
                        loss_parallel=dims.tp > 1 and cfg.parallelism.loss_parallel,
                        autocast=autocast_dtype(resolve_mixed_precision(cfg.training.mixed_precision, device.type),
                                                dims.fsdp),
-                       backup=UpdateBackup() if cfg.training.on_nonfinite == "skip" else None)
+                       backup=UpdateBackup() if cfg.training.on_nonfinite == "skip" else None, mtp=mtp)
     if dims.pp > 1:
         parts.schedule_loss = ScheduleLoss(loss_fn)
         parts.schedule = build_pipeline_schedule(

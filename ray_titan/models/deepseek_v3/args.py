@@ -7,7 +7,8 @@ same buffer, ``expert_bias``, is the checkpoint's ``e_score_correction_bias``), 
 their two best biased scores (``topk_method = "noaux_tc"``), normalised top-k weights times
 ``routed_scaling_factor``. Kimi K2 (Moonshot AI 2025, arXiv:2507.20534) is the same architecture
 with 384 experts in one group and 64 heads. The multi-token-prediction module the released
-checkpoints carry (``num_nextn_predict_layers``) is not built (``n_mtp_layers``).
+checkpoints carry (``num_nextn_predict_layers``, ``n_mtp_layers``) is built and trained when
+``model.mtp_layers`` asks for it (``ray_titan.models.deepseek_v2.model.MtpBlock``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,80 @@
+"""Multi-token prediction's loss (DeepSeek-V3, arXiv:2412.19437 §2.2.2): the labels of each depth
+and the objective ``main + λ × mean of the depths' losses``.
+
+The model's last stage returns ``(logits, depth 1's logits, ..., depth D's)`` when it is given the
+input ids (``ray_titan.models.deepseek_v2.model.DeepSeekV2``); the step passes it the labels of
+every depth stacked, ``(batch, seq, 1 + D)`` (:func:`mtp_labels`), so that they travel as one
+target through the pipeline schedule, whose loss is :class:`MtpLoss` around the trainer's loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ray_titan.data.loader import IGNORE_INDEX
+from ray_titan.parallel import local_tensor
+
+__all__ = ["MtpLoss", "mtp_labels"]
+
+
+def mtp_labels(labels: torch.Tensor, positions: torch.Tensor | None, depths: int) -> torch.Tensor:
+    """The labels of the main model and of each MTP depth, ``(batch, seq, 1 + depths)`` int64
+    from ``labels (batch, seq)`` (``labels[:, i]`` is token ``i + 1``). Depth ``k``'s label at
+    position ``i`` is ``labels[:, i + k]`` (token ``i + k + 1``, DeepSeek-V3 eq. 23), or
+    :data:`IGNORE_INDEX` where ``i + k`` is past the sequence or, with ``positions (batch, seq)``
+    (each token's position in its document, ``training.document_mask``), where tokens ``i`` and
+    ``i + k`` are not in the same document (``positions[i + k] != positions[i] + k``): a depth
+    never predicts across a document boundary (torchtitan's ``roll_mtp_sequence`` rule).
+    A label the main loss ignores is ignored at every depth it reaches."""
+    seq = labels.shape[1]
+    out = labels.new_full((*labels.shape, 1 + depths), IGNORE_INDEX)
+    out[..., 0] = labels
+    for k in range(1, min(depths, seq - 1) + 1):
+        shifted = labels[:, k:]
+        if positions is not None:
+            same_doc = positions[:, k:] == positions[:, :-k] + k
+            shifted = torch.where(same_doc, shifted, IGNORE_INDEX)
+        out[:, :seq - k, k] = shifted
+    return out
+
+
+class MtpLoss:
+    """The loss with multi-token prediction: ``fn(logits, labels[..., 0]) + weight × mean_k
+    fn(depth k's logits, labels[..., k])`` (DeepSeek-V3 eq. 24–25: ``L_MTP = λ/D Σ_k L_k``).
+
+    ``fn(logits (batch, seq, vocab), labels (batch, seq), **kwargs)`` is the trainer's loss (0-dim;
+    the mean over the counted labels, or their scaled sum under loss masks: each depth's then
+    scaled by the main labels' count, as torchtitan's ``global_valid_tokens``). ``output``: the
+    model's tuple, or its logits alone (validation, the schedule's shape inference), which get
+    ``fn`` of the main labels only. Each call adds its main and per-depth losses (detached) to
+    sums that :meth:`take` hands over once per step, for the metrics (on the device: no sync)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], weight: float, depths: int):
+        self.fn = fn
+        self.weight = weight
+        self.depths = depths
+        self._main: torch.Tensor | None = None
+        self._depth: torch.Tensor | None = None
+
+    def __call__(self, output: Any, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if isinstance(output, torch.Tensor):
+            return self.fn(output, target if target.dim() == 2 else target[..., 0], **kwargs)
+        main = self.fn(output[0], target[..., 0], **kwargs)
+        depth = torch.stack([self.fn(o, target[..., k], **kwargs) for k, o in enumerate(output[1:], 1)])
+        with torch.no_grad():
+            m, d = local_tensor(main.detach()), local_tensor(depth.detach())
+            self._main = m if self._main is None else self._main + m
+            self._depth = d if self._depth is None else self._depth + d
+        return main + self.weight * depth.mean()
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(main losses summed (0-dim), each depth's summed (depths,))`` over this step's
+        calls, then forgotten; None when nothing was computed here (not the last stage)."""
+        if self._main is None or self._depth is None:
+            return None
+        out = (self._main, self._depth)
+        self._main = self._depth = None
+        return out
