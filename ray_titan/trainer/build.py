@@ -32,7 +32,7 @@ from ray_titan.parallel.pipeline import ScheduleLoss, build_pipeline_schedule, b
 from ray_titan.parallel.tied import TiedEmbeddings
 from ray_titan.trainer.backup import UpdateBackup
 from ray_titan.trainer.fault_injection import FaultInjection
-from ray_titan.trainer.mtp import MtpLoss
+from ray_titan.trainer.mtp import MtpLoss, mtp_labels
 
 __all__ = [
     "TrainParts", "build", "build_lr_lambda", "build_optimizer", "cross_entropy_loss",
@@ -228,9 +228,14 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
             # in step 1. So infer now, on a dummy batch, and forget what it counted.
             dummy = torch.zeros(loader.local_batch, cfg.training.seq_len, dtype=torch.int64, device=device)
             last = parts.is_last_stage
+            # Under multi-token prediction the last stage's outputs are a tuple, whose length
+            # the schedule learns here: the inputs and the depths' labels as a step gives them.
+            target, extra = (dummy, {}) if mtp is None else (mtp_labels(dummy, None, mtp.depths), {"tokens": dummy})
             with parts.loss_context():
-                parts.schedule.step(*((dummy,) if parts.has_first_stage else ()), target=dummy if last else None,
-                                    losses=[] if last else None, return_outputs=False)
+                parts.schedule.step(*((dummy,) if parts.has_first_stage else ()), target=target if last else None,
+                                    losses=[] if last else None, return_outputs=False, **extra)
+            if mtp is not None:
+                mtp.take()  # the dummy's losses are not the first step's
             optimizer.zero_grad(set_to_none=True)
             moe.reset()
     return parts

@@ -45,9 +45,14 @@ class MtpLoss:
     """The loss with multi-token prediction: ``fn(logits, labels[..., 0]) + weight × mean_k
     fn(depth k's logits, labels[..., k])`` (DeepSeek-V3 eq. 24–25: ``L_MTP = λ/D Σ_k L_k``).
 
-    ``fn(logits (batch, seq, vocab), labels (batch, seq), **kwargs)`` is the trainer's loss (0-dim;
-    the mean over the counted labels, or their scaled sum under loss masks: each depth's then
-    scaled by the main labels' count, as torchtitan's ``global_valid_tokens``). ``output``: the
+    ``fn(logits (batch, seq, vocab), labels (batch, seq), scale=None, **kwargs)`` is the trainer's
+    loss (``ray_titan.trainer.build.cross_entropy_loss``; 0-dim). Without loss masks (``fn``'s
+    mean over every label) a depth's loss is its cross-entropy summed over its labels and divided
+    by the tokens ``batch × seq``, DeepSeek-V3's ``L_k = -1/T Σ log P`` (eq. 24), whatever the
+    labels the depth loses at the sequence's and the documents' ends: so it is also the same
+    whatever the split of the batch into microbatches and data-parallel ranks. Under loss masks
+    (``scale``) each depth's is its scaled sum, scaled as the main loss by the main labels' count
+    (torchtitan's ``global_valid_tokens``). ``output``: the
     model's tuple, or its logits alone (validation, the schedule's shape inference), which get
     ``fn`` of the main labels only. Each call adds its main and per-depth losses (detached) to
     sums that :meth:`take` hands over once per step, for the metrics (on the device: no sync)."""
@@ -63,7 +68,10 @@ class MtpLoss:
         if isinstance(output, torch.Tensor):
             return self.fn(output, target if target.dim() == 2 else target[..., 0], **kwargs)
         main = self.fn(output[0], target[..., 0], **kwargs)
-        depth = torch.stack([self.fn(o, target[..., k], **kwargs) for k, o in enumerate(output[1:], 1)])
+        # Every label counts in the main loss (no scale): a depth's summed over its labels and
+        # divided by the tokens, as DeepSeek-V3's 1/T (eq. 24), not by its own count.
+        depth_kw = kwargs if "scale" in kwargs else {**kwargs, "scale": 1.0 / target[..., 0].numel()}
+        depth = torch.stack([self.fn(o, target[..., k], **depth_kw) for k, o in enumerate(output[1:], 1)])
         with torch.no_grad():
             m, d = local_tensor(main.detach()), local_tensor(depth.detach())
             self._main = m if self._main is None else self._main + m

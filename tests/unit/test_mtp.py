@@ -58,8 +58,9 @@ def test_depth_labels_never_cross_a_document_or_the_sequence_end():
 def _reference_loss(model, x: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, weight: float):
     """DeepSeek-V3 §2.2 written out with the model's weights: the main model's last hidden state,
     then per depth k: h = head_norm(block(eh_proj[enorm(Emb(t_{i+k})); hnorm(h)])), logits by the
-    shared head, cross-entropy against t_{i+k+1} over the positions whose tokens i .. i+k+1 lie
-    in one document and in the sequence; main + weight × the depths' mean."""
+    shared head, cross-entropy against t_{i+k+1} summed over the positions whose tokens i ..
+    i+k+1 lie in one document and in the sequence, over the tokens; main + weight × the depths'
+    mean."""
     seq, n = x.shape[1], model.args.n_layers
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]
     mask = document_causal_mask(positions)
@@ -81,7 +82,7 @@ def _reference_loss(model, x: torch.Tensor, labels: torch.Tensor, positions: tor
             for i in range(seq - k):
                 if all(positions[b, j] != 0 for j in range(i + 1, i + k + 1)):
                     terms.append(F.cross_entropy(logits[b, i], labels[b, i + k]))
-        depth_losses.append(torch.stack(terms).mean())
+        depth_losses.append(torch.stack(terms).sum() / x.numel())  # DeepSeek-V3's 1/T (eq. 24)
     return main + weight * torch.stack(depth_losses).mean(), main, depth_losses
 
 
