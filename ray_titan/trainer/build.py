@@ -13,6 +13,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -230,7 +231,10 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
             last = parts.is_last_stage
             # Under multi-token prediction the last stage's outputs are a tuple, whose length
             # the schedule learns here: the inputs and the depths' labels as a step gives them.
-            target, extra = (dummy, {}) if mtp is None else (mtp_labels(dummy, None, mtp.depths), {"tokens": dummy})
+            extra: dict[str, Any] = {}
+            target = dummy
+            if mtp is not None:
+                target, extra = mtp_labels(dummy, None, mtp.depths), {"tokens": dummy}
             with parts.loss_context():
                 parts.schedule.step(*((dummy,) if parts.has_first_stage else ()), target=target if last else None,
                                     losses=[] if last else None, return_outputs=False, **extra)
