@@ -32,6 +32,8 @@ class DeepSeekV3Adapter(DeepSeekV2Adapter):
     model_type = "deepseek_v3"
     architectures = ("DeepseekV3ForCausalLM",)
     model_type_aliases = ("kimi_k2",)
+    # The MTP depths built are the job's choice (model.mtp_layers), not compared with config.json.
+    training_fields = DeepSeekV2Adapter.training_fields | {"n_mtp_layers"}
     topk_methods = ("noaux_tc",)
     scoring_funcs = ("sigmoid",)
     quant_advice = ("; the released DeepSeek-V3 / Kimi K2 files are FP8 with block scales: convert them to bf16 first "
