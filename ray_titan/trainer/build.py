@@ -239,7 +239,7 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
                 parts.schedule.step(*((dummy,) if parts.has_first_stage else ()), target=target if last else None,
                                     losses=[] if last else None, return_outputs=False, **extra)
             if mtp is not None:
-                mtp.take()  # the dummy's losses are not the first step's
+                mtp.take(n_mb)  # the dummy's losses are not the first step's
             optimizer.zero_grad(set_to_none=True)
             moe.reset()
     return parts

@@ -54,15 +54,15 @@ class MtpLoss:
     (``scale``) each depth's is its scaled sum, scaled as the main loss by the main labels' count
     (torchtitan's ``global_valid_tokens``). ``output``: the
     model's tuple, or its logits alone (validation, the schedule's shape inference), which get
-    ``fn`` of the main labels only. Each call adds its main and per-depth losses (detached) to
-    sums that :meth:`take` hands over once per step, for the metrics (on the device: no sync)."""
+    ``fn`` of the main labels only. Each call keeps its main and per-depth losses (detached),
+    which :meth:`take` sums and hands over once per step, for the metrics (on the device: no
+    sync)."""
 
     def __init__(self, fn: Callable[..., torch.Tensor], weight: float, depths: int):
         self.fn = fn
         self.weight = weight
         self.depths = depths
-        self._main: torch.Tensor | None = None
-        self._depth: torch.Tensor | None = None
+        self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, output: Any, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if isinstance(output, torch.Tensor):
@@ -72,17 +72,16 @@ class MtpLoss:
         # divided by the tokens, as DeepSeek-V3's 1/T (eq. 24), not by its own count.
         depth_kw = kwargs if "scale" in kwargs else {**kwargs, "scale": 1.0 / target[..., 0].numel()}
         depth = torch.stack([self.fn(o, target[..., k], **depth_kw) for k, o in enumerate(output[1:], 1)])
-        with torch.no_grad():
-            m, d = local_tensor(main.detach()), local_tensor(depth.detach())
-            self._main = m if self._main is None else self._main + m
-            self._depth = d if self._depth is None else self._depth + d
+        self._kept.append((local_tensor(main.detach()), local_tensor(depth.detach())))
         return main + self.weight * depth.mean()
 
-    def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(main losses summed (0-dim), each depth's summed (depths,))`` over this step's
-        calls, then forgotten; None when nothing was computed here (not the last stage)."""
-        if self._main is None or self._depth is None:
+    def take(self, microbatches: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(main losses summed (0-dim), each depth's summed (depths,))`` over the last
+        ``microbatches`` calls, the step's, then all calls are forgotten; None when nothing was
+        computed here (not the last stage). Only the last ones: a pipeline schedule that infers
+        its stages' shapes again inside a step (torch 2.13 does after an ``eval``) calls the
+        loss once more, on its first microbatch, before the step's own calls."""
+        if not self._kept:
             return None
-        out = (self._main, self._depth)
-        self._main = self._depth = None
-        return out
+        kept, self._kept = self._kept[-microbatches:], []
+        return torch.stack([m for m, _ in kept]).sum(), torch.stack([d for _, d in kept]).sum(0)

@@ -120,7 +120,7 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
             loss = torch.stack(losses).mean() if losses else None
         else:
             loss = total / n_microbatches if total is not None else None
-        sums = _mtp_sums(parts)
+        sums = _mtp_sums(parts, n_microbatches)
         depths = None
         if sums is not None:  # the main loss alone, and each depth's, means over the microbatches
             loss, depths = sums[0] / n_microbatches, sums[1] / n_microbatches
@@ -131,7 +131,7 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
         losses, total = _forward_backward(parts, inputs, targets, n_microbatches, positions,
                                           {"scale": scale})
     summed = torch.stack(losses).sum() if losses else total
-    sums = _mtp_sums(parts)
+    sums = _mtp_sums(parts, n_microbatches)
     depths = None
     if sums is not None:
         summed, depths = sums
@@ -139,10 +139,10 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
     return _update(parts, step, summed, max_norm, t1, (scale, mine), depths)
 
 
-def _mtp_sums(parts: TrainParts) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _mtp_sums(parts: TrainParts, n_microbatches: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Under multi-token prediction, on the last stage: the step's main and per-depth losses
     summed over its microbatches (``MtpLoss.take``); None otherwise."""
-    return parts.mtp.take() if parts.mtp is not None else None
+    return parts.mtp.take(n_microbatches) if parts.mtp is not None else None
 
 
 def run_schedule(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor,

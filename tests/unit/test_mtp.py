@@ -102,10 +102,11 @@ def test_loss_matches_a_hand_written_reference():
     with torch.no_grad():
         want, main, depths = _reference_loss(model, x, labels, positions, 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    kept_main, kept_depths = loss_fn.take()
+    loss_fn(out, mtp_labels(labels, positions, 2))  # a second call: take(1) keeps the last one only
+    kept_main, kept_depths = loss_fn.take(1)
     torch.testing.assert_close(kept_main, main, rtol=0, atol=1e-5)
     torch.testing.assert_close(kept_depths, torch.stack(depths), rtol=0, atol=1e-5)
-    assert loss_fn.take() is None  # handed over once
+    assert loss_fn.take(1) is None  # handed over once
     got.backward()
     for name in ("layers.4.eh_proj.weight", "layers.5.enorm.weight", "layers.5.moe.router.weight",
                  "tok_embeddings.weight", "output.weight"):
