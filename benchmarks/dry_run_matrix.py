@@ -133,6 +133,12 @@ FLAVOR_CASES: list[Case] = [
           n=2, mb=1, seq=4096, bf16=True),
     _case("deepseek_v3 16B pp2 dp8 ep8 seq4096", model="deepseek_v3", flavor="16B", pp=2, dp=8, ep=8, n=2,
           mb=1, seq=4096, bf16=True),
+    # Multi-token prediction: the last stage's MTP block, its copy of the embedding, and a second
+    # set of (4096 × 102,400) logits with their fp32 log-softmax.
+    _case("deepseek_v3 16B pp2 dp8 ep8 seq4096 mtp1", model="deepseek_v3", flavor="16B", pp=2, dp=8, ep=8, n=2,
+          mb=1, seq=4096, bf16=True, extra=("--model.mtp_layers=1",)),
+    _case("deepseek_v3 debug pp2 dp2 ep2 mtp1", model="deepseek_v3", **_MOE_DEBUG,  # type: ignore[arg-type]
+          extra=("--model.mtp_layers=1", "--training.document_mask=true")),
     _case("qwen3_moe 30B-A3B pp4 dp8 ep8 seq4096", model="qwen3_moe", flavor="30B-A3B", pp=4, dp=8, ep=8, n=8,
           mb=1, seq=4096, bf16=True),
     _case("gpt_oss 120B pp4 dp8 ep8 seq2048", model="gpt_oss", flavor="120B", pp=4, dp=8, ep=8, n=4, mb=1,

@@ -275,9 +275,13 @@ class Checkpointer:
         sd = self._state(0, model_only, same_mesh, metadata)
         # A checkpoint saved on CPU holds no CUDA generator state: not a reason to refuse it.
         reseed = _drop_missing_device_rng(sd, metadata.state_dict_metadata, self.rank)
-        # A tied model's last-stage head copy, saved without pipeline stages as the embedding only.
-        head, emb = "model.output.weight", "model.tok_embeddings.weight"
-        tied_copy = head in sd and head not in metadata.state_dict_metadata and emb not in sd
+        # A last stage's copies of the embedding (a tied model's head, multi-token prediction's
+        # mtp_embeddings), saved without pipeline stages as the embedding only: read as it.
+        emb = "model.tok_embeddings.weight"
+        copies = [c for c in ("model.output.weight", "model.mtp_embeddings.weight")
+                  if c in sd and c not in metadata.state_dict_metadata and emb not in sd]
+        head = copies[0] if copies else ""
+        tied_copy = bool(copies)
         if tied_copy:
             sd[emb] = sd.pop(head)
         _check_keys(sd, metadata, path)
@@ -292,6 +296,9 @@ class Checkpointer:
             ) from e
         if tied_copy:
             sd[head] = sd.pop(emb)
+            with torch.no_grad():
+                for other in copies[1:]:
+                    sd[other].copy_(sd[head])
         if not all_finite([v for k, v in sd.items() if k.startswith("model.") and isinstance(v, torch.Tensor)],
                           self.device):
             raise CheckpointError(f"checkpoint {path} holds non-finite model weights; load an earlier checkpoint")

@@ -98,12 +98,14 @@ def check_hf_checkpoint(path: str) -> tuple[ModelSpec, Any]:
     """Check a Hugging Face model directory against the model its ``config.json`` describes,
     from the safetensors headers only: every tensor present, none unexpected, each of the right
     shape and a floating dtype; tensors of parts the model does not build (the adapter's
-    ``skipped_prefixes``) are skipped with one printed line each. Returns ``(spec, args)``.
+    ``skipped_prefixes``) are skipped with one printed line each; parts it declares but does not
+    hold (the adapter's ``held_args``) are left out of ``args``. Returns ``(spec, args)``.
     Raises :class:`HFCheckpointError` naming the file and the problem (the tensor, both shapes;
     a ``config.json`` size beyond what the headers hold, checked before the model is built from
     it)."""
     spec, args, config = _hf_model(path)
     files = SafetensorsFiles(path)
+    args = spec.hf.held_args(args, set(files.entries))
     try:
         where = storage.join(path, INDEX if storage.exists(storage.join(path, INDEX)) else SINGLE)
         _check_sizes_against_headers(storage.join(path, CONFIG), config, spec, args, files, where)

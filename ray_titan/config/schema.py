@@ -83,6 +83,14 @@ class Model(_Section):
     """MoE only: α of the balance loss (DeepSeek-V2-Lite used 0.001)."""
     bias_update_rate: float = Field(0.001, ge=0)
     """MoE only: γ, the step of the aux-loss-free bias update per optimizer step (DeepSeek-V3: 0.001)."""
+    mtp_layers: int = Field(0, ge=0)
+    """DeepSeek-V3 only: multi-token-prediction depths to build and train (DeepSeek-V3 §2.2,
+    arXiv:2412.19437; ``num_nextn_predict_layers`` of its ``config.json``); 0: none. Depth ``k``
+    predicts the token ``k + 1`` ahead from the previous depth's hidden state and the embedding of
+    the token ``k`` ahead, through one more MoE block and the shared output head; its loss is
+    added as ``training.mtp_loss_weight × mean of the depths' losses``. With
+    ``checkpoint.initial_load_hf`` the checkpoint must hold at least this many (DeepSeek-V3 and
+    Kimi K2 hold 1), which are imported and exported with the model. Not with tensor parallelism."""
 
 
 class DataSource(_Section):
@@ -169,6 +177,12 @@ class Training(_Section):
     ``fp32``: everything in fp32 (bit-identical to the reference implementations, on CPU).
     Unset: ``bf16`` when the workers use CUDA (``ray.use_gpu`` or a GPU launch), ``fp32`` on CPU
     (``ray_titan.parallel.fsdp.resolve_mixed_precision``). Replaces ``training.autocast``."""
+    mtp_loss_weight: float = Field(0.3, ge=0)
+    """λ of the multi-token-prediction loss (``model.mtp_layers``): the objective is ``main loss +
+    λ × mean of the MTP depths' losses`` (DeepSeek-V3 §2.2.2, eq. 25; the paper used 0.3 for the
+    first 10 T tokens and 0.1 for the last 4.8 T, §4.2; torchtitan's ``mtp_scale`` default is 0.3).
+    The reported ``loss`` stays the main next-token loss; each depth's loss is its own column
+    (``mtp_losses``)."""
     document_mask: bool = False
     """Attention stays within each document of a packed sequence (block-causal: a document
     starts at each BOS token and at the start of a row), and rotary positions restart at 0 in

@@ -48,7 +48,7 @@ COLLECTOR = "collector"  # added by the collector when it assembles the step
 class Field:
     """One per-rank field: ``name``; ``unit`` (``""``: none); ``type``: its Arrow type in
     ``steps.parquet`` (``int64``, ``float64``, ``bool``, ``string``, ``list<int64>``,
-    ``list<list<int64>>``); ``source``: where its value comes from (``report``, ``coords``,
+    ``list<list<int64>>``, ``list<float64>``); ``source``: where its value comes from (``report``, ``coords``,
     ``memory``, ``object``, ``sender``, ``collector``); ``description``: what it means and how it
     is measured. ``column``: a column of ``steps.parquet`` (else it travels to the collector only).
     ``default``: a report without the field reads as this; ``empty``: a report's empty value
@@ -176,6 +176,10 @@ FIELDS: tuple[Field, ...] = (
           "perplexity is ``exp`` of it)."),
     Field("loss_tokens", "tokens", "int64", REPORT,
           "Under loss masks (supervised fine-tuning), the labels counted in ``loss``; null: all of ``tokens``."),
+    Field("mtp_losses", "nats/token", "list<float64>", OBJECT,
+          "Multi-token prediction (``model.mtp_layers``): each depth's loss on the last-stage rank, depth 1 "
+          "first, normalised as ``loss`` (which is then the main next-token loss alone; the objective adds "
+          "``training.mtp_loss_weight`` × their mean); null elsewhere."),
     Field("source_tokens", "tokens", "list<int64>", OBJECT,
           "With a mixture (``data.sources``), the label tokens of the rank's slice taken from each source, in "
           "the order of ``data.sources``; null without a mixture."),

@@ -14,6 +14,7 @@ __all__ = ["STEP_SCHEMA", "arrow_type"]
 _TYPES = {
     "int64": pa.int64(), "float64": pa.float64(), "bool": pa.bool_(), "string": pa.string(),
     "list<int64>": pa.list_(pa.int64()), "list<list<int64>>": pa.list_(pa.list_(pa.int64())),
+    "list<float64>": pa.list_(pa.float64()),
 }
 
 

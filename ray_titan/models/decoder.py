@@ -193,23 +193,28 @@ class Decoder(nn.Module):
         return self.args.rope_scaling
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h, _ = self.trunk(x, positions)
+        if self.norm is None:  # not the last stage
+            return h
+        h = self.norm(h)
+        return h if self.hidden_out else self.logits(h)
+
+    def trunk(self, x: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The embedding (when held) and this module's main blocks (keys below ``args.n_layers``;
+        higher keys are a family's extra blocks, e.g. multi-token prediction's): ``(hidden states
+        (batch, seq, dim), the blocks' rotary arguments: (cos, sin) or (cos, sin, mask))``."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         if positions is None:
             # The whole tables: a block's attention may see more positions than ``h`` holds here
             # (sequence parallel keeps 1/tp of them between blocks); apply_rope takes what it needs.
-            cos, sin = self.rope_cos, self.rope_sin
-            for layer in self.layers.values():
-                h = layer(h, cos, sin)
+            rope: tuple[torch.Tensor, ...] = (self.rope_cos, self.rope_sin)
         else:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-            mask = document_causal_mask(positions)
-            for layer in self.layers.values():
-                h = layer(h, cos, sin, mask)
-        if self.norm is not None:  # the last stage
-            h = self.norm(h)
-            if not self.hidden_out:
-                h = self.logits(h)
-        return h
+            rope = (self.rope_cos[positions], self.rope_sin[positions], document_causal_mask(positions))
+        n_layers = self.args.n_layers
+        for key, layer in self.layers.items():
+            if int(key) < n_layers:
+                h = layer(h, *rope)
+        return h, rope
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The output head on final-normed hidden states ``h (..., dim)``: logits ``(...,
@@ -237,8 +242,8 @@ class Decoder(nn.Module):
         """
         std = self.args.init_std
         for name, param in self.named_parameters():
-            if name == "output.weight" and self.tied:  # a last stage's copy of the embedding
-                name = "tok_embeddings.weight"
+            if (name == "output.weight" and self.tied) or name == "mtp_embeddings.weight":
+                name = "tok_embeddings.weight"  # a last stage's copy of the embedding
             full = torch.empty(param.shape, dtype=torch.float32)
             if name.endswith("norm.weight"):
                 full.fill_(1.0)

@@ -16,7 +16,7 @@ from ray_titan.models.decoder import Decoder
 from ray_titan.models.state_dict_adapter import StateDictAdapter
 from ray_titan.parallel.dims import Meshes, ParallelDims
 
-__all__ = ["BlockFormula", "FlopsPerToken", "ModelSpec", "Parallelize", "moe_config_args"]
+__all__ = ["BlockFormula", "FlopsPerToken", "ModelSpec", "Parallelize", "moe_config_args", "mtp_moe_config_args"]
 
 Parallelize = Callable[[nn.Module, ParallelDims, "Meshes | None", JobConfig], None]
 FlopsPerToken = Callable[[Any, int], int]
@@ -50,6 +50,9 @@ class ModelSpec:
     block_activations: BlockFormula
     config_args: Callable[[Model], dict[str, Any]] = lambda m: {}
     moe: bool = False
+    mtp: bool = False
+    """Whether the family builds multi-token-prediction depths (``model.mtp_layers``: its
+    ``config_args`` give them to the model as ``n_mtp_layers``)."""
 
 
 def moe_config_args(m: Model) -> dict[str, Any]:
@@ -57,3 +60,9 @@ def moe_config_args(m: Model) -> dict[str, Any]:
     (unset: the flavor's, or the checkpoint family's, own), ``aux_loss_coeff``, ``bias_update_rate``."""
     lb = {"load_balance": m.load_balance} if m.load_balance is not None else {}
     return {**lb, "aux_loss_coeff": m.aux_loss_coeff, "bias_update_rate": m.bias_update_rate}
+
+
+def mtp_moe_config_args(m: Model) -> dict[str, Any]:
+    """:func:`moe_config_args` and the multi-token-prediction depths, ``n_mtp_layers`` =
+    ``model.mtp_layers`` (DeepSeek-V3: the depths built replace a checkpoint's count)."""
+    return {**moe_config_args(m), "n_mtp_layers": m.mtp_layers}

@@ -448,6 +448,13 @@ class StateDictAdapter:
         ``lm_head.weight``, which transformers ignores too)."""
         return {"lm_head.weight"} if args.tie_word_embeddings else set()
 
+    def held_args(self, args: Any, keys: set[str]) -> Any:
+        """``args`` (from ``config.json``) narrowed to the parts whose tensors ``keys`` (the
+        checkpoint's tensor names) hold, where a checkpoint may declare a part it does not carry
+        (DeepSeek-V3's multi-token prediction, which transformers' ``save_pretrained`` drops).
+        Default: ``args``."""
+        return args
+
     def skipped_prefixes(self, args: Any) -> dict[str, str]:
         """Name prefixes of checkpoint tensors the model does not build, each with the reason a
         user reads when an import skips them (DeepSeek-V3's multi-token-prediction layer)."""

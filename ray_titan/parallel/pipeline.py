@@ -107,13 +107,22 @@ def build_stage_module(whole: _M, layers: list[int], first: bool, last: bool) ->
     """A copy of ``whole`` (normally on the meta device) keeping only ``layers``, the embedding
     if ``first`` and the final norm and output head if ``last``. Parameter names are unchanged.
     A model whose head is tied to its embedding computes logits with the embedding; a last
-    stage without it gets its own ``output`` (the copy ``ray_titan.parallel.tied`` keeps equal)."""
+    stage without it gets its own ``output`` (the copy ``ray_titan.parallel.tied`` keeps equal).
+    Multi-token-prediction blocks (a model's ``mtp_layer_ids``) go to the last stage, with a copy
+    of the embedding, ``mtp_embeddings``, when it does not hold ``tok_embeddings`` (kept equal
+    the same way)."""
     stage = copy.deepcopy(whole)
     parts = cast(_DecoderParts, stage)
     if parts.tied and last and not first and parts.tok_embeddings is not None:
         emb = parts.tok_embeddings
         parts.output = nn.Linear(emb.embedding_dim, emb.num_embeddings, bias=False, device=emb.weight.device)
     keep = {str(i) for i in layers}
+    mtp = list(getattr(stage, "mtp_layer_ids", ()))  # multi-token prediction's blocks: the last stage's
+    if last:
+        keep |= set(mtp)
+        if mtp and not first and parts.tok_embeddings is not None:  # they embed the shifted tokens
+            emb = parts.tok_embeddings
+            stage.mtp_embeddings = nn.Embedding(emb.num_embeddings, emb.embedding_dim, device=emb.weight.device)
     for name in list(parts.layers.keys()):
         if name not in keep:
             del parts.layers[name]

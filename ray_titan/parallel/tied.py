@@ -1,5 +1,6 @@
-"""Tied embeddings under pipeline parallelism: the embedding on the first stage and its copy as
-the output head on the last stage, kept equal.
+"""Tied embeddings under pipeline parallelism: the embedding on the first stage and its copies
+on the last stage (as the output head of a tied model, as multi-token prediction's embedding,
+``mtp_embeddings``), kept equal.
 
 Where one module holds both (no PP), they are one ``Parameter``. Across pipeline stages each of
 the two ranks holds a copy, initialised (or loaded) equal; after every backward
@@ -34,12 +35,15 @@ class TiedEmbeddings:
     otherwise.
     """
 
-    def __init__(self, stages: dict[int, nn.Module], dims: ParallelDims, rank: int, tied: bool):
+    def __init__(self, stages: dict[int, nn.Module], dims: ParallelDims, rank: int, tied: bool, mtp: bool = False):
         self.params: list[torch.Tensor] = []
         self.group: dist.ProcessGroup | None = None
         self.norm_exclude: list[torch.Tensor] = []
         self.local = False
-        if not tied or dims.pp == 1:
+        # The last stage's copies of the embedding: the tied output head, multi-token
+        # prediction's embedding (``mtp``: the model builds MTP depths, on the last stage).
+        copies = [name for name, on in (("output.weight", tied), ("mtp_embeddings.weight", mtp)) if on]
+        if not copies or dims.pp == 1:
             return
         by_pp: dict[tuple[int, ...], dict[int, int]] = {}  # other coordinates -> pp rank -> rank
         for r in range(dims.world_size):
@@ -58,9 +62,10 @@ class TiedEmbeddings:
         if 0 in stages:
             self.params.append(stages[0].get_parameter("tok_embeddings.weight"))
         if dims.num_stages - 1 in stages:
-            head = stages[dims.num_stages - 1].get_parameter("output.weight")
-            self.params.append(head)
-            self.norm_exclude.append(head)
+            for name in copies:
+                copy = stages[dims.num_stages - 1].get_parameter(name)
+                self.params.append(copy)
+                self.norm_exclude.append(copy)
 
     @torch.no_grad()
     def sync_grads(self) -> None:
@@ -72,10 +77,12 @@ class TiedEmbeddings:
             if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
-        if self.local and len(grads) == 2:
-            total = grads[0] + grads[1]
-            for g in grads:
-                g.copy_(total)
+        if not grads:
             return
+        # This rank's copies summed, then (across two ranks) the two ranks' sums.
+        total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+        if not self.local:
+            dist.all_reduce(total, group=self.group)
         for g in grads:
-            dist.all_reduce(g, group=self.group)
+            if g is not total:
+                g.copy_(total)

@@ -37,7 +37,7 @@ from ray_titan.data.corpus import check_source
 from ray_titan.data.ray_data import dataset_format
 from ray_titan.data.sft import ChatTemplate, find_chat_template
 from ray_titan.data.tokenizer import build_tokenizer
-from ray_titan.models.registry import MODELS, is_moe
+from ray_titan.models.registry import MODELS, get_spec, is_moe
 from ray_titan.parallel.elastic import fitting_worker_counts, is_elastic, mesh_for_workers
 from ray_titan.parallel.schedules import SCHEDULES
 
@@ -116,6 +116,7 @@ def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = Fa
     _check_extras(cfg)
     margs = _model_args(cfg)
     _check_expert_parallel(cfg, margs)
+    _check_mtp(cfg, margs)
     _check_schedule(cfg)
     _check_tensor_parallel(cfg, margs)
     _check_pipeline(cfg, margs)
@@ -186,6 +187,25 @@ def _check_expert_parallel(cfg: JobConfig, margs: Any) -> None:
                 f"parallelism.ep = {par.ep} does not divide the {margs.n_routed_experts} routed experts "
                 f"of {cfg.model.name}/{cfg.model.flavor}; use a divisor of {margs.n_routed_experts}"
             )
+
+
+def _check_mtp(cfg: JobConfig, margs: Any) -> None:
+    """``model.mtp_layers > 0`` needs a family that builds multi-token prediction, no tensor
+    parallelism (the MTP blocks' projection has no tensor-parallel plan) and, importing a Hugging
+    Face checkpoint, at least that many MTP depths in it (checked with its files, :func:`_check_hf`)."""
+    depths = cfg.model.mtp_layers
+    if not depths:
+        return
+    if not get_spec(cfg.model.name).mtp:
+        raise ConfigError(
+            f"model.mtp_layers = {depths} but model.name = {cfg.model.name!r} builds no multi-token prediction; "
+            f"use model.mtp_layers = 0 or a family that does ({', '.join(n for n in MODELS if get_spec(n).mtp)})"
+        )
+    if cfg.parallelism.tp > 1:
+        raise ConfigError(
+            f"model.mtp_layers = {depths} with parallelism.tp = {cfg.parallelism.tp}: the multi-token-prediction "
+            "blocks have no tensor-parallel plan yet; use parallelism.tp = 1 or model.mtp_layers = 0"
+        )
 
 
 def _check_pipeline(cfg: JobConfig, margs: Any) -> None:
@@ -362,6 +382,13 @@ def _check_hf(cfg: JobConfig, vocab_size: int) -> None:
         raise ConfigError(
             f"checkpoint.initial_load_hf = {ck.initial_load_hf!r} holds a {spec.name} model but model.name = "
             f"{cfg.model.name!r}: load the job with ray_titan.checkpoint.resolve_hf_job (the launchers do)"
+        )
+    held = getattr(args, "n_mtp_layers", 0)
+    if cfg.model.mtp_layers > held:
+        raise ConfigError(
+            f"model.mtp_layers = {cfg.model.mtp_layers} but checkpoint.initial_load_hf = {ck.initial_load_hf!r} "
+            f"holds {held} multi-token-prediction depth(s) (model.layers.<num_hidden_layers + k>.*); "
+            f"valid: 0 to {held}"
         )
 
 

@@ -62,11 +62,20 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     kept_at_peak = 0.0  # what is still kept at the backward's peak moment (the blocks up to it)
     blocks = []  # (block, how checkpointed, layer), for the zero-bubble terms
     scan: list[tuple[float, float, int]] = []  # per block: kept up to it, its backward's transient, layer
-    for i, layer in enumerate(j.split[s]):
+    # Multi-token prediction's depths (the last stage's blocks after the main ones): each also
+    # keeps its two input norms (the embedding's and the hidden state's, their concatenation the
+    # projection's input) unless checkpointed (then the embedding, an input of the block), and
+    # the same as the main head for its logits (its norm, the head's input, the loss's fp32
+    # log-softmax; under PP the logits, an output of the stage).
+    mtp = [int(k) for k in getattr(j.whole, "mtp_layer_ids", ())] if last else []
+    one_head = _F32 * (2 * args.dim + 1) + e * args.dim + _F32 * j.vocab + (e * j.vocab if pp > 1 else 0)
+    for i, layer in enumerate(j.split[s] + mtp):
         blk = j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep)
         how = _checkpointed(cfg, layer)
         blocks.append((blk, how, layer))
         kept = blk.kept(how)
+        if layer in mtp:
+            kept += (2 * (_F32 * (2 * args.dim + 1) + e * args.dim) if how == "none" else e * args.dim) + one_head
         if i == 0 and not first:
             kept -= r * args.dim  # its input is the pipeline's receive buffer
         kept_so_far += kept

@@ -58,6 +58,9 @@ def _stage_params(whole: Any, layers: list[int], first: bool, last: bool, dp: in
     out = _StageParams()
     mod_ep = dp // ep
     keep = {str(i) for i in layers}
+    mtp = list(getattr(whole, "mtp_layer_ids", ()))  # multi-token prediction's blocks: the last stage's
+    if last:
+        keep |= set(mtp)
     for name, p in whole.named_parameters():
         shape = tuple(p.shape)
         parts = name.split(".")
@@ -79,8 +82,9 @@ def _stage_params(whole: Any, layers: list[int], first: bool, last: bool, dp: in
                 shape = (math.ceil(shape[0] / tp), shape[1])
             out.blocks.setdefault(layer, _Group()).add(shape, dp)
         # A tied head's last stage (not the first) holds its own copy of the embedding
-        # (ray_titan.parallel.pipeline.build_stage_module), absent from a tied model's parameters.
-        elif ((parts[0] == "tok_embeddings" and (first or (last and getattr(whole, "tied", False))))
+        # (ray_titan.parallel.pipeline.build_stage_module), absent from a tied model's parameters;
+        # so does one with multi-token prediction (``mtp_embeddings``).
+        elif ((parts[0] == "tok_embeddings" and (first or (last and (getattr(whole, "tied", False) or mtp))))
               or (parts[0] in ("norm", "output") and last)):
             if tp > 1 and len(shape) == 2:
                 shape = (math.ceil(shape[0] / tp), shape[1])

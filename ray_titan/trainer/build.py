@@ -13,7 +13,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from ray_titan.parallel.tied import TiedEmbeddings
 from ray_titan.trainer.backup import UpdateBackup
 from ray_titan.trainer.chunked_loss import ChunkedCrossEntropy
 from ray_titan.trainer.fault_injection import FaultInjection
+from ray_titan.trainer.mtp import MtpLoss, mtp_labels
 
 __all__ = [
     "TrainParts", "build", "build_lr_lambda", "build_optimizer", "cross_entropy_loss",
@@ -126,7 +127,9 @@ class TrainParts:
     ``loss_fn`` as the pipeline schedule calls it, with each step's loss arguments bound
     (``ScheduleLoss.bound``; None without PP); ``backup``: under ``training.on_nonfinite =
     "skip"``, the state before the latest update, so that it can be undone
-    (``ray_titan.trainer.backup``; None under ``stop``).
+    (``ray_titan.trainer.backup``; None under ``stop``); ``mtp``: under ``model.mtp_layers``,
+    ``loss_fn`` itself, the multi-token-prediction loss, which keeps each depth's loss for the
+    metrics (``ray_titan.trainer.mtp``; None without).
     """
 
     dims: ParallelDims
@@ -148,6 +151,7 @@ class TrainParts:
     autocast: torch.dtype | None = None
     schedule_loss: ScheduleLoss | None = None
     backup: UpdateBackup | None = None
+    mtp: MtpLoss | None = None
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Where the loss and its backward run: ``loss_parallel()`` under TP with loss parallel."""
@@ -213,13 +217,16 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
     moe = MoEStepState(stages, dims.ep, dp_group, n_mb)
     injection = FaultInjection(cfg.debug, rank)
     loss_fn = injection.wrap_loss(_loss(cfg, stages, dims.num_stages - 1))
-    tied = TiedEmbeddings(stages, dims, rank, bool(getattr(next(iter(stages.values())), "tied", False)))
+    mtp = MtpLoss(loss_fn, cfg.training.mtp_loss_weight, cfg.model.mtp_layers) if cfg.model.mtp_layers else None
+    loss_fn = mtp or loss_fn
+    tied = TiedEmbeddings(stages, dims, rank, bool(getattr(next(iter(stages.values())), "tied", False)),
+                          mtp=mtp is not None)
     parts = TrainParts(dims, rank, coords, meshes, stages, params, optimizer, scheduler, None, loss_fn,
                        moe, injection, pp_group, device, tied,
                        loss_parallel=dims.tp > 1 and cfg.parallelism.loss_parallel,
                        autocast=autocast_dtype(resolve_mixed_precision(cfg.training.mixed_precision, device.type),
                                                dims.fsdp),
-                       backup=UpdateBackup() if cfg.training.on_nonfinite == "skip" else None)
+                       backup=UpdateBackup() if cfg.training.on_nonfinite == "skip" else None, mtp=mtp)
     if dims.pp > 1:
         parts.schedule_loss = ScheduleLoss(loss_fn)
         parts.schedule = build_pipeline_schedule(
@@ -236,9 +243,17 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
             # in step 1. So infer now, on a dummy batch, and forget what it counted.
             dummy = torch.zeros(loader.local_batch, cfg.training.seq_len, dtype=torch.int64, device=device)
             last = parts.is_last_stage
+            # Under multi-token prediction the last stage's outputs are a tuple, whose length
+            # the schedule learns here: the inputs and the depths' labels as a step gives them.
+            extra: dict[str, Any] = {}
+            target = dummy
+            if mtp is not None:
+                target, extra = mtp_labels(dummy, None, mtp.depths), {"tokens": dummy}
             with parts.loss_context():
-                parts.schedule.step(*((dummy,) if parts.has_first_stage else ()), target=dummy if last else None,
-                                    losses=[] if last else None, return_outputs=False)
+                parts.schedule.step(*((dummy,) if parts.has_first_stage else ()), target=target if last else None,
+                                    losses=[] if last else None, return_outputs=False, **extra)
+            if mtp is not None:
+                mtp.take(n_mb)  # the dummy's losses are not the first step's
             optimizer.zero_grad(set_to_none=True)
             moe.reset()
     return parts

@@ -234,6 +234,7 @@ def _train_one_step(
             moe_layers=out.moe_layers, expert_load=out.expert_load, skipped_update=decision.skipped_update,
             attempt_start_time=run.attempt_start_time, metrics_time_s=metrics_time,
             memory_breakdown=breakdown, loss_tokens=out.loss_tokens, source_tokens=loader.source_tokens,
+            mtp_losses=out.mtp_losses,
             val_loss=val.loss if val else None, val_tokens=val.tokens if val else None,
             val_time_s=val.time_s if val else None,
             node=run.node, world_size=run.world,

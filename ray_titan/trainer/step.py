@@ -25,6 +25,7 @@ from ray_titan.parallel import local_tensor
 from ray_titan.parallel.finite import nonfinite_flag
 from ray_titan.parallel.grad_norm import clip_grad_norm_
 from ray_titan.trainer.build import TrainParts
+from ray_titan.trainer.mtp import mtp_labels
 from ray_titan.trainer.nonfinite import StepHealth
 
 if TYPE_CHECKING:
@@ -41,7 +42,9 @@ class StepResult:
     ``ray_titan.trainer.nonfinite``), the MoE statistics (``aux_loss``, ``moe_layers``,
     ``expert_load``; see ``ray_titan.parallel.expert.MoEStepScalars.read``), and the seconds of
     forward/backward and of clipping plus the optimizer; ``loss_tokens``: with loss masks, the
-    counted labels behind ``loss`` on this rank (None: every label counts)."""
+    counted labels behind ``loss`` on this rank (None: every label counts); ``mtp_losses``: under
+    ``model.mtp_layers``, each multi-token-prediction depth's loss, normalised as ``loss`` is
+    (``loss`` is then the main next-token loss alone; None off the last stage or without MTP)."""
 
     loss: float | None
     grad_norm: float
@@ -53,6 +56,7 @@ class StepResult:
     fwd_bwd_time_s: float
     optim_time_s: float
     loss_tokens: int | None = None
+    mtp_losses: list[float] | None = None
 
 
 def _autocast(parts: TrainParts) -> contextlib.AbstractContextManager:
@@ -62,17 +66,19 @@ def _autocast(parts: TrainParts) -> contextlib.AbstractContextManager:
     return torch.autocast(parts.device.type, dtype=parts.autocast)
 
 
-def model_kwargs(positions: torch.Tensor | None) -> dict[str, Any]:
-    """The model's keyword arguments besides its input: ``positions`` where documents are masked."""
-    return {} if positions is None else {"positions": positions}
+def model_kwargs(positions: torch.Tensor | None, tokens: torch.Tensor | None = None) -> dict[str, Any]:
+    """The model's keyword arguments besides its input: ``positions`` where documents are masked,
+    ``tokens`` (the input ids, which every pipeline stage then receives) for multi-token prediction."""
+    return ({} if positions is None else {"positions": positions}) | ({} if tokens is None else {"tokens": tokens})
 
 
 def microbatches(inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None,
-                 n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
-    """``(inputs, labels, model keyword arguments)`` of each of ``n`` microbatches."""
+                 n: int, tokens: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+    """``(inputs, labels, model keyword arguments)`` of each of ``n`` microbatches (``tokens``:
+    the inputs as the model's ``tokens`` too, for multi-token prediction)."""
     pos = positions.chunk(n) if positions is not None else [None] * n
     for x, y, p in zip(inputs.chunk(n), labels.chunk(n), pos):
-        yield x, y, model_kwargs(p)
+        yield x, y, model_kwargs(p, x if tokens else None)
 
 
 def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, step: int,
@@ -98,35 +104,54 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
     count. None (every label counts): the mean per microbatch, as always. ``positions``
     (``(local batch, seq)`` int64, ``training.document_mask``): each token's position within its
     document, given to every stage (block-causal attention, rotary positions per document).
+    Under multi-token prediction (``parts.mtp``) the labels of every depth go to the loss
+    (``ray_titan.trainer.mtp.mtp_labels``), the inputs to every stage, and ``loss`` is the main
+    loss, each depth's in ``mtp_losses``.
     """
     t1 = time.perf_counter()
     parts.optimizer.zero_grad(set_to_none=True)
+    targets = labels if parts.mtp is None else mtp_labels(labels, positions, parts.mtp.depths)
     if counted_tokens is None:
         # Named ranges in profiler traces (profiling.trace_steps); near free when not profiling.
         with record_function("ray_titan/forward_backward"):
-            losses, total = _forward_backward(parts, inputs, labels, n_microbatches, positions, {})
+            losses, total = _forward_backward(parts, inputs, targets, n_microbatches, positions, {})
         # The loss stays on the device until the step's one host copy (_update).
         if losses is not None:
             loss = torch.stack(losses).mean() if losses else None
         else:
             loss = total / n_microbatches if total is not None else None
-        return _update(parts, step, loss, max_norm, t1)
+        sums = _mtp_sums(parts, n_microbatches)
+        depths = None
+        if sums is not None:  # the main loss alone, and each depth's, means over the microbatches
+            loss, depths = sums[0] / n_microbatches, sums[1] / n_microbatches
+        return _update(parts, step, loss, max_norm, t1, mtp=depths)
     # The schedule averages gradients over microbatches and FSDP (HSDP) over data-parallel ranks.
     scale = n_microbatches * parts.dims.dp / max(1, counted_tokens)
     with record_function("ray_titan/forward_backward"):
-        losses, total = _forward_backward(parts, inputs, labels, n_microbatches, positions,
+        losses, total = _forward_backward(parts, inputs, targets, n_microbatches, positions,
                                           {"scale": scale})
     summed = torch.stack(losses).sum() if losses else total
+    sums = _mtp_sums(parts, n_microbatches)
+    depths = None
+    if sums is not None:
+        summed, depths = sums
     mine = (labels != IGNORE_INDEX).sum()  # this rank's counted labels, read with the step's scalars
-    return _update(parts, step, summed, max_norm, t1, (scale, mine))
+    return _update(parts, step, summed, max_norm, t1, (scale, mine), depths)
+
+
+def _mtp_sums(parts: TrainParts, n_microbatches: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Under multi-token prediction, on the last stage: the step's main and per-depth losses
+    summed over its microbatches (``MtpLoss.take``); None otherwise."""
+    return parts.mtp.take(n_microbatches) if parts.mtp is not None else None
 
 
 def run_schedule(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor,
-                 positions: torch.Tensor | None, loss_kwargs: dict[str, Any], forward_only: bool = False
-                 ) -> list[torch.Tensor] | None:
+                 positions: torch.Tensor | None, loss_kwargs: dict[str, Any], forward_only: bool = False,
+                 tokens: bool = False) -> list[torch.Tensor] | None:
     """One pass of the pipeline schedule (``schedule.step``, or forward-only ``schedule.eval``)
     over this rank's stages; the last stage's per-microbatch losses (host-side tensors; under
-    loss parallel the local value of each replicated loss), None on other ranks."""
+    loss parallel the local value of each replicated loss), None on other ranks. ``tokens``: every
+    stage also gets the inputs (multi-token prediction)."""
     assert parts.schedule is not None and parts.schedule_loss is not None
     is_last = parts.is_last_stage
     losses: list[torch.Tensor] | None = [] if is_last else None
@@ -136,12 +161,12 @@ def run_schedule(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor,
     with _autocast(parts), parts.loss_context(), parts.schedule_loss.bound(loss_kwargs):
         if forward_only:
             parts.schedule.eval(*args, target=labels if is_last else None, losses=losses,
-                                **model_kwargs(positions))
+                                **model_kwargs(positions, inputs if tokens else None))
         else:
             # return_outputs=False: otherwise the last stage keeps every microbatch's logits
             # (output_chunks) until the next step and concatenates them, for nothing.
             parts.schedule.step(*args, target=labels if is_last else None, losses=losses,
-                                return_outputs=False, **model_kwargs(positions))
+                                return_outputs=False, **model_kwargs(positions, inputs if tokens else None))
     return [local_tensor(x) for x in losses] if losses is not None else None
 
 
@@ -151,11 +176,12 @@ def _forward_backward(parts: TrainParts, inputs: torch.Tensor, labels: torch.Ten
     """Forward and backward of the step's microbatches: ``(the schedule's per-microbatch losses
     (PP; None off the last stage), None)``, or ``(None, the sum of the microbatch losses)``
     (gradient accumulation, the gradients then divided by the microbatch count)."""
+    mtp = parts.mtp is not None
     if parts.schedule is not None:
-        return run_schedule(parts, inputs, labels, positions, loss_kwargs), None
+        return run_schedule(parts, inputs, labels, positions, loss_kwargs, tokens=mtp), None
     model = next(iter(parts.stages.values()))
     total = torch.zeros((), device=parts.device)
-    for i, (x, y, kw) in enumerate(microbatches(inputs, labels, positions, n_microbatches)):
+    for i, (x, y, kw) in enumerate(microbatches(inputs, labels, positions, n_microbatches, tokens=mtp)):
         if parts.dims.fsdp:
             cast("FSDPModule", model).set_requires_gradient_sync(i == n_microbatches - 1)
         with parts.loss_context():
@@ -175,14 +201,15 @@ def _forward_backward(parts: TrainParts, inputs: torch.Tensor, labels: torch.Ten
 
 
 def _update(parts: TrainParts, step: int, loss: torch.Tensor | None, max_norm: float, t1: float,
-            masked: tuple[float, torch.Tensor] | None = None) -> StepResult:
+            masked: tuple[float, torch.Tensor] | None = None, mtp: torch.Tensor | None = None) -> StepResult:
     """After backward: expert-gradient scaling, clipping, the non-finite flags, the optimizer
     and LR steps, the MoE statistics, then the step's one host synchronisation.
 
     ``loss``: this rank's loss on the device (0-dim; None off the last stage): the mean over its
     microbatches, or with loss masks (``masked = (scale, counted labels (0-dim int64))``) the sum
     of the scaled microbatch losses, turned into the mean over the counted labels on the host as
-    before. ``t1``: when the step's forward began.
+    before. ``t1``: when the step's forward began. ``mtp``: each MTP depth's loss ``(depths,)``,
+    as ``loss`` (mean or scaled sum), read with the step's other scalars.
 
     Whether the update is withheld (a non-finite loss or gradient norm, under either policy) is
     decided on the device before the optimizer step: a fused optimizer takes it as ``found_inf``
@@ -224,7 +251,7 @@ def _update(parts: TrainParts, step: int, loss: torch.Tensor | None, max_norm: f
         parts.scheduler.step()
     moe = parts.moe.end_step()
     scalars = [loss_bad, norm, update_bad, *([] if loss is None else [loss]),
-               *([] if masked is None else [masked[1]]), *moe.tensors()]
+               *([] if masked is None else [masked[1]]), *([] if mtp is None else [mtp]), *moe.tensors()]
     host = _to_host(scalars, parts.device)
     loss_bad_h, grad_norm, update_bad_h = bool(host[0]), host[1], bool(host[2])
     rest = host[3:]
@@ -236,6 +263,11 @@ def _update(parts: TrainParts, step: int, loss: torch.Tensor | None, max_norm: f
         loss_tokens, rest = int(rest[0]), rest[1:]
         # This rank's mean over its counted labels; 0 of 0 weighs nothing in the collector's mean.
         loss_h = None if loss_h is None else (loss_h / masked[0] / loss_tokens if loss_tokens else 0.0)
+    mtp_h = None
+    if mtp is not None:
+        mtp_h, rest = rest[:mtp.numel()], rest[mtp.numel():]
+        if masked is not None:  # normalised as the main loss: by this rank's counted main labels
+            mtp_h = [v / masked[0] / loss_tokens if loss_tokens else 0.0 for v in mtp_h]
     aux_loss, moe_layers, expert_load = moe.read(rest)
     # Rare path: which stages hold the non-finite gradients, for the message (every rank takes it:
     # the norm is the whole model's).
@@ -243,7 +275,7 @@ def _update(parts: TrainParts, step: int, loss: torch.Tensor | None, max_norm: f
     health = StepHealth(step, loss_bad_h, grad_norm, update_bad_h, grad_stages)
     t3 = time.perf_counter()
     return StepResult(loss_h, grad_norm, lr, health, aux_loss, moe_layers, expert_load, t2 - t1, t3 - t2,
-                      loss_tokens)
+                      loss_tokens, mtp_h)
 
 
 def _loss_flag(loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -83,6 +83,11 @@ MOE = {
 # load all-reduced over dp_shard, which one worker counts alone.
 MOE_V3 = {"pp2_dp_shard2_ep2": (4, ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2",
                                     "--parallelism.microbatches=2"])}
+# DeepSeek-V3 with one multi-token-prediction depth over packed documents: the depth's MoE block
+# on the last stage with its copy of the embedding (gradients summed with stage 0's), its experts
+# over ep, its labels cut at documents; its loss must match too (the mtp_losses column).
+MTP_FLAGS = ["--model.mtp_layers=1", "--training.document_mask=true"]
+MTP = {"pp2_dp_shard2_ep2": (4, [*MOE_V3["pp2_dp_shard2_ep2"][1], *MTP_FLAGS])}
 # Qwen3-MoE under tensor parallel (per-head q/k norms on each rank's heads, experts split by
 # hidden units) with experts over ep; gpt-oss (sinks, sliding windows, expert biases sharded
 # over ep; tp refused) with experts over ep. Both families' balance loss (transformers') pools the
@@ -96,9 +101,11 @@ MOE_2026 = {"qwen3_moe": (4, ["--parallelism.tp=2", "--parallelism.dp_shard=2", 
 TIED = {"qwen3": (2, ["--model.name=qwen3", "--parallelism.tp=2"]),
         "qwen3_chunked_loss": (2, ["--model.name=qwen3", "--parallelism.tp=2", CHUNKED])}
 REFERENCE_FLAGS = {"qwen3": ["--model.name=qwen3"], "qwen3_moe": ["--parallelism.microbatches=2"],
+                   "deepseek_v3_mtp": MTP_FLAGS,
                    "gpt_oss": ["--parallelism.microbatches=2"]}
 CONFIGS = {"llama": "debug_llama.toml", "qwen3": "debug_llama.toml",
            "deepseek_v2": "debug_deepseek.toml", "deepseek_v3": "debug_deepseek_v3.toml",
+           "deepseek_v3_mtp": "debug_deepseek_v3.toml",
            "qwen3_moe": "debug_qwen3_moe.toml", "gpt_oss": "debug_gpt_oss.toml"}
 
 
@@ -235,6 +242,26 @@ def test_moe_composition_matches_one_worker(name, corpus, references):
 @pytest.mark.parametrize("name", _cases(MOE_V3))
 def test_deepseek_v3_composition_matches_one_worker(name, corpus, references):
     _check_parity(name, _run(corpus / f"v3_{name}", "deepseek_v3", *MOE_V3[name]), references("deepseek_v3"))
+
+
+@pytest.mark.parametrize("name", list(MTP))
+def test_mtp_composition_matches_one_worker(name, corpus, references):
+    """The step loss (the main loss alone), the gradient norm and the MTP depth's loss (the mean
+    of the last stage's data-parallel ranks, each over its equal share of tokens) against one
+    worker's."""
+    run, ref = _run(corpus / f"mtp_{name}", "deepseek_v3_mtp", *MTP[name]), references("deepseek_v3_mtp")
+    _check_parity(name, run, ref)
+
+    def depth_curve(table):
+        last = table.filter(table["is_last_stage"]).to_pylist()
+        by_step: dict[int, list[float]] = {}
+        for row in last:
+            by_step.setdefault(row["step"], []).append(row["mtp_losses"][0])
+        return np.array([np.mean(by_step[s]) for s in sorted(by_step)])
+
+    got, want = depth_curve(run[1]), depth_curve(ref[1])[:STEPS]
+    assert want[0] > 1.0 and not np.allclose(want, _curve(ref[1])[:STEPS])  # a loss of its own
+    np.testing.assert_allclose(got, want, rtol=RTOL, err_msg=f"{name}: MTP depth 1 loss")
 
 
 @pytest.mark.parametrize("model", list(MOE_2026))

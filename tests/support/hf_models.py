@@ -187,11 +187,11 @@ def expert_choices(model, router_cls: type, tokens: torch.Tensor, index: int):
     return getattr(logits, "logits", logits), seen
 
 
-def train_one_dropped_step(src: Path, tmp_path: Path) -> tuple[Any, Path]:
+def train_one_dropped_step(src: Path, tmp_path: Path, flags: list[str] | None = None) -> tuple[Any, Path]:
     """The train loop, in this process on one rank, starting from the Hugging Face directory
     ``src``, for one step whose update is dropped (a non-finite loss injected under
     ``on_nonfinite = "skip"``), saving its checkpoint: ``(resolved JobConfig, run directory)``,
-    whose export must equal ``src`` bit for bit."""
+    whose export must equal ``src`` bit for bit. ``flags``: more settings (dotted flags)."""
     from ray_titan.checkpoint import LocalCheckpointStorage, resolve_hf_job
     from ray_titan.config import load_config
     from ray_titan.metrics.collector.collector import MetricsCollector
@@ -207,7 +207,7 @@ def train_one_dropped_step(src: Path, tmp_path: Path) -> tuple[Any, Path]:
         "--data.source=jsonl", "--training.seq_len=32", "--training.global_batch_size=4", "--training.steps=1",
         "--parallelism.pp=1", "--parallelism.dp_shard=1", "--metrics.enable_tensorboard=false",
         "--metrics.log_freq=1", "--training.threads_per_worker=1", "--memory.breakdown_step=0",
-        "--debug.nonfinite_loss_at_steps=[1]", "--training.on_nonfinite=skip"]))
+        "--debug.nonfinite_loss_at_steps=[1]", "--training.on_nonfinite=skip", *(flags or [])]))
     validate_job(cfg)
     run_dir = tmp_path / "run"
     run_dir.mkdir()

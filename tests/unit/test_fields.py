@@ -94,7 +94,8 @@ def _distinct_report() -> tuple[dict[str, Any], dict[str, Any]]:
     values: dict[str, Any] = {}
     for i, f in enumerate(FIELDS):
         values[f.name] = {"int64": 100 + i, "float64": i + 0.25, "bool": True, "string": f"s{i}",
-                          "list<int64>": [i], "list<list<int64>>": [[i, i + 1]], "dict": {}}[f.type]
+                          "list<int64>": [i], "list<list<int64>>": [[i, i + 1]], "list<float64>": [i + 0.5],
+                          "dict": {}}[f.type]
     # What one rank of a one-rank job must say for its step to be assembled and its loss counted.
     values.update(step=1, rank=0, tp=0, world_size=1, is_last_stage=True,
                   memory_breakdown={"rank": 0, "step": 1, "peak_bytes": 7})

@@ -97,6 +97,9 @@ class StepReport:
     loss_tokens: int | None = None
     """With loss masks (supervised fine-tuning): the labels counted in ``loss`` (its weight in the
     step's mean); None when every label of ``tokens`` counts."""
+    mtp_losses: list[float] | None = None
+    """Multi-token prediction: each depth's loss (host floats, depth 1 first) on a last-stage
+    rank, normalised as ``loss`` (then the main loss alone); None elsewhere."""
     source_tokens: list[int] | None = None
     """With a mixture (``data.sources``): the label tokens of this rank's slice taken from each
     source, in the order of ``data.sources``."""

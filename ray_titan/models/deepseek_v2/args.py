@@ -58,9 +58,10 @@ class DeepSeekV2Args:
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
     n_mtp_layers: int = 0
-    """Multi-token-prediction modules a checkpoint holds (DeepSeek-V3 §2.2; ``config.json``
-    ``num_nextn_predict_layers``). Not built: ray_titan trains the main model only, an import
-    skips their tensors and an export writes none (and says 0)."""
+    """Multi-token-prediction depths (DeepSeek-V3 §2.2; ``config.json`` ``num_nextn_predict_layers``):
+    read from a checkpoint, and built (``DeepSeekV2``'s ``MtpBlock``) as many as the job's
+    ``model.mtp_layers`` sets (its family's ``config_args``), which replaces the checkpoint's count;
+    an import reads, and an export writes, the depths built."""
     load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
     aux_loss_coeff: float = 0.001
     """α of the balance loss (DeepSeek-V2-Lite: 0.001)."""

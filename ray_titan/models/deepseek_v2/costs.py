@@ -43,15 +43,18 @@ def deepseek_flops_per_token(args: Any, seq_len: int) -> int:
     :func:`~ray_titan.models.costs.transformer_flops_per_token` with N = the *activated*
     non-embedding parameters (:func:`ray_titan.models.deepseek_v2.model.activated_parameters`,
     counted on the meta device: shared parameters, the shared experts and ``top_k`` of the routed
-    experts), L = ``n_layers`` and the MLA attention width ``H·(d_qk + d_v)/2``."""
+    experts), L = ``n_layers`` and the MLA attention width ``H·(d_qk + d_v)/2``. Multi-token
+    prediction's ``n_mtp_layers`` depths count as more blocks (their parameters are among the
+    model's, and L grows by them), and each uses the output head once more (``vocab × dim`` more
+    multiply-adds per token)."""
     import torch
 
     from ray_titan.models.deepseek_v2.model import DeepSeekV2, activated_parameters
 
     with torch.device("meta"):
-        n = activated_parameters(DeepSeekV2(args))
+        n = activated_parameters(DeepSeekV2(args)) + args.n_mtp_layers * args.vocab_size * args.dim
     width = args.n_heads * (args.qk_head_dim + args.v_head_dim) // 2
-    return transformer_flops_per_token(n, args.n_layers, width, seq_len)
+    return transformer_flops_per_token(n, args.n_layers + args.n_mtp_layers, width, seq_len)
 
 
 def moe_activations(a: Any, e: int, rho: float, ep: int, norm_in: float, *, device: str = "cpu",

@@ -133,23 +133,30 @@ class DeepSeekV2Adapter(StateDictAdapter):
                "norm.weight": Source(("model.norm.weight",)),
                "output.weight": Source((self.output_key(args),))}
         for i in range(args.n_layers):
-            hf, rt = f"model.layers.{i}.", f"layers.{i}."
-            attn = {"wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
-            attn |= {"wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj"} if args.q_lora_rank else {
-                "wq": "q_proj"}
-            out |= {f"{rt}attention.{a}.weight": Source((f"{hf}self_attn.{b}.weight",)) for a, b in attn.items()}
-            out |= {rt + "attention_norm.weight": Source((hf + "input_layernorm.weight",)),
-                    rt + "ffn_norm.weight": Source((hf + "post_attention_layernorm.weight",))}
-            ffn = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-            if i < args.n_dense_layers:
-                out |= {f"{rt}feed_forward.{a}.weight": Source((f"{hf}mlp.{b}.weight",)) for a, b in ffn.items()}
-                continue
-            out |= {rt + "moe.router.weight": Source((hf + "mlp.gate.weight",)),
-                    rt + "moe.router.expert_bias": self.router_bias_source(hf)}
-            out |= {f"{rt}moe.experts.{a}": Source(tuple(f"{hf}mlp.experts.{e}.{b}.weight"
-                                                         for e in range(args.n_routed_experts)), stacked=True)
+            out |= self.layer_sources(args, i)
+        return out
+
+    def layer_sources(self, args: DeepSeekV2Args, i: int) -> dict[str, Source]:
+        """The sources of block ``i``'s entries (``layers.i.*`` ↔ ``model.layers.i.*``); a dense
+        block below ``n_dense_layers``, an MoE block above (multi-token prediction's too)."""
+        out: dict[str, Source] = {}
+        hf, rt = f"model.layers.{i}.", f"layers.{i}."
+        attn = {"wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
+        attn |= {"wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj"} if args.q_lora_rank else {
+            "wq": "q_proj"}
+        out |= {f"{rt}attention.{a}.weight": Source((f"{hf}self_attn.{b}.weight",)) for a, b in attn.items()}
+        out |= {rt + "attention_norm.weight": Source((hf + "input_layernorm.weight",)),
+                rt + "ffn_norm.weight": Source((hf + "post_attention_layernorm.weight",))}
+        ffn = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+        if i < args.n_dense_layers:
+            out |= {f"{rt}feed_forward.{a}.weight": Source((f"{hf}mlp.{b}.weight",)) for a, b in ffn.items()}
+            return out
+        out |= {rt + "moe.router.weight": Source((hf + "mlp.gate.weight",)),
+                rt + "moe.router.expert_bias": self.router_bias_source(hf)}
+        out |= {f"{rt}moe.experts.{a}": Source(tuple(f"{hf}mlp.experts.{e}.{b}.weight"
+                                                     for e in range(args.n_routed_experts)), stacked=True)
+                for a, b in ffn.items()}
+        if args.n_shared_experts:
+            out |= {f"{rt}moe.shared_experts.{a}.weight": Source((f"{hf}mlp.shared_experts.{b}.weight",))
                     for a, b in ffn.items()}
-            if args.n_shared_experts:
-                out |= {f"{rt}moe.shared_experts.{a}.weight": Source((f"{hf}mlp.shared_experts.{b}.weight",))
-                        for a, b in ffn.items()}
         return out

@@ -11,10 +11,12 @@ from ray_titan.models.deepseek_v2 import DeepSeekV2, parallelize_deepseek_v2
 from ray_titan.models.deepseek_v2.costs import deepseek_block_activations, deepseek_flops_per_token
 from ray_titan.models.deepseek_v3.args import FLAVORS
 from ray_titan.models.deepseek_v3.state_dict_adapter import DeepSeekV3Adapter
-from ray_titan.models.spec import ModelSpec, moe_config_args
+from ray_titan.models.spec import ModelSpec, mtp_moe_config_args
 
 __all__ = ["FLAVORS", "SPEC", "DeepSeekV3Adapter"]
 
-# DeepSeek-V3 and Kimi K2: DeepSeek-V2's model with V3's router (its flavors set it).
+# DeepSeek-V3 and Kimi K2: DeepSeek-V2's model with V3's router (its flavors set it) and its
+# multi-token prediction (model.mtp_layers).
 SPEC = ModelSpec("deepseek_v3", DeepSeekV2, FLAVORS, parallelize_deepseek_v2, DeepSeekV3Adapter(),
-                 deepseek_flops_per_token, deepseek_block_activations, config_args=moe_config_args, moe=True)
+                 deepseek_flops_per_token, deepseek_block_activations, config_args=mtp_moe_config_args, moe=True,
+                 mtp=True)

@@ -7,7 +7,8 @@ same buffer, ``expert_bias``, is the checkpoint's ``e_score_correction_bias``), 
 their two best biased scores (``topk_method = "noaux_tc"``), normalised top-k weights times
 ``routed_scaling_factor``. Kimi K2 (Moonshot AI 2025, arXiv:2507.20534) is the same architecture
 with 384 experts in one group and 64 heads. The multi-token-prediction module the released
-checkpoints carry (``num_nextn_predict_layers``) is not built (``n_mtp_layers``).
+checkpoints carry (``num_nextn_predict_layers``, ``n_mtp_layers``) is built and trained when
+``model.mtp_layers`` asks for it (``ray_titan.models.deepseek_v2.model.MtpBlock``).
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ FLAVORS: dict[str, DeepSeekV2Args] = {
                                  beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707),
     ),
     # DeepSeek-V3 (huggingface.co/deepseek-ai/DeepSeek-V3, config.json): 671 B total, 37 B
-    # activated (the model card; the MTP module's 14 B not counted); 256 experts in 8 groups of
-    # which a token uses 4 (top-8), 3 dense layers, routed scaling 2.5.
+    # activated (the model card; the MTP module's 14 B not counted: the release holds one depth,
+    # which model.mtp_layers = 1 builds); 256 experts in 8 groups of which a token uses 4
+    # (top-8), 3 dense layers, routed scaling 2.5.
     "671B": dataclasses.replace(
         _V3, dim=7168, n_layers=61, n_dense_layers=3, n_heads=128, vocab_size=129_280, inter_dim=18_432,
         moe_inter_dim=2048, n_routed_experts=256, n_shared_experts=1, n_activated_experts=8, route_scale=2.5,
-        n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512, max_seq_len=163_840, n_mtp_layers=1,
+        n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512, max_seq_len=163_840,
         rope_scaling=RopeScaling("yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
                                  beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
     ),

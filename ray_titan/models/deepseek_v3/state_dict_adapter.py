@@ -3,9 +3,14 @@
 
 Names as DeepSeek-V2's (``ray_titan.models.deepseek_v2.state_dict_adapter``), except the router's bias: V3's
 checkpoints hold it as ``mlp.gate.e_score_correction_bias`` (required), which is ray_titan's
-``moe.router.expert_bias``. The multi-token-prediction layers (``model.layers.<num_hidden_layers
-+ i>.*``, ``num_nextn_predict_layers`` of them) are skipped with a printed line and exported as
-none. The released V3 and K2 files are FP8 with block scales (``quantization_config``): they are
+``moe.router.expert_bias``. The multi-token-prediction depths (``num_nextn_predict_layers``; the
+model's ``n_mtp_layers``) are ``model.layers.<num_hidden_layers + k>.*``: an MoE block named as
+any other, and ``enorm`` / ``hnorm`` / ``eh_proj`` / ``shared_head.norm`` ↔ ray_titan's
+``enorm`` / ``hnorm`` / ``eh_proj`` / ``head_norm`` of that block (``MtpBlock``). Their
+``embed_tokens.weight`` and ``shared_head.head.weight`` are copies of the model's embedding and
+output head (DeepSeek's release writes them; transformers ignores them): the import ignores them
+and an export writes none. A job that builds fewer depths than a checkpoint holds reads only
+those. The released V3 and K2 files are FP8 with block scales (``quantization_config``): they are
 refused with the way to a bf16 copy.
 """
 
@@ -27,6 +32,8 @@ class DeepSeekV3Adapter(DeepSeekV2Adapter):
     model_type = "deepseek_v3"
     architectures = ("DeepseekV3ForCausalLM",)
     model_type_aliases = ("kimi_k2",)
+    # The MTP depths built are the job's choice (model.mtp_layers), not compared with config.json.
+    training_fields = DeepSeekV2Adapter.training_fields | {"n_mtp_layers"}
     topk_methods = ("noaux_tc",)
     scoring_funcs = ("sigmoid",)
     quant_advice = ("; the released DeepSeek-V3 / Kimi K2 files are FP8 with block scales: convert them to bf16 first "
@@ -37,13 +44,32 @@ class DeepSeekV3Adapter(DeepSeekV2Adapter):
         return dataclasses.replace(args, n_mtp_layers=size_field(config, "num_nextn_predict_layers", 0))
 
     def hf_config(self, args: DeepSeekV2Args) -> dict[str, Any]:
-        # No MTP tensors are written, so an exported config.json says there are none.
-        return {**super().hf_config(args), "num_nextn_predict_layers": 0}
+        return {**super().hf_config(args), "num_nextn_predict_layers": args.n_mtp_layers}
 
     def router_bias_source(self, hf_layer: str) -> Source:
         return Source((hf_layer + "mlp.gate.e_score_correction_bias",))
 
-    def skipped_prefixes(self, args: DeepSeekV2Args) -> dict[str, str]:
-        why = ("a multi-token-prediction module (DeepSeek-V3 §2.2; num_nextn_predict_layers): ray_titan trains "
-               "the main model only, without the MTP loss, and exports none")
-        return {f"model.layers.{args.n_layers + i}.": why for i in range(args.n_mtp_layers)}
+    def sources(self, args: DeepSeekV2Args) -> dict[str, Source]:
+        out = super().sources(args)
+        if args.n_mtp_layers:  # a last pipeline stage's copy of the embedding (read, never written)
+            out["mtp_embeddings.weight"] = Source(("model.embed_tokens.weight",))
+        for i in range(args.n_layers, args.n_layers + args.n_mtp_layers):
+            hf, rt = f"model.layers.{i}.", f"layers.{i}."
+            out |= self.layer_sources(args, i)
+            out |= {f"{rt}{a}.weight": Source((f"{hf}{b}.weight",))
+                    for a, b in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                                 ("head_norm", "shared_head.norm"))}
+        return out
+
+    def held_args(self, args: DeepSeekV2Args, keys: set[str]) -> DeepSeekV2Args:
+        """The MTP depths the files hold: transformers' ``save_pretrained`` writes
+        ``num_nextn_predict_layers`` (its default 1) without the depths' tensors."""
+        held = 0
+        while held < args.n_mtp_layers and any(k.startswith(f"model.layers.{args.n_layers + held}.") for k in keys):
+            held += 1
+        return dataclasses.replace(args, n_mtp_layers=held)
+
+    def ignored_keys(self, args: DeepSeekV2Args) -> set[str]:
+        copies = {f"model.layers.{args.n_layers + k}.{name}" for k in range(args.n_mtp_layers)
+                  for name in ("embed_tokens.weight", "shared_head.head.weight")}
+        return super().ignored_keys(args) | copies

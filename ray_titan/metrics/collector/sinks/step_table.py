@@ -27,7 +27,8 @@ _BOOL_TYPES = {f.name for f in STEP_SCHEMA if pa.types.is_boolean(f.type)}
 _VERDICTS = pa.array(VERDICTS)
 _PACKED_COLUMNS = [(k, name) for k, name in enumerate(PACKED_FIELDS) if FIELD[name].column]
 _LAYERS, _LOAD = OBJECT_INDEX["moe_layers"], OBJECT_INDEX["expert_load"]
-_LISTS = (("node", OBJECT_INDEX["node"]), ("source_tokens", OBJECT_INDEX["source_tokens"]))
+_LISTS = (("node", OBJECT_INDEX["node"]), ("source_tokens", OBJECT_INDEX["source_tokens"]),
+          ("mtp_losses", OBJECT_INDEX["mtp_losses"]))
 # Step-level figures repeated in every row of the step: (column, key of the step's summary).
 _STEP_LEVEL = (("step_loss", "loss"), ("step_loss_max", "loss_max"), ("step_tokens", "tokens"),
                ("step_tokens_per_s", "tokens_per_s"), ("step_val_loss", "val/loss"))
