@@ -169,6 +169,7 @@ SIZE_FIELDS: dict[str, tuple[int, int]] = {
     "kv_lora_rank": (1, MAX_LORA_RANK),
     "qk_nope_head_dim": (1, MAX_HEAD_DIM),
     "qk_rope_head_dim": (2, MAX_HEAD_DIM),
+    "rotary_dim": (2, MAX_HEAD_DIM),  # MiniMax-M2: the rotated dimensions of each head
     "v_head_dim": (1, MAX_HEAD_DIM),
     "max_position_embeddings": (1, MAX_POSITIONS),
     "original_max_position_embeddings": (1, MAX_POSITIONS),
@@ -226,6 +227,7 @@ FLOAT_FIELDS: dict[str, tuple[float, float, bool, bool]] = {
     "initializer_range": (0.0, math.inf, True, False),  # the std of transformers' init: normal_ refuses < 0
     "partial_rotary_factor": (0.0, 1.0, False, True),  # the rotated share of a head
     "attention_factor": (0.0, math.inf, False, False),  # transformers' rope validation: > 0
+    "router_jitter_noise": (0.0, 1.0, True, False),  # MiniMax-M2 (transformers' training only): inputs × U(1 ± it)
 }
 """config.json field -> (low, high, low allowed, high allowed): the floats a family reads (or
 transformers' reference reads) that size nothing but enter the model's arithmetic (rope

@@ -53,7 +53,8 @@ def write_tokenizer(directory: Path, vocab_size: int = TOKENIZER_VOCAB) -> Path:
 
 # Each family's tiny model is seeded apart. A registered family without one fails the tests that
 # take every family (ray_titan.models.registry.FAMILIES): add its seed here and its config below.
-SEEDS = {"llama": 1, "qwen3": 2, "deepseek_v2": 3, "deepseek_v3": 4, "qwen3_moe": 5, "gpt_oss": 6, "glm4_moe": 7}
+SEEDS = {"llama": 1, "qwen3": 2, "deepseek_v2": 3, "deepseek_v3": 4, "qwen3_moe": 5, "gpt_oss": 6, "glm4_moe": 7,
+         "minimax_m2": 8}
 
 
 def hf_config(family: str):
@@ -104,6 +105,13 @@ def hf_config(family: str):
             num_hidden_layers=3, num_key_value_heads=2, head_dim=32, first_k_dense_replace=1, moe_intermediate_size=32,
             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
             routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True, **common)
+    if family == "minimax_m2":
+        # MiniMax-M2's shape in small: heads of 32 of which 16 rotated (rotary_dim), GQA 4:2, q/k
+        # norms over all heads, every layer MoE: sigmoid routing of 8 experts (top-2) with the
+        # correction bias, no shared expert.
+        return tf.MiniMaxM2Config(
+            num_hidden_layers=3, num_key_value_heads=2, head_dim=32, rotary_dim=16, num_local_experts=8,
+            num_experts_per_tok=2, **{**common, "intermediate_size": 32})
     if family == "deepseek_v2":
         # DeepSeek-V2-Lite's shape in small: YaRN (its factor, mscale), plain q projection, first
         # layer dense, 8 routed experts top-2 plus a shared one; a routed scaling factor that matters.

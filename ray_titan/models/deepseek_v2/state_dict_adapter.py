@@ -150,17 +150,20 @@ class DeepSeekV2Adapter(StateDictAdapter):
 _FFN = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def moe_sources(args: Any, hf: str, rt: str, router_bias: Source) -> dict[str, Source]:
+def moe_sources(args: Any, hf: str, rt: str, router_bias: Source, moe: str = "mlp.",
+                ffn: dict[str, str] | None = None) -> dict[str, Source]:
     """The :class:`Source` of each entry of one MoE layer (``ray_titan.models.deepseek_v2.model.MoE``)
-    in DeepSeek's names, shared by the families that use them (GLM-4.5): ``mlp.gate`` ↔
-    ``moe.router``, the router's bias from ``router_bias``, ``mlp.experts.E.{gate,up,down}_proj``
-    (one tensor per expert) ↔ row ``E`` of ``moe.experts.w{1,3,2}``, ``mlp.shared_experts.*`` ↔
+    in DeepSeek's names, shared by the families that use them (GLM-4.5, and MiniMax-M2 with its
+    own ``moe`` prefix and ``ffn`` names): ``mlp.gate`` ↔ ``moe.router``, the router's bias from
+    ``router_bias``, ``mlp.experts.E.{gate,up,down}_proj`` (one tensor per expert; ``ffn``: ours →
+    theirs) ↔ row ``E`` of ``moe.experts.w{1,3,2}``, ``mlp.shared_experts.*`` ↔
     ``moe.shared_experts.*``. ``hf``, ``rt``: the layer's name prefix there and here
     (``model.layers.N.``, ``layers.N.``); ``args``: ``n_routed_experts``, ``n_shared_experts``."""
-    out = {rt + "moe.router.weight": Source((hf + "mlp.gate.weight",)), rt + "moe.router.expert_bias": router_bias}
-    out |= {f"{rt}moe.experts.{a}": Source(tuple(f"{hf}mlp.experts.{e}.{b}.weight"
+    ffn = ffn or _FFN
+    out = {rt + "moe.router.weight": Source((f"{hf}{moe}gate.weight",)), rt + "moe.router.expert_bias": router_bias}
+    out |= {f"{rt}moe.experts.{a}": Source(tuple(f"{hf}{moe}experts.{e}.{b}.weight"
                                                  for e in range(args.n_routed_experts)), stacked=True)
-            for a, b in _FFN.items()}
+            for a, b in ffn.items()}
     if args.n_shared_experts:
         out |= {f"{rt}moe.shared_experts.{a}.weight": Source((f"{hf}mlp.shared_experts.{b}.weight",))
                 for a, b in _FFN.items()}

@@ -35,7 +35,22 @@ from ray_titan.models.state_dict_adapter import (
     size_field,
 )
 
-__all__ = ["Glm4MoeAdapter"]
+__all__ = ["Glm4MoeAdapter", "partial_rotary_from_hf"]
+
+
+def partial_rotary_from_hf(config: dict[str, Any], head_dim: int, default: float) -> tuple[float, int]:
+    """``(partial_rotary_factor, rotated dimensions)`` of a ``config.json``: the factor at the top
+    level (the hub's files) or in ``rope_parameters`` (what transformers 5 writes), ``default``
+    when absent; the rotated dimensions are transformers' ``int(head_dim × factor)``. Raises
+    :class:`HFConfigError` naming the field when they are not an even number of at least 2."""
+    params = config.get("rope_parameters") or {}
+    where = "rope_parameters." if isinstance(params, dict) and "partial_rotary_factor" in params else ""
+    factor = float_field(params if where else config, "partial_rotary_factor", default, where=where)
+    rotated = int(head_dim * factor)
+    if rotated < 2 or rotated % 2:
+        raise HFConfigError(f"config.json {where}partial_rotary_factor = {factor:g} rotates {rotated} of the "
+                            f"head's {head_dim} dimensions; valid: a factor that rotates an even number >= 2")
+    return factor, rotated
 
 
 def _flag(config: dict[str, Any], name: str, default: bool) -> bool:
@@ -63,13 +78,7 @@ class Glm4MoeAdapter(LlamaAdapter):
             raise HFConfigError(f"config.json hidden_act = {config['hidden_act']!r} is not supported; valid: 'silu'")
         dim, n_heads, n_kv_heads, head_dim = attention_heads(config)
         theta, _ = rope_from_hf(config, (), 10_000.0)  # plain rope only: any scaling is refused, naming it
-        params = config.get("rope_parameters") or {}
-        where = "rope_parameters." if isinstance(params, dict) and "partial_rotary_factor" in params else ""
-        factor = float_field(params if where else config, "partial_rotary_factor", 0.5, where=where)
-        rotated = int(head_dim * factor)
-        if rotated < 2 or rotated % 2:
-            raise HFConfigError(f"config.json {where}partial_rotary_factor = {factor:g} rotates {rotated} of the "
-                                f"head's {head_dim} dimensions; valid: a factor that rotates an even number >= 2")
+        factor, _ = partial_rotary_from_hf(config, head_dim, 0.5)
         n_layers, n_dense = need("num_hidden_layers"), need("first_k_dense_replace", 1)
         if n_dense > n_layers:
             raise HFConfigError(f"config.json first_k_dense_replace = {n_dense} exceeds num_hidden_layers = "

@@ -42,6 +42,10 @@ class LlamaArgs:
     rotary_dim: int | None = None
     """How many of each head's dimensions (the first ones) the rotary embedding rotates; None: all
     (GLM-4.5's ``partial_rotary_factor`` 0.5 rotates half)."""
+    qk_norm_per_layer: bool = False
+    """With ``qk_norm``: one RMSNorm over all of a token's query heads together (and one over its
+    key heads), before they are split into heads, instead of one per head (MiniMax-M2's
+    ``qk_norm_type = "per_layer"``)."""
 
     @property
     def head_dim(self) -> int:

@@ -32,7 +32,9 @@ class Attention(nn.Module):
     ``args.attention_bias`` the q/k/v projections have biases, and with ``args.rotary_dim`` the
     rotary embedding turns only the first ``rotary_dim`` dimensions of each head, the rest pass
     through (GLM-4.5, transformers' ``models/glm4_moe/modeling_glm4_moe.py``,
-    ``apply_rotary_pos_emb``); ``cos``/``sin`` then have ``rotary_dim // 2`` columns.
+    ``apply_rotary_pos_emb``); ``cos``/``sin`` then have ``rotary_dim // 2`` columns. With
+    ``args.qk_norm_per_layer`` the q/k norms span all of a token's heads (``n_heads × head_dim``
+    wide), before the split into heads (MiniMax-M2, ``models/minimax_m2/modeling_minimax_m2.py``).
     """
 
     def __init__(self, args: LlamaArgs):
@@ -43,17 +45,21 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.per_layer = args.qk_norm_per_layer
+        q_width, k_width = (args.n_heads * self.head_dim, args.n_kv_heads * self.head_dim) if self.per_layer \
+            else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_width, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(k_width, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 heads: the projections may hold a subset of the heads (tensor parallel).
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.q_norm is not None and self.k_norm is not None and self.per_layer:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.view(bsz, seq, -1, self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None and self.k_norm is not None and not self.per_layer:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))

@@ -90,8 +90,9 @@ class LlamaAdapter(StateDictAdapter):
                 out |= {rt + "attention.wq.bias": Source((hf + "self_attn.q_proj.bias",), q_rows),
                         rt + "attention.wk.bias": Source((hf + "self_attn.k_proj.bias",), k_rows),
                         rt + "attention.wv.bias": Source((hf + "self_attn.v_proj.bias",))}
-            if args.qk_norm:
-                norm_rows = rotary_rows(1, args.head_dim, args.rope_dim)
-                out |= {rt + "attention.q_norm.weight": Source((hf + "self_attn.q_norm.weight",), norm_rows),
-                        rt + "attention.k_norm.weight": Source((hf + "self_attn.k_norm.weight",), norm_rows)}
+            if args.qk_norm:  # per head, or over all heads (their rows as the projections')
+                q_norm_rows, k_norm_rows = (q_rows, k_rows) if args.qk_norm_per_layer else (
+                    rotary_rows(1, args.head_dim, args.rope_dim),) * 2
+                out |= {rt + "attention.q_norm.weight": Source((hf + "self_attn.q_norm.weight",), q_norm_rows),
+                        rt + "attention.k_norm.weight": Source((hf + "self_attn.k_norm.weight",), k_norm_rows)}
         return out
