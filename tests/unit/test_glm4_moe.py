@@ -134,3 +134,29 @@ def test_flops_count_the_activated_parameters():
 ])
 def test_bad_config_json_is_refused_naming_the_field(tiny, tmp_path, change, message):
     hf.assert_config_refused(tiny[0], tmp_path, change, message)
+
+
+def test_mtp_layer_is_skipped_when_config_json_declares_it(tiny, tmp_path, capsys):
+    """The released files carry the MTP layer as layer ``num_hidden_layers`` (transformers ignores
+    ``model.layers.92.*``): with ``num_nextn_predict_layers = 1`` its tensors are skipped with a line
+    saying so and the rest loads as before; with 0 they are refused as unexpected."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from ray_titan.checkpoint import HFCheckpointError, check_hf_checkpoint
+
+    src, _ = tiny
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(tmp_path / "model.safetensors") | {"model.layers.3.eh_proj.weight": torch.randn(64, 128)}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1  # transformers' default, written by save_pretrained
+    model, _, args = hf.load_ray_titan(tmp_path)
+    assert args.n_mtp_layers == 1 and "skipping 1 tensor(s) model.layers.3.*" in capsys.readouterr().out
+    reference, _, _ = hf.load_ray_titan(src)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(HFCheckpointError, match=r"unexpected tensor\(s\) model.layers.3.eh_proj.weight"):
+        check_hf_checkpoint(str(tmp_path))
