@@ -110,7 +110,7 @@ CASES: list[Case] = [
 _MOE_DEBUG = dict(pp=2, dp=2, ep=2, n=4, seq=128, bf16=True)
 FLAVOR_CASES: list[Case] = [
     *[_case(f"{m} debug pp2 dp2 ep2", model=m, **_MOE_DEBUG)  # type: ignore[arg-type]
-      for m in ("deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss")],
+      for m in ("deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss", "glm4_moe", "minimax_m2")],
     _case("qwen3 0.6B fsdp8 seq4096", model="qwen3", flavor="0.6B", dp=8, seq=4096, mb=1, bf16=True),
     _case("qwen3 1.7B fsdp8 seq4096", model="qwen3", flavor="1.7B", dp=8, seq=4096, mb=1, bf16=True),
     _case("llama 3.2-1B pp2 dp4 tp2 seq2048", model="llama", flavor="3.2-1B", pp=2, dp=4, tp=2, n=4, mb=1,
@@ -141,12 +141,18 @@ FLAVOR_CASES: list[Case] = [
           extra=("--model.mtp_layers=1", "--training.document_mask=true")),
     _case("qwen3_moe 30B-A3B pp4 dp8 ep8 seq4096", model="qwen3_moe", flavor="30B-A3B", pp=4, dp=8, ep=8, n=8,
           mb=1, seq=4096, bf16=True),
+    _case("glm4_moe 106B-A12B pp4 dp8 ep8 seq4096", model="glm4_moe", flavor="106B-A12B", pp=4, dp=8, ep=8, n=8,
+          mb=1, seq=4096, bf16=True),
+    _case("minimax_m2 230B-A10B pp8 dp16 ep16 seq4096", model="minimax_m2", flavor="230B-A10B", pp=8, dp=16,
+          ep=16, n=8, mb=1, seq=4096, bf16=True),
     _case("gpt_oss 120B pp4 dp8 ep8 seq2048", model="gpt_oss", flavor="120B", pp=4, dp=8, ep=8, n=4, mb=1,
           seq=2048, bf16=True),
     # The byte tokenizer's 258 tokens do not split over tp=8 (pre-flight refuses loss parallel).
     _case("llama 3.1-70B pp8 dp64 tp8 seq8192", model="llama", flavor="3.1-70B", pp=8, dp=64, tp=8, n=8, mb=1,
           seq=8192, bf16=True, extra=("--parallelism.loss_parallel=false",)),
     _case("qwen3_moe 235B-A22B pp8 dp16 ep16 seq4096", model="qwen3_moe", flavor="235B-A22B", pp=8, dp=16,
+          ep=16, n=8, mb=1, seq=4096, bf16=True),
+    _case("glm4_moe 355B-A32B pp8 dp16 ep16 seq4096", model="glm4_moe", flavor="355B-A32B", pp=8, dp=16,
           ep=16, n=8, mb=1, seq=4096, bf16=True),
     _case("deepseek_v2 V2 pp8 dp16 ep16 seq4096", model="deepseek_v2", flavor="V2", pp=8, dp=16, ep=16, n=8,
           mb=1, seq=4096, bf16=True),
@@ -218,7 +224,7 @@ def run(quick: bool = False, name_filter: str = "", workers: int = 2, flavors: b
     or the debug flavors, first rank; ``name_filter``: those whose name contains it), ``workers``
     cases at a time; rows as :func:`run_case`'s, a failed simulation as a row with ``error`` a
     message and ``passed`` False."""
-    quick_names = [c.name for c in FLAVOR_CASES[:4]] if flavors else QUICK  # flavors: the debug MoE ones
+    quick_names = [c.name for c in FLAVOR_CASES if " debug " in c.name] if flavors else QUICK  # the debug MoE ones
     cases = [c for c in (FLAVOR_CASES if flavors else CASES)
              if (not quick or c.name in quick_names) and name_filter in c.name]
 

@@ -63,7 +63,7 @@ def _read_source(files: SafetensorsFiles, src: Source, start: int, stop: int) ->
 
 
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
-_EXPERT_KEY = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+_EXPERT_KEY = re.compile(r"model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")  # Mixtral: MiniMax-M2
 _FUSED_EXPERTS_KEY = re.compile(r"model\.layers\.\d+\.mlp\.experts\.[a-z_]+$")  # gpt-oss: (experts, ...)
 
 
@@ -81,7 +81,8 @@ def _check_sizes_against_headers(config_file: str, config: dict[str, Any], spec:
                  if _FUSED_EXPERTS_KEY.match(k) and files.entries[k].shape]
         # DeepSeek's name, Qwen3-MoE's, and Qwen3-MoE's as transformers 5 writes it (gpt-oss's too).
         for field in ("n_routed_experts", "num_experts", "num_local_experts"):
-            bounds[field] = (max([len(experts), *fused]), "routed experts (model.layers.N.mlp.experts.E, or dim 0 "
+            bounds[field] = (max([len(experts), *fused]), "routed experts (model.layers.N.mlp.experts.E, "
+                             "model.layers.N.block_sparse_moe.experts.E, or dim 0 "
                              "of the fused model.layers.N.mlp.experts.* tensors)")
     embed = files.entries.get("model.embed_tokens.weight")
     if embed is not None and len(embed.shape) == 2:

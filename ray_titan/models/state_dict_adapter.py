@@ -98,13 +98,16 @@ def attention_heads(config: dict[str, Any]) -> tuple[int, int, int, int]:
     return dim, n_heads, n_kv_heads, head_dim
 
 
-def rotary_rows(n_heads: int, head_dim: int) -> tuple[int, ...]:
+def rotary_rows(n_heads: int, head_dim: int, rotated: int | None = None) -> tuple[int, ...]:
     """The q/k row permutation from Hugging Face's ``rotate_half`` layout to Meta's interleaved
-    pairs: within each head, Meta's rows ``2j, 2j+1`` are Hugging Face's rows ``j, j + head_dim/2``
+    pairs: within each head, Meta's rows ``2j, 2j+1`` are Hugging Face's rows ``j, j + rotated/2``
     (the inverse of the ``permute`` in transformers' ``convert_llama_weights_to_hf.py``).
+    ``rotated``: the head's first dimensions the rotary embedding turns (a partial rotary
+    embedding, GLM-4.5's; None: all ``head_dim``), the rows after them stay in place.
     Length ``n_heads · head_dim``."""
-    half = head_dim // 2
-    return tuple(h * head_dim + (j // 2 if j % 2 == 0 else half + j // 2)
+    rotated = rotated or head_dim
+    half = rotated // 2
+    return tuple(h * head_dim + (j if j >= rotated else j // 2 if j % 2 == 0 else half + j // 2)
                  for h in range(n_heads) for j in range(head_dim))
 
 
@@ -166,6 +169,7 @@ SIZE_FIELDS: dict[str, tuple[int, int]] = {
     "kv_lora_rank": (1, MAX_LORA_RANK),
     "qk_nope_head_dim": (1, MAX_HEAD_DIM),
     "qk_rope_head_dim": (2, MAX_HEAD_DIM),
+    "rotary_dim": (2, MAX_HEAD_DIM),  # MiniMax-M2: the rotated dimensions of each head
     "v_head_dim": (1, MAX_HEAD_DIM),
     "max_position_embeddings": (1, MAX_POSITIONS),
     "original_max_position_embeddings": (1, MAX_POSITIONS),
@@ -223,6 +227,7 @@ FLOAT_FIELDS: dict[str, tuple[float, float, bool, bool]] = {
     "initializer_range": (0.0, math.inf, True, False),  # the std of transformers' init: normal_ refuses < 0
     "partial_rotary_factor": (0.0, 1.0, False, True),  # the rotated share of a head
     "attention_factor": (0.0, math.inf, False, False),  # transformers' rope validation: > 0
+    "router_jitter_noise": (0.0, 1.0, True, False),  # MiniMax-M2 (transformers' training only): inputs × U(1 ± it)
 }
 """config.json field -> (low, high, low allowed, high allowed): the floats a family reads (or
 transformers' reference reads) that size nothing but enter the model's arithmetic (rope
@@ -263,7 +268,7 @@ def float_field(config: dict[str, Any], name: str, default: float, *, where: str
 
 
 BOOL_FIELDS = frozenset({"tie_word_embeddings", "norm_topk_prob", "attention_bias", "mlp_bias", "use_sliding_window",
-                         "truncate"})
+                         "truncate", "use_qk_norm"})
 """config.json fields the families read as booleans: JSON ``true`` / ``false`` (or null) only, as
 transformers' typed configs declare them (a string ``"false"`` would read as true)."""
 

@@ -116,7 +116,8 @@ def _saved_bytes(block, x, cos, sin) -> int:
 @pytest.mark.parametrize("family,layer,dtype", [("llama", 0, torch.float32), ("deepseek_v2", 0, torch.float32),
                                                 ("deepseek_v2", 1, torch.float32), ("llama", 0, torch.bfloat16),
                                                 ("qwen3", 0, torch.float32), ("qwen3", 0, torch.bfloat16),
-                                                ("qwen3_moe", 1, torch.bfloat16)])
+                                                ("qwen3_moe", 1, torch.bfloat16), ("glm4_moe", 0, torch.float32),
+                                                ("glm4_moe", 1, torch.bfloat16), ("minimax_m2", 0, torch.float32)])
 def test_block_activation_formulas_equal_what_autograd_saves(family, layer, dtype):
     """fp32, and bf16 weights and inputs as FSDP2's MixedPrecisionPolicy computes (Llama, and a
     Qwen3-MoE MoE block, 7 % short before the router's and the expert outputs' fp32 copies were

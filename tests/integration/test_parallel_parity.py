@@ -96,7 +96,13 @@ MTP = {"pp2_dp_shard2_ep2": (4, [*MOE_V3["pp2_dp_shard2_ep2"][1], *MTP_FLAGS])}
 # 1e-3 relative by step 10 on gpt-oss, 1e-7 with load_balance = "none"). No pp: a stage can
 # only approximate the loss pooled over all MoE layers (ray_titan.models.qwen3_moe.model).
 MOE_2026 = {"qwen3_moe": (4, ["--parallelism.tp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
-            "gpt_oss": (2, ["--parallelism.dp_shard=2", "--parallelism.ep=2"])}
+            "gpt_oss": (2, ["--parallelism.dp_shard=2", "--parallelism.ep=2"]),
+            # GLM-4.5 under tp with sequence parallel (q/k/v biases and partial rotary on each
+            # rank's heads, the shared expert split by hidden units) with experts over ep; its
+            # aux-loss-free bias moves from the load all-reduced over dp_shard, as DeepSeek-V3's.
+            "glm4_moe": (4, ["--parallelism.tp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
+            # MiniMax-M2 (q/k norms over all heads, every layer MoE; tp refused) with experts over ep.
+            "minimax_m2": (2, ["--parallelism.dp_shard=2", "--parallelism.ep=2"])}
 # A tied head under tp: the vocab-parallel embedding's gradient and the head's, summed on one weight.
 TIED = {"qwen3": (2, ["--model.name=qwen3", "--parallelism.tp=2"]),
         "qwen3_chunked_loss": (2, ["--model.name=qwen3", "--parallelism.tp=2", CHUNKED])}
@@ -106,7 +112,8 @@ REFERENCE_FLAGS = {"qwen3": ["--model.name=qwen3"], "qwen3_moe": ["--parallelism
 CONFIGS = {"llama": "debug_llama.toml", "qwen3": "debug_llama.toml",
            "deepseek_v2": "debug_deepseek.toml", "deepseek_v3": "debug_deepseek_v3.toml",
            "deepseek_v3_mtp": "debug_deepseek_v3.toml",
-           "qwen3_moe": "debug_qwen3_moe.toml", "gpt_oss": "debug_gpt_oss.toml"}
+           "qwen3_moe": "debug_qwen3_moe.toml", "gpt_oss": "debug_gpt_oss.toml", "glm4_moe": "debug_glm4_moe.toml",
+           "minimax_m2": "debug_minimax_m2.toml"}
 
 
 def _rank_main(rank: int, nproc: int, config: str, overrides: list[str], run_dir: str,

@@ -53,7 +53,8 @@ def write_tokenizer(directory: Path, vocab_size: int = TOKENIZER_VOCAB) -> Path:
 
 # Each family's tiny model is seeded apart. A registered family without one fails the tests that
 # take every family (ray_titan.models.registry.FAMILIES): add its seed here and its config below.
-SEEDS = {"llama": 1, "qwen3": 2, "deepseek_v2": 3, "deepseek_v3": 4, "qwen3_moe": 5, "gpt_oss": 6}
+SEEDS = {"llama": 1, "qwen3": 2, "deepseek_v2": 3, "deepseek_v3": 4, "qwen3_moe": 5, "gpt_oss": 6, "glm4_moe": 7,
+         "minimax_m2": 8}
 
 
 def hf_config(family: str):
@@ -96,6 +97,21 @@ def hf_config(family: str):
             routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
             v_head_dim=16, rope_parameters=rope, **{**common, "max_position_embeddings": 40 * 64},
         )
+    if family == "glm4_moe":
+        # GLM-4.5's shape in small: heads of 32 of which 16 rotated (partial_rotary_factor 0.5), GQA
+        # 4:2, q/k/v biases, q/k norms, the first layer dense, sigmoid routing of 8 experts in 2
+        # groups of which 1 is kept (top-2) with the correction bias, one shared expert, scaling 2.5.
+        return tf.Glm4MoeConfig(
+            num_hidden_layers=3, num_key_value_heads=2, head_dim=32, first_k_dense_replace=1, moe_intermediate_size=32,
+            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True, **common)
+    if family == "minimax_m2":
+        # MiniMax-M2's shape in small: heads of 32 of which 16 rotated (rotary_dim), GQA 4:2, q/k
+        # norms over all heads, every layer MoE: sigmoid routing of 8 experts (top-2) with the
+        # correction bias, no shared expert.
+        return tf.MiniMaxM2Config(
+            num_hidden_layers=3, num_key_value_heads=2, head_dim=32, rotary_dim=16, num_local_experts=8,
+            num_experts_per_tok=2, **{**common, "intermediate_size": 32})
     if family == "deepseek_v2":
         # DeepSeek-V2-Lite's shape in small: YaRN (its factor, mscale), plain q projection, first
         # layer dense, 8 routed experts top-2 plus a shared one; a routed scaling factor that matters.
@@ -187,11 +203,61 @@ def expert_choices(model, router_cls: type, tokens: torch.Tensor, index: int):
     return getattr(logits, "logits", logits), seen
 
 
-def train_one_dropped_step(src: Path, tmp_path: Path, flags: list[str] | None = None) -> tuple[Any, Path]:
+def assert_config_refused(src: Path, tmp_path: Path, change: dict[str, Any], message: str) -> None:
+    """A copy of the Hugging Face directory ``src`` whose ``config.json`` has ``change`` (a None
+    value drops the field) is refused by ``check_hf_checkpoint`` with an ``HFCheckpointError``
+    naming that file and matching ``message`` (a regular expression)."""
+    import shutil
+
+    import pytest
+
+    from ray_titan.checkpoint import HFCheckpointError, check_hf_checkpoint
+
+    shutil.copytree(src, tmp_path / "m")
+    config = json.loads((src / "config.json").read_text())
+    for key, value in change.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFCheckpointError, match=rf"{tmp_path / 'm'}/config\.json: .*{message}"):
+        check_hf_checkpoint(str(tmp_path / "m"))
+
+
+def export_equals_source(run_dir: Path, src: Path, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Export the run ``run_dir`` to ``out`` (fp32) and check it holds the tensors of the Hugging
+    Face directory ``src`` bit for bit under the same names, that its ``config.json`` describes the
+    same architecture (the family adapter's ``differences``) and that transformers reads it back
+    with logits equal to the original's (64 tokens, to the bit). Returns ``(exported tensors by
+    name, the export's config.json)``."""
+    import torch
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    from ray_titan.checkpoint import check_hf_checkpoint, export_hf
+
+    export_hf(run_dir, str(out), dtype="fp32")
+    exported = {k: v for f in out.glob("model*.safetensors") for k, v in load_file(f).items()}
+    original = load_file(src / "model.safetensors")
+    assert exported.keys() == original.keys()
+    for key, value in original.items():
+        assert torch.equal(exported[key], value), key
+    spec, args = check_hf_checkpoint(str(out))
+    assert spec.hf.differences(args, check_hf_checkpoint(str(src))[1]) == []
+    tokens = random_tokens(64, seed=2)
+    with torch.no_grad():
+        back, ref = (tf.AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in (out, src))
+        torch.testing.assert_close(back(tokens).logits, ref(tokens).logits, rtol=0, atol=0)
+    return exported, json.loads((out / "config.json").read_text())
+
+
+def train_one_dropped_step(src: Path, tmp_path: Path, *flags: str) -> tuple[Any, Path]:
     """The train loop, in this process on one rank, starting from the Hugging Face directory
     ``src``, for one step whose update is dropped (a non-finite loss injected under
     ``on_nonfinite = "skip"``), saving its checkpoint: ``(resolved JobConfig, run directory)``,
-    whose export must equal ``src`` bit for bit. ``flags``: more settings (dotted flags)."""
+    whose export must equal ``src`` bit for bit. ``flags``: more dotted settings (``--model.bias_update_rate=0``:
+    auxiliary-loss-free balancing moves the router bias after a dropped update too)."""
     from ray_titan.checkpoint import LocalCheckpointStorage, resolve_hf_job
     from ray_titan.config import load_config
     from ray_titan.metrics.collector.collector import MetricsCollector
@@ -207,7 +273,7 @@ def train_one_dropped_step(src: Path, tmp_path: Path, flags: list[str] | None = 
         "--data.source=jsonl", "--training.seq_len=32", "--training.global_batch_size=4", "--training.steps=1",
         "--parallelism.pp=1", "--parallelism.dp_shard=1", "--metrics.enable_tensorboard=false",
         "--metrics.log_freq=1", "--training.threads_per_worker=1", "--memory.breakdown_step=0",
-        "--debug.nonfinite_loss_at_steps=[1]", "--training.on_nonfinite=skip", *(flags or [])]))
+        "--debug.nonfinite_loss_at_steps=[1]", "--training.on_nonfinite=skip", *flags]))
     validate_job(cfg)
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -312,8 +312,8 @@ def _rewrite(path, change):
 @pytest.mark.parametrize("damage, message", [
     ("no_config", r"config\.json does not exist"),
     ("bad_json", r"config\.json is not valid JSON"),
-    ("model_type", r"model_type 'gpt2' is not supported; supported: \['deepseek_v2', 'deepseek_v3', 'gpt_oss', "
-                   r"'kimi_k2', 'llama', 'qwen3'"),
+    ("model_type", r"model_type 'gpt2' is not supported; supported: \['deepseek_v2', 'deepseek_v3', 'glm4_moe', "
+                   r"'gpt_oss', 'kimi_k2', 'llama', 'minimax_m2', 'qwen3'"),
     ("rope_type", r"rope_scaling\.rope_type = 'longrope' is not supported"),
     ("missing", r"model\.safetensors: missing tensor\(s\) model\.layers\.1\.mlp\.up_proj\.weight"),
     ("shape", r"model\.safetensors: tensor model\.norm\.weight has shape \[63\], config\.json implies \[64\]"),

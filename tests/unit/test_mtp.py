@@ -203,7 +203,7 @@ def test_import_train_export_keeps_the_mtp_depth(mtp_ckpt, tmp_path):
     from tests.support.hf_models import train_one_dropped_step
 
     src, _ = mtp_ckpt
-    _, run_dir = train_one_dropped_step(src, tmp_path, ["--model.mtp_layers=1"])
+    _, run_dir = train_one_dropped_step(src, tmp_path, "--model.mtp_layers=1")
     row = read_steps(run_dir).to_pylist()[0]
     assert row["mtp_losses"] is not None and len(row["mtp_losses"]) == 1
     out = tmp_path / "export"

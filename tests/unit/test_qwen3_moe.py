@@ -8,20 +8,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from ray_titan.checkpoint import HFCheckpointError, check_hf_checkpoint, export_hf
 from ray_titan.models.decoder import count_parameters
 from ray_titan.models.deepseek_v2.model import Router
 from ray_titan.models.qwen3_moe import activated_parameters
 from ray_titan.models.registry import build_model, get_model_args, get_spec
 from tests.support.hf_models import (
     VOCAB,
+    assert_config_refused,
     expert_choices,
+    export_equals_source,
     load_ray_titan,
     make_hf_model,
     random_tokens,
@@ -132,28 +132,15 @@ def test_import_train_export_is_bitwise(tiny, tmp_path):
     expert, as transformers' save_pretrained and the released files hold them), a config.json
     transformers reads back to the same architecture, and the export's logits in transformers
     equal ray_titan's. The run reports the balance loss and per-expert loads of both MoE layers."""
-    from safetensors.torch import load_file
-
     src, ref = tiny
     cfg, run_dir = train_one_dropped_step(src, tmp_path)
     assert cfg.model.name == "qwen3_moe"
     out = tmp_path / "export"
-    export_hf(run_dir, str(out), dtype="fp32")
-    exported = {k: v for f in out.glob("model*.safetensors") for k, v in load_file(f).items()}
-    original = load_file(src / "model.safetensors")
-    assert exported.keys() == original.keys()
+    exported, config = export_equals_source(run_dir, src, out)
     assert "model.layers.2.mlp.experts.7.down_proj.weight" in exported
-    for key, value in original.items():
-        assert torch.equal(exported[key], value), key
-    config = json.loads((out / "config.json").read_text())
     assert (config["model_type"], config["num_experts"], config["mlp_only_layers"]) == ("qwen3_moe", 8, [1])
-    spec = get_spec("qwen3_moe")
-    _, args = check_hf_checkpoint(str(out))
-    assert spec.hf.differences(args, check_hf_checkpoint(str(src))[1]) == []
-    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tokens = random_tokens(64, seed=2)
     with torch.no_grad():
-        torch.testing.assert_close(back(tokens).logits, ref(tokens).logits, rtol=0, atol=0)
         torch.testing.assert_close(load_ray_titan(out)[0](tokens), ref(tokens).logits, rtol=0, atol=1e-4)
 
 
@@ -235,17 +222,7 @@ def test_memory_plan_and_flops_see_the_moe_layers():
      r"rope_parameters\.rope_type = 'yarn' is not supported for this model; valid: \['default'\]"),
 ])
 def test_bad_config_json_is_refused_naming_the_field(tiny, tmp_path, change, message):
-    src, _ = tiny
-    shutil.copytree(src, tmp_path / "m")
-    config = json.loads((src / "config.json").read_text())
-    for key, value in change.items():
-        if value is None:
-            config.pop(key)
-        else:
-            config[key] = value
-    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(HFCheckpointError, match=rf"{tmp_path / 'm'}/config\.json: .*{message}"):
-        check_hf_checkpoint(str(tmp_path / "m"))
+    assert_config_refused(tiny[0], tmp_path, change, message)
 
 
 def test_the_hub_name_num_experts_is_read(tiny):

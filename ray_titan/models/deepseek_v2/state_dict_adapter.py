@@ -31,7 +31,7 @@ from ray_titan.models.state_dict_adapter import (
     size_field,
 )
 
-__all__ = ["ROUTER_BIAS_FILE", "DeepSeekV2Adapter"]
+__all__ = ["ROUTER_BIAS_FILE", "DeepSeekV2Adapter", "moe_sources"]
 
 ROUTER_BIAS_FILE = "router_bias.safetensors"
 
@@ -147,16 +147,31 @@ class DeepSeekV2Adapter(StateDictAdapter):
         out |= {f"{rt}attention.{a}.weight": Source((f"{hf}self_attn.{b}.weight",)) for a, b in attn.items()}
         out |= {rt + "attention_norm.weight": Source((hf + "input_layernorm.weight",)),
                 rt + "ffn_norm.weight": Source((hf + "post_attention_layernorm.weight",))}
-        ffn = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
         if i < args.n_dense_layers:
-            out |= {f"{rt}feed_forward.{a}.weight": Source((f"{hf}mlp.{b}.weight",)) for a, b in ffn.items()}
-            return out
-        out |= {rt + "moe.router.weight": Source((hf + "mlp.gate.weight",)),
-                rt + "moe.router.expert_bias": self.router_bias_source(hf)}
-        out |= {f"{rt}moe.experts.{a}": Source(tuple(f"{hf}mlp.experts.{e}.{b}.weight"
-                                                     for e in range(args.n_routed_experts)), stacked=True)
-                for a, b in ffn.items()}
-        if args.n_shared_experts:
-            out |= {f"{rt}moe.shared_experts.{a}.weight": Source((f"{hf}mlp.shared_experts.{b}.weight",))
-                    for a, b in ffn.items()}
+            out |= {f"{rt}feed_forward.{a}.weight": Source((f"{hf}mlp.{b}.weight",)) for a, b in _FFN.items()}
+        else:
+            out |= moe_sources(args, hf, rt, self.router_bias_source(hf))
         return out
+
+
+_FFN = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def moe_sources(args: Any, hf: str, rt: str, router_bias: Source, moe: str = "mlp.",
+                ffn: dict[str, str] | None = None) -> dict[str, Source]:
+    """The :class:`Source` of each entry of one MoE layer (``ray_titan.models.deepseek_v2.model.MoE``)
+    in DeepSeek's names, shared by the families that use them (GLM-4.5, and MiniMax-M2 with its
+    own ``moe`` prefix and ``ffn`` names): ``mlp.gate`` ↔ ``moe.router``, the router's bias from
+    ``router_bias``, ``mlp.experts.E.{gate,up,down}_proj`` (one tensor per expert; ``ffn``: ours →
+    theirs) ↔ row ``E`` of ``moe.experts.w{1,3,2}``, ``mlp.shared_experts.*`` ↔
+    ``moe.shared_experts.*``. ``hf``, ``rt``: the layer's name prefix there and here
+    (``model.layers.N.``, ``layers.N.``); ``args``: ``n_routed_experts``, ``n_shared_experts``."""
+    ffn = ffn or _FFN
+    out = {rt + "moe.router.weight": Source((f"{hf}{moe}gate.weight",)), rt + "moe.router.expert_bias": router_bias}
+    out |= {f"{rt}moe.experts.{a}": Source(tuple(f"{hf}{moe}experts.{e}.{b}.weight"
+                                                 for e in range(args.n_routed_experts)), stacked=True)
+            for a, b in ffn.items()}
+    if args.n_shared_experts:
+        out |= {f"{rt}moe.shared_experts.{a}.weight": Source((f"{hf}mlp.shared_experts.{b}.weight",))
+                for a, b in _FFN.items()}
+    return out

@@ -37,10 +37,24 @@ class LlamaArgs:
     qk_norm: bool = False
     tie_word_embeddings: bool = False
     rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False
+    """Biases on the query, key and value projections (GLM-4.5's ``attention_bias``; not on the output)."""
+    rotary_dim: int | None = None
+    """How many of each head's dimensions (the first ones) the rotary embedding rotates; None: all
+    (GLM-4.5's ``partial_rotary_factor`` 0.5 rotates half)."""
+    qk_norm_per_layer: bool = False
+    """With ``qk_norm``: one RMSNorm over all of a token's query heads together (and one over its
+    key heads), before they are split into heads, instead of one per head (MiniMax-M2's
+    ``qk_norm_type = "per_layer"``)."""
 
     @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated dimensions per head: ``rotary_dim``, else ``head_dim``."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def ffn_hidden_dim(self) -> int:

@@ -64,8 +64,8 @@ def llama_block_activations(a: Any, layer: int, e: int, seq: int, device: str, r
     f = a.ffn_hidden_dim
     norms = F32 * (4 * d + 2) + e * 2 * d  # x, x̂, h, ĥ, two RMS values; the two norm outputs
     attention = e * (q + 2 * kv) + e * q + F32 * h  # rotated q, k; v; output; log-sum-exp
-    if a.qk_norm:  # per-head RMSNorm of q and k: input, output and RMS, fp32
-        attention += F32 * (2 * q + h) + F32 * (2 * kv + a.n_kv_heads)
+    if a.qk_norm:  # RMSNorm of q and k per head (or over all heads): input, output and RMS, fp32
+        attention += F32 * (2 * q + 2 * kv) + F32 * (2 if a.qk_norm_per_layer else h + a.n_kv_heads)
     none = norms + attention + e * 4 * f
     # Op SAC: the block input, attention's output and log-sum-exp, and of the matmuls wq, wk, wv,
     # wo (and w1, w3, w2) the 1st, 3rd… (LLAMA_MATMULS counted ones with no feed-forward).

@@ -68,8 +68,8 @@ class LlamaAdapter(StateDictAdapter):
         }
 
     def sources(self, args: LlamaArgs) -> dict[str, Source]:
-        q_rows = rotary_rows(args.n_heads, args.head_dim)
-        k_rows = rotary_rows(args.n_kv_heads, args.head_dim)
+        q_rows = rotary_rows(args.n_heads, args.head_dim, args.rope_dim)
+        k_rows = rotary_rows(args.n_kv_heads, args.head_dim, args.rope_dim)
         out = {"tok_embeddings.weight": Source(("model.embed_tokens.weight",)),
                "norm.weight": Source(("model.norm.weight",)),
                "output.weight": Source((self.output_key(args),))}
@@ -86,8 +86,13 @@ class LlamaAdapter(StateDictAdapter):
                 rt + "attention_norm.weight": Source((hf + "input_layernorm.weight",)),
                 rt + "ffn_norm.weight": Source((hf + "post_attention_layernorm.weight",)),
             }
-            if self.qk_norm:
-                norm_rows = rotary_rows(1, args.head_dim)
-                out |= {rt + "attention.q_norm.weight": Source((hf + "self_attn.q_norm.weight",), norm_rows),
-                        rt + "attention.k_norm.weight": Source((hf + "self_attn.k_norm.weight",), norm_rows)}
+            if args.attention_bias:  # GLM-4.5's: the biases' rows follow their weights'
+                out |= {rt + "attention.wq.bias": Source((hf + "self_attn.q_proj.bias",), q_rows),
+                        rt + "attention.wk.bias": Source((hf + "self_attn.k_proj.bias",), k_rows),
+                        rt + "attention.wv.bias": Source((hf + "self_attn.v_proj.bias",))}
+            if args.qk_norm:  # per head, or over all heads (their rows as the projections')
+                q_norm_rows, k_norm_rows = (q_rows, k_rows) if args.qk_norm_per_layer else (
+                    rotary_rows(1, args.head_dim, args.rope_dim),) * 2
+                out |= {rt + "attention.q_norm.weight": Source((hf + "self_attn.q_norm.weight",), q_norm_rows),
+                        rt + "attention.k_norm.weight": Source((hf + "self_attn.k_norm.weight",), k_norm_rows)}
         return out

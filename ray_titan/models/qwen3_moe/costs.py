@@ -10,7 +10,7 @@ from ray_titan.models.costs import BlockActivations, transformer_flops_per_token
 from ray_titan.models.deepseek_v2.costs import moe_activations
 from ray_titan.models.llama.costs import LLAMA_MATMULS, llama_block_activations
 
-__all__ = ["qwen3_moe_block_activations", "qwen3_moe_flops_per_token"]
+__all__ = ["qwen3_moe_block_activations", "qwen3_moe_flops_per_token", "routed_flops_per_token"]
 
 
 def qwen3_moe_flops_per_token(args: Any, seq_len: int) -> int:
@@ -20,13 +20,23 @@ def qwen3_moe_flops_per_token(args: Any, seq_len: int) -> int:
     non-embedding parameters (DeepSeek's count, :func:`ray_titan.models.deepseek_v2.model.activated_parameters`,
     on the meta device: attention, dense layers, routers and ``top_k`` of the routed experts,
     output head), L = ``n_layers`` and H·Q = ``n_heads × head_dim``."""
+    from ray_titan.models.qwen3_moe.model import Qwen3Moe
+
+    return routed_flops_per_token(Qwen3Moe, args, seq_len)
+
+
+def routed_flops_per_token(model_cls: type, args: Any, seq_len: int) -> int:
+    """Training FLOPs per token at ``seq_len`` of a grouped-query-attention MoE model
+    ``model_cls(args)`` (Qwen3-MoE, GLM-4.5): :func:`~ray_titan.models.costs.transformer_flops_per_token`
+    with N = its activated non-embedding parameters counted on the meta device (DeepSeek's count,
+    :func:`ray_titan.models.deepseek_v2.model.activated_parameters`), L = ``n_layers`` and H·Q =
+    ``n_heads × head_dim``."""
     import torch
 
     from ray_titan.models.deepseek_v2.model import activated_parameters
-    from ray_titan.models.qwen3_moe.model import Qwen3Moe
 
     with torch.device("meta"):
-        n = activated_parameters(Qwen3Moe(args))
+        n = activated_parameters(model_cls(args))
     return transformer_flops_per_token(n, args.n_layers, args.n_heads * args.head_dim, seq_len)
 
 
@@ -34,7 +44,8 @@ def qwen3_moe_block_activations(a: Any, layer: int, e: int, seq: int, device: st
                                 ep: int) -> BlockActivations:
     """Bytes per token block ``layer`` saves: a dense layer is Qwen3's (Llama's formula); an MoE
     layer is Qwen3's attention and norms (Llama's formula with no feed-forward) plus
-    :func:`~ray_titan.models.deepseek_v2.costs.moe_activations`."""
+    :func:`~ray_titan.models.deepseek_v2.costs.moe_activations` (shared experts included: GLM-4.5's,
+    whose arguments have the same ``attention_args()`` and ``moe_layers``)."""
     attn = a.attention_args()
     if layer not in a.moe_layers:
         return llama_block_activations(attn, layer, e, seq, device, rho, ep)

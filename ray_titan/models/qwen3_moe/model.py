@@ -70,7 +70,11 @@ class PooledBalanceMoE(MoE):
 
 class Qwen3MoeBlock(nn.Module):
     """Pre-norm block: Qwen3 attention, then a dense SwiGLU (``feed_forward``) or
-    :class:`PooledBalanceMoE` (``moe``). Input and output ``(batch, seq, dim)``."""
+    :class:`PooledBalanceMoE` (``moe``). Input and output ``(batch, seq, dim)``. ``args``: any
+    arguments with ``attention_args()`` (Llama-style attention) and ``moe_layers``; a family with
+    another MoE layer sets :attr:`MOE` (GLM-4.5: DeepSeek's, ``ray_titan.models.glm4_moe``)."""
+
+    MOE: type[MoE] = PooledBalanceMoE
 
     def __init__(self, args: Qwen3MoeArgs, layer_id: int):
         super().__init__()
@@ -78,7 +82,7 @@ class Qwen3MoeBlock(nn.Module):
         self.attention = Attention(args.attention_args())
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if layer_id in args.moe_layers:
-            self.moe = PooledBalanceMoE(args)
+            self.moe = self.MOE(args)
         else:
             self.feed_forward = FeedForward(args.dim, args.inter_dim)
 

@@ -2,7 +2,8 @@
 
 Tensor parallel (``ray_titan.parallel.tp``): the attention as the Llama/Qwen3 family's (``wq``,
 ``wk``, ``wv`` column-wise over the heads, ``wo`` row-wise; the per-head q/k norms act on each
-rank's own heads), dense feed-forwards split by hidden units, and the MoE layer as DeepSeek-V2's
+rank's own heads; q/k/v biases, GLM-4.5's, split with their rows), dense feed-forwards and
+shared experts (GLM-4.5's) split by hidden units, and the MoE layer as DeepSeek-V2's
 (``ray_titan.models.deepseek_v2.parallelize``): the router replicated and seeing every token, the
 routed experts split by their hidden units (``apply_expert_tensor_parallel``). Then expert
 parallelism over ``ep`` (``ray_titan.parallel.expert``), activation checkpointing,
@@ -17,6 +18,7 @@ from typing import cast
 from torch import nn
 
 from ray_titan.config.schema import JobConfig
+from ray_titan.models.deepseek_v2.model import MoE
 from ray_titan.parallel.dims import Meshes, ParallelDims
 from ray_titan.parallel.expert import apply_expert_tensor_parallel
 from ray_titan.parallel.stack import apply_after_tp
@@ -44,6 +46,8 @@ def parallelize_qwen3_moe(model: nn.Module, dims: ParallelDims, meshes: Meshes |
             plan = attention_plan("attention", ["wq", "wk", "wv"], "wo", sp)
             if hasattr(block, "moe"):
                 plan.update({**norm_plan("ffn_norm", sp), **token_replicated_plan("moe", sp)})
+                if cast(MoE, block.moe).shared_experts is not None:  # GLM-4.5's; split by hidden units
+                    plan.update(feed_forward_plan("moe.shared_experts", sequence_parallel=False, norm=None))
             else:
                 plan.update(feed_forward_plan("feed_forward", sp))
             apply_tp(block, meshes["tp"], plan)
