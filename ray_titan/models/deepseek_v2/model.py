@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Literal, Protocol, cast
+from typing import ClassVar, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -476,11 +476,14 @@ class DeepSeekV2(Decoder):
     (validation) only the logits."""
 
     RESIDUAL_OUTPUTS = ("wo.weight", "w2.weight", "experts.w2")
+    # Whether ``args.n_mtp_layers`` builds MTP blocks (DeepSeek's layer); a family whose MTP layer
+    # differs (GLM-4.5's) sets False and skips those weights on import instead.
+    BUILDS_MTP: ClassVar[bool] = True
 
     def __init__(self, args: DeepSeekV2Args):
         super().__init__(args)
         self.mtp_embeddings: nn.Embedding | None = None
-        for k in range(args.n_mtp_layers):
+        for k in range(args.n_mtp_layers if self.BUILDS_MTP else 0):
             self.layers[str(args.n_layers + k)] = MtpBlock(args, args.n_layers + k)
 
     def make_layer(self, layer_id: int) -> nn.Module:

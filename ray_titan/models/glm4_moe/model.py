@@ -36,7 +36,10 @@ class Glm4MoeBlock(Qwen3MoeBlock):
 
 class Glm4Moe(DeepSeekV2):
     """GLM-4.5 decoder (module docstring); input/output as :class:`~ray_titan.models.decoder.Decoder`.
-    The rotary tables cover the rotated part of a head (``args.rotary_dim``)."""
+    The rotary tables cover the rotated part of a head (``args.rotary_dim``). Its MTP layer
+    (``args.n_mtp_layers``) is not built: its weights are skipped on import."""
+
+    BUILDS_MTP = False
 
     def make_layer(self, layer_id: int) -> nn.Module:
         return Glm4MoeBlock(self.args, layer_id)
