@@ -454,6 +454,24 @@ def _check_vocab(cfg: JobConfig, vocab_size: int) -> None:
         )
 
 
+def _check_activation_offload(cfg: JobConfig) -> None:
+    """``memory.activation_offload``: a block count within the model, not with ``training.compile``."""
+    off = cfg.memory.activation_offload
+    if off == "none":
+        return
+    if cfg.training.compile:
+        raise ConfigError(
+            f"memory.activation_offload = {off!r} with training.compile = true: the saved-tensor hooks "
+            "would run inside the compiled blocks, where dynamo traces them (untested, and the copies "
+            "could not overlap compute); use one of the two")
+    if isinstance(off, int):
+        n_layers = _model_args(cfg).n_layers
+        if not 1 <= off <= n_layers:
+            raise ConfigError(
+                f"memory.activation_offload = {off}: a count of blocks is 1 .. the model's {n_layers} layers "
+                "(or 'none', 'all')")
+
+
 def _validate_memory(cfg: JobConfig) -> None:
     """Checks of ``[memory]``, ``[activation_checkpoint]`` and ``[[callbacks]]``."""
     mem, steps = cfg.memory, cfg.training.steps
@@ -484,6 +502,7 @@ def _validate_memory(cfg: JobConfig) -> None:
             f"memory.cpu_offload = true offloads FSDP2's shards, but parallelism.dp_shard = "
             f"{cfg.parallelism.dp_shard} applies no FSDP2; use dp_shard >= 2 or cpu_offload = false"
         )
+    _check_activation_offload(cfg)
     ac = cfg.activation_checkpoint
     schedule = cfg.parallelism.pipeline_schedule
     if cfg.parallelism.pp > 1 and SCHEDULES[schedule].zero_bubble and ac.mode == "selective" \
