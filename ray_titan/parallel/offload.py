@@ -52,10 +52,12 @@ torchtune's ``min_offload_size``)."""
 @dataclass
 class OffloadStats:
     """What the hooks did since the last :meth:`ActivationOffloader.reset`: tensors packed (to be
-    moved) and their bytes, tensors left on the device, tensors unpacked, tensors prefetched and
-    block backwards announced (the output-gradient hook)."""
+    moved: saves, a tensor saved by several ops counted each time) and the bytes copied (each
+    tensor once per block forward: ``copies``), tensors left on the device, tensors unpacked,
+    copies prefetched and block backwards announced (the output-gradient hook)."""
 
     packed: int = 0
+    copies: int = 0
     packed_bytes: int = 0
     kept: int = 0
     unpacked: int = 0
@@ -64,17 +66,28 @@ class OffloadStats:
 
 
 class _Handle:
-    """One saved tensor moved to the host: the pinned copy, the device it came from, and, once
-    prefetched, the device copy and the event that ends its copy."""
+    """One saved tensor moved to the host: the pinned copy, the device it came from, the saves
+    that share it (``uses``, the unpacks still to come), and, once prefetched, the device copy and
+    the event that ends its copy."""
 
-    __slots__ = ("__weakref__", "device", "event", "host", "nbytes", "on_device")
+    __slots__ = ("__weakref__", "device", "event", "host", "nbytes", "on_device", "uses")
 
     def __init__(self, host: torch.Tensor, device: torch.device, nbytes: int) -> None:
         self.host = host
         self.device = device
         self.nbytes = nbytes
+        self.uses = 1
         self.on_device: torch.Tensor | None = None
         self.event: Any = None
+
+    def take(self) -> torch.Tensor | None:
+        """The prefetched device copy for one unpack (None: not prefetched), dropped after the
+        last of its saves' unpacks."""
+        t = self.on_device
+        self.uses -= 1
+        if self.uses <= 0:
+            self.on_device = None
+        return t
 
 
 class _Group:
@@ -85,6 +98,10 @@ class _Group:
         self.layer = layer
         self.handles: list[weakref.ref[_Handle]] = []
         self.prev = weakref.ref(prev) if prev is not None else None
+        # While the block's forward runs: the tensors copied so far, by storage and view, with a
+        # weak reference to the tensor (alive: the storage is not another's yet), so that a
+        # tensor several ops save (a norm's output, the input of q, k and v) is copied once.
+        self.seen: dict[tuple, tuple[weakref.ref[torch.Tensor], _Handle]] = {}
 
 
 class ActivationOffloader:
@@ -116,33 +133,39 @@ class ActivationOffloader:
             self.stats.kept += 1
             return t
         self.stats.packed += 1
+        key = (_storage_key(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        ref, seen = group.seen.get(key, (None, None))
+        if ref is not None and seen is not None and ref() is not None:
+            seen.uses += 1
+            return seen
+        self.stats.copies += 1
         self.stats.packed_bytes += nbytes
         if t.device.type != "cuda":
             if not self.copy_on_host:
-                return t  # counted; on a host device there is nowhere to move it
+                group.seen[key] = (weakref.ref(t), _Handle(t, t.device, 0))  # counted once; never returned
+                return t  # on a host device there is nowhere to move it
             handle = _Handle(torch.empty_like(t).copy_(t), t.device, nbytes)
-            group.handles.append(weakref.ref(handle))
-            return handle
-        stream = self._side_stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            host = torch.empty_like(t, device="cpu", pin_memory=True)
-            host.copy_(t, non_blocking=True)
-        t.record_stream(stream)  # its memory is reused only once the copy is done
-        handle = _Handle(host, t.device, nbytes)
+        else:
+            stream = self._side_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                host = torch.empty_like(t, device="cpu", pin_memory=True)
+                host.copy_(t, non_blocking=True)
+            t.record_stream(stream)  # its memory is reused only once the copy is done
+            handle = _Handle(host, t.device, nbytes)
         group.handles.append(weakref.ref(handle))
+        group.seen[key] = (weakref.ref(t), handle)
         return handle
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         self.stats.unpacked += 1
         if not isinstance(packed, _Handle):
             return packed
+        t = packed.take()
         if packed.device.type != "cuda":  # copy_on_host
-            t, packed.on_device = packed.on_device, None
             return t if t is not None else torch.empty_like(packed.host).copy_(packed.host)
         current = torch.cuda.current_stream()
-        if packed.on_device is not None:
-            t, packed.on_device = packed.on_device, None
+        if t is not None:
             current.wait_event(packed.event)
             t.record_stream(current)
             return t
@@ -196,6 +219,7 @@ class ActivationOffloader:
                 skip |= {_storage_key(b) for name, b in stage.named_buffers() if not name.startswith("layers.")}
             with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, group, skip), self._unpack):
                 out = inner(*args, **kwargs)
+            group.seen.clear()
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(functools.partial(self._on_output_grad, group))
             return out

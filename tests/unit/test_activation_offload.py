@@ -61,7 +61,9 @@ def test_loss_and_gradients_match_no_offloading(ac, copy):
     assert off.stats.backward_hooks == n_layers  # every block's backward announced, once
     assert off.stats.unpacked >= off.stats.packed > 0
     if copy:  # every handle came back through the prefetch (its block's, or the block after it's)
-        assert off.stats.prefetched == off.stats.packed
+        assert off.stats.prefetched == off.stats.copies
+    if ac == "none":  # a tensor several ops save (a norm's output: q, k, v's input) is copied once
+        assert off.stats.copies < off.stats.packed
 
 
 def test_hooks_pack_what_the_blocks_save_but_the_weights():
