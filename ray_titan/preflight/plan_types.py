@@ -82,6 +82,9 @@ class RankPlan:
     """Bytes of saved activations ``memory.activation_offload`` keeps in pinned host memory at the
     most (every microbatch in flight at the peak), instead of in ``activations`` (not in ``peak``;
     what comes back for a block's backward is in ``transient``)."""
+    offload_bytes_per_step: int = 0
+    """Bytes ``memory.activation_offload`` copies to the host (and back) in one step: every
+    microbatch of every local stage."""
 
 
 @dataclass

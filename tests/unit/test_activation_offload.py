@@ -120,3 +120,52 @@ def test_preflight_refuses_what_cannot_work():
         validate_job(load_config(CONFIG, ["--memory.activation_offload=all", "--training.compile=true"]),
                      check_data=False)
     validate_job(load_config(CONFIG, ["--memory.activation_offload=2"]), check_data=False)
+
+
+# The memory plan: a 1B Llama (on the meta device) under full AC, where only block inputs move and
+# their copies hide behind the forward; the debug Llama without AC, where they cannot.
+LARGE = ["--model.flavor=3.2-1B", "--parallelism.pp=1", "--parallelism.dp_shard=8", "--parallelism.microbatches=1",
+         "--training.global_batch_size=16", "--training.seq_len=4096", "--training.mixed_precision=bf16",
+         "--activation_checkpoint.mode=full"]
+SMALL = ["--parallelism.pp=1", "--parallelism.dp_shard=2", "--parallelism.microbatches=1",
+         "--training.global_batch_size=4", "--training.seq_len=256", "--training.mixed_precision=bf16"]
+
+
+def test_the_plan_moves_the_offloaded_bytes_from_device_activations_to_the_host():
+    from ray_titan.preflight.memory_plan import memory_plan
+
+    cfg = load_config(CONFIG, LARGE)
+    off = cfg.with_overrides(["--memory.activation_offload=all"])
+    (before, after) = (memory_plan(c, None, "cuda", levers=False).ranks[0] for c in (cfg, off))
+    assert after.peak < before.peak and before.activations_offloaded == 0
+    # Full AC: the 16 block inputs (bf16 FSDP2: the residual stream is fp32, 4·d per token) go.
+    tokens, dim, n_layers = 2 * 4096, 2048, 16
+    assert after.activations_offloaded == after.offload_bytes_per_step == n_layers * tokens * 4 * dim
+    kept = [sum(r.activations_per_microbatch.values()) for r in (before, after)]
+    assert kept[0] - kept[1] == after.activations_offloaded
+    assert "in pinned host memory" in memory_plan(off, None, "cuda", levers=False).format()
+    # On a host device nothing moves.
+    assert memory_plan(off, None, "cpu", levers=False).max_peak == memory_plan(cfg, None, "cpu", levers=False).max_peak
+
+
+def test_fit_auto_chooses_offloading_where_its_copies_hide_and_ranks_it_last_where_not():
+    from ray_titan.preflight.memory_plan import memory_plan
+    from ray_titan.preflight.prepare import fit_memory
+
+    cfg = load_config(CONFIG, [*LARGE, "--memory.fit=auto"])
+    full = memory_plan(cfg, None, "cuda", levers=False).max_peak
+    moved = memory_plan(cfg.with_overrides(["--memory.activation_offload=all"]), None, "cuda", levers=False).max_peak
+    capacity = int((moved + full) / 2 / 0.92)  # the offloaded job fits with the margin, the given one not
+    new, plan, line = fit_memory(cfg, "cuda", capacity)
+    assert new.memory.activation_offload == "all" and plan is not None and plan.fits
+    assert "training with --memory.activation_offload=all" in line
+    (lever,) = [lv for lv in memory_plan(cfg, capacity, "cuda").levers if "offload (all" in lv.name]
+    assert "hidden behind compute" in lever.cost and "not hidden" not in lever.cost
+    # The debug Llama: copies longer than its forward's compute, ranked after full AC.
+    small = memory_plan(load_config(CONFIG, SMALL), "17MiB", "cuda")
+    names = [lv.name for lv in small.levers]
+    offload = names.index("activation offload (all blocks)")
+    assert offload > names.index("activation checkpointing full")
+    assert "not hidden" in small.levers[offload].cost
+    assert small.recommendation is not None and "--memory.activation_offload=all" not in small.recommendation
+
