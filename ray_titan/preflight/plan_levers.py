@@ -137,12 +137,13 @@ def _offload_cost(variant: JobConfig, device: str, rho: float, vocab: int, host_
     flops = j.spec.flops_per_token(j.args, variant.training.seq_len) * step_tokens / (j.dims.pp * j.tp)
     forward_s = flops / 3 / (GPU_PEAK_FLOPS["H100"] * ASSUMED_MFU)
     copy_s = host_bytes / HOST_LINK_BYTES_PER_S
-    hidden = copy_s <= forward_s
+    hidden = copy_s <= forward_s  # to the host during forward; back during backward (twice the compute)
+    exposed = max(0.0, copy_s - forward_s) + max(0.0, copy_s - 2 * forward_s)
     text = (f"copies {format_bytes(host_bytes)} of saved activations per step to pinned host memory and back "
             f"(~{copy_s * 1e3:.3g} ms each way at {HOST_LINK_BYTES_PER_S / 1e9:g} GB/s, an H100's PCIe Gen5 "
             f"link) beside ~{forward_s * 1e3:.3g} ms of forward compute ({ASSUMED_MFU:.0%} MFU of an H100): ")
     text += ("hidden behind compute, no extra compute; host memory up by as much" if hidden else
-             f"not hidden: up to ~{2 * (copy_s - forward_s) * 1e3:.3g} ms more per step; host memory up by as much")
+             f"not hidden: up to ~{exposed * 1e3:.3g} ms more per step; host memory up by as much")
     return hidden, text
 
 

@@ -147,7 +147,10 @@ def fit_memory(cfg: JobConfig, device: str | None, device_memory: int | str | No
     new = cfg.with_overrides(plan.recommendation)
     new = validate_job(new, has_dataset=dataset)
     after = memory_plan(new, capacity, device, levers=False, margin=margin)
-    return new, after, f"{head}; training with {' '.join(plan.recommendation)} (peak {format_bytes(after.max_peak)})"
+    chosen = [lv for lv in plan.levers if set(lv.overrides) <= set(plan.recommendation)]
+    why = "; ".join(f"{lv.name}: {lv.cost}" for lv in chosen)
+    return new, after, (f"{head}; training with {' '.join(plan.recommendation)} (peak {format_bytes(after.max_peak)}), "
+                        f"the cheapest that fits ({why})")
 
 
 def on_cluster(cfg: JobConfig, cpus_per_worker: float) -> JobConfig:

@@ -158,7 +158,7 @@ def test_fit_auto_chooses_offloading_where_its_copies_hide_and_ranks_it_last_whe
     capacity = int((moved + full) / 2 / 0.92)  # the offloaded job fits with the margin, the given one not
     new, plan, line = fit_memory(cfg, "cuda", capacity)
     assert new.memory.activation_offload == "all" and plan is not None and plan.fits
-    assert "training with --memory.activation_offload=all" in line
+    assert "training with --memory.activation_offload=all" in line and "hidden behind compute" in line  # and why
     (lever,) = [lv for lv in memory_plan(cfg, capacity, "cuda").levers if "offload (all" in lv.name]
     assert "hidden behind compute" in lever.cost and "not hidden" not in lever.cost
     # The debug Llama: copies longer than its forward's compute, ranked after full AC.
