@@ -515,7 +515,8 @@ class Memory(_Section):
     input is saved, so only that moves; under selective ``op`` the block input moves and the
     outputs op checkpointing saves stay on the device. Costs a host-device copy of the bytes each
     way per step (the memory plan's lever). On the CPU the hooks run but move nothing. Not with
-    ``training.compile`` (the hooks would be traced inside the compiled block)."""
+    ``training.compile`` (the hooks would be traced inside the compiled block), nor with the
+    zero-bubble pipeline schedules (their split backward unpacks the saved tensors twice)."""
     fit: Literal["off", "auto"] = "off"
     """``auto``: where the memory plan's peak does not fit the device (``device_memory``, less the
     plan's margin), the job is rewritten before any worker starts with the cheapest levers that

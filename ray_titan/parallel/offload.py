@@ -98,6 +98,7 @@ class _Group:
         self.layer = layer
         self.handles: list[weakref.ref[_Handle]] = []
         self.prev = weakref.ref(prev) if prev is not None else None
+        self.fetched = False  # prefetched once: a second backward (retain_graph) copies on demand
         # While the block's forward runs: the tensors copied so far, by storage and view, with a
         # weak reference to the tensor (alive: the storage is not another's yet), so that a
         # tensor several ops save (a norm's output, the input of q, k and v) is copied once.
@@ -173,8 +174,11 @@ class ActivationOffloader:
         return packed.host.to(packed.device, non_blocking=True)
 
     def _prefetch(self, group: _Group | None) -> None:
-        if group is None:
+        if group is None or group.fetched:
             return
+        # Once: a second backward over the graph (a zero-bubble schedule's weight step) may not
+        # unpack every tensor, and a copy no unpack takes would stay until the graph dies.
+        group.fetched = True
         for ref in group.handles:
             handle = ref()
             if handle is None or handle.on_device is not None:

@@ -119,7 +119,17 @@ def test_preflight_refuses_what_cannot_work():
     with pytest.raises(ConfigError, match="training.compile"):
         validate_job(load_config(CONFIG, ["--memory.activation_offload=all", "--training.compile=true"]),
                      check_data=False)
+    with pytest.raises(ConfigError, match="zero-bubble"):
+        validate_job(load_config(CONFIG, ["--memory.activation_offload=all", "--parallelism.stages_per_rank=2",
+                                          "--parallelism.pipeline_schedule=ZBVZeroBubble"]), check_data=False)
     validate_job(load_config(CONFIG, ["--memory.activation_offload=2"]), check_data=False)
+    from ray_titan.preflight.checks import job_warnings
+
+    (warning,) = [w for w in job_warnings(load_config(CONFIG, ["--memory.activation_offload=all"]))
+                  if "activation_offload" in w]
+    assert "ray.use_gpu = false" in warning
+    assert not [w for w in job_warnings(load_config(CONFIG, ["--memory.activation_offload=all", "--ray.use_gpu=true"]))
+                if "activation_offload" in w]
 
 
 # The memory plan: a 1B Llama (on the meta device) under full AC, where only block inputs move and
