@@ -66,7 +66,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     kept_at_peak = 0.0  # what is still kept at the backward's peak moment (the blocks up to it)
     blocks = []  # (block, how checkpointed, layer), for the zero-bubble terms
     scan: list[tuple[float, float, int]] = []  # per block: kept up to it, its backward's transient, layer
-    host, prev_off = 0.0, 0.0  # activation offload: bytes on the host; the block before's, back on the device
+    host, prev_off, prev_whole = 0.0, 0.0, 0.0  # activation offload: on the host; the block before's, back
     for i, layer in enumerate(j.split[s]):
         blk = j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep)
         how = _checkpointed(cfg, layer)
@@ -80,13 +80,15 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         off = (kept if how == "none" else min(kept, blk.input)) if moved else 0.0
         host += (blk.kept(how) if how == "none" else blk.input) if moved else 0.0
         kept_so_far += kept - off
-        # Its backward: its own tensors back on the device, and the block before's, prefetched.
-        back = off + prev_off
+        whole_moved = moved and how == "none"  # moved with the rest: the experts' and tp's whole parts
+        # Its backward: its own tensors back on the device, and the block before's, prefetched; the
+        # whole (unsplit by tp) part of them comes back whole: (tp - 1) more of it before the / tp.
+        whole = blk.whole if whole_moved else 0.0
+        back = off + prev_off + (whole + prev_whole) * (j.tp - 1)
         scan.append((kept_so_far, blk.recompute(how) + blk.backward + back, layer))
         if kept_so_far + blk.recompute(how) + blk.backward + back > backward_peak:
             backward_peak, kept_at_peak = kept_so_far + blk.recompute(how) + blk.backward + back, kept_so_far
-        prev_off = off
-        whole_moved = moved and how == "none"  # moved with the rest: the experts' and tp's whole parts
+        prev_off, prev_whole = off, whole
         moe_part += 0.0 if whole_moved else blk.experts(how)
         unsplit += 0.0 if whole_moved else blk.unsplit(how)
         lay = layer % cfg.activation_checkpoint.layer_freq == 0
