@@ -102,6 +102,13 @@ CASES: list[Case] = [
     _case("qwen3 tied fsdp2 tp2 bf16 sel-op", model="qwen3", dp=2, tp=2, bf16=True, ac="op"),
     _case("qwen3 tied pp2 dp2 1F1B bf16", model="qwen3", pp=2, dp=2, n=2, bf16=True),
     _case("qwen3 tied pp2 dp2 GPipe fp32 full-AC", model="qwen3", pp=2, dp=2, sched="GPipe", n=2, ac="full"),
+    # memory.activation_offload: saved activations in host memory, back one block ahead of backward.
+    _case("fsdp2 bf16 act-offload", dp=2, bf16=True, extra=("--memory.activation_offload=all",)),
+    _case("fsdp2 tp2 bf16 act-offload", dp=2, tp=2, bf16=True, extra=("--memory.activation_offload=all",)),
+    _case("pp2 dp2 1F1B bf16 full-AC act-offload", pp=2, dp=2, n=4, bf16=True, ac="full",
+          extra=("--memory.activation_offload=all",)),
+    _case("qwen3 tied fsdp2 tp2 bf16 sel-op act-offload 2", model="qwen3", dp=2, tp=2, bf16=True, ac="op",
+          extra=("--memory.activation_offload=2",)),
 ]
 # One realistic mesh per flavor of every family, bf16, 1F1B, no activation checkpointing, one
 # sequence per microbatch: the meshes of the MoE flavors' and the 70B / 8B rows before it

@@ -532,10 +532,25 @@ class Memory(_Section):
     cpu_offload: bool = False
     """FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state live in host
     memory (pinned on CUDA) and the optimizer steps on the CPU. Needs ``parallelism.dp_shard`` > 1."""
+    activation_offload: Literal["none", "all"] | int = "none"
+    """Which transformer blocks' saved activations live in host memory between their forward and
+    their backward (``ray_titan.parallel.offload``; torchtune's ``enable_activation_offloading``,
+    torchtitan 0.3.0 has none): ``none``; ``all``; or a count ``N``: the first ``N`` blocks of the
+    whole model (by layer index; the first blocks' activations wait longest for their backward).
+    Each tensor a block saves for backward (autograd's saved-tensor hooks) is copied to pinned host
+    memory on a side CUDA stream while compute goes on, and copied back, one block ahead, before
+    its backward; parameters, buffers and tensors under 1 KiB stay on the device. With
+    ``activation_checkpoint.mode = "full"`` (or a ``layer``-checkpointed block) only the block's
+    input is saved, so only that moves; under selective ``op`` the block input moves and the
+    outputs op checkpointing saves stay on the device. Costs a host-device copy of the bytes each
+    way per step (the memory plan's lever). On the CPU the hooks run but move nothing. Not with
+    ``training.compile`` (the hooks would be traced inside the compiled block), nor with the
+    zero-bubble pipeline schedules (their split backward unpacks the saved tensors twice)."""
     fit: Literal["off", "auto"] = "off"
     """``auto``: where the memory plan's peak does not fit the device (``device_memory``, less the
     plan's margin), the job is rewritten before any worker starts with the cheapest levers that
-    keep its devices and its model states on them (more microbatches, activation checkpointing;
+    keep its devices and its model states on them (more microbatches, activation offloading on
+    CUDA, activation checkpointing, ranked by their compute cost;
     never ``dp_shard``, ``tp``, ``pp`` or CPU offload), one line printed saying what was chosen;
     where none fits, a ``ConfigError`` says what would (more devices). Off by default: the driver of
     a Ray run often cannot see the workers' GPUs, so the capacity must be known

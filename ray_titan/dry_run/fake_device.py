@@ -77,6 +77,9 @@ def _stub_torch_cuda(torch: Any) -> None:
         stubs[name] = lambda *a, **k: 0
     for name, fn in stubs.items():
         setattr(cuda, name, fn)
+    # A tensor used on another stream (activation offloading's copies) is marked so for the caching
+    # allocator; the stub streams are not torch.Stream, and the fake device frees at once.
+    _patch(torch.Tensor, "record_stream", lambda self, stream: None)
     # Fake mode makes one real CUDA tensor before the first fake one on a device it believes
     # available (a CUDA context for backward): the fake device needs none, and a CUDA build
     # without a driver fails there.

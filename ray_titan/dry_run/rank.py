@@ -15,7 +15,8 @@ and :mod:`.tally` (what is counted). What is simulated, and why:
   (:func:`.fake_device._register_cuda_kernels`).
 - ``torch.cuda``'s Python functions (device properties of an H100, streams, events, rng state,
   memory counters, graph capture): answered with constants, on a CPU build, which lacks them, as
-  on a CUDA build, whose own would call the CUDA runtime.
+  on a CUDA build, whose own would call the CUDA runtime; ``Tensor.record_stream`` a no-op (the
+  streams are those stubs, one order: a tensor's memory is free when its last reference goes).
 - Pipeline shape inference over the fake group: see :func:`.fake_group._install_stage_meta_shims` and
   :func:`.fake_group._schedules_see_nccl` (what each torch version exchanges, and how it is answered).
 - A host read of a device value (``.item()``, ``.tolist()``): counted per call site (over the

@@ -1,7 +1,8 @@
 """What every family's ``parallelize`` applies after its own tensor-parallel plan, in the fixed
 order EP → AC → compile → FSDP (torchtitan's order): expert parallelism over ``ep`` where the
 stage has MoE layers and ``ep > 1`` (``ray_titan.parallel.expert``), activation checkpointing per
-``[activation_checkpoint]`` (``ray_titan.parallel.ac``), ``torch.compile`` of each block when
+``[activation_checkpoint]`` (``ray_titan.parallel.ac``), then around it the saved-tensor hooks
+of ``memory.activation_offload`` (``ray_titan.parallel.offload``), ``torch.compile`` of each block when
 ``training.compile``, and FSDP2 over the ``fsdp`` mesh (HSDP under ``dp_replicate``; the routed
 experts over ``efsdp``) when there is more than one data-parallel rank, with
 ``parallelism.fsdp_reshard_after_forward``, ``memory.cpu_offload`` and
@@ -17,6 +18,7 @@ from ray_titan.parallel.compile import apply_compile
 from ray_titan.parallel.dims import Meshes, ParallelDims
 from ray_titan.parallel.expert import apply_expert_parallel
 from ray_titan.parallel.fsdp import apply_fsdp, resolve_mixed_precision, resolve_reshard_after_forward
+from ray_titan.parallel.offload import apply_activation_offload
 
 __all__ = ["apply_after_tp"]
 
@@ -32,6 +34,7 @@ def apply_after_tp(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, 
         apply_expert_parallel(model, meshes["ep"], meshes.get("ep_tp"))
     ac = cfg.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_option, ac.layer_freq)
+    apply_activation_offload(model, cfg.memory.activation_offload)  # around the checkpointed forward
     if cfg.training.compile:
         apply_compile(model, fullgraph=fullgraph)
     if dims.fsdp:

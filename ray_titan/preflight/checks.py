@@ -52,6 +52,11 @@ def job_warnings(cfg: JobConfig) -> list[str]:
             f"lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is not below training.steps "
             f"= {cfg.training.steps}: the learning rate never reaches optimizer.lr = {cfg.optimizer.lr:g}"
         )
+    if cfg.memory.activation_offload != "none" and not cfg.ray.use_gpu:
+        out.append(
+            f"memory.activation_offload = {cfg.memory.activation_offload!r} with ray.use_gpu = false: the "
+            "activations are in host memory already, so its hooks move nothing (they only count)"
+        )
     return out
 
 
@@ -481,6 +486,31 @@ def _check_vocab(cfg: JobConfig, vocab_size: int) -> None:
         )
 
 
+def _check_activation_offload(cfg: JobConfig) -> None:
+    """``memory.activation_offload``: a block count within the model, not with ``training.compile``."""
+    off = cfg.memory.activation_offload
+    if off == "none":
+        return
+    if cfg.training.compile:
+        raise ConfigError(
+            f"memory.activation_offload = {off!r} with training.compile = true: the saved-tensor hooks "
+            "would run inside the compiled blocks, where dynamo traces them (untested, and the copies "
+            "could not overlap compute); use one of the two")
+    schedule = cfg.parallelism.pipeline_schedule
+    if cfg.parallelism.pp > 1 and SCHEDULES[schedule].zero_bubble:
+        raise ConfigError(
+            f"memory.activation_offload = {off!r} with pipeline_schedule = {schedule!r}: a zero-bubble "
+            "schedule runs each backward in two parts over the same saved tensors, so the weight step "
+            "copies them back from the host a second time, unprefetched (the simulated GPU holds ~19 % more "
+            "than the plan counts); use a schedule without the split (1F1B, Interleaved1F1B, GPipe)")
+    if isinstance(off, int):
+        n_layers = _model_args(cfg).n_layers
+        if not 1 <= off <= n_layers:
+            raise ConfigError(
+                f"memory.activation_offload = {off}: a count of blocks is 1 .. the model's {n_layers} layers "
+                "(or 'none', 'all')")
+
+
 def _validate_memory(cfg: JobConfig) -> None:
     """Checks of ``[memory]``, ``[activation_checkpoint]`` and ``[[callbacks]]``."""
     mem, steps = cfg.memory, cfg.training.steps
@@ -511,6 +541,7 @@ def _validate_memory(cfg: JobConfig) -> None:
             f"memory.cpu_offload = true offloads FSDP2's shards, but parallelism.dp_shard = "
             f"{cfg.parallelism.dp_shard} applies no FSDP2; use dp_shard >= 2 or cpu_offload = false"
         )
+    _check_activation_offload(cfg)
     ac = cfg.activation_checkpoint
     schedule = cfg.parallelism.pipeline_schedule
     if cfg.parallelism.pp > 1 and SCHEDULES[schedule].zero_bubble and ac.mode == "selective" \

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_titan.config.schema import JobConfig
+from ray_titan.parallel.offload import offloads
 from ray_titan.preflight.plan_job import _F32, _I64, _Job
 
 
@@ -39,6 +40,9 @@ class _StageActivations:
     transient: float
     pipe: float
     freed: float = 0.0  # of ``kept``, freed by the transient's moment (the split of the peak)
+    # memory.activation_offload: what this microbatch's offloaded blocks keep in pinned host memory
+    # instead (their device share is out of ``kept``; their copies back are in the transient).
+    offloaded: float = 0.0
     # Zero-bubble schedules, a stage whose backward is split (not the first): what an input-
     # gradient step keeps for its weight-gradient step, and the two steps' transients
     # (:func:`_zero_bubble_terms`).
@@ -69,6 +73,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     # log-softmax; under PP the logits, an output of the stage).
     mtp = [int(k) for k in getattr(j.whole, "mtp_layer_ids", ())] if last else []
     one_head = _F32 * (2 * args.dim + 1) + e * args.dim + _F32 * j.vocab + (e * j.vocab if pp > 1 else 0)
+    host, prev_off, prev_whole = 0.0, 0.0, 0.0  # activation offload: on the host; the block before's, back
     for i, layer in enumerate(j.split[s] + mtp):
         blk = j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep)
         how = _checkpointed(cfg, layer)
@@ -78,12 +83,23 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
             kept += (2 * (_F32 * (2 * args.dim + 1) + e * args.dim) if how == "none" else e * args.dim) + one_head
         if i == 0 and not first:
             kept -= r * args.dim  # its input is the pipeline's receive buffer
-        kept_so_far += kept
-        scan.append((kept_so_far, blk.recompute(how) + blk.backward, layer))
-        if kept_so_far + blk.recompute(how) + blk.backward > backward_peak:
-            backward_peak, kept_at_peak = kept_so_far + blk.recompute(how) + blk.backward, kept_so_far
-        moe_part += blk.experts(how)
-        unsplit += blk.unsplit(how)
+        moved = j.device == "cuda" and offloads(cfg.memory.activation_offload, layer)  # a host device keeps them
+        # Offloaded: every tensor the block saves without checkpointing; under full or op AC its
+        # input (op checkpointing's cached outputs stay); not the receive buffer the pipeline holds.
+        off = (kept if how == "none" else min(kept, blk.input)) if moved else 0.0
+        host += (blk.kept(how) if how == "none" else blk.input) if moved else 0.0
+        kept_so_far += kept - off
+        whole_moved = moved and how == "none"  # moved with the rest: the experts' and tp's whole parts
+        # Its backward: its own tensors back on the device, and the block before's, prefetched; the
+        # whole (unsplit by tp) part of them comes back whole: (tp - 1) more of it before the / tp.
+        whole = blk.whole if whole_moved else 0.0
+        back = off + prev_off + (whole + prev_whole) * (j.tp - 1)
+        scan.append((kept_so_far, blk.recompute(how) + blk.backward + back, layer))
+        if kept_so_far + blk.recompute(how) + blk.backward + back > backward_peak:
+            backward_peak, kept_at_peak = kept_so_far + blk.recompute(how) + blk.backward + back, kept_so_far
+        prev_off, prev_whole = off, whole
+        moe_part += 0.0 if whole_moved else blk.experts(how)
+        unsplit += 0.0 if whole_moved else blk.unsplit(how)
         lay = layer % cfg.activation_checkpoint.layer_freq == 0
         act_modes["none"] += blk.none
         act_modes["full"] += blk.input
@@ -126,7 +142,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         transient=(max(0.0, backward_peak - per_token) / j.tp + loss_whole * (1 - 1 / j.tp)) * j.tokens,
         freed=max(0.0, freed) * j.tokens / j.tp,
         pipe=r * args.dim * j.tokens * n * ((0 if first else 1) + (0 if last else 1)) / sp if pp > 1 else 0.0,
-        held=held, input_transient=input_t, weight_transient=weight_t,
+        held=held, input_transient=input_t, weight_transient=weight_t, offloaded=host * j.tokens / j.tp,
         scan=[(k * j.tokens / j.tp, t * j.tokens / j.tp, layer) for k, t, layer in scan])
 
 

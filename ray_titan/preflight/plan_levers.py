@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 from ray_titan.config.schema import ConfigError, JobConfig, apply_overrides
+from ray_titan.config.units import format_bytes
 from ray_titan.preflight.plan_ranks import _plan_ranks
 from ray_titan.preflight.plan_types import Lever, MemoryPlan
 
@@ -14,11 +15,14 @@ from ray_titan.preflight.plan_types import Lever, MemoryPlan
 _LEVERS = [
     ("microbatches", "microbatches",
      "smaller microbatches: no extra compute or devices; smaller matmuls run less efficiently"),
+    ("activation_offload", "act_offload", "saved activations to pinned host memory and back, hidden behind compute"),
     ("selective_op", "ac",
      "recomputes every 2nd matmul of a block and the cheap ops (norms, rotary embeddings, activation "
      "functions) in backward (torchtitan's op policy; ~+13% step time measured on CPU)"),
     ("selective_layer", "ac", "recomputes every 2nd block's forward in backward (~+17% compute)"),
     ("full_ac", "ac", "recomputes every block's forward in backward (~+33% compute)"),
+    ("activation_offload_exposed", "act_offload", "saved activations to pinned host memory and back, slower than "
+                                                  "the compute they overlap"),
     ("reshard", "reshard", "all-gathers each block again in backward (more communication)"),
     ("cpu_offload", "offload", "parameters, gradients and optimizer state in host memory: host-device copies "
                                "every step, optimizer on the CPU (much slower steps)"),
@@ -44,6 +48,10 @@ def _lever_candidates(cfg: JobConfig, device: str) -> list[tuple[str, str, list[
                      "--activation_checkpoint.layer_freq=2"]))
     if ac.mode != "full":
         out.append(("full_ac", "activation checkpointing full", ["--activation_checkpoint.mode=full"]))
+    if device == "cuda" and cfg.memory.activation_offload != "all":
+        # Ranked by whether its copies hide behind compute (:func:`_offload_cost`), decided once
+        # the variant is planned: the key here is the hidden one's.
+        out.append(("activation_offload", "activation offload (all blocks)", ["--memory.activation_offload=all"]))
     if par.dp_shard > 1 and par.pp == 1 and par.fsdp_reshard_after_forward == "never":
         out.append(("reshard", "fsdp_reshard_after_forward always",
                     ["--parallelism.fsdp_reshard_after_forward=always"]))
@@ -94,12 +102,49 @@ def _variant(cfg: JobConfig, overrides: list[str]) -> JobConfig | None:
 
 
 LEVER_GROUPS = tuple(dict.fromkeys(group for _, group, _ in _LEVERS))
-"""The groups of levers, cheapest first: ``microbatches``, ``ac`` (activation checkpointing),
-``reshard``, ``offload``, ``dp_shard``, ``tp``, ``pp``."""
+"""The groups of levers, cheapest first: ``microbatches``, ``act_offload`` (activation offloading),
+``ac`` (activation checkpointing), ``reshard``, ``offload``, ``dp_shard``, ``tp``, ``pp``."""
 
-FIT_GROUPS = ("microbatches", "ac")
+FIT_GROUPS = ("microbatches", "act_offload", "ac")
 """The groups ``memory.fit = "auto"`` may apply: they keep the job's devices and its model states on
 them."""
+
+HOST_LINK_BYTES_PER_S = 50e9
+"""Host-device copy bandwidth per direction the activation-offload lever assumes, bytes/s: an H100
+SXM's PCIe Gen5 x16 link, 64 GB/s per direction by the PCIe 5.0 specification, of which pinned
+``cudaMemcpyAsync`` copies reach ~50 GB/s (NVIDIA's ``nvbandwidth`` figures for Gen5 hosts). Not
+measured by this project yet (no GPU lent when it was written): a GPU's first-contact run should
+replace it."""
+
+ASSUMED_MFU = 0.4
+"""Model FLOPs utilisation the lever assumes to turn a step's FLOPs into seconds of compute on an
+H100's dense bf16 peak (``ray_titan.metrics.flops.GPU_PEAK_FLOPS``): a well-tuned job's share."""
+
+
+def _offload_cost(variant: JobConfig, device: str, rho: float, vocab: int, host_bytes: int) -> tuple[bool, str]:
+    """Whether activation offloading's copies hide behind compute, and its cost in words: each
+    offloaded byte crosses the host link once each way per step (to the host during forward,
+    back during backward, :data:`HOST_LINK_BYTES_PER_S`), against the forward's compute, a third
+    of the step's FLOPs (``6·N`` per token: 2 forward, 4 backward; PaLM's count,
+    ``ray_titan.models.costs``) at :data:`ASSUMED_MFU` of an H100. ``host_bytes``: one step's
+    offloaded bytes of the busiest rank."""
+    from ray_titan.metrics.flops import GPU_PEAK_FLOPS
+    from ray_titan.preflight.plan_job import _job
+
+    j = _job(variant, device, rho, vocab)
+    par = variant.parallelism
+    step_tokens = j.tokens * par.microbatches
+    flops = j.spec.flops_per_token(j.args, variant.training.seq_len) * step_tokens / (j.dims.pp * j.tp)
+    forward_s = flops / 3 / (GPU_PEAK_FLOPS["H100"] * ASSUMED_MFU)
+    copy_s = host_bytes / HOST_LINK_BYTES_PER_S
+    hidden = copy_s <= forward_s  # to the host during forward; back during backward (twice the compute)
+    exposed = max(0.0, copy_s - forward_s) + max(0.0, copy_s - 2 * forward_s)
+    text = (f"copies {format_bytes(host_bytes)} of saved activations per step to pinned host memory and back "
+            f"(~{copy_s * 1e3:.3g} ms each way at {HOST_LINK_BYTES_PER_S / 1e9:g} GB/s, an H100's PCIe Gen5 "
+            f"link) beside ~{forward_s * 1e3:.3g} ms of forward compute ({ASSUMED_MFU:.0%} MFU of an H100): ")
+    text += ("hidden behind compute, no extra compute; host memory up by as much" if hidden else
+             f"not hidden: up to ~{exposed * 1e3:.3g} ms more per step; host memory up by as much")
+    return hidden, text
 
 
 def _add_levers(plan: MemoryPlan, cfg: JobConfig, device: str, rho: float, vocab: int,
@@ -117,11 +162,17 @@ def _add_levers(plan: MemoryPlan, cfg: JobConfig, device: str, rho: float, vocab
         variant = _variant(cfg, overrides)
         if variant is None:
             continue
-        peak = max(r.peak for r in _plan_ranks(variant, device, rho, vocab)[1])
+        ranks = _plan_ranks(variant, device, rho, vocab)[1]
+        peak = max(r.peak for r in ranks)
         if peak >= plan.max_peak:
             continue  # does not lower the peak (e.g. more microbatches under GPipe)
         rank, _, cost = order[key]
+        if key == "activation_offload":
+            hidden, cost = _offload_cost(variant, device, rho, vocab,
+                                         max(r.offload_bytes_per_step for r in ranks))
+            rank = rank if hidden else order["activation_offload_exposed"][0]
         plan.levers.append(Lever(name, overrides, peak, peak <= usable, cost, rank))
+    plan.levers.sort(key=lambda lv: lv.rank)  # activation offload's place depends on its variant
     best: tuple | None = None
     for n in range(1, len(plan.levers) + 1):
         for combo in itertools.combinations(plan.levers, n):

@@ -106,6 +106,8 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
             pipeline_buffers=int(pipe), buffers=int(buffers), transient=int(transient),
             peak=int(peak), peak_phase=phase,
             offloaded=int(param_b + grads_after + opt_b) if off else 0,
+            activations_offloaded=int(sum(c * acts[s].offloaded for c, s in zip(flight.peak, stage_ids))),
+            offload_bytes_per_step=int(n * sum(acts[s].offloaded for s in stage_ids)),
             peak_grads=int(peak_grads if phase == "forward_backward" else grads_after),
             activations_freed_at_peak=int(min(freed, a_peak if before_grads >= with_grads else a_grads)),
         ))

@@ -78,6 +78,13 @@ class RankPlan:
     activations_freed_at_peak: int = 0
     """Of ``activations``, the bytes backward has freed by the transient's moment: at the peak
     they are the backward's temporaries (the plan's peak is unchanged; only its split)."""
+    activations_offloaded: int = 0
+    """Bytes of saved activations ``memory.activation_offload`` keeps in pinned host memory at the
+    most (every microbatch in flight at the peak), instead of in ``activations`` (not in ``peak``;
+    what comes back for a block's backward is in ``transient``)."""
+    offload_bytes_per_step: int = 0
+    """Bytes ``memory.activation_offload`` copies to the host (and back) in one step: every
+    microbatch of every local stage."""
 
 
 @dataclass
@@ -210,6 +217,10 @@ class MemoryPlan:
             else:
                 lines.append("no combination of these levers fits: more devices (dp_shard, pp) or a smaller "
                              "microbatch / sequence")
+        host = max(r.activations_offloaded for r in self.ranks)
+        if host:
+            lines.append(f"activation offload: up to {format_bytes(host)} of saved activations per rank in pinned "
+                         "host memory (memory.activation_offload), not in the device peak")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

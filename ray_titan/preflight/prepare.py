@@ -107,7 +107,7 @@ def prepare_job(config: JobConfig | str | Path | None, overrides: list[str] | No
 def fit_memory(cfg: JobConfig, device: str | None, device_memory: int | str | None = None, *,
                dataset: bool = False, margin: float | None = None) -> tuple[JobConfig, MemoryPlan | None, str]:
     """``memory.fit = "auto"``: ``cfg`` rewritten with the cheapest microbatches / activation
-    checkpointing levers (:data:`~ray_titan.preflight.plan_levers.FIT_GROUPS`) that make its
+    offloading / activation checkpointing levers (:data:`~ray_titan.preflight.plan_levers.FIT_GROUPS`) that make its
     memory plan fit, re-validated and re-planned; returns ``(config, its plan, the line to print)``.
 
     The capacity is ``device_memory`` (bytes or ``"80GiB"``), else ``memory.device_memory``, else
@@ -140,13 +140,17 @@ def fit_memory(cfg: JobConfig, device: str | None, device_memory: int | str | No
         every = memory_plan(cfg, capacity, device, margin=margin).recommendation
         would = (f"; what would fit: {' '.join(every)}" if every
                  else "; no lever the plan knows fits, not even more devices (a smaller model, microbatch or sequence)")
-        raise ConfigError(f"{head}, and no choice of microbatches and activation checkpointing fits (the levers "
+        raise ConfigError(f"{head}, and no choice of microbatches, activation offloading and activation "
+                          "checkpointing fits (the levers "
                           f"memory.fit = 'auto' may apply){would}; give the job more devices, or set "
                           "memory.fit = 'off'")
     new = cfg.with_overrides(plan.recommendation)
     new = validate_job(new, has_dataset=dataset)
     after = memory_plan(new, capacity, device, levers=False, margin=margin)
-    return new, after, f"{head}; training with {' '.join(plan.recommendation)} (peak {format_bytes(after.max_peak)})"
+    chosen = [lv for lv in plan.levers if set(lv.overrides) <= set(plan.recommendation)]
+    why = "; ".join(f"{lv.name}: {lv.cost}" for lv in chosen)
+    return new, after, (f"{head}; training with {' '.join(plan.recommendation)} (peak {format_bytes(after.max_peak)}), "
+                        f"the cheapest that fits ({why})")
 
 
 def on_cluster(cfg: JobConfig, cpus_per_worker: float) -> JobConfig:
