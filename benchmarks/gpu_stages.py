@@ -298,6 +298,51 @@ def stage_llama_1b(ctx: StageContext) -> None:
     ctx.log.add("MFU vs measured matmul peak", round(100 * tps * fpt / measured, 2), "%")
 
 
+# The memory levers at the 1B shape: (name, flags). Offloading's copies and their overlap exist
+# only on a GPU (on a CPU its hooks move nothing), so this is where its cost is measured.
+LEVERS = (("none", ()), ("offload all", ("--memory.activation_offload=all",)),
+          ("full AC", ("--activation_checkpoint.mode=full",)),
+          ("full AC + offload all", ("--activation_checkpoint.mode=full", "--memory.activation_offload=all")))
+
+
+def stage_memory_levers(ctx: StageContext) -> None:
+    """The 1B stage's shape (``--small``: its stand-in) under each of :data:`LEVERS`, one rank:
+    per lever its tokens/s (median of steps 3 on), device peaks allocated and reserved, the
+    plan's peak and the last loss, as facts named ``<lever>: ...``; then each lever's tokens/s
+    and reserved peak against ``none``'s."""
+    steps = 4 if ctx.small else 10
+    base: dict[str, float] = {}
+    for name, flags in LEVERS:
+        cfg = _llama_1b(ctx, steps).with_overrides(list(flags))
+        plan = ctx.attempt(f"{name}: memory plan", lambda cfg=cfg: memory_plan_peak(cfg))
+        run = ctx.attempt(f"{name}: run", lambda cfg=cfg: _train(ctx, cfg))
+        if run is None:
+            continue
+        t = run["steps"]
+        times = [x for st, x in zip(t["step"].to_pylist(), t["step_time_s"].to_pylist()) if st >= 3 and x]
+        tps = cfg.training.global_batch_size * cfg.training.seq_len / statistics.median(times)
+        losses = [x for x in t["step_loss"].to_pylist() if x is not None]
+        ctx.log.add(f"{name}: tokens/s", round(tps, 1), "tok/s")
+        ctx.log.add(f"{name}: last loss", losses[-1] if losses else None)
+        if plan is not None:
+            ctx.log.add(f"{name}: plan peak", round(plan / MiB, 1), "MiB")
+        if ctx.cuda:
+            for what in ("allocated", "reserved"):
+                ctx.log.add(f"{name}: device peak {what}", round(run[f"peak_{what}"] / MiB, 1), "MiB")
+            if name == "none":
+                base = {"tps": tps, "reserved": run["peak_reserved"]}
+            elif base:
+                ctx.log.add(f"{name}: tokens/s / none's", round(tps / base["tps"], 3))
+                ctx.log.add(f"{name}: peak reserved / none's", round(run["peak_reserved"] / base["reserved"], 3))
+
+
+def memory_plan_peak(cfg) -> int:
+    """The memory plan's rank-0 peak of ``cfg`` on CUDA (bytes)."""
+    from ray_titan.preflight.memory_plan import memory_plan
+
+    return memory_plan(cfg, device="cuda", levers=False).ranks[0].peak
+
+
 def stage_torchtitan(ctx: StageContext) -> None:
     """torchtitan 0.3.0 at the 1B stage's shape, batch and dtype (absent: said, and done), and
     the ratio of ray_titan's tokens/s (the ``llama_1b`` stage's fact) to torchtitan's."""
@@ -380,7 +425,7 @@ def stage_compile(ctx: StageContext) -> None:
 STAGE_FUNCS: dict[str, Callable[[StageContext], None]] = {
     "environment": stage_environment, "main_job": stage_main_job, "llama_1b": stage_llama_1b,
     "torchtitan": stage_torchtitan, "gpu_checks": stage_gpu_checks, "main_mesh": stage_main_mesh,
-    "compile": stage_compile,
+    "compile": stage_compile, "memory_levers": stage_memory_levers,
 }
 
 
