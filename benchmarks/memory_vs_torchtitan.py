@@ -120,14 +120,14 @@ def ray_titan_overrides(job: TorchtitanJob) -> list[str]:
     mesh, batch, AC, bf16 compute (FSDP2's bf16 parameters, fp32 gradient reduction: torchtitan's
     ``mixed_precision_param``/``_reduce`` defaults), AdamW, then ``job.extra``. The vocabulary is the
     flavor's (the dry run builds with it: 128,256 for Llama 3.1, 102,400 for DeepSeek-V3 16B).
-    Loss parallel off: torchtitan 0.3.0's Llama gathers the logits, its loss is not vocab-parallel."""
+    Loss parallel is ray_titan's default, as torchtitan 0.3.0's under tp (``_LossParallelCrossEntropy``)."""
     return [f"--model.name={job.model}", f"--model.flavor={job.flavor}", f"--parallelism.pp={job.pp}",
             "--parallelism.dp_replicate=1", f"--parallelism.dp_shard={job.dp}", f"--parallelism.tp={job.tp}",
             f"--parallelism.ep={job.ep}", "--parallelism.pipeline_schedule=1F1B",
             f"--parallelism.microbatches={job.microbatches}", f"--training.seq_len={job.seq}",
             f"--training.global_batch_size={job.global_batch}", "--training.mixed_precision=bf16",
-            "--optimizer.name=AdamW", "--memory.cpu_offload=false", *_AC[job.ac],
-            *(["--parallelism.loss_parallel=false"] if job.tp > 1 else []), *job.extra]
+            "--optimizer.name=AdamW", "--memory.cpu_offload=false", "--parallelism.loss_parallel=true",
+            *_AC[job.ac], *job.extra]
 
 
 def torchtitan_available() -> bool:

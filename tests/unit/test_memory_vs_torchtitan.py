@@ -17,15 +17,17 @@ def test_ray_titan_side_runs_the_job_of_the_row(job):
     and a model of a torchtitan flavor: the shapes torchtitan's side is given."""
     from ray_titan.checkpoint import job_model_args
     from ray_titan.config import load_config
-    from ray_titan.preflight.checks import validate_job
+    from ray_titan.preflight.checks import _check_vocab, validate_job
     from ray_titan.trainer.build import parallel_dims
 
-    cfg = validate_job(load_config(mvt.CONFIG, mvt.ray_titan_overrides(job)))
+    cfg = validate_job(load_config(mvt.CONFIG, mvt.ray_titan_overrides(job)), check_data=False)
+    _check_vocab(cfg, job_model_args(cfg).vocab_size)  # as the dry run checks it: the flavor's vocabulary
     dims = parallel_dims(cfg)
     assert (dims.world_size, dims.pp, dims.tp, dims.ep) == (job.world, job.pp, job.tp, job.ep)
     assert cfg.training.global_batch_size // dims.dp == job.local_batch
     assert cfg.training.seq_len == job.seq and cfg.parallelism.microbatches == job.microbatches
     assert cfg.training.mixed_precision == "bf16" and cfg.optimizer.name == "AdamW"
+    assert cfg.parallelism.loss_parallel  # torchtitan's loss is vocab-parallel under tp
     ac = cfg.activation_checkpoint
     assert {"none": ("none",), "full": ("full",), "op": ("selective", "op")}[job.ac] == \
         ((ac.mode, ac.selective_option) if ac.mode == "selective" else (ac.mode,))
