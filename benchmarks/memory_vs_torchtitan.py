@@ -26,7 +26,15 @@ What torchtitan is given to run on the simulated GPU, and why (the CPU shims of
   cannot run. Its causal ``ScaledDotProductAttention`` takes its place, and on the simulated
   device SDPA is the fused flash kernel a GPU picks (as on ray_titan's side): both save the
   attention output and its log-sum-exp, no ``seq × seq`` scores, as FlexAttention would.
+- **absent imports**: ``datasets`` (and the metric loggers, where absent) are absorbing stubs:
+  torchtitan imports its Hugging Face data loaders at import; none runs here.
 - **data**: random token ids of the job's shape (the values are meaningless on fake tensors).
+- **weight init**: ``init_weights`` leaves the parameters as ``to_empty`` made them (DTensor's
+  random ops are a higher-order op fake mode has no rule for; values are meaningless here).
+- **the console log**: ``metrics_processor.log`` is skipped (host-side, it reads the times of
+  torchtitan's data loader, which this benchmark bypasses).
+- **MoE split sizes**: the dry run answers a dispatch's host split sizes as balanced routing of
+  the tokens × top-k it routes; torchtitan's dispatcher tells it that count as ray_titan's does.
 - **the device mesh**: built on real host tensors (its rank table), as ray_titan's dry run builds its own.
 - **the pipeline**: the neighbour stages' shape metadata answered as on ray_titan's side
   (:func:`ray_titan.dry_run.fake_group._install_stage_meta_shims`) and torchtitan's microbatched
