@@ -147,11 +147,11 @@ def torchtitan_available() -> bool:
 
 def job_line(name: str, ray_titan_bytes: int | None, torchtitan_bytes: int | None) -> str:
     """The closing line of a job: ``memory_vs_torchtitan job=NAME ray_titan_gib=X torchtitan_gib=Y
-    ratio=R`` (GiB with 2 decimals; a side that did not run is ``-``, and so is the ratio)."""
+    ratio=R`` (GiB with 2 decimals, the ratio with 4; a side that did not run is ``-``, and so is the ratio)."""
     def gib(n: int | None) -> str:
         return f"{n / GiB:.2f}" if n is not None else "-"
 
-    ratio = f"{ray_titan_bytes / torchtitan_bytes:.3f}" if ray_titan_bytes and torchtitan_bytes else "-"
+    ratio = f"{ray_titan_bytes / torchtitan_bytes:.4f}" if ray_titan_bytes and torchtitan_bytes else "-"
     return (f"memory_vs_torchtitan job={name} ray_titan_gib={gib(ray_titan_bytes)} "
             f"torchtitan_gib={gib(torchtitan_bytes)} ratio={ratio}")
 

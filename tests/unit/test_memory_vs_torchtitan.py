@@ -38,7 +38,7 @@ def test_ray_titan_side_runs_the_job_of_the_row(job):
 def test_job_line_format_and_missing_sides():
     line = mvt.job_line("x", 3 * GiB, 2 * GiB)
     m = re.fullmatch(r"memory_vs_torchtitan job=(\S+) ray_titan_gib=(\S+) torchtitan_gib=(\S+) ratio=(\S+)", line)
-    assert m is not None and m.groups() == ("x", "3.00", "2.00", "1.500")
+    assert m is not None and m.groups() == ("x", "3.00", "2.00", "1.5000")
     assert mvt.job_line("y", GiB, None).endswith("ray_titan_gib=1.00 torchtitan_gib=- ratio=-")
 
 
