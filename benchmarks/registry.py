@@ -61,6 +61,12 @@ def _dry_run_flavors(b: Bench) -> list[Row]:
     return dry_run_matrix.rows_for_runner(b.quick, flavors=True)
 
 
+def _memory_vs_torchtitan(b: Bench) -> list[Row]:
+    from benchmarks import memory_vs_torchtitan
+
+    return memory_vs_torchtitan.rows_for_runner(b.quick)
+
+
 # In the order `all` runs them; the default set first.
 BENCHMARKS: dict[str, Benchmark] = {
     "collector": Benchmark(main_job.bench_collector, "the metrics collector's overhead: tokens/s with it and "
@@ -90,6 +96,9 @@ BENCHMARKS: dict[str, Benchmark] = {
                                 "composition matrix", (2, 2)),  # simulated steps per rank
     "dry_run_flavors": Benchmark(_dry_run_flavors, "the memory plan against the simulated GPU, every flavor "
                                  "of every family", (2, 2)),
+    "memory_vs_torchtitan": Benchmark(_memory_vs_torchtitan, "one rank's peak device memory, ray_titan against "
+                                      "torchtitan 0.3.0's own code, on the simulated GPU (torchtitan's side "
+                                      "needs the bench extra)", (2, 2)),  # simulated steps per side
 }
 CPU_NAMES = [n for n, b in BENCHMARKS.items() if b.default]
 ALL_NAMES = list(BENCHMARKS)

@@ -99,12 +99,15 @@ def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = 
     from ray_titan.checkpoint import job_model_args
     from ray_titan.config import ConfigError, load_config
     from ray_titan.dry_run.shim import build_shim
-    from ray_titan.preflight.checks import validate_job
+    from ray_titan.preflight.checks import _check_vocab, validate_job
     from ray_titan.preflight.memory_plan import memory_plan
 
     if steps < 1:  # zero steps would simulate nothing and say it ran
         raise ConfigError(f"steps = {steps}: simulate at least 1 training step")
-    cfg = validate_job(load_config(config, overrides))
+    # The data and the tokenizer are never read here: the ranks build the flavor's vocabulary, and
+    # it is what the mesh must split (tp, loss parallel), not the tokenizer's.
+    cfg = validate_job(load_config(config, overrides), check_data=False)
+    _check_vocab(cfg, job_model_args(cfg).vocab_size)
     world = cfg.world_size
     ranks = ranks if ranks is not None else [0]
     bad = [r for r in ranks if not 0 <= r < world]

@@ -157,5 +157,20 @@ def apply_ac(model: nn.Module, mode: str, selective_option: str = "op", layer_fr
     return done
 
 
+PROFILER_OPS = frozenset(op for op in (_resolve(torch.ops, p) for p in (
+    "profiler._record_function_enter.default", "profiler._record_function_enter_new.default",
+    "profiler._record_function_exit.default", "profiler._record_function_exit._RecordFunction")) if op is not None)
+"""The profiler's range ops (``torch.profiler.record_function``), which op SAC leaves out of its
+per-op count (:func:`_op_context`): a routed experts' FSDP2 unit inside a checkpointed block
+(``ray_titan.parallel.fsdp.apply_fsdp``, bf16 or ``dp_shard > ep``) opens a different number of
+FSDP ranges in the forward than in its recomputation, and SAC, which matches each op of the
+recomputation to the forward's by its count, then failed in backward (``invocation index 2
+encountered during backward but not found in storage``; DeepSeek-V3 16B, FSDP8 × EP8, bf16: the
+``memory_vs_torchtitan`` benchmark). They hold no tensor: nothing to save or recompute."""
+
+
 def _op_context(force_recompute: frozenset[tuple[int, ...]]):
+    import torch.utils.checkpoint as ckpt
+
+    ckpt.SAC_IGNORED_OPS |= PROFILER_OPS  # torch's own set of ops SAC runs uncounted: see PROFILER_OPS
     return create_selective_checkpoint_contexts(op_sac_policy(force_recompute))

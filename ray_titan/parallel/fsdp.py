@@ -78,13 +78,18 @@ def apply_fsdp(
     cpu_offload: bool = False,
     mixed_precision: str = "fp32",
 ) -> None:
-    """``fully_shard`` each block in ``model.layers`` and then ``model`` itself (the embedding,
-    final norm and output head, where this stage has them, are in the root's group).
+    """``fully_shard`` an untied embedding (where this stage has one), each block in
+    ``model.layers`` and then ``model`` itself (the final norm and output head, where this stage
+    has them, and a tied embedding are in the root's group).
 
     Parameters become ``DTensor``s sharded on dim 0 over ``dp_mesh``; gradients are
     reduce-scattered (averaged) over it. A 2-D ``dp_mesh`` ``(dp_replicate, dp_shard)`` gives
     HSDP: sharded over its second dim, replicated over its first (gradients all-reduced there).
-    The root never reshards after forward: its backward starts at once. ``cpu_offload``: see
+    The root never reshards after forward: its backward starts at once. The untied embedding is
+    a group of its own that reshards after forward as the blocks do, as torchtitan 0.3.0 groups it
+    (``apply_fsdp_to_decoder``): in the root, it stayed gathered from the first block's forward to
+    the last one's backward (Llama 3.1 8B: ``vocab × dim`` bf16, 0.98 GiB at the peak of a rank,
+    ``python -m benchmarks.run memory_vs_torchtitan``). ``cpu_offload``: see
     :func:`offload_policy`. Apply activation checkpointing (``ray_titan.parallel.ac``) before this.
 
     ``expert_mesh``: given when expert parallelism has already sharded the routed experts over
@@ -101,6 +106,10 @@ def apply_fsdp(
     policy = offload_policy(cpu_offload, dp_mesh.device_type)
     mp = mixed_precision_policy(mixed_precision)
     ignored: set[nn.Parameter] = set()
+    embedding = getattr(model, "tok_embeddings", None)
+    if embedding is not None and not getattr(model, "tied", False):
+        fully_shard(embedding, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    offload_policy=policy, mp_policy=mp)
     for block in cast(nn.ModuleDict, model.layers).values():
         moe = getattr(block, "moe", None)
         if moe is not None and expert_mesh is not None:

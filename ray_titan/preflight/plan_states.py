@@ -32,14 +32,15 @@ class _Group:
 
 @dataclass
 class _StageParams:
-    root: _Group = field(default_factory=_Group)  # embedding, final norm, output head
+    root: _Group = field(default_factory=_Group)  # final norm, output head, a tied embedding
+    embed: _Group = field(default_factory=_Group)  # an untied embedding: a group of its own
     blocks: dict[int, _Group] = field(default_factory=dict)
     experts: dict[int, _Group] = field(default_factory=dict)  # only where FSDP groups them apart
     buffers: int = 0  # bytes of module buffers (rotary tables, router statistics)
     unmanaged: int = 0  # elements FSDP leaves out (routed experts expert parallelism alone holds)
 
     def groups(self) -> list[_Group]:
-        return [self.root, *self.blocks.values(), *self.experts.values()]
+        return [self.root, self.embed, *self.blocks.values(), *self.experts.values()]
 
     @property
     def local(self) -> int:
@@ -88,7 +89,9 @@ def _stage_params(whole: Any, layers: list[int], first: bool, last: bool, dp: in
               or (parts[0] in ("norm", "output") and last)):
             if tp > 1 and len(shape) == 2:
                 shape = (math.ceil(shape[0] / tp), shape[1])
-            out.root.add(shape, dp)
+            # An untied embedding is an FSDP group of its own (ray_titan.parallel.fsdp.apply_fsdp).
+            untied_embedding = parts[0] == "tok_embeddings" and not getattr(whole, "tied", False)
+            (out.embed if untied_embedding else out.root).add(shape, dp)
     for name, b in whole.named_buffers():
         parts = name.split(".")
         if parts[0] != "layers" or parts[1] in keep:

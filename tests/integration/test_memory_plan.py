@@ -246,10 +246,10 @@ def test_levers_are_ranked_by_cost_and_the_recommendation_is_the_cheapest_that_f
     assert plan.fits is False and plan.max_peak > parse_bytes("80GiB")
     assert [lv.rank for lv in plan.levers] == sorted(lv.rank for lv in plan.levers)
     assert all(lv.peak < plan.max_peak for lv in plan.levers)
-    # Half the microbatch does not fit on its own; op SAC (torchtitan's policy) does: 73.2 GiB
-    # since the root's gradients are counted when autograd computes them (none at the loss's
-    # backward, the untied embedding's last; 75.2 GiB before, 94 GiB when op SAC saved every
-    # matmul): the cheapest lever that fits, recommended.
+    # The cheapest lever, half the microbatch, does not fit on its own; the next, op SAC
+    # (torchtitan's policy), does: recommended alone. (Planned 75.2 GiB before the root's
+    # gradients were counted when autograd computes them and the untied embedding resharded after
+    # forward, 94 GiB when op SAC saved every matmul; 67.4 GiB on the simulated GPU.)
     assert plan.recommendation == ["--activation_checkpoint.mode=selective",
                                    "--activation_checkpoint.selective_option=op"]
     cheaper = [lv for lv in plan.levers if lv.rank < 1]

@@ -48,9 +48,11 @@ def _units(model: torch.nn.Module) -> dict[str, MixedPrecisionPolicy]:
 def test_bf16_sets_the_policy_on_every_fsdp_unit_and_fp32_sets_none(one_rank_mesh, family):
     bf16 = _units(_parallelized(family, "bf16", one_rank_mesh))
     fp32 = _units(_parallelized(family, "fp32", one_rank_mesh))
-    n_layers = build_model(family, "debug", vocab_size=258).args.n_layers
-    # The root and every block are units (routed experts are inside their block's unit here).
-    assert set(bf16) == set(fp32) == {"", *(f"layers.{i}" for i in range(n_layers))}
+    model = build_model(family, "debug", vocab_size=258)
+    # The root, an untied embedding and every block are units (routed experts are inside their
+    # block's unit here).
+    embedding = [] if model.tied else ["tok_embeddings"]
+    assert set(bf16) == set(fp32) == {"", *embedding, *(f"layers.{i}" for i in range(model.args.n_layers))}
     assert all(p.param_dtype == torch.bfloat16 and p.reduce_dtype == torch.float32 for p in bf16.values())
     assert all(p.param_dtype is None and p.reduce_dtype is None for p in fp32.values())
 
