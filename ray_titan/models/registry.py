@@ -27,7 +27,8 @@ __all__ = ["FAMILIES", "MODELS", "ModelSpec", "build_model", "get_model_args", "
 # The registered families, each a package under ray_titan/models/ with a SPEC, in the order the
 # config's model.name lists them (checked: tests/unit/test_registry.py). A lookup by arguments
 # takes the first family whose flavors have them (spec_for_args).
-FAMILIES: tuple[str, ...] = ("llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss", "qwen3_5")
+FAMILIES: tuple[str, ...] = ("llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss", "qwen3_5",
+                             "qwen3_5_moe")
 
 
 def _collect(families: tuple[str, ...]) -> dict[str, ModelSpec]:

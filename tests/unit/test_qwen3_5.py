@@ -16,6 +16,7 @@ from ray_titan.checkpoint import check_hf_checkpoint, export_hf
 from ray_titan.models.decoder import count_parameters
 from ray_titan.models.registry import build_model, get_model_args, get_spec
 from tests.support.hf_models import load_ray_titan, make_hf_model, random_tokens, train_one_dropped_step
+from tests.support.saved import logits_and_floor, saved_bytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,14 +38,7 @@ def test_logits_match_transformers(tiny):
     model, spec, args = load_ray_titan(path)
     assert (spec.name, args.full_attention_layers, args.rotary_dim) == ("qwen3_5", [2], 8)
     tokens = random_tokens()
-    with torch.no_grad():
-        want = ref(tokens).logits
-        got = model(tokens)
-        ref.config._attn_implementation = "eager"
-        floor = (ref(tokens).logits - want).abs().max().item()
-        ref.config._attn_implementation = "sdpa"
-    print(f"max |logit difference| = {(got - want).abs().max().item():.2e}; transformers eager vs SDPA "
-          f"{floor:.2e} (logits up to {want.abs().max():.1f})")
+    want, got, _ = logits_and_floor(ref, model, tokens)
     assert want.abs().max() > 3
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     whole = build_model(spec.name, "", args=dataclasses.replace(args, partial_rotary_factor=1.0))
@@ -207,3 +201,24 @@ def test_debug_flavor_trains_and_init_is_transformers_like():
         opt.step()
         losses.append(loss.item())
     assert losses[1] < losses[0]
+
+
+@pytest.mark.parametrize("layer, dtype, seq", [(0, torch.float32, 100), (0, torch.bfloat16, 128),
+                                               (3, torch.float32, 128), (3, torch.bfloat16, 100)])
+def test_block_activation_formula_is_what_autograd_saves(layer, dtype, seq):
+    """The memory plan's block formula (``costs.py``) within 1 % of the bytes autograd saves in
+    one block's forward: a Gated DeltaNet layer (0: the chunk matrices, the convolution's padded
+    input, the gated norm; 100 tokens pad to two chunks) and the full-attention layer (3), in
+    fp32 and in bf16 (whose upcasts copy)."""
+    from ray_titan.models.qwen3_5.costs import qwen3_5_block_activations
+
+    model = build_model("qwen3_5", "debug")
+    model.init_weights(0)
+    b = 2
+    block = model.layers[str(layer)].to(dtype)
+    x = torch.randn(b, seq, model.args.dim, requires_grad=True, dtype=dtype)
+    cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+    saved = saved_bytes(block, x, cos, sin)
+    planned = qwen3_5_block_activations(model.args, layer, dtype.itemsize, seq, "cpu", 1.0, 1).none * b * seq
+    print(f"layer {layer} {dtype}: planned {planned:.0f} bytes, autograd saves {saved}")
+    assert planned == pytest.approx(saved, rel=0.01)

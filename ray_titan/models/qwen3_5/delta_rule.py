@@ -82,8 +82,9 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     q = q * q.shape[-1] ** -0.5
     if hv != hk:  # value head h reads query/key head h // (hv / hk)
         q, k = (x.repeat_interleave(hv // hk, dim=2) for x in (q, k))
-    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
-    return q, k, v, g.transpose(1, 2).float(), beta.transpose(1, 2).float()
+    # Contiguous, heads first: the chunks' matmuls then read views, with or without padding.
+    q, k, v, g, beta = (x.transpose(1, 2).float().contiguous() for x in (q, k, v, g, beta))
+    return q, k, v, g, beta
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -169,11 +170,12 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Causal depthwise 1-D convolution, then SiLU: ``x (batch, seq, channels)``, ``weight
     (channels, 1, width)`` (an ``nn.Conv1d`` with ``groups = channels``, no bias); output ``t``
-    sees inputs ``t − width + 1 .. t`` (zeros before the start). Returns ``(batch, seq,
-    channels)``."""
-    width = weight.shape[-1]
-    padded = F.pad(x.transpose(1, 2), (width - 1, 0))
-    return F.silu(F.conv1d(padded, weight, groups=weight.shape[0])).transpose(1, 2)
+    sees inputs ``t − width + 1 .. t`` (zeros before the start: padded on both sides and the
+    last ``width − 1`` outputs dropped, as transformers' ``causal_conv1d_fn``, which makes it
+    bitwise the reference's). Returns ``(batch, seq, channels)``."""
+    width, seq = weight.shape[-1], x.shape[1]
+    out = F.conv1d(x.transpose(1, 2), weight, padding=width - 1, groups=weight.shape[0])[..., :seq]
+    return F.silu(out).transpose(1, 2)
 
 
 class GatedRMSNorm(nn.Module):
