@@ -49,7 +49,8 @@ from ray_titan.models.costs import F32, BlockActivations, transformer_flops_per_
 from ray_titan.models.qwen3_5.args import FULL
 from ray_titan.models.qwen3_5.delta_rule import CHUNK
 
-__all__ = ["deltanet_flops_per_token", "qwen3_5_block_activations", "qwen3_5_flops_per_token"]
+__all__ = ["deltanet_flops_per_token", "hybrid_flops_per_token", "qwen3_5_block_activations",
+           "qwen3_5_flops_per_token"]
 
 
 def deltanet_flops_per_token(a: Any) -> int:
@@ -59,25 +60,31 @@ def deltanet_flops_per_token(a: Any) -> int:
     return 3 * a.linear_v_heads * (CHUNK * (5 * dk + 3 * dv) + 6 * dk * dv)
 
 
-def qwen3_5_flops_per_token(args: Any, seq_len: int) -> int:
-    """Training FLOPs per token of a Qwen3.5 model (dense or MoE) at ``seq_len``: the module
-    docstring's count, ``N`` the activated non-embedding parameters (DeepSeek's count,
-    :func:`ray_titan.models.deepseek_v2.model.activated_parameters`: dense, every parameter but
-    the embedding), counted on the meta device."""
-    import torch
-
+def hybrid_flops_per_token(model: Any, seq_len: int) -> int:
+    """Training FLOPs per token at ``seq_len`` of a Qwen3.5 ``model`` (dense or MoE, on the meta
+    device): the module docstring's count, ``N`` the activated non-embedding parameters
+    (DeepSeek's count, :func:`ray_titan.models.deepseek_v2.model.activated_parameters`, for an
+    MoE model; dense: every parameter but the embedding)."""
     from ray_titan.models.deepseek_v2.model import activated_parameters
-    from ray_titan.models.registry import spec_for_args
 
-    with torch.device("meta"):
-        model = spec_for_args(args).model_cls(args)
+    args = model.args
     if hasattr(args, "n_routed_experts"):
         n = activated_parameters(model)
-    else:  # dense: every parameter but the embedding
+    else:
         n = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("tok_embeddings"))
     linear = args.n_layers - len(args.full_attention_layers)
     return (transformer_flops_per_token(n, len(args.full_attention_layers), args.n_heads * args.head_dim, seq_len)
             + linear * deltanet_flops_per_token(args))
+
+
+def qwen3_5_flops_per_token(args: Any, seq_len: int) -> int:
+    """Training FLOPs per token of a dense Qwen3.5 model at ``seq_len`` (:func:`hybrid_flops_per_token`)."""
+    import torch
+
+    from ray_titan.models.qwen3_5.model import Qwen35
+
+    with torch.device("meta"):
+        return hybrid_flops_per_token(Qwen35(args), seq_len)
 
 
 def _deltanet(a: Any, e: int, seq: int) -> tuple[float, float]:

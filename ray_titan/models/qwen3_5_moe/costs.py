@@ -12,9 +12,20 @@ from typing import Any
 
 from ray_titan.models.costs import BlockActivations
 from ray_titan.models.deepseek_v2.costs import moe_activations
-from ray_titan.models.qwen3_5.costs import qwen3_5_block_activations
+from ray_titan.models.qwen3_5.costs import hybrid_flops_per_token, qwen3_5_block_activations
 
-__all__ = ["qwen3_5_moe_block_activations"]
+__all__ = ["qwen3_5_moe_block_activations", "qwen3_5_moe_flops_per_token"]
+
+
+def qwen3_5_moe_flops_per_token(args: Any, seq_len: int) -> int:
+    """Training FLOPs per token of a Qwen3.5-MoE model at ``seq_len``
+    (:func:`~ray_titan.models.qwen3_5.costs.hybrid_flops_per_token`: the activated parameters)."""
+    import torch
+
+    from ray_titan.models.qwen3_5_moe.model import Qwen35Moe
+
+    with torch.device("meta"):
+        return hybrid_flops_per_token(Qwen35Moe(args), seq_len)
 
 
 def qwen3_5_moe_block_activations(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
