@@ -105,3 +105,27 @@ def test_module_equals_transformers_gated_deltanet():
         scale = want_dw[name].abs().max()
         assert scale > 0, name
         torch.testing.assert_close(got_dw[name], want_dw[name], rtol=0, atol=1e-5 * scale)
+
+
+def test_the_flash_linear_attention_call_is_its_api(monkeypatch):
+    """Where flash-linear-attention runs (CUDA with ``fla`` installed; neither here), the call
+    :func:`gated_delta_rule` makes follows its ``chunk_gated_delta_rule`` API: standing in for it,
+    transformers' torch function of the same API (its fallback for that very kernel) gives the
+    plain form's outputs and gradients. The kernel itself is not checked here."""
+    from ray_titan.models.qwen3_5 import delta_rule
+
+    calls = []
+
+    def fla_stand_in(q, k, v, g, beta, **kwargs):
+        calls.append(sorted(kwargs))
+        return hf.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, **kwargs)
+
+    monkeypatch.setattr(delta_rule, "FLA_CHUNK", fla_stand_in)
+    monkeypatch.setattr(delta_rule, "_fla_device", lambda x: True)
+    inputs = _inputs(seq=70, seed=5)
+    want, want_grads = _grads(chunk_gated_delta_rule, inputs)
+    got, got_grads = _grads(delta_rule.gated_delta_rule, inputs)
+    assert calls == [["use_qk_l2norm_in_kernel"]]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

@@ -153,12 +153,17 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return out.transpose(1, 2).to(dtype)
 
 
+def _fla_device(x: torch.Tensor) -> bool:
+    """Whether flash-linear-attention's Triton kernels run on ``x``'s device (CUDA)."""
+    return x.is_cuda
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor) -> torch.Tensor:
     """The training form: flash-linear-attention's fused kernel on a CUDA tensor when it is
     installed (:data:`FLA_CHUNK`; it normalises q and k itself and takes grouped heads expanded
     here), else :func:`chunk_gated_delta_rule`. Shapes as :func:`recurrent_gated_delta_rule`."""
-    if FLA_CHUNK is not None and q.is_cuda:
+    if FLA_CHUNK is not None and _fla_device(q):
         hk, hv = k.shape[2], v.shape[2]
         if hv != hk:
             q, k = (x.repeat_interleave(hv // hk, dim=2) for x in (q, k))
