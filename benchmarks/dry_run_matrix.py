@@ -118,6 +118,13 @@ _MOE_DEBUG = dict(pp=2, dp=2, ep=2, n=4, seq=128, bf16=True)
 FLAVOR_CASES: list[Case] = [
     *[_case(f"{m} debug pp2 dp2 ep2", model=m, **_MOE_DEBUG)  # type: ignore[arg-type]
       for m in ("deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss", "glm4_moe", "minimax_m2")],
+    # Qwen3.5: Gated DeltaNet's chunked activations (tensor parallel is refused).
+    _case("qwen3_5 debug pp2 dp2 bf16", model="qwen3_5", pp=2, dp=2, n=2, seq=256, bf16=True),
+    _case("qwen3_5 27B pp4 dp8 seq1024", model="qwen3_5", flavor="27B", pp=4, dp=8, n=4, mb=1, seq=1024,
+          bf16=True),
+    _case("qwen3_5_moe debug pp2 dp2 ep2", model="qwen3_5_moe", **_MOE_DEBUG),  # type: ignore[arg-type]
+    _case("qwen3_5_moe 397B-A17B pp8 dp16 ep16 seq1024", model="qwen3_5_moe", flavor="397B-A17B", pp=8, dp=16,
+          ep=16, n=8, mb=1, seq=1024, bf16=True),
     _case("qwen3 0.6B fsdp8 seq4096", model="qwen3", flavor="0.6B", dp=8, seq=4096, mb=1, bf16=True),
     _case("qwen3 1.7B fsdp8 seq4096", model="qwen3", flavor="1.7B", dp=8, seq=4096, mb=1, bf16=True),
     _case("llama 3.2-1B pp2 dp4 tp2 seq2048", model="llama", flavor="3.2-1B", pp=2, dp=4, tp=2, n=4, mb=1,

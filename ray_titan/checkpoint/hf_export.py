@@ -167,7 +167,7 @@ def _export_into(checkpoint: str | Path, out_dir: str, dtype: str, max_shard_byt
     manifest = read_manifest(path, verify_checksums=True)  # as resume does: sizes, CRC-32s, metadata
     check_metadata(load_metadata(path), path, manifest["files"])
     spec = get_spec(manifest["model"]["name"])
-    args = _args_of(manifest, spec, path)
+    args = spec.hf.export_args(_args_of(manifest, spec, path))
     reader = _CheckedReader(path, spec, args)
     main = [it for it in reader.items if it[1].file is None]
     side = [it for it in reader.items if it[1].file is not None]

@@ -65,7 +65,7 @@ class Model(_Section):
     # The registered families (ray_titan.models.registry.FAMILIES, in its order): this module
     # imports nothing of the project, so tests/unit/test_registry.py checks that they agree.
     name: Literal["llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss", "glm4_moe",
-                  "minimax_m2"] = "llama"
+                  "minimax_m2", "qwen3_5", "qwen3_5_moe"] = "llama"
     """Model family: any registered family (``ray_titan.models.registry``; the README's model table
     describes each). With ``checkpoint.initial_load_hf`` it comes from the checkpoint's
     ``config.json`` (set here, it must agree)."""

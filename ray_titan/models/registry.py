@@ -28,7 +28,7 @@ __all__ = ["FAMILIES", "MODELS", "ModelSpec", "build_model", "get_model_args", "
 # config's model.name lists them (checked: tests/unit/test_registry.py). A lookup by arguments
 # takes the first family whose flavors have them (spec_for_args).
 FAMILIES: tuple[str, ...] = ("llama", "qwen3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "gpt_oss", "glm4_moe",
-                             "minimax_m2")
+                             "minimax_m2", "qwen3_5", "qwen3_5_moe")
 
 
 def _collect(families: tuple[str, ...]) -> dict[str, ModelSpec]:

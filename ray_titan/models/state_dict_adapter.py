@@ -183,6 +183,14 @@ SIZE_FIELDS: dict[str, tuple[int, int]] = {
     "initial_context_length": (1, MAX_POSITIONS),  # gpt-oss's hub files
     "pretraining_tp": (1, MAX_HEADS),  # Llama: tensor-parallel degree of pre-training
     "ep_size": (1, MAX_EXPERTS),  # DeepSeek's hub files: expert-parallel degree
+    # Qwen3-Next / Qwen3.5: Gated DeltaNet's heads and convolution, the gated shared expert.
+    "linear_num_key_heads": (1, MAX_HEADS),
+    "linear_num_value_heads": (1, MAX_HEADS),
+    "linear_key_head_dim": (1, MAX_HEAD_DIM),
+    "linear_value_head_dim": (1, MAX_HEAD_DIM),
+    "linear_conv_kernel_dim": (1, 64),  # released: 4
+    "full_attention_interval": (1, MAX_LAYERS),
+    "shared_expert_intermediate_size": (0, MAX_FFN),
 }
 """config.json field -> (smallest, largest) valid value: every integer field a family (or
 transformers' reference) reads that sizes a tensor, a table or a list. Read them with
@@ -447,6 +455,12 @@ class StateDictAdapter:
     def output_key(args: Any) -> str:
         """The tensor the output head reads: the embedding when tied, else ``lm_head.weight``."""
         return "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
+
+    def export_args(self, args: Any) -> Any:
+        """The arguments an export writes (names and ``config.json``) for a model trained with
+        ``args``: ``args`` itself, unless the family imports a form it does not write (Qwen3.5's
+        multimodal files: exported as the text model)."""
+        return args
 
     def ignored_keys(self, args: Any) -> set[str]:
         """Tensor names a checkpoint may hold that the model does not use (a tied model's

@@ -124,6 +124,7 @@ def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = Fa
     _check_mtp(cfg, margs)
     _check_schedule(cfg)
     _check_tensor_parallel(cfg, margs)
+    _check_document_mask(cfg, margs)
     _check_pipeline(cfg, margs)
     _check_batch(cfg, margs)
     _validate_memory(cfg)
@@ -463,6 +464,15 @@ def _check_tensor_parallel(cfg: JobConfig, margs: Any) -> None:
             f"parallel splits the sequence over the tp ranks; use a multiple of {tp} or "
             "parallelism.sequence_parallel = false"
         )
+
+
+def _check_document_mask(cfg: JobConfig, margs: Any) -> None:
+    """``training.document_mask`` with a model that cannot keep packed documents apart (Qwen3.5's
+    Gated DeltaNet layers carry a state along the whole sequence): refused, with the reason."""
+    why = getattr(margs, "document_mask_unsupported", None)
+    if cfg.training.document_mask and why is not None:
+        raise ConfigError(f"training.document_mask = true is not supported for {cfg.model.name}/{cfg.model.flavor}: "
+                          f"{why}; use training.document_mask = false")
 
 
 def _check_vocab(cfg: JobConfig, vocab_size: int) -> None:

@@ -200,8 +200,11 @@ def test_tied_head_under_pp2_tp2_matches_one_process(models, qwen3_debug_one_pro
     # GLM-4.5 (partial rotary, q/k/v biases, its correction bias from the weights) over pp and ep.
     ("glm4_moe", ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
     ("minimax_m2", ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
+    # Qwen3.5 (Gated DeltaNet; tp refused): its dense twin under FSDP and pipeline stages too.
+    ("qwen3_5", ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=1"]),
+    ("qwen3_5_moe", ["--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
 ], ids=["deepseek_v2_pp2_ep2", "deepseek_v3_tp2_ep2", "qwen3_moe_pp2_ep2", "gpt_oss_pp2_ep2", "glm4_moe_pp2_ep2",
-        "minimax_m2_pp2_ep2"])
+        "minimax_m2_pp2_ep2", "qwen3_5_pp2_dp2", "qwen3_5_moe_pp2_ep2"])
 def test_moe_import_onto_a_mesh_matches_one_process(models, tmp_path, family, mesh):
     root, data = models
     single, _ = _in_process(root, data, family, tmp_path / "one", "--training.steps=1")

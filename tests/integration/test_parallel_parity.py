@@ -103,17 +103,24 @@ MOE_2026 = {"qwen3_moe": (4, ["--parallelism.tp=2", "--parallelism.dp_shard=2", 
             "glm4_moe": (4, ["--parallelism.tp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"]),
             # MiniMax-M2 (q/k norms over all heads, every layer MoE; tp refused) with experts over ep.
             "minimax_m2": (2, ["--parallelism.dp_shard=2", "--parallelism.ep=2"])}
+# Qwen3.5 (Gated DeltaNet; tp refused): FSDP with pipeline stages splitting DeltaNet from full
+# attention layers; its MoE twin with experts over ep (the reference runs the dp ranks' batches
+# as microbatches: the pooled balance loss, as Qwen3-MoE's).
+QWEN35 = {"qwen3_5": (4, ["--model.name=qwen3_5", "--parallelism.pp=2", "--parallelism.dp_shard=2",
+                          "--parallelism.microbatches=2"]),
+          "qwen3_5_moe": (2, ["--model.name=qwen3_5_moe", "--parallelism.dp_shard=2", "--parallelism.ep=2"])}
 # A tied head under tp: the vocab-parallel embedding's gradient and the head's, summed on one weight.
 TIED = {"qwen3": (2, ["--model.name=qwen3", "--parallelism.tp=2"]),
         "qwen3_chunked_loss": (2, ["--model.name=qwen3", "--parallelism.tp=2", CHUNKED])}
 REFERENCE_FLAGS = {"qwen3": ["--model.name=qwen3"], "qwen3_moe": ["--parallelism.microbatches=2"],
                    "deepseek_v3_mtp": MTP_FLAGS,
-                   "gpt_oss": ["--parallelism.microbatches=2"]}
+                   "gpt_oss": ["--parallelism.microbatches=2"], "qwen3_5": ["--model.name=qwen3_5"],
+                   "qwen3_5_moe": ["--model.name=qwen3_5_moe", "--parallelism.microbatches=2"]}
 CONFIGS = {"llama": "debug_llama.toml", "qwen3": "debug_llama.toml",
            "deepseek_v2": "debug_deepseek.toml", "deepseek_v3": "debug_deepseek_v3.toml",
            "deepseek_v3_mtp": "debug_deepseek_v3.toml",
            "qwen3_moe": "debug_qwen3_moe.toml", "gpt_oss": "debug_gpt_oss.toml", "glm4_moe": "debug_glm4_moe.toml",
-           "minimax_m2": "debug_minimax_m2.toml"}
+           "minimax_m2": "debug_minimax_m2.toml", "qwen3_5": "debug_llama.toml", "qwen3_5_moe": "debug_llama.toml"}
 
 
 def _rank_main(rank: int, nproc: int, config: str, overrides: list[str], run_dir: str,
@@ -274,6 +281,11 @@ def test_mtp_composition_matches_one_worker(name, corpus, references):
 @pytest.mark.parametrize("model", list(MOE_2026))
 def test_2026_moe_composition_matches_one_worker(model, corpus, references):
     _check_parity(model, _run(corpus / f"{model}_mesh", model, *MOE_2026[model]), references(model))
+
+
+@pytest.mark.parametrize("model", list(QWEN35))
+def test_qwen3_5_composition_matches_one_worker(model, corpus, references):
+    _check_parity(model, _run(corpus / f"{model}_mesh", model, *QWEN35[model]), references(model))
 
 
 @pytest.mark.parametrize("model", list(TIED))

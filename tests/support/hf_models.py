@@ -53,8 +53,8 @@ def write_tokenizer(directory: Path, vocab_size: int = TOKENIZER_VOCAB) -> Path:
 
 # Each family's tiny model is seeded apart. A registered family without one fails the tests that
 # take every family (ray_titan.models.registry.FAMILIES): add its seed here and its config below.
-SEEDS = {"llama": 1, "qwen3": 2, "deepseek_v2": 3, "deepseek_v3": 4, "qwen3_moe": 5, "gpt_oss": 6, "glm4_moe": 7,
-         "minimax_m2": 8}
+SEEDS = {"llama": 1, "qwen3": 2, "deepseek_v2": 3, "deepseek_v3": 4, "qwen3_moe": 5, "gpt_oss": 6, "qwen3_5": 7,
+         "qwen3_5_moe": 8, "glm4_moe": 9, "minimax_m2": 10}
 
 
 def hf_config(family: str):
@@ -77,6 +77,25 @@ def hf_config(family: str):
         return tf.Qwen3MoeConfig(num_hidden_layers=3, num_key_value_heads=2, head_dim=32, moe_intermediate_size=32,
                                  num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
                                  **common)
+    if family == "qwen3_5":
+        # Qwen3.5's shape in small (the text model): DeltaNet, DeltaNet, full attention, DeltaNet
+        # (not the default pattern: layer_types is read), heads of 32 of which a quarter rotates,
+        # GQA 4:2; DeltaNet 2 key heads and 4 value heads of 16, a convolution of 4.
+        return tf.Qwen3_5TextConfig(
+            num_hidden_layers=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            tie_word_embeddings=False, **common)
+    if family == "qwen3_5_moe":
+        # Qwen3.5-MoE's shape in small: the dense tiny model's layers, 8 experts top-2 and a
+        # shared expert wider than them (48 against 32) behind its sigmoid gate.
+        common.pop("intermediate_size")
+        return tf.Qwen3_5MoeTextConfig(
+            num_hidden_layers=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+            **common)
     if family == "gpt_oss":
         # gpt-oss's shape in small: heads of 16, GQA 4:2, 8 experts top-2 (every layer MoE), layers
         # sliding (a window of 16: it matters at 300 tokens) / full / sliding, its YaRN (truncate false).

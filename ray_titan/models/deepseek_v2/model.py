@@ -360,7 +360,9 @@ def route_tokens(
 class MoE(nn.Module):
     """Routed plus shared experts. Input and output ``(batch, seq, dim)``. The keyword arguments
     are gpt-oss's variations (``ray_titan.models.gpt_oss``): a learned router bias
-    (:class:`Router`), expert biases and another expert activation (:class:`GroupedExperts`).
+    (:class:`Router`), expert biases and another expert activation (:class:`GroupedExperts`); and
+    Qwen3.5's (``ray_titan.models.qwen3_5_moe``): one shared expert of its own width whose output
+    a per-token sigmoid gate scales.
 
     ``run_experts`` (set by ``ray_titan.parallel.expert``) runs the routed experts on other
     ranks; by default all experts are local (:func:`route_tokens`).
@@ -369,16 +371,20 @@ class MoE(nn.Module):
     aux_loss_sum: torch.Tensor  # the buffer registered in __init__ (annotation only)
 
     def __init__(self, args: MoEArgs, *, router_bias: bool = False, expert_bias: bool = False,
-                 expert_activation: str = "swiglu", activation_params: dict[str, float] | None = None):
+                 expert_activation: str = "swiglu", activation_params: dict[str, float] | None = None,
+                 shared_hidden: int | None = None, shared_gate: bool = False):
         super().__init__()
         self.n_experts, self.top_k = args.n_routed_experts, args.n_activated_experts
         self.aux_coeff = args.aux_loss_coeff if args.load_balance == "aux_loss" else 0.0
         self.router = Router(args, bias=router_bias)
         self.experts = GroupedExperts(args.n_routed_experts, args.dim, args.moe_inter_dim, expert_bias,
                                       expert_activation, activation_params)
-        self.shared_experts = (
-            FeedForward(args.dim, args.n_shared_experts * args.moe_inter_dim) if args.n_shared_experts else None
-        )
+        # ``shared_hidden``: the shared expert's own width (Qwen3-Next / Qwen3.5); by default
+        # DeepSeek's n_shared_experts of the routed experts' width, fused into one SwiGLU.
+        hidden = args.n_shared_experts * args.moe_inter_dim if shared_hidden is None else shared_hidden
+        self.shared_experts = FeedForward(args.dim, hidden) if hidden else None
+        # ``shared_gate`` (Qwen3-Next / Qwen3.5): the shared output scaled by sigmoid(w·x), per token.
+        self.shared_gate = nn.Linear(args.dim, 1, bias=False) if shared_gate else None
         # Set by expert parallelism (ray_titan.parallel.expert); None: every expert is local.
         self.run_experts: ExpertRunner | None = None
         # Sum of the balance loss over this step's forwards (microbatches), for reporting;
@@ -391,7 +397,10 @@ class MoE(nn.Module):
         weights, indices, scores = self.router(flat)
         out = route_tokens(flat, weights, indices, self.experts, self.n_experts, self.run_experts)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+            shared = self.shared_experts(flat)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared
+            out = out + shared
         out = out.view(bsz, seq, dim)
         if self.aux_coeff > 0 and torch.is_grad_enabled():
             aux = self.balance_loss(scores.view(bsz, seq, -1), indices.view(bsz, seq, -1))

@@ -14,11 +14,41 @@ from typing import Literal
 
 from ray_titan.models.llama.args import LlamaArgs
 
-__all__ = ["FLAVORS", "Qwen3MoeArgs"]
+__all__ = ["FLAVORS", "Qwen3MoeArgs", "SoftmaxTopKRouting"]
+
+
+class SoftmaxTopKRouting:
+    """The routing settings Qwen's MoE families fix (``ray_titan.models.routing.RoutingArgs``,
+    ``MoEArgs``): a softmax over the experts, the greedy top-k, one expert group, no route scale,
+    no DeepSeek-style shared experts (Qwen3.5's gated shared expert is its own)."""
+
+    @property
+    def topk_method(self) -> str:
+        return "greedy"
+
+    @property
+    def score_func(self) -> str:
+        return "softmax"
+
+    @property
+    def n_group(self) -> int:
+        return 1
+
+    @property
+    def topk_group(self) -> int:
+        return 1
+
+    @property
+    def route_scale(self) -> float:
+        return 1.0
+
+    @property
+    def n_shared_experts(self) -> int:
+        return 0
 
 
 @dataclass(frozen=True)
-class Qwen3MoeArgs:
+class Qwen3MoeArgs(SoftmaxTopKRouting):
     """Hyper-parameters of a Qwen3-MoE model (transformers' ``Qwen3MoeConfig``). Defaults: Qwen3-30B-A3B.
 
     Attention is Qwen3's (grouped-query, ``head_dim`` per head, an RMSNorm over each query and
@@ -72,31 +102,6 @@ class Qwen3MoeArgs:
         """Indices of the MoE layers (the others are dense)."""
         return [i for i in range(self.n_layers)
                 if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0]
-
-    # Routing settings Qwen3-MoE fixes (ray_titan.models.routing.RoutingArgs, MoEArgs).
-    @property
-    def topk_method(self) -> str:
-        return "greedy"
-
-    @property
-    def score_func(self) -> str:
-        return "softmax"
-
-    @property
-    def n_group(self) -> int:
-        return 1
-
-    @property
-    def topk_group(self) -> int:
-        return 1
-
-    @property
-    def route_scale(self) -> float:
-        return 1.0
-
-    @property
-    def n_shared_experts(self) -> int:
-        return 0
 
     @property
     def rope_scaling(self) -> None:

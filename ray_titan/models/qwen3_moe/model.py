@@ -25,7 +25,7 @@ an approximation: the exact loss would need every stage's counts before any back
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -36,7 +36,8 @@ from ray_titan.models.deepseek_v2.model import activated_parameters as _routed_a
 from ray_titan.models.llama.model import Attention
 from ray_titan.models.qwen3_moe.args import Qwen3MoeArgs
 
-__all__ = ["PooledBalanceMoE", "Qwen3Moe", "Qwen3MoeBlock", "activated_parameters", "pooled_balance_loss"]
+__all__ = ["PooledBalanceLoss", "PooledBalanceMoE", "Qwen3Moe", "Qwen3MoeBlock", "activated_parameters",
+           "pooled_balance_loss"]
 
 
 def pooled_balance_loss(prob_sums: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
@@ -93,25 +94,20 @@ class Qwen3MoeBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class Qwen3Moe(Decoder):
-    """Qwen3-MoE decoder (module docstring); input/output as :class:`Decoder`, plus the pooled
-    balance loss in training."""
+class PooledBalanceLoss:
+    """The pooled balance loss of a decoder whose MoE layers are :class:`PooledBalanceMoE`
+    (``moe``): mixed in before :class:`Decoder` (Qwen3-MoE, Qwen3.5-MoE). :meth:`forward` adds
+    the loss over the layers this module holds after the last block (module docstring)."""
 
-    RESIDUAL_OUTPUTS = ("wo.weight", "w2.weight", "experts.w2")
-
-    def make_layer(self, layer_id: int) -> nn.Module:
-        return Qwen3MoeBlock(self.args, layer_id)
-
-    @property
-    def rope_dim(self) -> int:
-        return self.args.head_dim
+    args: Any
+    layers: nn.ModuleDict
 
     def moe_modules(self) -> dict[int, PooledBalanceMoE]:
         """This module's MoE feed-forwards by layer index (only the layers it holds)."""
         return {int(i): cast(PooledBalanceMoE, b.moe) for i, b in self.layers.items() if hasattr(b, "moe")}
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        out = super().forward(x, positions)
+        out = super().forward(x, positions)  # type: ignore[misc]
         recorded = [m for m in self.moe_modules().values() if m.balance_stats is not None]
         stats = [cast(tuple[torch.Tensor, torch.Tensor, int], m.balance_stats) for m in recorded]
         for m in recorded:
@@ -129,11 +125,25 @@ class Qwen3Moe(Decoder):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        super().init_buffers()
+        super().init_buffers()  # type: ignore[misc]
         for moe in self.moe_modules().values():
             moe.router.expert_bias.zero_()
             moe.router.tokens_per_expert.zero_()
             moe.aux_loss_sum.zero_()
+
+
+class Qwen3Moe(PooledBalanceLoss, Decoder):
+    """Qwen3-MoE decoder (module docstring); input/output as :class:`Decoder`, plus the pooled
+    balance loss in training."""
+
+    RESIDUAL_OUTPUTS = ("wo.weight", "w2.weight", "experts.w2")
+
+    def make_layer(self, layer_id: int) -> nn.Module:
+        return Qwen3MoeBlock(self.args, layer_id)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.args.head_dim
 
 
 def activated_parameters(model: Qwen3Moe) -> int:
