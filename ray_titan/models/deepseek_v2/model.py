@@ -82,9 +82,12 @@ class MLA(nn.Module):
     would hold; training reconstructs full keys and values from it. The latents' RMSNorms use
     eps 1e-6 whatever ``norm_eps`` is, as DeepSeek's reference code; under YaRN the softmax
     scale ``1/sqrt(qk_head_dim)`` is multiplied by ``mscale(factor, mscale_all_dim)²``.
+    ``core_attention``: the attention kernel, ``F.scaled_dot_product_attention``'s signature (a
+    hook: context parallelism gathers the reconstructed keys and values, ``Decoder.sequence_sharding``).
     """
 
     LATENT_NORM_EPS = 1e-6
+    core_attention = staticmethod(F.scaled_dot_product_attention)
 
     def __init__(self, args: DeepSeekV2Args):
         super().__init__()
@@ -120,8 +123,7 @@ class MLA(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             scale=self.softmax_scale)
+        out = self.core_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 

@@ -29,7 +29,11 @@ class Attention(nn.Module):
 
     Input and output ``(batch, seq, dim)``. ``q_norm`` / ``k_norm`` (``args.qk_norm``): RMSNorm
     over ``head_dim`` of each query / key head before the rotary embedding (Qwen3).
+    ``core_attention``: the attention kernel, ``F.scaled_dot_product_attention``'s signature (a
+    hook: context parallelism replaces it, ``Decoder.sequence_sharding``).
     """
+
+    core_attention = staticmethod(F.scaled_dot_product_attention)
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -52,7 +56,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
+        out = self.core_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads
         )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
