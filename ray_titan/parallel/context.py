@@ -34,7 +34,7 @@ from torch import nn
 
 __all__ = [
     "ContextParallel", "apply_context_parallel", "attention_work", "balanced_indices", "shard_batch",
-    "shard_sequence",
+    "shard_sequence", "sharded_mask",
 ]
 
 
@@ -62,6 +62,21 @@ def attention_work(seq_len: int, cp: int) -> list[int]:
     attention work. Equal on every rank with :func:`balanced_indices` (a contiguous split would
     give the last rank ``2·cp − 1`` times the first's)."""
     return [int((balanced_indices(seq_len, cp, r) + 1).sum()) for r in range(cp)]
+
+
+def sharded_mask(whole: torch.Tensor | None, local: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+    """The attention mask of the queries at global indices ``local (q,)`` over the keys at global
+    indices ``gathered (k,)`` (int64), True where the query may attend: the key is not after the
+    query and, with ``whole`` (``(batch, seq)`` int64, every token's position within its
+    document, in sequence order), both are in the same document (a document starts where the
+    position is 0, as ``ray_titan.models.decoder.document_causal_mask``). Returns ``(batch or 1,
+    1, q, k)`` bool: the rows ``local`` and columns ``gathered`` of the whole sequence's mask."""
+    causal = gathered[None, :] <= local[:, None]  # (q, k)
+    if whole is None:
+        return causal[None, None]
+    doc = (whole == 0).cumsum(dim=1)
+    same = doc[:, local][:, :, None] == doc[:, gathered][:, None, :]
+    return (same & causal)[:, None]
 
 
 class ContextParallel:
@@ -94,16 +109,12 @@ class ContextParallel:
         document. Collective over the cp group when ``positions`` is given (one all-gather of
         the positions)."""
         local, gathered = self.local.to(device), self.gathered.to(device)
-        causal = gathered[None, :] <= local[:, None]  # (local, seq)
         if positions is None:
-            return local[None], causal[None, None]
-        everyone = funcol.all_gather_tensor(positions.contiguous(), gather_dim=1, group=self.group)
-        everyone = funcol.wait_tensor(everyone)
+            return local[None], sharded_mask(None, local, gathered)
+        everyone = funcol.wait_tensor(funcol.all_gather_tensor(positions.contiguous(), gather_dim=1, group=self.group))
         whole = torch.empty_like(everyone)
         whole[:, gathered] = everyone  # the whole sequence's positions, in order
-        doc = (whole == 0).cumsum(dim=1)  # as ray_titan.models.decoder.document_causal_mask
-        same = doc[:, local][:, :, None] == doc[:, gathered][:, None, :]
-        return positions, (same & causal)[:, None]
+        return positions, sharded_mask(whole, local, gathered)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                is_causal: bool = False, **kwargs) -> torch.Tensor:
@@ -119,6 +130,12 @@ class ContextParallel:
         k, v = self.gather(k), self.gather(v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
 
+    def sequence_sum(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``t`` summed over the cp group (no gradient: the MoE balance loss's routing counts) and
+        the cp degree: the ``sequence_sum`` hook of the MoE layers
+        (``ray_titan.models.deepseek_v2.model.sequence_balance_loss``)."""
+        return funcol.wait_tensor(funcol.all_reduce(t.detach(), "sum", self.group)), self.cp
+
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """``t (batch, heads, seq_len / cp, dim)`` of every cp rank, concatenated in rank order on
         the sequence dimension, with a backward that reduce-scatters the gradient."""
@@ -128,8 +145,9 @@ class ContextParallel:
 
 
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, seq_len: int) -> ContextParallel:
-    """Make one stage module context-parallel in place: its ``sequence_sharding`` hook and every
-    submodule's ``core_attention`` (the attention kernels) become those of a
+    """Make one stage module context-parallel in place: its ``sequence_sharding`` hook, every
+    submodule's ``core_attention`` (the attention kernels) and ``sequence_sum`` (the MoE layers'
+    sequence-wise balance loss) become those of a
     :class:`ContextParallel` over ``group``. Raises ``TypeError`` when the module has no
     ``sequence_sharding`` hook (not a ``ray_titan.models.decoder.Decoder``) or no attention with a
     ``core_attention`` hook (a family whose attention context parallelism does not cover)."""
@@ -140,6 +158,9 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, seq_len: 
     found = [m for m in model.modules() if hasattr(m, "core_attention")]
     for m in found:
         setattr(m, "core_attention", ctx.attend)  # noqa: B010
+    for m in model.modules():
+        if hasattr(m, "sequence_sum"):  # MoE layers: the sequence-wise balance loss
+            setattr(m, "sequence_sum", ctx.sequence_sum)  # noqa: B010
     if not found and len(getattr(model, "layers", ())):
         raise TypeError(f"{type(model).__name__}'s attention has no core_attention hook: context parallel "
                         "does not cover it")
