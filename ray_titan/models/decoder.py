@@ -144,8 +144,8 @@ class Decoder(nn.Module):
     ``sequence_sharding`` (None: the whole sequence is here): a hook that context parallelism
     sets (``ray_titan.parallel.context``), with a method ``positions_and_mask(positions, device)
     -> (positions, mask)`` giving this rank's tokens' positions in the whole sequence and the
-    mask of its queries over the keys its attentions' ``core_attention`` hooks see; then every
-    block gets that mask.
+    mask of its queries over the keys its attentions' ``core_attention`` hooks see (None: those
+    hooks mask causally themselves); then every block gets that mask.
 
     ``args.tie_word_embeddings`` (Llama 3.2 1B/3B, small Qwen3): the model has no ``output``
     module and computes logits with the embedding's weight; a last pipeline stage without the

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 __all__ = [
     "ContextParallel", "apply_context_parallel", "attention_work", "balanced_indices", "shard_batch",
@@ -103,14 +104,14 @@ class ContextParallel:
         ``positions``: ``(batch, seq_len / cp)`` int64, each local token's position within its
         document (``training.document_mask``, sharded as the tokens), or None (one causal
         sequence: a token's position is its global index). Returns ``positions`` (the given
-        ones, or ``(1, seq_len / cp)`` global indices) and a bool mask ``(batch or 1, 1,
-        seq_len / cp, seq_len)``, True where a local query may attend to a gathered key: the
-        key's global index is not after the query's, and with ``positions`` both are in the same
-        document. Collective over the cp group when ``positions`` is given (one all-gather of
+        ones, or ``(1, seq_len / cp)`` global indices) and, with ``positions``, a bool mask
+        ``(batch, 1, seq_len / cp, seq_len)`` (:func:`sharded_mask`: ``seq_len² / cp`` bytes a
+        sequence); without, None: :meth:`attend` then needs no mask (two causal attentions, one
+        per chunk). Collective over the cp group when ``positions`` is given (one all-gather of
         the positions)."""
         local, gathered = self.local.to(device), self.gathered.to(device)
         if positions is None:
-            return local[None], sharded_mask(None, local, gathered)
+            return local[None], None
         everyone = funcol.wait_tensor(funcol.all_gather_tensor(positions.contiguous(), gather_dim=1, group=self.group))
         whole = torch.empty_like(everyone)
         whole[:, gathered] = everyone  # the whole sequence's positions, in order
@@ -122,13 +123,25 @@ class ContextParallel:
         head_dim)`` over the keys and values of the whole sequence, all-gathered from the cp group
         (``k``, ``v``: ``(batch, kv_heads, seq_len / cp, head_dim)`` → ``(..., seq_len, ...)``,
         autograd-aware: their gradients are reduce-scattered back). ``attn_mask``: the mask of
-        :meth:`positions_and_mask` (required: the causal mask of a local block is not the
-        global one; ``is_causal`` is ignored). Other keywords (``scale``, ``enable_gqa``) pass
-        through. Returns ``(batch, heads, seq_len / cp, head_dim)``."""
-        if attn_mask is None:
-            raise RuntimeError("context-parallel attention needs the mask of ContextParallel.positions_and_mask")
+        :meth:`positions_and_mask` (documents), or None: causal over the whole sequence, computed
+        without a mask as two attentions, each of one local chunk over the keys up to its end,
+        causal aligned to the lower right (``torch.nn.attention.bias.causal_lower_right``, which
+        the flash and memory-efficient kernels take); ``is_causal`` is ignored either way. Other
+        keywords (``scale``, ``enable_gqa``) pass through. Returns ``(batch, heads, seq_len / cp,
+        head_dim)``."""
         k, v = self.gather(k), self.gather(v)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+        if attn_mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+        order = torch.argsort(self.gathered).to(k.device)  # gathered order → sequence order
+        k, v = k.index_select(2, order), v.index_select(2, order)
+        chunk = self.seq_len // (2 * self.cp)
+        outs = []
+        for j, c in enumerate((self.rank, 2 * self.cp - 1 - self.rank)):
+            end = (c + 1) * chunk
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, j * chunk:(j + 1) * chunk], k[:, :, :end], v[:, :, :end],
+                attn_mask=causal_lower_right(chunk, end), **kwargs))
+        return torch.cat(outs, dim=2)
 
     def sequence_sum(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``t`` summed over the cp group (no gradient: the MoE balance loss's routing counts) and

@@ -5,8 +5,9 @@ tests' 1e-4 relative of the same one-process runs (tests/integration/test_parall
 with and without document masks.
 
 Below them, on 2 ranks without the trainer: the Llama (GQA), Qwen3 (q/k norms) and DeepSeek-V2
-(MLA, MoE balance loss) models give the one-rank logits and gradients with several documents
-packed across the chunk boundaries (the trainer's parity runs' 32-token windows rarely hold two),
+(MLA, MoE balance loss) models give the one-rank logits and gradients, causal (the mask-free
+path: one attention per chunk) and with several documents packed across the chunk boundaries
+(the masked path; the trainer's parity runs' 32-token windows rarely hold two),
 while a gather that keeps each rank's own keys (the negative control: the mutation that skips the
 key/value all-gather) does not. A mutation that skips the load balancing is caught by the unit
 test of the balancer (tests/unit/test_context_parallel.py), since a contiguous split computes
@@ -72,9 +73,8 @@ def _rank_main(rank: int, out: str, env: dict[str, str], control: bool) -> None:
         if control:  # the negative control: each rank's own keys stand for the whole sequence's
             ContextParallel.gather = lambda self, t: t.repeat(1, 1, self.cp, 1)  # type: ignore[method-assign]
         tokens = torch.randint(0, 258, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-        pos = positions()
         lines = []
-        for family in FAMILIES:
+        for family, pos in [(f, p) for f in FAMILIES for p in (positions(), None)]:
             models = []
             for _ in range(2):
                 m = build_model(family, "debug", vocab_size=258)
@@ -85,7 +85,7 @@ def _rank_main(rank: int, out: str, env: dict[str, str], control: bool) -> None:
             torch.nn.functional.cross_entropy(ref_logits.flatten(0, 1), tokens.flatten()).backward()
             apply_context_parallel(cpm, dist.group.WORLD, SEQ)
             mine = shard_sequence(tokens, 2, rank)
-            logits = cpm(mine, positions=shard_sequence(pos, 2, rank))
+            logits = cpm(mine, positions=None if pos is None else shard_sequence(pos, 2, rank))
             torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine.flatten()).backward()
             d_logits = (logits - shard_sequence(ref_logits, 2, rank)).abs().max().item()
             d_grad = 0.0
@@ -93,7 +93,7 @@ def _rank_main(rank: int, out: str, env: dict[str, str], control: bool) -> None:
                 g = p.grad.clone()
                 dist.all_reduce(g)  # FSDP's average over the cp ranks
                 d_grad = max(d_grad, ((g / 2 - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item())
-            lines.append(f"{family} {d_logits} {d_grad}")
+            lines.append(f"{family}{'' if pos is None else '_documents'} {d_logits} {d_grad}")
         Path(out).write_text("\n".join(lines))
         dist.destroy_process_group()
     except BaseException:
@@ -123,7 +123,7 @@ def _run_ranks(tmp_path: Path, control: bool) -> dict[str, tuple[float, float]]:
 
 def test_two_cp_ranks_give_the_one_rank_logits_and_gradients(tmp_path):
     diffs = _run_ranks(tmp_path / "cp", control=False)
-    assert set(diffs) == set(FAMILIES)
+    assert set(diffs) == {f"{f}{d}" for f in FAMILIES for d in ("", "_documents")}
     for family, (d_logits, d_grad) in diffs.items():
         assert d_logits < 1e-5 and d_grad < 1e-4, (family, d_logits, d_grad)
     control = _run_ranks(tmp_path / "control", control=True)
