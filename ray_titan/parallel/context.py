@@ -97,7 +97,7 @@ class ContextParallel:
         self.gathered = torch.cat([balanced_indices(seq_len, self.cp, r) for r in range(self.cp)])
 
     def positions_and_mask(self, positions: torch.Tensor | None,
-                           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                           device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The rotary positions of this rank's tokens and the attention mask of its queries over
         the gathered keys.
 
