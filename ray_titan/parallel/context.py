@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.nn.attention.bias import causal_lower_right
 
 __all__ = [
@@ -95,6 +96,12 @@ class ContextParallel:
         self.local = balanced_indices(seq_len, self.cp, self.rank)
         # The global index of each key after the all-gather: the ranks' shares in rank order.
         self.gathered = torch.cat([balanced_indices(seq_len, self.cp, r) for r in range(self.cp)])
+        chunk = seq_len // (2 * self.cp)
+        ends = [(c + 1) * chunk for c in (self.rank, 2 * self.cp - 1 - self.rank)]
+        # Made here, at build time: tensor subclasses without data, which a dispatch mode active
+        # in the step (selective AC's, ray-titan dry-run's fake tensors) would refuse to wrap.
+        with unset_fake_temporarily():
+            self._causal = [(end, causal_lower_right(chunk, end)) for end in ends]
 
     def positions_and_mask(self, positions: torch.Tensor | None,
                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -136,12 +143,11 @@ class ContextParallel:
         k, v = k.index_select(2, order), v.index_select(2, order)
         chunk = self.seq_len // (2 * self.cp)
         outs = []
-        for j, c in enumerate((self.rank, 2 * self.cp - 1 - self.rank)):
-            end = (c + 1) * chunk
+        for j, (end, bias) in enumerate(self._causal):
             outs.append(F.scaled_dot_product_attention(
-                q[:, :, j * chunk:(j + 1) * chunk], k[:, :, :end], v[:, :, :end],
-                attn_mask=causal_lower_right(chunk, end), **kwargs))
+                q[:, :, j * chunk:(j + 1) * chunk], k[:, :, :end], v[:, :, :end], attn_mask=bias, **kwargs))
         return torch.cat(outs, dim=2)
+
 
     def sequence_sum(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``t`` summed over the cp group (no gradient: the MoE balance loss's routing counts) and

@@ -110,6 +110,11 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def fsdp_shard(self) -> int:
+        """The ranks FSDP2 shards parameters over: ``dp_shard × cp`` (torchtitan's ``dp_shard_cp``)."""
+        return self.dp_shard * self.cp
+
+    @property
     def fsdp(self) -> bool:
         """Whether FSDP2 (or HSDP) wraps the model: more than one data-parallel or context-parallel
         rank (FSDP2 shards over ``dp_shard × cp`` and averages the gradients over them)."""

@@ -7,11 +7,28 @@ schedule what an input-gradient step holds until its weight-gradient step."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from ray_titan.config.schema import JobConfig
 from ray_titan.preflight.plan_job import _F32, _I64, _Job
+
+
+def _cp_gathered(j: _Job) -> float:
+    """Context parallel (``ray_titan.parallel.context``): bytes per local token each attention
+    keeps above its own keys and values, the ``cp − 1`` other ranks' all-gathered (what the
+    attention saves for backward is the whole sequence's ``k`` and ``v``: ``cp`` times the local
+    ones). Their width from the model's arguments: MLA's reconstructed keys and values (``n_heads
+    · (qk_head_dim + v_head_dim)``), else grouped-query ``2 · n_kv_heads · head_dim``. 0 at cp = 1."""
+    cp, a = j.dims.cp, j.args
+    if cp == 1:
+        return 0.0
+    if getattr(a, "qk_head_dim", None):
+        width = a.n_heads * (a.qk_head_dim + a.v_head_dim)
+    else:
+        width = 2 * a.n_kv_heads * a.head_dim
+    return (cp - 1) * j.e * width
 
 
 def _checkpointed(cfg: JobConfig, layer: int) -> str:
@@ -62,8 +79,17 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     kept_at_peak = 0.0  # what is still kept at the backward's peak moment (the blocks up to it)
     blocks = []  # (block, how checkpointed, layer), for the zero-bubble terms
     scan: list[tuple[float, float, int]] = []  # per block: kept up to it, its backward's transient, layer
+    gathered = _cp_gathered(j)
     for i, layer in enumerate(j.split[s]):
         blk = j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep)
+        if gathered:  # kept without AC; recomputed (gathered again) under op and full AC
+            blk = dataclasses.replace(blk, none=blk.none + gathered)
+            if tr.document_mask:
+                # Each attention makes the bool mask a bias in the activations' dtype (PyTorch's
+                # memory-efficient kernel; the dry run's shim as it), saved for backward and made
+                # again while backward runs: seq_len elements a local token.
+                blk = dataclasses.replace(blk, none=blk.none + e * tr.seq_len,
+                                          backward=blk.backward + e * tr.seq_len)
         how = _checkpointed(cfg, layer)
         blocks.append((blk, how, layer))
         kept = blk.kept(how)
@@ -99,6 +125,10 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     for key in act_modes:
         act_modes[key] += head
     per_token = kept_so_far + head + (_I64 if first else 0)
+    if j.dims.cp > 1 and tr.document_mask:
+        # The document mask of the local queries over the whole sequence, bool, once a stage
+        # (every attention saves the same tensor): seq_len bytes a local token.
+        per_token += tr.seq_len
     # At the transient's moment (a block's backward) the blocks after it and the head are freed
     # already: kept bytes that the plan's split counts as temporaries then, not activations. Not
     # a last stage's logits under PP: the stage output, held by torch's backward_one_chunk until
