@@ -20,11 +20,12 @@ import os
 import traceback
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.integration.test_parallel_parity import STEPS, _check_parity, _run, corpus, references  # noqa: F401
+from tests.integration.test_parallel_parity import RTOL, STEPS, _check_parity, _curve, _run, corpus, references  # noqa: F401
 from tests.support.ranks import forkserver, join_all, rendezvous_store
 from tests.unit.test_context_parallel import BATCH, SEQ, positions
 
@@ -51,10 +52,24 @@ def doc_reference(corpus):  # noqa: F811
 @pytest.mark.parametrize("name", list(CP))
 def test_context_parallel_matches_one_worker(name, corpus, references, request):  # noqa: F811
     model, nproc, flags, ref_flags = CP[name]
-    run = _run(corpus / name, model, nproc, [*flags, *ref_flags])
+    run = _run(corpus / name, model, nproc, [*flags, *ref_flags], save=name == "llama_cp2_dp_shard2")
     ref = request.getfixturevalue("doc_reference") if ref_flags else references(model)
     _check_parity(name, run, ref)
     assert set(run[1]["cp"].to_pylist()) == set(range(run[2].cp))
+
+
+def test_checkpoint_reshards_from_cp2_to_cp1(corpus, references):  # noqa: F811
+    """cp=2 × dp_shard=2 saves at step 10 (its parity case above); dp_shard=2 without context
+    parallel resumes it and continues the one-worker curve (FSDP's shards over dp_shard × cp
+    become shards over dp_shard: DCP keeps global shapes)."""
+    ckpt = corpus / "llama_cp2_dp_shard2" / "run" / "checkpoints"
+    if not (ckpt / f"step-{STEPS:08d}").is_dir():
+        _run(corpus / "llama_cp2_dp_shard2", "llama", 4, CP["llama_cp2_dp_shard2"][2], save=True)
+    summary, table, _ = _run(corpus / "cp_resharded", "llama", 2, [
+        "--parallelism.dp_shard=2", f"--checkpoint.load_path={ckpt}"], steps=STEPS + 2)
+    assert summary["errors"] == []
+    assert sorted(set(table["step"].to_pylist())) == [STEPS + 1, STEPS + 2]
+    np.testing.assert_allclose(_curve(table), _curve(references("llama")[1])[STEPS:], rtol=RTOL)
 
 
 FAMILIES = ("llama", "qwen3", "deepseek_v2")
