@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_titan.config.schema import JobConfig
+from ray_titan.models.costs import BlockActivations
 from ray_titan.preflight.plan_job import _F32, _I64, _Job
 
 
@@ -29,6 +30,19 @@ def _cp_gathered(j: _Job) -> float:
     else:
         width = 2 * a.n_kv_heads * a.head_dim
     return (cp - 1) * j.e * width
+
+
+def _with_cp(j: _Job, blk: BlockActivations) -> BlockActivations:
+    """A block's activations under context parallel (as they are at cp = 1): the gathered keys
+    and values (:func:`_cp_gathered`) kept without AC, recomputed (gathered again) under op and
+    full AC; with document masks each attention's bias, the bool mask made a bias in the
+    activations' dtype (PyTorch's memory-efficient kernel; the dry run's shim as it), saved for
+    backward and made again while backward runs: ``seq_len`` elements a local token."""
+    gathered = _cp_gathered(j)
+    if not gathered:
+        return blk
+    bias = j.e * j.cfg.training.seq_len if j.cfg.training.document_mask else 0
+    return dataclasses.replace(blk, none=blk.none + gathered + bias, backward=blk.backward + bias)
 
 
 def _checkpointed(cfg: JobConfig, layer: int) -> str:
@@ -79,17 +93,8 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     kept_at_peak = 0.0  # what is still kept at the backward's peak moment (the blocks up to it)
     blocks = []  # (block, how checkpointed, layer), for the zero-bubble terms
     scan: list[tuple[float, float, int]] = []  # per block: kept up to it, its backward's transient, layer
-    gathered = _cp_gathered(j)
     for i, layer in enumerate(j.split[s]):
-        blk = j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep)
-        if gathered:  # kept without AC; recomputed (gathered again) under op and full AC
-            blk = dataclasses.replace(blk, none=blk.none + gathered)
-            if tr.document_mask:
-                # Each attention makes the bool mask a bias in the activations' dtype (PyTorch's
-                # memory-efficient kernel; the dry run's shim as it), saved for backward and made
-                # again while backward runs: seq_len elements a local token.
-                blk = dataclasses.replace(blk, none=blk.none + e * tr.seq_len,
-                                          backward=blk.backward + e * tr.seq_len)
+        blk = _with_cp(j, j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep))
         how = _checkpointed(cfg, layer)
         blocks.append((blk, how, layer))
         kept = blk.kept(how)
