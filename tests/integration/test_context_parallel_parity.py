@@ -1,5 +1,5 @@
 """Context parallelism (``parallelism.cp``) equal to one worker: Llama (GQA) and DeepSeek-V2 (MLA)
-with the sequence split over 2 or 4 cp ranks, alone and composed with dp_shard, tp and pp; the
+with the sequence split over 2 or 4 cp ranks, composed with dp_shard, tp and pp; the
 step losses the collector assembles and the gradient norms over 10 steps within the other parity
 tests' 1e-4 relative of the same one-process runs (tests/integration/test_parallel_parity.py's),
 with and without document masks.
@@ -40,6 +40,9 @@ CP = {
     "llama_cp4_document_mask": ("llama", 4, ["--parallelism.cp=4"], DOCS),
     # MLA, MoE with the sequence-wise balance loss (its routing counts summed over cp).
     "deepseek_cp2_dp_shard2": ("deepseek_v2", 4, ["--parallelism.cp=2", "--parallelism.dp_shard=2"], []),
+    "deepseek_cp2_tp2": ("deepseek_v2", 4, ["--parallelism.cp=2", "--parallelism.tp=2"], []),
+    "deepseek_cp2_pp2": ("deepseek_v2", 4, ["--parallelism.cp=2", "--parallelism.pp=2",
+                                            "--parallelism.microbatches=2"], []),
 }
 
 
