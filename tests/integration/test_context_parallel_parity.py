@@ -26,6 +26,11 @@ import torch
 import torch.distributed as dist
 
 from tests.integration.test_parallel_parity import RTOL, STEPS, _check_parity, _curve, _run, corpus, references  # noqa: F401
+from tests.integration.test_validation import STEPS as SFT_STEPS
+from tests.integration.test_validation import _by_step as by_step
+from tests.integration.test_validation import _one_process_cfg as one_process_cfg
+from tests.integration.test_validation import _overrides as sft_overrides
+from tests.integration.test_validation import sft_data  # noqa: F401
 from tests.support.ranks import forkserver, join_all, rendezvous_store
 from tests.unit.test_context_parallel import BATCH, SEQ, positions
 
@@ -147,3 +152,33 @@ def test_two_cp_ranks_give_the_one_rank_logits_and_gradients(tmp_path):
     control = _run_ranks(tmp_path / "control", control=True)
     for family, (d_logits, _) in control.items():
         assert d_logits > 1e-3, (family, d_logits)  # 100 times the tolerance above
+
+
+def test_sft_loss_masks_and_validation_under_cp_equal_one_process(sft_data, tmp_path):  # noqa: F811
+    """Prompt-response data (loss masks: counted labels uneven over ranks and the sequence's
+    halves), document masks and validation every step, on cp=2 × dp_shard=2: the step losses and
+    validation losses of one process taking the global batch in one piece."""
+    from ray_titan.metrics.collector.collector import MetricsCollector
+    from ray_titan.metrics.reading.steps import read_steps
+    from ray_titan.metrics.worker.report import LocalReporter
+    from ray_titan.trainer import train_loop
+    from tests.conftest import REPO
+    from tests.support.ranks import launch
+
+    dump = tmp_path / "cp"
+    out = launch(["--config", str(REPO / "configs" / "debug_llama.toml"), *sft_overrides(
+        sft_data, dump, "--parallelism.pp=1", "--parallelism.dp_shard=2", "--parallelism.cp=2",
+        "--validation.enable=true", "--training.threads_per_worker=1")], 4, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    (run_dir,) = dump.glob("debug_llama-*")
+    table = read_steps(run_dir)
+    one = tmp_path / "one"
+    one.mkdir()
+    cfg = one_process_cfg(sft_data, one, "--parallelism.microbatches=1")
+    collector = MetricsCollector(str(one), 1, [0], SFT_STEPS, log_freq=1000, enable_tensorboard=False)
+    train_loop(cfg, LocalReporter(collector), torch.device("cpu"), one)
+    collector.finish()
+    ref = read_steps(one)
+    assert None not in by_step(table, "step_val_loss") and set(table["cp"].to_pylist()) == {0, 1}
+    for column in ("step_loss", "step_val_loss"):
+        np.testing.assert_allclose(by_step(table, column), by_step(ref, column), rtol=1e-5, err_msg=column)
