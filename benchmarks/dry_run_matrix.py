@@ -52,7 +52,7 @@ class Case:
 
 
 def _case(name: str, *, model: str = "llama", flavor: str = "debug", pp: int = 1, dp_rep: int = 1, dp: int = 1,
-          tp: int = 1, ep: int = 1, sched: str = "1F1B", v: int = 1, n: int = 1, ac: str = "none",
+          tp: int = 1, ep: int = 1, cp: int = 1, sched: str = "1F1B", v: int = 1, n: int = 1, ac: str = "none",
           offload: bool = False, bf16: bool = False, seq: int = 256, mb: int = 2, steps: int = 2,
           extra: tuple[str, ...] = ()) -> Case:
     """A :class:`Case`: model and flavor, mesh sizes, schedule, ``v`` stages per rank, ``n``
@@ -65,7 +65,7 @@ def _case(name: str, *, model: str = "llama", flavor: str = "debug", pp: int = 1
                          "--activation_checkpoint.layer_freq=2"]}[ac]
     over = [f"--model.name={model}", f"--model.flavor={flavor}", f"--parallelism.pp={pp}",
             f"--parallelism.dp_replicate={dp_rep}", f"--parallelism.dp_shard={dp}", f"--parallelism.tp={tp}",
-            f"--parallelism.ep={ep}",
+            f"--parallelism.ep={ep}", f"--parallelism.cp={cp}",
             f"--parallelism.pipeline_schedule={sched}", f"--parallelism.stages_per_rank={v}",
             f"--parallelism.microbatches={n}", f"--training.seq_len={seq}",
             f"--training.global_batch_size={mb * n * dp * dp_rep}",
@@ -109,6 +109,13 @@ CASES: list[Case] = [
           extra=("--memory.activation_offload=all",)),
     _case("qwen3 tied fsdp2 tp2 bf16 sel-op act-offload 2", model="qwen3", dp=2, tp=2, bf16=True, ac="op",
           extra=("--memory.activation_offload=2",)),
+    # Context parallel: the sequence split over cp ranks (activations ÷ cp, the gathered keys and
+    # values kept by each attention), parameters sharded over dp_shard × cp.
+    _case("cp2 fsdp2 bf16", cp=2, dp=2, bf16=True, seq=512),
+    _case("cp4 tp2 bf16 sel-op", cp=4, tp=2, bf16=True, ac="op", seq=1024),
+    _case("cp8 fp32 document mask", cp=8, seq=1024, extra=("--training.document_mask=true",)),
+    _case("cp2 pp2 1F1B bf16 full-AC", cp=2, pp=2, n=2, bf16=True, ac="full", seq=512),
+    _case("deepseek cp2 fsdp2 bf16", model="deepseek_v2", cp=2, dp=2, bf16=True, seq=512),
 ]
 # One realistic mesh per flavor of every family, bf16, 1F1B, no activation checkpointing, one
 # sequence per microbatch: the meshes of the MoE flavors' and the 70B / 8B rows before it

@@ -43,8 +43,9 @@ VARIANTS = {
 }
 
 
-def run_variant(name: str, nproc: int, overrides: list[str], seq_len: int, dump: Path) -> dict:
-    """Train 2 steps of ``name`` and read each rank's step-2 memory summary and the losses."""
+def run_variant(name: str, nproc: int, overrides: list[str], seq_len: int, dump: Path, steps: int = 2) -> dict:
+    """Train ``steps`` steps of ``name`` and read each rank's step-2 memory summary, the losses and
+    each step's time (the slowest rank's, seconds; also used by benchmarks/context_parallel.py)."""
     sys.path.insert(0, str(REPO))
     from ray_titan.metrics.reading.steps import read_steps
 
@@ -52,7 +53,7 @@ def run_variant(name: str, nproc: int, overrides: list[str], seq_len: int, dump:
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"] if nproc > 1 else [
         sys.executable]
     cmd = [*launcher, "-m", "ray_titan.launch", "--config", str(REPO / "configs" / "debug_llama.toml"),
-           "--training.steps=2", "--training.global_batch_size=1", f"--training.seq_len={seq_len}",
+           f"--training.steps={steps}", "--training.global_batch_size=1", f"--training.seq_len={seq_len}",
            "--parallelism.pp=1", "--parallelism.dp_shard=1", "--parallelism.microbatches=1",
            "--memory.snapshot_steps=[2]", "--checkpoint.enable=false", "--metrics.enable_tensorboard=false",
            "--training.threads_per_worker=1", f"--job.dump_folder={out}", *overrides]
@@ -65,9 +66,13 @@ def run_variant(name: str, nproc: int, overrides: list[str], seq_len: int, dump:
     for f in sorted((run_dir / "memory").glob("rank*-step2-summary.json")):
         s = json.loads(f.read_text())
         ranks[s["rank"]] = {"above_start": s["peak_above_step_start_bytes"] / MiB}
-    steps = read_steps(run_dir)
-    losses = sorted({(r["step"], r["step_loss"]) for r in steps.select(["step", "step_loss"]).to_pylist()})
-    return {"variant": name, "tp": nproc, "ranks": ranks, "losses": [loss for _, loss in losses]}
+    table = read_steps(run_dir)
+    losses = sorted({(r["step"], r["step_loss"]) for r in table.select(["step", "step_loss"]).to_pylist()})
+    times: dict[int, float] = {}
+    for r in table.select(["step", "step_time_s"]).to_pylist():
+        times[r["step"]] = max(times.get(r["step"], 0.0), r["step_time_s"])
+    return {"variant": name, "tp": nproc, "ranks": ranks, "losses": [loss for _, loss in losses],
+            "step_times": [times[k] for k in sorted(times)]}
 
 
 def main() -> None:

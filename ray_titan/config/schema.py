@@ -247,7 +247,7 @@ class Validation(_Section):
 
 
 class Parallelism(_Section):
-    """Mesh sizes and the pipeline schedule. Workers = ``pp × dp_replicate × dp_shard × tp``."""
+    """Mesh sizes and the pipeline schedule. Workers = ``pp × dp_replicate × dp_shard × cp × tp``."""
 
     pp: int = Field(2, gt=0)
     """Pipeline-parallel degree (mesh axis ``pp``)."""
@@ -273,6 +273,16 @@ class Parallelism(_Section):
     """With ``tp > 1``: the output head keeps its logits vocabulary-sharded and the cross-entropy
     is computed on the shards (``torch.distributed.tensor.parallel.loss_parallel``), so no rank
     holds the full ``(batch, seq, vocab)`` logits. ``false``: the logits are all-gathered first."""
+    cp: int = Field(1, gt=0)
+    """Context-parallel degree (mesh axis ``cp``, as torchtitan's ``context_parallel_degree``):
+    every sequence is split over ``cp`` ranks, which read the same batch; each keeps ``seq_len /
+    cp`` tokens, chunks ``i`` and ``2·cp − 1 − i`` of ``2·cp`` (the causal load balancer: every cp
+    rank does the same attention work), and attends to the keys and values all-gathered from the
+    whole cp group in each attention layer; rotary positions and document masks are those of the
+    whole sequence, and the loss is reduced over the cp ranks. Activations per rank shrink by
+    ``cp``; parameters are FSDP-sharded over ``dp_shard × cp``. ``training.seq_len`` must be a
+    multiple of ``2·cp``; not with ``ep > 1`` nor with gpt-oss (sinks and sliding windows)
+    (ray_titan.parallel.context)."""
     ep: int = Field(1, gt=0)
     """Expert-parallel degree (mesh axis ``ep``, MoE models only): borrows ranks from ``dp_shard``
     (must divide it); routed experts are split over ``ep`` and FSDP-sharded over ``dp_shard / ep``."""
@@ -662,9 +672,9 @@ class JobConfig(_Section):
 
     @property
     def world_size(self) -> int:
-        """Number of workers the mesh needs: ``pp × dp_replicate × dp_shard × tp``."""
+        """Number of workers the mesh needs: ``pp × dp_replicate × dp_shard × cp × tp``."""
         p = self.parallelism
-        return p.pp * p.dp_replicate * p.dp_shard * p.tp
+        return p.pp * p.dp_replicate * p.dp_shard * p.cp * p.tp
 
     @property
     def num_stages(self) -> int:

@@ -95,11 +95,16 @@ def _fused_attention(torch: Any) -> Any:
     no CUDA kernel chooser, so ``aten._fused_sdp_choice`` is never asked). Flash attention without
     a mask and with equal query and value head sizes (grouped-query heads native), else
     memory-efficient attention (a boolean mask made a float bias, grouped-query heads repeated:
-    both as PyTorch does)."""
+    both as PyTorch does). A ``CausalBias`` (context parallel's lower-right causal chunks) is a
+    causal mask no kernel materialises: taken as ``is_causal`` (the same tensors saved)."""
+    from torch.nn.attention.bias import CausalBias
+
     aten = torch.ops.aten
 
     def sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
              scale: float | None = None, enable_gqa: bool = False) -> Any:
+        if isinstance(attn_mask, CausalBias):
+            attn_mask, is_causal = None, True
         if attn_mask is None and q.shape[-1] == v.shape[-1]:
             return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
         if k.shape[-3] != q.shape[-3]:

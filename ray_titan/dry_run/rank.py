@@ -152,8 +152,9 @@ class _Job:
         margs = job_model_args(cfg)
         local_batch = cfg.training.global_batch_size // dims.dp
         sp = dims.tp > 1 and cfg.parallelism.sequence_parallel
-        hidden = (local_batch // cfg.parallelism.microbatches, cfg.training.seq_len // (dims.tp if sp else 1),
-                  margs.dim)
+        # A stage's share of each sequence: 1/cp under context parallel, 1/tp of that under sequence parallel.
+        hidden = (local_batch // cfg.parallelism.microbatches,
+                  cfg.training.seq_len // dims.cp // (dims.tp if sp else 1), margs.dim)
         # What a stage hands the next: bf16 where FSDP2 computes in bf16; fp32 otherwise (autocast's
         # residual stream stays fp32).
         bf16 = resolve_mixed_precision(cfg.training.mixed_precision, "cuda") == "bf16" and dims.fsdp
@@ -209,8 +210,13 @@ def _train_and_report(spec: dict[str, Any], job: _Job, mode: Any, tally: _Device
         for step in range(1, steps + 1):
             tally.phase = "step"
             tokens = torch.randint(0, job.margs.vocab_size, (job.local_batch, cfg.training.seq_len)).to("cuda")
+            # training.document_mask: positions as the loader's (one document a sequence; the
+            # block-causal mask costs the same whatever the documents).
+            positions = (torch.arange(cfg.training.seq_len).expand(job.local_batch, -1).to("cuda")
+                         if cfg.training.document_mask else None)
             tally.phase = "forward"
-            train_step(parts, tokens, tokens, step, cfg.parallelism.microbatches, cfg.training.max_norm)
+            train_step(parts, tokens, tokens, step, cfg.parallelism.microbatches, cfg.training.max_norm,
+                       positions=positions)
             if step == 1 and steps > 1:
                 tally.syncs.clear()  # steady state: the schedule's one-time p2p warm-up reads a flag in step 1
                 tally.grouped_mm = 0

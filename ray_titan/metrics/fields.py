@@ -72,7 +72,7 @@ FIELDS: tuple[Field, ...] = (
     Field("step", "", "int64", REPORT, "The optimizer step, from 1."),
     Field("rank", "", "int64", REPORT, "The global rank."),
     *(Field(axis, "", "int64", COORDS, _AXIS.format(axis), default=0)
-      for axis in ("pp", "dp_replicate", "dp_shard", "tp", "ep")),
+      for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")),
     Field("is_last_stage", "", "bool", REPORT, "The rank holds the last pipeline stage (it has the loss)."),
     Field("loss", "nats/token", "float64", REPORT,
           "The rank's loss: mean cross-entropy over its counted label tokens; null off the last stage "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +142,12 @@ class Decoder(nn.Module):
     by the layer's index in the whole model, so a pipeline stage keeps the whole model's names.
     Subclasses provide :meth:`make_layer` and :attr:`rope_dim`.
 
+    ``sequence_sharding`` (None: the whole sequence is here): a hook that context parallelism
+    sets (``ray_titan.parallel.context``), with a method ``positions_and_mask(positions, device)
+    -> (positions, mask)`` giving this rank's tokens' positions in the whole sequence and the
+    mask of its queries over the keys its attentions' ``core_attention`` hooks see (None: those
+    hooks mask causally themselves); then every block gets that mask.
+
     ``args.tie_word_embeddings`` (Llama 3.2 1B/3B, small Qwen3): the model has no ``output``
     module and computes logits with the embedding's weight; a last pipeline stage without the
     embedding gets an ``output`` copy (``ray_titan.parallel.pipeline.build_stage_module``),
@@ -161,6 +168,7 @@ class Decoder(nn.Module):
     layers: nn.ModuleDict
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    sequence_sharding: Any = None
 
     def __init__(self, args):
         super().__init__()
@@ -204,7 +212,12 @@ class Decoder(nn.Module):
         higher keys are a family's extra blocks, e.g. multi-token prediction's): ``(hidden states
         (batch, seq, dim), the blocks' rotary arguments: (cos, sin) or (cos, sin, mask))``."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        if positions is None:
+        if self.sequence_sharding is not None:
+            positions, mask = self.sequence_sharding.positions_and_mask(positions, h.device)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            for layer in self.layers.values():
+                h = layer(h, cos, sin, mask)
+        elif positions is None:
             # The whole tables: a block's attention may see more positions than ``h`` holds here
             # (sequence parallel keeps 1/tp of them between blocks); apply_rope takes what it needs.
             rope: tuple[torch.Tensor, ...] = (self.rope_cos, self.rope_sin)

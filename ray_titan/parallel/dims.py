@@ -1,12 +1,19 @@
 """Parallel dimensions and the device mesh.
 
-The mesh is ``(pp, dp_replicate, dp_shard, tp)`` with those axis names (docs/design.md, Contracts),
-row-major, so global rank ``r`` has coordinates
-``tp = r % tp``, ``dp_shard = (r // tp) % dp_shard``, ``dp_replicate = (r // (tp·dp_shard)) %
-dp_replicate`` and ``pp = r // (tp·dp_shard·dp_replicate)``: the ranks of one tensor-parallel
-group are consecutive (on one node, on the fastest links), then those of one FSDP shard group,
-then the replicas (HSDP: replicate across nodes, shard within), then the pipeline stages. With
-``tp = dp_replicate = 1`` this is the ``(pp, dp_shard)`` layout of earlier versions, rank for rank.
+The mesh is ``(pp, dp_replicate, dp_shard, cp, tp)`` with those axis names (docs/design.md,
+Contracts; torchtitan's order), row-major, so global rank ``r`` has coordinates
+``tp = r % tp``, ``cp = (r // tp) % cp``, ``dp_shard = (r // (tp·cp)) % dp_shard``,
+``dp_replicate = (r // (tp·cp·dp_shard)) % dp_replicate`` and ``pp = r // (tp·cp·dp_shard·dp_replicate)``:
+the ranks of one tensor-parallel group are consecutive (on one node, on the fastest links), then
+those of one context-parallel group, then those of one FSDP shard group, then the replicas (HSDP:
+replicate across nodes, shard within), then the pipeline stages. With ``tp = cp = dp_replicate =
+1`` this is the ``(pp, dp_shard)`` layout of earlier versions, rank for rank.
+
+Context parallelism (``cp``, ``ray_titan.parallel.context``) splits every sequence over the cp
+ranks of one data-parallel rank: they read the same batch and each keeps its load-balanced share
+of the tokens. Parameters are FSDP-sharded over ``dp_shard × cp`` (torchtitan's ``dp_shard_cp``),
+so the gradients of the cp ranks' different tokens are averaged as those of different
+data-parallel ranks are.
 
 Expert parallelism borrows its ranks from ``dp_shard``: with ``ep > 1`` the ``dp_shard`` axis is
 unflattened into ``(dp_shard_mod_ep, ep)``, so the ``ep`` coordinate is ``dp_shard % ep``
@@ -51,7 +58,8 @@ class ParallelDims:
     """Sizes of the mesh axes, the pipeline's stages per rank, and the mapping of stages to ranks.
 
     Axes: ``pp`` (pipeline), ``dp_replicate`` (HSDP replicas), ``dp_shard`` (FSDP2 sharding),
-    ``tp`` (tensor and sequence parallel); world size = ``pp × dp_replicate × dp_shard × tp``.
+    ``cp`` (context parallel: the sequence split), ``tp`` (tensor and sequence parallel); world
+    size = ``pp × dp_replicate × dp_shard × cp × tp``.
 
     ``ep`` (expert parallel) borrows ranks from ``dp_shard`` only: it must divide ``dp_shard``
     (module docstring: why not ``tp``).
@@ -76,8 +84,9 @@ class ParallelDims:
     tp: int = 1
     dp_replicate: int = 1
     pp_style: Literal["loop", "v"] = "loop"
+    cp: int = 1
 
-    AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+    AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
     def __post_init__(self):
         for name in (*self.AXES, "ep", "stages_per_rank"):
@@ -92,17 +101,24 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: ``dp_replicate × dp_shard`` (the data loader's)."""
+        """Data-parallel degree: ``dp_replicate × dp_shard`` (the data loader's; the cp ranks of a
+        data-parallel rank read the same batch)."""
         return self.dp_replicate * self.dp_shard
 
     @property
+    def fsdp_shard(self) -> int:
+        """The ranks FSDP2 shards parameters over: ``dp_shard × cp`` (torchtitan's ``dp_shard_cp``)."""
+        return self.dp_shard * self.cp
+
+    @property
     def fsdp(self) -> bool:
-        """Whether FSDP2 (or HSDP) wraps the model: more than one data-parallel rank."""
-        return self.dp > 1
+        """Whether FSDP2 (or HSDP) wraps the model: more than one data-parallel or context-parallel
+        rank (FSDP2 shards over ``dp_shard × cp`` and averages the gradients over them)."""
+        return self.dp * self.cp > 1
 
     @property
     def num_stages(self) -> int:
@@ -110,14 +126,17 @@ class ParallelDims:
 
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of global ``rank`` on each mesh axis, by axis name: ``pp`` and ``dp_shard``
-        always, ``dp_replicate``, ``tp`` and ``ep`` only when > 1 (so dense jobs' messages stay short)."""
+        always, ``dp_replicate``, ``cp``, ``tp`` and ``ep`` only when > 1 (so dense jobs' messages stay short)."""
         tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
         shard, rest = rest % self.dp_shard, rest // self.dp_shard
         rep, pp = rest % self.dp_replicate, rest // self.dp_replicate
         coords = {"pp": pp}
         if self.dp_replicate > 1:
             coords["dp_replicate"] = rep
         coords["dp_shard"] = shard
+        if self.cp > 1:
+            coords["cp"] = cp
         if self.tp > 1:
             coords["tp"] = tp
         if self.ep > 1:
@@ -164,29 +183,39 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> Meshes:
         """The job's meshes by name, from ``init_device_mesh`` over the default process group
-        (one root mesh ``(pp, dp_replicate, dp_shard, tp)``; every mesh below is a view of it,
+        (one root mesh ``(pp, dp_replicate, dp_shard, cp, tp)``; every mesh below is a view of it,
         so DTensors on different ones compose, e.g. FSDP2 over ``fsdp`` of TP's ``tp`` shards):
 
-        - ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``, ``"tp"``: the 1-D axes;
-        - ``"fsdp"``: what FSDP2 shards over: ``dp_shard``, or the 2-D ``(dp_replicate,
-          dp_shard)`` under HSDP (``dp_replicate > 1``: sharded over dim 1, replicated over dim 0);
-        - ``"dp"``: every data-parallel rank of this (pp, tp) position, 1-D (``dp_replicate ×
+        - ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``, ``"cp"``, ``"tp"``: the 1-D axes;
+        - ``"fsdp"``: what FSDP2 shards over: ``dp_shard`` (``dp_shard × cp`` flattened as
+          ``"dp_shard_cp"`` when ``cp > 1``), or the 2-D ``(dp_replicate, dp_shard[_cp])`` under
+          HSDP (``dp_replicate > 1``: sharded over dim 1, replicated over dim 0);
+        - ``"dp"``: every data-parallel rank of this (pp, cp, tp) position, 1-D (``dp_replicate ×
           dp_shard`` flattened; reductions over data-parallel ranks);
+        - with ``cp > 1``: ``"dp_shard_cp"`` and ``"dp_cp"`` (``dp_replicate × dp_shard × cp``
+          flattened: every rank holding other tokens of this (pp, tp) position);
         - with ``ep > 1``: ``"ep"`` (1-D), ``"dp_shard_mod_ep"`` (1-D), ``"efsdp"`` (what the routed
           experts are FSDP-sharded over: ``dp_shard_mod_ep``, or ``(dp_replicate, dp_shard_mod_ep)``
           under HSDP) and, with ``tp > 1``, ``"ep_tp"`` (2-D, the experts' own mesh).
         """
-        root = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+        root = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
                                 mesh_dim_names=self.AXES)
         meshes: Meshes = {name: root[name] for name in self.AXES}
-        meshes["fsdp"] = root["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else meshes["dp_shard"]
+        shard = "dp_shard"
+        if self.cp > 1:
+            shard = "dp_shard_cp"
+            meshes[shard] = root["dp_shard", "cp"]._flatten(shard)
+        meshes["fsdp"] = root["dp_replicate", shard] if self.dp_replicate > 1 else meshes[shard]
         meshes["dp"] = (root["dp_replicate", "dp_shard"]._flatten("dp") if self.dp_replicate > 1
                         else meshes["dp_shard"])
+        if self.cp > 1:
+            meshes["dp_cp"] = root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         # Flattened views DTensor finds by layout when it reduces over several axes at once (the
         # gradient norm of FSDP × TP shards, or of experts sharded over dp_shard_mod_ep × ep): one
         # collective instead of one per axis.
         if self.tp > 1 and self.fsdp:
-            root["dp_shard", "tp"]._flatten("dp_shard_tp")
+            root["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp") if self.cp > 1 else \
+                root["dp_shard", "tp"]._flatten("dp_shard_tp")
         if self.ep > 1:
             # By index, not name: torch 2.11's _unflatten refuses a dimension name that the mesh has.
             ep_view = root._unflatten(self.AXES.index("dp_shard"), (self.dp_shard // self.ep, self.ep),
@@ -209,4 +238,4 @@ def parallel_dims(cfg: JobConfig) -> ParallelDims:
     par = cfg.parallelism
     return ParallelDims(pp=par.pp, dp_shard=par.dp_shard, stages_per_rank=par.stages_per_rank, ep=par.ep,
                         tp=par.tp, dp_replicate=par.dp_replicate,
-                        pp_style=SCHEDULES[par.pipeline_schedule].placement)
+                        pp_style=SCHEDULES[par.pipeline_schedule].placement, cp=par.cp)

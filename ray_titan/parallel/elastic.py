@@ -1,10 +1,11 @@
 """Elastic meshes: the mesh a job runs with on the worker count Ray Train grants.
 
 An elastic job (``ray.num_workers = [min, max]``) configures its largest mesh (``max`` workers).
-On ``n`` workers the mesh keeps ``pp`` and ``tp`` (a stage's layers and a tensor-parallel group's
-shards are fixed by the model's split) and shrinks the data-parallel degree to
-``dp = n / (pp × tp)``: ``dp_shard`` becomes the largest divisor of ``dp`` not above the configured
-``dp_shard`` (and a multiple of ``ep``), ``dp_replicate`` the rest. A count fits when ``pp × tp``
+On ``n`` workers the mesh keeps ``pp``, ``cp`` and ``tp`` (a stage's layers and a tensor-parallel
+group's shards are fixed by the model's split, a sequence's split by the context-parallel degree)
+and shrinks the data-parallel degree to ``dp = n / (pp × cp × tp)``: ``dp_shard`` becomes the
+largest divisor of ``dp`` not above the configured
+``dp_shard`` (and a multiple of ``ep``), ``dp_replicate`` the rest. A count fits when ``pp × cp × tp``
 divides it, such a ``dp_shard`` exists and ``microbatches × dp`` divides the global batch.
 
 The global batch and the global data order do not depend on ``dp``: every step reads the same
@@ -35,14 +36,15 @@ def worker_range(cfg: JobConfig) -> tuple[int, int]:
 
 def mesh_for_workers(cfg: JobConfig, n: int) -> JobConfig | None:
     """``cfg`` with the data-parallel axes sized for ``n`` workers (module docstring), or None when
-    no mesh with ``cfg``'s ``pp`` and ``tp`` fits ``n`` workers. ``n = cfg.world_size`` gives
+    no mesh with ``cfg``'s ``pp``, ``cp`` and ``tp`` fits ``n`` workers. ``n = cfg.world_size`` gives
     ``cfg`` itself."""
     par = cfg.parallelism
     if n == cfg.world_size:
         return cfg
-    if n < 1 or n % (par.pp * par.tp):
+    kept = par.pp * par.cp * par.tp  # a sequence's cp ranks stay together too
+    if n < 1 or n % kept:
         return None
-    dp = n // (par.pp * par.tp)
+    dp = n // kept
     shard = next((s for s in range(min(par.dp_shard, dp), 0, -1) if dp % s == 0 and s % par.ep == 0), None)
     if shard is None or cfg.training.global_batch_size % (par.microbatches * dp):
         return None

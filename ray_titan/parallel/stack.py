@@ -1,5 +1,6 @@
 """What every family's ``parallelize`` applies after its own tensor-parallel plan, in the fixed
-order EP → AC → compile → FSDP (torchtitan's order): expert parallelism over ``ep`` where the
+order CP → EP → AC → compile → FSDP (torchtitan's order): context parallelism over ``cp`` when
+``cp > 1`` (``ray_titan.parallel.context``: the attention hooks), expert parallelism over ``ep`` where the
 stage has MoE layers and ``ep > 1`` (``ray_titan.parallel.expert``), activation checkpointing per
 ``[activation_checkpoint]`` (``ray_titan.parallel.ac``), then around it the saved-tensor hooks
 of ``memory.activation_offload`` (``ray_titan.parallel.offload``), ``torch.compile`` of each block when
@@ -15,6 +16,7 @@ from torch import nn
 from ray_titan.config.schema import JobConfig
 from ray_titan.parallel.ac import apply_ac
 from ray_titan.parallel.compile import apply_compile
+from ray_titan.parallel.context import apply_context_parallel
 from ray_titan.parallel.dims import Meshes, ParallelDims
 from ray_titan.parallel.expert import apply_expert_parallel
 from ray_titan.parallel.fsdp import apply_fsdp, resolve_mixed_precision, resolve_reshard_after_forward
@@ -25,10 +27,13 @@ __all__ = ["apply_after_tp"]
 
 def apply_after_tp(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg: JobConfig,
                    fullgraph: bool = True) -> None:
-    """EP → AC → compile → FSDP on one stage module (module docstring), in place, while it is on
+    """CP → EP → AC → compile → FSDP on one stage module (module docstring), in place, while it is on
     the meta device. ``meshes``: the job's meshes by name, None on a single rank; ``fullgraph``:
     compile each block as one graph (False where MoE routing's data-dependent shapes break it)."""
     par = cfg.parallelism
+    if dims.cp > 1:
+        assert meshes is not None
+        apply_context_parallel(model, meshes["cp"].get_group(), cfg.training.seq_len)
     if dims.ep > 1:
         assert meshes is not None
         apply_expert_parallel(model, meshes["ep"], meshes.get("ep_tp"))

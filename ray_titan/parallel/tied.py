@@ -8,7 +8,7 @@ the two ranks holds a copy, initialised (or loaded) equal; after every backward
 last-stage ranks of the same ``dp_shard`` coordinate (Megatron-LM's "embedding group"), so the
 same optimizer step keeps them equal; the gradient norm counts the sum once (the head's copy is
 left out of it, :attr:`TiedEmbeddings.norm_exclude`), as a one-rank run does. The pair of ranks
-is the first- and last-stage ranks with the same ``dp_replicate``, ``dp_shard`` and ``tp``
+is the first- and last-stage ranks with the same ``dp_replicate``, ``dp_shard``, ``cp`` and ``tp``
 coordinates, so their shards cover the same rows (both copies are sharded alike on the
 vocabulary dimension); under a V-shaped schedule one rank holds both stages and sums locally.
 """
@@ -48,7 +48,7 @@ class TiedEmbeddings:
         by_pp: dict[tuple[int, ...], dict[int, int]] = {}  # other coordinates -> pp rank -> rank
         for r in range(dims.world_size):
             c = dims.coords(r)
-            by_pp.setdefault(tuple(c.get(a, 0) for a in ("dp_replicate", "dp_shard", "tp")), {})[c["pp"]] = r
+            by_pp.setdefault(tuple(c.get(a, 0) for a in ("dp_replicate", "dp_shard", "cp", "tp")), {})[c["pp"]] = r
         first, last = dims.stage_to_pp_rank(0), dims.stage_to_pp_rank(dims.num_stages - 1)
         self.local = first == last  # V-shaped: the first and last stages on one rank
         if not self.local:

@@ -125,6 +125,7 @@ def validate_job(cfg: JobConfig, check_data: bool = True, has_dataset: bool = Fa
     _check_schedule(cfg)
     _check_tensor_parallel(cfg, margs)
     _check_document_mask(cfg, margs)
+    _check_context_parallel(cfg, margs)
     _check_pipeline(cfg, margs)
     _check_batch(cfg, margs)
     _validate_memory(cfg)
@@ -137,7 +138,7 @@ def _check_workers(cfg: JobConfig) -> None:
     """The worker count against the mesh (or the elastic range), restarts against checkpointing,
     and the rank ``debug.kill_rank`` names against the mesh."""
     par = cfg.parallelism
-    axes = [a for a in ("pp", "dp_replicate", "dp_shard", "tp") if a in ("pp", "dp_shard") or getattr(par, a) > 1]
+    axes = [a for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if a in ("pp", "dp_shard") or getattr(par, a) > 1]
     mesh = (" × ".join(f"parallelism.{a}" for a in axes) + " = " + " × ".join(str(getattr(par, a)) for a in axes)
             + f" = {cfg.world_size}")
     if is_elastic(cfg):
@@ -473,6 +474,43 @@ def _check_document_mask(cfg: JobConfig, margs: Any) -> None:
     if cfg.training.document_mask and why is not None:
         raise ConfigError(f"training.document_mask = true is not supported for {cfg.model.name}/{cfg.model.flavor}: "
                           f"{why}; use training.document_mask = false")
+
+
+def _check_context_parallel(cfg: JobConfig, margs: Any) -> None:
+    """What context parallelism (``parallelism.cp``, ``ray_titan.parallel.context``) needs: a
+    sequence the causal load balancer can cut into ``2·cp`` equal chunks (and each rank's share
+    into ``tp`` under sequence parallel), a family whose attention it covers, and no expert
+    parallelism (the routed experts would have to be FSDP-sharded over ``cp`` as well)."""
+    par = cfg.parallelism
+    cp = par.cp
+    if cp == 1:
+        return
+    model = f"{cfg.model.name}/{cfg.model.flavor}"
+    if (why := getattr(margs, "cp_unsupported", None)) is not None:  # gpt-oss, Qwen3-MoE's aux_loss
+        raise ConfigError(f"parallelism.cp = {cp} is not supported for {model}: {why}; use parallelism.cp = 1 "
+                          "(tp, activation checkpointing or memory.cpu_offload reduce activations instead)")
+    seq = cfg.training.seq_len
+    if seq % (2 * cp):
+        multiple = 2 * cp * (par.tp if par.tp > 1 and par.sequence_parallel else 1)
+        raise ConfigError(
+            f"training.seq_len = {seq} is not divisible by 2 × parallelism.cp = {2 * cp}: the causal load "
+            f"balancer cuts each sequence into 2·cp equal chunks (cp rank i keeps chunks i and 2·cp − 1 − i); "
+            f"use a multiple of {multiple}, e.g. {-(-seq // multiple) * multiple}")
+    if par.tp > 1 and par.sequence_parallel and (seq // cp) % par.tp:
+        raise ConfigError(
+            f"training.seq_len = {seq} / parallelism.cp = {cp} = {seq // cp} tokens a cp rank, not divisible by "
+            f"parallelism.tp = {par.tp}: sequence parallel splits each cp rank's tokens over the tp ranks; use a "
+            f"multiple of {2 * cp * par.tp} or parallelism.sequence_parallel = false")
+    if cfg.model.mtp_layers:
+        raise ConfigError(
+            f"parallelism.cp = {cp} with model.mtp_layers = {cfg.model.mtp_layers}: multi-token prediction's "
+            "depth-shifted tokens and labels cross the cp ranks' slices, which it does not exchange yet; use "
+            "parallelism.cp = 1 or model.mtp_layers = 0")
+    if par.ep > 1:
+        raise ConfigError(
+            f"parallelism.cp = {cp} with parallelism.ep = {par.ep}: expert parallelism under context "
+            "parallelism is not supported yet (the routed experts would be FSDP-sharded over dp_shard / ep × cp); "
+            "use parallelism.ep = 1, or parallelism.cp = 1")
 
 
 def _check_vocab(cfg: JobConfig, vocab_size: int) -> None:

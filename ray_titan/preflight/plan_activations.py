@@ -7,12 +7,43 @@ schedule what an input-gradient step holds until its weight-gradient step."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from ray_titan.config.schema import JobConfig
+from ray_titan.models.costs import BlockActivations
 from ray_titan.parallel.offload import offloads
 from ray_titan.preflight.plan_job import _F32, _I64, _Job
+
+
+def _cp_gathered(j: _Job) -> float:
+    """Context parallel (``ray_titan.parallel.context``): bytes per local token each attention
+    keeps above its own keys and values, the ``cp − 1`` other ranks' all-gathered (what the
+    attention saves for backward is the whole sequence's ``k`` and ``v``: ``cp`` times the local
+    ones). Their width from the model's arguments: MLA's reconstructed keys and values (``n_heads
+    · (qk_head_dim + v_head_dim)``), else grouped-query ``2 · n_kv_heads · head_dim``. 0 at cp = 1."""
+    cp, a = j.dims.cp, j.args
+    if cp == 1:
+        return 0.0
+    if getattr(a, "qk_head_dim", None):
+        width = a.n_heads * (a.qk_head_dim + a.v_head_dim)
+    else:
+        width = 2 * a.n_kv_heads * a.head_dim
+    return (cp - 1) * j.e * width
+
+
+def _with_cp(j: _Job, blk: BlockActivations) -> BlockActivations:
+    """A block's activations under context parallel (as they are at cp = 1): the gathered keys
+    and values (:func:`_cp_gathered`) kept without AC, recomputed (gathered again) under op and
+    full AC; with document masks each attention's bias, the bool mask made a bias in the
+    activations' dtype (PyTorch's memory-efficient kernel; the dry run's shim as it), saved for
+    backward and made again while backward runs: ``seq_len`` elements a local token."""
+    gathered = _cp_gathered(j)
+    if not gathered:
+        return blk
+    bias = j.e * j.cfg.training.seq_len if j.cfg.training.document_mask else 0
+    return dataclasses.replace(blk, none=blk.none + gathered + bias, backward=blk.backward + bias)
 
 
 def _checkpointed(cfg: JobConfig, layer: int) -> str:
@@ -75,7 +106,7 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     one_head = _F32 * (2 * args.dim + 1) + e * args.dim + _F32 * j.vocab + (e * j.vocab if pp > 1 else 0)
     host, prev_off, prev_whole = 0.0, 0.0, 0.0  # activation offload: on the host; the block before's, back
     for i, layer in enumerate(j.split[s] + mtp):
-        blk = j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep)
+        blk = _with_cp(j, j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep))
         how = _checkpointed(cfg, layer)
         blocks.append((blk, how, layer))
         kept = blk.kept(how)
@@ -123,6 +154,10 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     for key in act_modes:
         act_modes[key] += head
     per_token = kept_so_far + head + (_I64 if first else 0)
+    if j.dims.cp > 1 and tr.document_mask:
+        # The document mask of the local queries over the whole sequence, bool, once a stage
+        # (every attention saves the same tensor): seq_len bytes a local token.
+        per_token += tr.seq_len
     # At the transient's moment (a block's backward) the blocks after it and the head are freed
     # already: kept bytes that the plan's split counts as temporaries then, not activations. Not
     # a last stage's logits under PP: the stage output, held by torch's backward_one_chunk until

@@ -72,7 +72,7 @@ class _Job:
     e: int  # bytes of an activation element
     r: int  # bytes of a stage output element (the residual stream)
     mb: int  # sequences per microbatch
-    tokens: int  # tokens per microbatch
+    tokens: int  # tokens per microbatch on this rank (its 1/cp of each sequence under context parallel)
     rule: Schedule | None  # the pipeline schedule's properties; None without one
     split: list[list[int]]  # each stage's layers
     reshard: bool  # FSDP's reshard_after_forward, resolved
@@ -114,7 +114,7 @@ def _job(cfg: JobConfig, device: str, rho: float, vocab_size: int | None) -> _Jo
         cfg=cfg, device=device, rho=rho, dims=dims, spec=spec, args=whole.args, whole=whole, vocab=vocab,
         bf16=bf16, e=2 if bf16 else _F32,
         r=2 if bf16 and dims.fsdp else _F32,  # a stage's output: fp32 under autocast
-        mb=mb, tokens=mb * tr.seq_len, rule=rule, split=split_layers(whole.args.n_layers, dims.num_stages),
+        mb=mb, tokens=mb * tr.seq_len // dims.cp, rule=rule, split=split_layers(whole.args.n_layers, dims.num_stages),
         reshard=resolve_reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp > 1),
         k_opt=_optimizer_states(cfg), offload=cfg.memory.cpu_offload and device != "cpu",
     )
@@ -126,7 +126,7 @@ def _job_summary(j: _Job) -> dict[str, Any]:
     ac = cfg.activation_checkpoint
     return {
         "model": cfg.model.name, "flavor": cfg.model.flavor, "vocab_size": j.vocab,
-        "mesh": " × ".join(f"{a}={getattr(dims, a)}" for a in ("pp", "dp_shard", "tp", "ep")
+        "mesh": " × ".join(f"{a}={getattr(dims, a)}" for a in ("pp", "dp_shard", "cp", "tp", "ep")
                            if getattr(dims, a, 1) > 1 or a in ("pp", "dp_shard")),
         "world_size": dims.world_size, "schedule": cfg.parallelism.pipeline_schedule if pp > 1 else "none (pp = 1)",
         "stages_per_rank": dims.stages_per_rank, "microbatches": cfg.parallelism.microbatches,

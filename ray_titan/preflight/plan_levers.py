@@ -29,6 +29,8 @@ _LEVERS = [
     ("dp_shard", "dp_shard", "2× the devices (FSDP shards model states over twice as many ranks)"),
     ("tp", "tp", "2× the devices (tensor parallel splits matrices and, with sequence parallel, activations)"),
     ("pp", "pp", "2× the devices (twice the pipeline stages) and a longer pipeline bubble"),
+    ("cp", "cp", "2× the devices (context parallel splits every sequence: activations ÷ 2; each attention "
+                 "all-gathers the keys and values, whose gradients are reduce-scattered back)"),
 ]
 
 
@@ -83,6 +85,8 @@ def _lever_candidates(cfg: JobConfig, device: str) -> list[tuple[str, str, list[
         pp_more.append(f"--training.global_batch_size={g}")
         pp_name += f" (global batch {gbs} → {g})"
     out.append(("pp", pp_name, pp_more))
+    if cfg.training.seq_len % (4 * par.cp) == 0:  # the balancer's 2·cp chunks, at twice the cp
+        out.append(("cp", f"cp {par.cp} → {2 * par.cp}", [f"--parallelism.cp={2 * par.cp}"]))
     return out
 
 
@@ -103,7 +107,7 @@ def _variant(cfg: JobConfig, overrides: list[str]) -> JobConfig | None:
 
 LEVER_GROUPS = tuple(dict.fromkeys(group for _, group, _ in _LEVERS))
 """The groups of levers, cheapest first: ``microbatches``, ``act_offload`` (activation offloading),
-``ac`` (activation checkpointing), ``reshard``, ``offload``, ``dp_shard``, ``tp``, ``pp``."""
+``ac`` (activation checkpointing), ``reshard``, ``offload``, ``dp_shard``, ``tp``, ``pp``, ``cp``."""
 
 FIT_GROUPS = ("microbatches", "act_offload", "ac")
 """The groups ``memory.fit = "auto"`` may apply: they keep the job's devices and its model states on

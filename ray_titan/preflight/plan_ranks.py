@@ -47,7 +47,7 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
     stage_ids = local_stages(j.rule.placement, pp, v, pp_rank) if pp > 1 and j.rule is not None else [0]
     flight = j.rule.in_flight(pp, v, n, pp_rank) if pp > 1 and j.rule is not None else \
         InFlight((1,), (1 if n > 1 else 0,))
-    params = {s: _stage_params(j.whole, j.split[s], s == 0, s == dims.num_stages - 1, dims.dp_shard, dims.ep, j.tp,
+    params = {s: _stage_params(j.whole, j.split[s], s == 0, s == dims.num_stages - 1, dims.fsdp_shard, dims.ep, j.tp,
                                j.bf16) for s in stage_ids}
     act_modes = dict.fromkeys(("none", "full", "selective_op", "selective_layer"), 0.0)
     acts = {s: _stage_activations(j, s, act_modes) for s in stage_ids}
@@ -65,12 +65,12 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
     # The first stage's backward ends with the embedding's whole gradient in the compute dtype
     # beside FSDP2's fp32 accumulation of it, the microbatch just done freed (gpt-oss-120B rank 0:
     # 1.1 GiB, on the simulated GPU).
-    emb_grad = j.e * j.vocab * j.args.dim / j.tp if 0 in stage_ids and dims.dp_shard > 1 else 0.0
+    emb_grad = j.e * j.vocab * j.args.dim / j.tp if 0 in stage_ids and dims.fsdp_shard > 1 else 0.0
     a_after = sum(max(c - 1, 0) * acts[s].kept for c, s in zip(flight.peak, stage_ids))
     if emb_grad and base + grads_during + a_after + emb_grad > max(before_grads, with_grads):
         with_grads, a_grads, transient = base + grads_during + a_after + emb_grad, a_after, emb_grad
     in_flight = {s: c for c, s in zip(flight.peak, stage_ids)}
-    if pp == 1 and dims.dp_shard > 1:
+    if pp == 1 and dims.fsdp_shard > 1:
         # FSDP2 without PP: the gradient-syncing microbatch's backward, block by block
         # (_fsdp_backward_moment); the first microbatch's (no gradients) is before_grads.
         fb = _fsdp_backward_moment(j, acts[0], params[0])
@@ -98,7 +98,7 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
             parameters=int(0 if off else param_b),
             gradients=int(0 if off else grads_after),
             optimizer_state={cfg.optimizer.name: int(0 if off else opt_b)},
-            fsdp_unsharded_params=int(gathered), fsdp_unsharded_grads=int(grads_during if dims.dp_shard > 1 else 0),
+            fsdp_unsharded_params=int(gathered), fsdp_unsharded_grads=int(grads_during if dims.fsdp_shard > 1 else 0),
             activations_per_microbatch=dict(act_mb), in_flight=dict(in_flight),
             activations=int(a_peak if before_grads >= with_grads else a_grads),
             activations_by_ac_mode=dict(by_mode),
@@ -203,7 +203,7 @@ def _zero_bubble_peak(j: _Job, pp_rank: int, stage_ids: list[int], acts: dict[in
     from ray_titan.parallel.schedules import rank_actions
 
     dims, n = j.dims, j.cfg.parallelism.microbatches
-    fsdp_acc = dims.dp_shard > 1 and n > 1
+    fsdp_acc = dims.fsdp_shard > 1 and n > 1
 
     def stage_grads(s: int) -> float:
         p = params[s]
@@ -218,7 +218,7 @@ def _zero_bubble_peak(j: _Job, pp_rank: int, stage_ids: list[int], acts: dict[in
     def moment(t: float, freed: float = 0.0) -> None:
         nonlocal best
         kept = sum(in_flight[x] * acts[x].kept for x in stage_ids)
-        grads = sum(per_stage[x] for x in done) * (1.0 if fsdp_acc or dims.dp_shard == 1 else scale)
+        grads = sum(per_stage[x] for x in done) * (1.0 if fsdp_acc or dims.fsdp_shard == 1 else scale)
         transient = t + sum(held[x] * acts[x].held for x in stage_ids)
         if kept + transient + grads > best.activations + best.transient + best.grads:
             best = _Moment(kept, transient, min(freed, kept), grads, dict(in_flight))

@@ -111,7 +111,7 @@ def _model_states(j: _Job, params: dict[int, _StageParams]) -> tuple[int, int, i
     gathered: float
     grads_during: float
     pe = j.e  # bytes of a gathered parameter: bf16 under FSDP2's MixedPrecisionPolicy
-    if dims.dp_shard > 1:
+    if dims.fsdp_shard > 1:
         biggest = max((g.full for p in params.values() for g in [*p.blocks.values(), *p.experts.values()]),
                       default=0)
         if dims.pp > 1 or not j.reshard:

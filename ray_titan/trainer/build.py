@@ -213,7 +213,10 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, build_lr_lambda(cfg))
     n_mb = cfg.parallelism.microbatches
     pp_group = meshes["pp"].get_group() if meshes is not None and dims.pp > 1 else None
-    dp_group = meshes["dp"].get_group() if meshes is not None and dims.dp > 1 else None
+    # The routers' loads are summed over every rank holding other tokens of the stage: the
+    # data-parallel ranks and, under context parallelism, their cp ranks.
+    dp_group = (meshes["dp_cp" if dims.cp > 1 else "dp"].get_group()
+                if meshes is not None and dims.dp * dims.cp > 1 else None)
     moe = MoEStepState(stages, dims.ep, dp_group, n_mb)
     injection = FaultInjection(cfg.debug, rank)
     loss_fn = injection.wrap_loss(_loss(cfg, stages, dims.num_stages - 1))
@@ -241,7 +244,7 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
             # The schedule infers stage shapes at its first step by running every stage once,
             # on uninitialised inputs past stage 0: MoE routers would count those phantom tokens
             # in step 1. So infer now, on a dummy batch, and forget what it counted.
-            dummy = torch.zeros(loader.local_batch, cfg.training.seq_len, dtype=torch.int64, device=device)
+            dummy = torch.zeros(loader.local_batch, cfg.training.seq_len // dims.cp, dtype=torch.int64, device=device)
             last = parts.is_last_stage
             # Under multi-token prediction the last stage's outputs are a tuple, whose length
             # the schedule learns here: the inputs and the depths' labels as a step gives them.

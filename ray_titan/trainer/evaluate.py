@@ -23,6 +23,7 @@ from ray_titan.data.documents import document_positions
 from ray_titan.data.loader import IGNORE_INDEX
 from ray_titan.data.tokenizer import Tokenizer
 from ray_titan.parallel import local_tensor
+from ray_titan.parallel.context import shard_batch
 from ray_titan.trainer.build import TrainParts
 from ray_titan.trainer.step import _autocast, microbatches, run_schedule
 
@@ -46,8 +47,11 @@ def eval_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, n_m
     """The summed cross-entropy (nats) of the counted labels of ``inputs``/``labels`` (``(local
     batch, seq)`` int64, the training step's shape) on last-stage ranks, None elsewhere.
     ``positions``: as :func:`~ray_titan.trainer.step.train_step`'s. Collective: every rank of the
-    mesh calls it with its slice."""
+    mesh calls it with its slice. Under context parallelism this cp rank evaluates its share of
+    the sequences and the sum is reduced over the cp group (that of the data-parallel rank)."""
     total: float | None
+    if parts.dims.cp > 1:
+        inputs, labels, positions = shard_batch(parts.dims.cp, parts.coords["cp"], inputs, labels, positions)
     if parts.schedule is not None:
         losses = run_schedule(parts, inputs, labels, positions, {"scale": 1.0}, forward_only=True)
         total = torch.stack(losses).sum().item() if losses is not None else None
@@ -59,6 +63,11 @@ def eval_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, n_m
             with parts.loss_context(), _autocast(parts):
                 acc += local_tensor(parts.loss_fn(model(x, **kw), y, scale=1.0))
         total = acc.item()
+    if parts.dims.cp > 1 and total is not None:
+        assert parts.meshes is not None
+        summed = torch.tensor([total], dtype=torch.float64, device=parts.device)
+        torch.distributed.all_reduce(summed, group=parts.meshes["cp"].get_group())
+        total = float(summed.item())
     parts.moe.reset()  # the routers counted the evaluated tokens: not the step's load
     return total
 

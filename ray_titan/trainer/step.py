@@ -22,6 +22,7 @@ from torch.profiler import record_function
 
 from ray_titan.data.loader import IGNORE_INDEX
 from ray_titan.parallel import local_tensor
+from ray_titan.parallel.context import shard_batch
 from ray_titan.parallel.finite import nonfinite_flag
 from ray_titan.parallel.grad_norm import clip_grad_norm_
 from ray_titan.trainer.build import TrainParts
@@ -107,9 +108,16 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
     Under multi-token prediction (``parts.mtp``) the labels of every depth go to the loss
     (``ray_titan.trainer.mtp.mtp_labels``), the inputs to every stage, and ``loss`` is the main
     loss, each depth's in ``mtp_losses``.
+
+    Under context parallelism (``cp > 1``) the batch is that of the data-parallel rank: this cp
+    rank keeps its load-balanced share of every sequence (``ray_titan.parallel.context``), and
+    the step's loss and counted labels are reduced over the cp group, so each cp rank reports
+    the data-parallel rank's figures.
     """
     t1 = time.perf_counter()
     parts.optimizer.zero_grad(set_to_none=True)
+    if parts.dims.cp > 1:
+        inputs, labels, positions = shard_batch(parts.dims.cp, parts.coords["cp"], inputs, labels, positions)
     targets = labels if parts.mtp is None else mtp_labels(labels, positions, parts.mtp.depths)
     if counted_tokens is None:
         # Named ranges in profiler traces (profiling.trace_steps); near free when not profiling.
@@ -125,8 +133,9 @@ def train_step(parts: TrainParts, inputs: torch.Tensor, labels: torch.Tensor, st
         if sums is not None:  # the main loss alone, and each depth's, means over the microbatches
             loss, depths = sums[0] / n_microbatches, sums[1] / n_microbatches
         return _update(parts, step, loss, max_norm, t1, mtp=depths)
-    # The schedule averages gradients over microbatches and FSDP (HSDP) over data-parallel ranks.
-    scale = n_microbatches * parts.dims.dp / max(1, counted_tokens)
+    # The schedule averages gradients over microbatches and FSDP (HSDP) over data-parallel and
+    # context-parallel ranks.
+    scale = n_microbatches * parts.dims.dp * parts.dims.cp / max(1, counted_tokens)
     with record_function("ray_titan/forward_backward"):
         losses, total = _forward_backward(parts, inputs, targets, n_microbatches, positions,
                                           {"scale": scale})
@@ -220,6 +229,8 @@ def _update(parts: TrainParts, step: int, loss: torch.Tensor | None, max_norm: f
     queued (:func:`_to_host`). Values are those of separate ``.item()`` calls (float32 and int64
     < 2**53 are exact in float64). The non-finite facts leave in ``StepResult.health``."""
     parts.moe.scale_expert_grads()
+    if parts.dims.cp > 1 and loss is not None:
+        loss, masked = _reduce_over_cp(parts, loss, masked)
     exclude: list[torch.Tensor] = []
     if parts.tied is not None:
         parts.tied.sync_grads()
@@ -276,6 +287,23 @@ def _update(parts: TrainParts, step: int, loss: torch.Tensor | None, max_norm: f
     t3 = time.perf_counter()
     return StepResult(loss_h, grad_norm, lr, health, aux_loss, moe_layers, expert_load, t2 - t1, t3 - t2,
                       loss_tokens, mtp_h)
+
+
+def _reduce_over_cp(parts: TrainParts, loss: torch.Tensor, masked: tuple[float, torch.Tensor] | None
+                    ) -> tuple[torch.Tensor, tuple[float, torch.Tensor] | None]:
+    """The data-parallel rank's loss from this cp rank's (context parallel: each holds ``1/cp`` of
+    every sequence): the mean of the cp ranks' means (equal token counts), or with loss masks the
+    sums of their scaled losses and of their counted labels. One all-reduce over ``cp``."""
+    assert parts.meshes is not None
+    group = parts.meshes["cp"].get_group()
+    if masked is None:
+        both = loss.detach().reshape(1).clone()
+    else:
+        both = torch.stack([loss.detach().reshape(()), masked[1].to(loss.dtype)])
+    dist.all_reduce(both, group=group)
+    if masked is None:
+        return (both / parts.dims.cp).reshape(()), None
+    return both[0], (masked[0], both[1].round().to(torch.int64))
 
 
 def _loss_flag(loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:

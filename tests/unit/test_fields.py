@@ -35,7 +35,7 @@ def test_every_field_of_a_report_is_in_the_table_and_every_reported_field_of_the
     assert in_report - in_table == set(), "StepReport fields missing from ray_titan/metrics/fields.py"
     assert in_table - in_report == set(), "fields of ray_titan/metrics/fields.py missing from StepReport"
     # Coordinates: every mesh axis, in the mesh's order.
-    assert list(ParallelDims(pp=2, dp_replicate=2, dp_shard=4, tp=2, ep=2).coords(0)) == list(COORD_AXES)
+    assert list(ParallelDims(pp=2, dp_replicate=2, dp_shard=4, cp=2, tp=2, ep=2).coords(0)) == list(COORD_AXES)
 
 
 def test_the_memory_sampler_reads_every_memory_field_and_only_those(monkeypatch):
@@ -97,7 +97,7 @@ def _distinct_report() -> tuple[dict[str, Any], dict[str, Any]]:
                           "list<int64>": [i], "list<list<int64>>": [[i, i + 1]], "list<float64>": [i + 0.5],
                           "dict": {}}[f.type]
     # What one rank of a one-rank job must say for its step to be assembled and its loss counted.
-    values.update(step=1, rank=0, tp=0, world_size=1, is_last_stage=True,
+    values.update(step=1, rank=0, tp=0, cp=0, world_size=1, is_last_stage=True,
                   memory_breakdown={"rank": 0, "step": 1, "peak_bytes": 7})
     rep = {f.name: values[f.name] for f in FIELDS if f.source in _REPORTED}
     rep["coords"] = {a: values[a] for a in COORD_AXES}

@@ -31,7 +31,7 @@ def test_held_input_gradients_follow_torchs_order_of_the_zbv_cooldown():
     acts = {s: _StageActivations(kept=0.0, experts=0.0, transient=0.0, pipe=0.0, held=held) for s in stages}
     job = SimpleNamespace(cfg=SimpleNamespace(parallelism=SimpleNamespace(pipeline_schedule="ZBVZeroBubble",
                                                                           microbatches=8)),
-                          dims=SimpleNamespace(pp=4, stages_per_rank=2, dp_shard=1))
+                          dims=SimpleNamespace(pp=4, stages_per_rank=2, dp_shard=1, fsdp_shard=1))
     moment = _zero_bubble_peak(job, 3, stages, acts, {s: _StageParams() for s in stages}, 0.0)  # type: ignore[arg-type]
     assert moment.transient == 7 * held
 

@@ -43,7 +43,7 @@ class LastStage:
 class StepSummary:
     """:func:`step_summary`'s answer: ``figures`` (the step's figures by name, as the sinks and the
     console read them), the masks ``last`` (the last stage's counted ranks) and ``counted`` (the
-    ranks that speak for their data-parallel rank: ``tp = 0``), and ``errors`` (reports found
+    ranks that speak for their data-parallel rank: ``tp = 0`` and ``cp = 0``), and ``errors`` (reports found
     wrong, for the caller to record)."""
 
     figures: dict[str, Any]
@@ -62,7 +62,9 @@ def step_summary(step: int, c: Columns, objects: list[tuple], on_last: np.ndarra
     errors = [f"step {step}: last-stage rank {r} reported no loss" for r in ranks[on_last & ~has_loss].tolist()]
     errors += [f"step {step}: rank {r} is not on the last stage but reported a loss"
                for r in ranks[~on_last & has_loss].tolist()]
-    counted = c.int("tp") == 0  # a tp group's ranks hold one data-parallel rank's figures
+    # A tp group's ranks hold one data-parallel rank's figures, and so do its cp ranks (their
+    # loss and counted labels reduced over cp by the step: ray_titan.trainer.step).
+    counted = (c.int("tp") == 0) & (c.int("cp") == 0)
     last = on_last & counted
     with_loss = last & has_loss
     weights = np.where(c.null("loss_tokens"), c.get("tokens"), c.get("loss_tokens"))[with_loss]

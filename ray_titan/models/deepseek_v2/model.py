@@ -71,6 +71,9 @@ class MoEArgs(RoutingArgs, Protocol):
     def bias_update_rate(self) -> float: ...
 
 ExpertRunner = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]
+SequenceSum = Callable[[torch.Tensor], tuple[torch.Tensor, int]]
+"""Sums a tensor over the ranks holding the other parts of the same sequences, and says how many
+they are (context parallelism; :func:`sequence_balance_loss`)."""
 """``(x_sorted (tokens, dim), counts (n_experts,) int64, experts) -> (tokens, dim)``: runs the
 routed experts on tokens grouped by expert, wherever those experts live."""
 
@@ -82,9 +85,12 @@ class MLA(nn.Module):
     would hold; training reconstructs full keys and values from it. The latents' RMSNorms use
     eps 1e-6 whatever ``norm_eps`` is, as DeepSeek's reference code; under YaRN the softmax
     scale ``1/sqrt(qk_head_dim)`` is multiplied by ``mscale(factor, mscale_all_dim)²``.
+    ``core_attention``: the attention kernel, ``F.scaled_dot_product_attention``'s signature (a
+    hook: context parallelism gathers the reconstructed keys and values, ``Decoder.sequence_sharding``).
     """
 
     LATENT_NORM_EPS = 1e-6
+    core_attention = staticmethod(F.scaled_dot_product_attention)
 
     def __init__(self, args: DeepSeekV2Args):
         super().__init__()
@@ -120,8 +126,7 @@ class MLA(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             scale=self.softmax_scale)
+        out = self.core_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -310,17 +315,27 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad, torch.ones(ctx.aux_shape, device=grad.device, dtype=torch.float32)
 
 
-def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, n_experts: int, top_k: int) -> torch.Tensor:
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, n_experts: int, top_k: int,
+                          sequence_sum: SequenceSum | None = None) -> torch.Tensor:
     """Sequence-wise balance loss ``mean_seq Σ_i f_i P_i`` (DeepSeek-V3 eq. 17–20, the
     expert-level loss of DeepSeek-V2 eq. 12–14 applied to each sequence).
 
     ``scores (batch, seq, n_experts)`` router probabilities, ``indices (batch, seq, top_k)``.
     ``f_i = n_experts / (top_k · seq) · #tokens of the sequence routed to i`` (no gradient),
     ``P_i = mean over the sequence of s_i``. Equals 1 under perfectly uniform routing. 0-dim fp32.
+
+    ``sequence_sum`` (context parallel: this rank holds ``1/n`` of each sequence): sums a
+    ``(batch, n_experts)`` tensor over the ranks holding the other parts of the sequences and
+    returns it with ``n``; ``f_i`` is then that of the whole sequence and ``P_i`` the mean over
+    this rank's part, so the mean of the ranks' losses (as FSDP averages their gradients) is
+    the whole sequence's loss.
     """
     seq = scores.shape[1]
     counts = torch.zeros(scores.shape[0], n_experts, device=scores.device)
     counts.scatter_add_(1, indices.flatten(1), torch.ones_like(indices.flatten(1), dtype=counts.dtype))
+    if sequence_sum is not None:
+        counts, parts = sequence_sum(counts)
+        seq *= parts
     f = counts * (n_experts / (top_k * seq))
     p = scores.mean(dim=1)
     return (f * p).sum(dim=1).mean()
@@ -387,6 +402,9 @@ class MoE(nn.Module):
         self.shared_gate = nn.Linear(args.dim, 1, bias=False) if shared_gate else None
         # Set by expert parallelism (ray_titan.parallel.expert); None: every expert is local.
         self.run_experts: ExpertRunner | None = None
+        # Set by context parallelism (ray_titan.parallel.context): sums the balance loss's
+        # routing counts over the ranks holding the rest of each sequence.
+        self.sequence_sum: SequenceSum | None = None
         # Sum of the balance loss over this step's forwards (microbatches), for reporting;
         # a fixed buffer updated in place, read and zeroed once per step by the train loop.
         self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
@@ -417,7 +435,7 @@ class MoE(nn.Module):
         fp32, ``indices (batch, seq, top_k)``; 0-dim fp32. DeepSeek's: :func:`sequence_balance_loss`.
         A family whose loss spans layers overrides it to record what it needs and return None
         (Qwen3-MoE's, ``ray_titan.models.qwen3_moe.model``)."""
-        return self.aux_coeff * sequence_balance_loss(scores, indices, self.n_experts, self.top_k)
+        return self.aux_coeff * sequence_balance_loss(scores, indices, self.n_experts, self.top_k, self.sequence_sum)
 
 
 class MoEBlock(nn.Module):

@@ -75,6 +75,11 @@ class GptOssArgs:
         "must be added once, not once per tp rank) and each head's sink, which ray_titan does not do yet")
     """Why tensor parallel is refused (the pre-flight's ``_check_tensor_parallel`` reads it)."""
 
+    cp_unsupported: ClassVar[str] = (
+        "its attention (a sink logit per head and sliding windows, an additive float mask over one "
+        "sequence) has no context-parallel form in ray_titan yet")
+    """Why context parallel is refused (the pre-flight's ``_check_context_parallel`` reads it)."""
+
     def __post_init__(self) -> None:
         # A list (a checkpoint manifest's JSON) becomes a tuple; empty: transformers' default.
         types = tuple(self.layer_types) or tuple(LAYER_TYPES[i % 2] for i in range(self.n_layers))

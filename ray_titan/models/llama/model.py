@@ -35,7 +35,11 @@ class Attention(nn.Module):
     ``apply_rotary_pos_emb``); ``cos``/``sin`` then have ``rotary_dim // 2`` columns. With
     ``args.qk_norm_per_layer`` the q/k norms span all of a token's heads (``n_heads × head_dim``
     wide), before the split into heads (MiniMax-M2, ``models/minimax_m2/modeling_minimax_m2.py``).
+    ``core_attention``: the attention kernel, ``F.scaled_dot_product_attention``'s signature (a
+    hook: context parallelism replaces it, ``Decoder.sequence_sharding``).
     """
+
+    core_attention = staticmethod(F.scaled_dot_product_attention)
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -63,7 +67,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
+        out = self.core_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads
         )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

@@ -72,6 +72,11 @@ class Qwen35Args:
         "Gated DeltaNet carries its state and its convolution across the whole packed sequence, so "
         "documents would see their predecessors")
     """Why ``training.document_mask`` is refused (the pre-flight)."""
+    cp_unsupported: ClassVar[str] = (
+        "Gated DeltaNet's recurrent state and causal convolution run along the whole sequence, which "
+        "context parallel splits over ranks (a state hand-off between cp ranks is not built), and its "
+        "gated attention has no context-parallel hook")
+    """Why context parallel is refused (the pre-flight's ``_check_context_parallel`` reads it)."""
 
     def __post_init__(self) -> None:
         types = tuple(self.layer_types) or hybrid_layer_types(self.n_layers)

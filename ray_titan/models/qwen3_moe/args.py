@@ -93,6 +93,17 @@ class Qwen3MoeArgs(SoftmaxTopKRouting):
     bias_update_rate: float = 0.001
     """γ of auxiliary-loss-free balancing (when ``load_balance = "aux_free"``)."""
 
+    @property
+    def cp_unsupported(self) -> str | None:
+        """Why context parallel is refused (the pre-flight's ``_check_context_parallel`` reads it):
+        the ``aux_loss`` balance loss pools the router statistics of one forward over every MoE
+        layer (not linear in the tokens), which a rank holding part of each sequence cannot
+        compute; None with ``aux_free`` or ``none``."""
+        if self.load_balance != "aux_loss":
+            return None
+        return ("its aux_loss balance loss pools the router statistics of a whole forward, which a rank "
+                "holding part of each sequence cannot compute; set model.load_balance = 'aux_free' or 'none'")
+
     def __post_init__(self) -> None:
         # A list (a checkpoint manifest's JSON) becomes a tuple: hashable, compares equal.
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))

@@ -1,0 +1,96 @@
+"""Context parallelism's parts (``ray_titan.parallel.context``), without processes: the causal load
+balancer gives every cp rank the same attention work (a contiguous split does not: the mutation
+this catches, since it computes the same function), and the sharded mask is the whole sequence's.
+On ranks: tests/integration/test_context_parallel_parity.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_titan.models.decoder import document_causal_mask
+from ray_titan.parallel.context import attention_work, balanced_indices, sharded_mask
+
+SEQ, BATCH = 32, 2
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_the_balancer_splits_the_sequence_and_evens_the_causal_work(cp):
+    seq = 16 * cp
+    shares = [balanced_indices(seq, cp, r) for r in range(cp)]
+    assert torch.equal(torch.cat(shares).sort().values, torch.arange(seq))  # a partition
+    assert all(len(s) == seq // cp for s in shares)
+    work = attention_work(seq, cp)
+    assert len(set(work)) == 1 and sum(work) == seq * (seq + 1) // 2
+    # What the balancer is for: a contiguous split gives the last rank far more work.
+    contiguous = [int((torch.arange(r * seq // cp, (r + 1) * seq // cp) + 1).sum()) for r in range(cp)]
+    assert contiguous[-1] > 2 * contiguous[0]
+    with pytest.raises(ValueError, match="2·cp"):
+        balanced_indices(seq + cp, cp, 0)
+
+
+def positions() -> torch.Tensor:
+    """``(BATCH, SEQ)`` positions within documents: several documents per sequence, crossing the
+    chunk boundaries."""
+    starts = [[0, 5, 13, 14, 27], [0, 9, 10, 21]]
+    pos = torch.zeros(BATCH, SEQ, dtype=torch.int64)
+    for b, s in enumerate(starts):
+        for i, j in zip(s, [*s[1:], SEQ]):
+            pos[b, i:j] = torch.arange(j - i)
+    return pos
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_sharded_mask_is_the_whole_sequence_mask_at_the_shards_indices(cp):
+    whole = positions()
+    full = document_causal_mask(whole)
+    gathered = torch.cat([balanced_indices(SEQ, cp, r) for r in range(cp)])
+    for r in range(cp):
+        local = balanced_indices(SEQ, cp, r)
+        assert torch.equal(sharded_mask(whole, local, gathered), full[:, :, local][:, :, :, gathered])
+        causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+        assert torch.equal(sharded_mask(None, local, gathered)[0, 0], causal[local][:, gathered])
+
+
+def _validate(*flags: str):
+    from ray_titan.config import load_config, merge_overrides
+    from ray_titan.preflight.checks import validate_job
+    from tests.conftest import REPO
+
+    flags = merge_overrides(["--parallelism.pp=1", "--parallelism.dp_shard=1"], list(flags))
+    return validate_job(load_config(REPO / "configs" / "debug_llama.toml", flags), check_data=False)
+
+
+@pytest.mark.parametrize(("flags", "setting"), [
+    (["--parallelism.cp=4", "--training.seq_len=36"], "training.seq_len = 36"),  # 36 = 4 · 9, not 8 · k
+    (["--parallelism.cp=2", "--parallelism.tp=4", "--training.seq_len=36"], "training.seq_len = 36"),
+    (["--parallelism.cp=2", "--model.name=gpt_oss"], "parallelism.cp = 2 is not supported for gpt_oss"),
+    (["--parallelism.cp=2", "--model.name=qwen3_moe"], "parallelism.cp = 2 is not supported for qwen3_moe"),
+    (["--parallelism.cp=2", "--model.name=deepseek_v2", "--parallelism.dp_shard=2", "--parallelism.ep=2"],
+     "parallelism.ep = 2"),
+    # Gated DeltaNet's state runs along the whole sequence; MTP's shifted tokens cross the slices.
+    (["--parallelism.cp=2", "--model.name=qwen3_5"], "parallelism.cp = 2 is not supported for qwen3_5"),
+    (["--parallelism.cp=2", "--model.name=qwen3_5_moe"], "parallelism.cp = 2 is not supported for qwen3_5_moe"),
+    (["--parallelism.cp=2", "--model.name=glm4_moe"], "parallelism.cp = 2 is not supported for glm4_moe"),
+    (["--parallelism.cp=2", "--model.name=deepseek_v3", "--model.mtp_layers=1"], "model.mtp_layers = 1"),
+])
+def test_preflight_refuses_what_context_parallel_cannot_split(flags, setting):
+    from ray_titan.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=setting):
+        _validate(*flags)
+
+
+def test_a_context_parallel_mesh_counts_its_workers_and_coordinates():
+    from ray_titan.parallel.dims import ParallelDims
+
+    cfg = _validate("--parallelism.cp=2", "--parallelism.dp_shard=2", "--parallelism.tp=2",
+                    "--training.seq_len=64")
+    assert cfg.world_size == 8
+    dims = ParallelDims(dp_shard=2, cp=2, tp=2)
+    # tp innermost, then cp, then dp_shard (torchtitan's order); the cp ranks share a dp rank.
+    assert [(c["dp_shard"], c["cp"], c["tp"]) for c in map(dims.coords, range(8))] == [
+        (d, c, t) for d in range(2) for c in range(2) for t in range(2)]
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert dims.fsdp and ParallelDims(cp=2).fsdp and dims.describe() == "pp=1 × dp_shard=2 × cp=2 × tp=2"
