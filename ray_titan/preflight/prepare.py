@@ -140,7 +140,7 @@ def fit_memory(cfg: JobConfig, device: str | None, device_memory: int | str | No
         every = memory_plan(cfg, capacity, device, margin=margin).recommendation
         would = (f"; what would fit: {' '.join(every)}" if every
                  else "; no lever the plan knows fits, not even more devices (a smaller model, microbatch or sequence)")
-        raise ConfigError(f"{head}, and no choice of microbatches, activation offloading and activation "
+        raise ConfigError(f"{head}, and no choice of microbatches and activation "
                           "checkpointing fits (the levers "
                           f"memory.fit = 'auto' may apply){would}; give the job more devices, or set "
                           "memory.fit = 'off'")

@@ -158,7 +158,9 @@ def test_the_plan_moves_the_offloaded_bytes_from_device_activations_to_the_host(
     assert memory_plan(off, None, "cpu", levers=False).max_peak == memory_plan(cfg, None, "cpu", levers=False).max_peak
 
 
-def test_fit_auto_chooses_offloading_where_its_copies_hide_and_ranks_it_last_where_not():
+def test_offloading_is_ranked_by_whether_its_copies_hide_and_fit_auto_does_not_choose_it():
+    """The lever's cost says whether the copies hide behind the forward's compute; memory.fit =
+    "auto" leaves it to the user (FIT_GROUPS: on an H100 it did not lower the peak)."""
     from ray_titan.preflight.memory_plan import memory_plan
     from ray_titan.preflight.prepare import fit_memory
 
@@ -166,9 +168,8 @@ def test_fit_auto_chooses_offloading_where_its_copies_hide_and_ranks_it_last_whe
     full = memory_plan(cfg, None, "cuda", levers=False).max_peak
     moved = memory_plan(cfg.with_overrides(["--memory.activation_offload=all"]), None, "cuda", levers=False).max_peak
     capacity = int((moved + full) / 2 / 0.92)  # the offloaded job fits with the margin, the given one not
-    new, plan, line = fit_memory(cfg, "cuda", capacity)
-    assert new.memory.activation_offload == "all" and plan is not None and plan.fits
-    assert "training with --memory.activation_offload=all" in line and "hidden behind compute" in line  # and why
+    with pytest.raises(ConfigError, match="what would fit: --memory.activation_offload=all"):
+        fit_memory(cfg, "cuda", capacity)  # only offloading fits: said, not applied
     (lever,) = [lv for lv in memory_plan(cfg, capacity, "cuda").levers if "offload (all" in lv.name]
     assert "hidden behind compute" in lever.cost and "not hidden" not in lever.cost
     # The debug Llama: copies longer than its forward's compute, ranked after full AC.
@@ -178,8 +179,6 @@ def test_fit_auto_chooses_offloading_where_its_copies_hide_and_ranks_it_last_whe
     assert offload > names.index("activation checkpointing full")
     assert "not hidden" in small.levers[offload].cost
     assert small.recommendation is not None and "--memory.activation_offload=all" not in small.recommendation
-
-
 
 
 def test_a_run_with_host_copies_keeps_its_losses(tmp_path, corpus_cache, monkeypatch):
