@@ -10,6 +10,7 @@ The optimizer, the LR schedule and, under PP, the pipeline schedule are built ov
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from ray_titan.trainer.fault_injection import FaultInjection
 from ray_titan.trainer.mtp import MtpLoss, mtp_labels
 
 __all__ = [
-    "TrainParts", "build", "build_lr_lambda", "build_optimizer", "cross_entropy_loss",
+    "TrainParts", "build", "build_lr_lambda", "build_optimizer", "cross_entropy_loss", "infer_pipeline_shapes",
     "parallel_dims",
 ]
 
@@ -129,7 +130,10 @@ class TrainParts:
     "skip"``, the state before the latest update, so that it can be undone
     (``ray_titan.trainer.backup``; None under ``stop``); ``mtp``: under ``model.mtp_layers``,
     ``loss_fn`` itself, the multi-token-prediction loss, which keeps each depth's loss for the
-    metrics (``ray_titan.trainer.mtp``; None without).
+    metrics (``ray_titan.trainer.mtp``; None without); ``infer_shapes``: under PP with
+    MoE layers, the pipeline's shape inference for training run on a dummy batch with what the
+    routers counted forgotten (:func:`infer_pipeline_shapes`; call it after a forward-only pass of
+    the schedule, whose mode switch makes the next step infer again; None otherwise).
     """
 
     dims: ParallelDims
@@ -152,6 +156,7 @@ class TrainParts:
     schedule_loss: ScheduleLoss | None = None
     backup: UpdateBackup | None = None
     mtp: MtpLoss | None = None
+    infer_shapes: Callable[[], None] | None = None
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Where the loss and its backward run: ``loss_parallel()`` under TP with loss parallel."""
@@ -241,22 +246,34 @@ def build(cfg: JobConfig, rank: int, vocab_size: int, loader: PackedLoader, devi
         any_moe = torch.tensor([float(moe.active)], device=device)
         dist.all_reduce(any_moe, op=dist.ReduceOp.MAX, group=pp_group)
         if any_moe.item() > 0:
-            # The schedule infers stage shapes at its first step by running every stage once,
-            # on uninitialised inputs past stage 0: MoE routers would count those phantom tokens
-            # in step 1. So infer now, on a dummy batch, and forget what it counted.
-            dummy = torch.zeros(loader.local_batch, cfg.training.seq_len // dims.cp, dtype=torch.int64, device=device)
-            last = parts.is_last_stage
-            # Under multi-token prediction the last stage's outputs are a tuple, whose length
-            # the schedule learns here: the inputs and the depths' labels as a step gives them.
-            extra: dict[str, Any] = {}
-            target = dummy
-            if mtp is not None:
-                target, extra = mtp_labels(dummy, None, mtp.depths), {"tokens": dummy}
-            with parts.loss_context():
-                parts.schedule.step(*((dummy,) if parts.has_first_stage else ()), target=target if last else None,
-                                    losses=[] if last else None, return_outputs=False, **extra)
-            if mtp is not None:
-                mtp.take(n_mb)  # the dummy's losses are not the first step's
-            optimizer.zero_grad(set_to_none=True)
-            moe.reset()
+            parts.infer_shapes = functools.partial(infer_pipeline_shapes, parts, loader.local_batch,
+                                                   cfg.training.seq_len // dims.cp, n_mb)
+            parts.infer_shapes()
     return parts
+
+
+def infer_pipeline_shapes(parts: TrainParts, local_batch: int, seq_len: int, microbatches: int) -> None:
+    """Run the pipeline schedule's shape inference for training now, on a zero batch ``(local_batch,
+    seq_len)`` in ``microbatches``, and forget what it left: gradients, MoE routing counts, MTP losses. Collective over
+    the ``pp`` group.
+
+    torch's schedules infer stage shapes at their first step, and again at the first step after a
+    mode switch (``schedule.eval``, validation), by running every stage on uninitialised inputs past
+    stage 0: MoE routers would count those phantom tokens in that step (its reported expert load,
+    and aux-loss-free balancing's bias update). Inferring on a dummy step here keeps them out."""
+    assert parts.schedule is not None
+    dummy = torch.zeros(local_batch, seq_len, dtype=torch.int64, device=parts.device)
+    last = parts.is_last_stage
+    # Under multi-token prediction the last stage's outputs are a tuple, whose length the schedule
+    # learns here: the inputs and the depths' labels as a step gives them.
+    extra: dict[str, Any] = {}
+    target = dummy
+    if parts.mtp is not None:
+        target, extra = mtp_labels(dummy, None, parts.mtp.depths), {"tokens": dummy}
+    with parts.loss_context():
+        parts.schedule.step(*((dummy,) if parts.has_first_stage else ()), target=target if last else None,
+                            losses=[] if last else None, return_outputs=False, **extra)
+    if parts.mtp is not None:
+        parts.mtp.take(microbatches)  # the dummy's losses are not the next step's
+    parts.optimizer.zero_grad(set_to_none=True)
+    parts.moe.reset()

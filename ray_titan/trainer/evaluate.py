@@ -108,5 +108,9 @@ class Validator:
                 s = eval_step(parts, x.to(parts.device), y.to(parts.device), self.cfg.parallelism.microbatches,
                               kw["positions"].to(parts.device) if kw else None)
                 total += s if s is not None else 0.0
+        if parts.infer_shapes is not None:
+            # Back to training mode now, not in the next step: its shape inference would feed
+            # phantom tokens to the MoE routers (ray_titan.trainer.build.infer_pipeline_shapes).
+            parts.infer_shapes()
         loss = total / tokens if parts.is_last_stage and tokens else None
         return EvalResult(loss, tokens, time.perf_counter() - t0)

@@ -88,6 +88,24 @@ def test_training_is_bit_identical_with_validation_on_or_off(pp_runs):
     assert all(v is None for v in _by_step(off, "step_val_loss"))
 
 
+# DeepSeek-V3's MoE layers with aux-loss-free balancing: the first step after each validation
+# infers the schedule's shapes again (torch's eval → train mode switch), on uninitialised inputs.
+MOE = ("--model.name=deepseek_v3", "--model.flavor=debug", "--model.load_balance=aux_free",
+       "--model.bias_update_rate=0.01", "--parallelism.ep=2")
+
+
+def test_moe_training_is_bit_identical_with_validation_on_or_off(sft_data, tmp_path):
+    """The routers count no phantom tokens after a validation: the expert load each step
+    reports, and so the balancing bias and the losses after it, are those of the run without."""
+    _, _, on = _torchrun(sft_data, tmp_path / "on", "--validation.enable=true", *MOE)
+    _, _, off = _torchrun(sft_data, tmp_path / "off", "--validation.enable=false", *MOE)
+    for rank in (0, 3):  # the first stage's MoE layers and the last's
+        assert _by_step(on, "expert_load", rank) == _by_step(off, "expert_load", rank)
+        assert _by_step(on, "step_loss", rank) == _by_step(off, "step_loss", rank)
+        assert _by_step(on, "grad_norm", rank) == _by_step(off, "grad_norm", rank)
+    assert all(v is not None for v in _by_step(on, "step_val_loss", 3))
+
+
 def _one_process_cfg(sft_data, tmp_path, *extra):
     return load_config(REPO / "configs" / "debug_llama.toml", merge_overrides(_overrides(
         sft_data, tmp_path, "--parallelism.pp=1", "--parallelism.dp_shard=1", "--training.threads_per_worker=1",
