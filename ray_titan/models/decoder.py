@@ -207,20 +207,20 @@ class Decoder(nn.Module):
         h = self.norm(h)
         return h if self.hidden_out else self.logits(h)
 
-    def trunk(self, x: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def trunk(self, x: torch.Tensor, positions: torch.Tensor | None
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
         """The embedding (when held) and this module's main blocks (keys below ``args.n_layers``;
         higher keys are a family's extra blocks, e.g. multi-token prediction's): ``(hidden states
         (batch, seq, dim), the blocks' rotary arguments: (cos, sin) or (cos, sin, mask))``."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        if self.sequence_sharding is not None:
+        rope: tuple[torch.Tensor | None, ...]
+        if self.sequence_sharding is not None:  # context parallel: this rank's slice, whole-sequence positions
             positions, mask = self.sequence_sharding.positions_and_mask(positions, h.device)
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-            for layer in self.layers.values():
-                h = layer(h, cos, sin, mask)
+            rope = (self.rope_cos[positions], self.rope_sin[positions], mask)
         elif positions is None:
             # The whole tables: a block's attention may see more positions than ``h`` holds here
             # (sequence parallel keeps 1/tp of them between blocks); apply_rope takes what it needs.
-            rope: tuple[torch.Tensor, ...] = (self.rope_cos, self.rope_sin)
+            rope = (self.rope_cos, self.rope_sin)
         else:
             rope = (self.rope_cos[positions], self.rope_sin[positions], document_causal_mask(positions))
         n_layers = self.args.n_layers

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import ClassVar, Literal, Protocol, cast
+from typing import Any, ClassVar, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +90,11 @@ class MLA(nn.Module):
     """
 
     LATENT_NORM_EPS = 1e-6
-    core_attention = staticmethod(F.scaled_dot_product_attention)
+    @staticmethod
+    def core_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+        # Looked up at each call, not bound at import: the simulated GPU (ray_titan.dry_run)
+        # replaces F.scaled_dot_product_attention with its kernels' forms after the models load.
+        return F.scaled_dot_product_attention(*args, **kwargs)
 
     def __init__(self, args: DeepSeekV2Args):
         super().__init__()

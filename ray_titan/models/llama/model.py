@@ -13,6 +13,8 @@ query and key head, before the rotary embedding.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,7 +41,11 @@ class Attention(nn.Module):
     hook: context parallelism replaces it, ``Decoder.sequence_sharding``).
     """
 
-    core_attention = staticmethod(F.scaled_dot_product_attention)
+    @staticmethod
+    def core_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+        # Looked up at each call, not bound at import: the simulated GPU (ray_titan.dry_run)
+        # replaces F.scaled_dot_product_attention with its kernels' forms after the models load.
+        return F.scaled_dot_product_attention(*args, **kwargs)
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
