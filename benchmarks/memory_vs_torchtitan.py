@@ -105,7 +105,8 @@ class TorchtitanJob:
 
 
 JOBS: list[TorchtitanJob] = [
-    # torchtitan's published Llama 3.1 8B on 8 H100s (docs/performance.md): FSDP8, local batch 2 × 8,192.
+    # torchtitan's published Llama 3.1 8B on 8 H100s (its benchmarks/llama3_h100_202412_torchtitan.md,
+    # table 1): FSDP8, local batch 2 × 8,192.
     TorchtitanJob("llama8b_fsdp8_ac_none", "llama", "3.1-8B", dp=8, seq=8192, local_batch=2, ac="none"),
     TorchtitanJob("llama8b_fsdp8_ac_full", "llama", "3.1-8B", dp=8, seq=8192, local_batch=2, ac="full"),
     TorchtitanJob("llama8b_fsdp8_ac_op", "llama", "3.1-8B", dp=8, seq=8192, local_batch=2, ac="op"),

@@ -93,49 +93,10 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
     # Per token of one microbatch: what it keeps, and the most it holds while backward runs (from
     # the last block back: the blocks not yet done, the block being recomputed, the block's
     # backward temporaries).
-    kept_so_far, backward_peak, moe_part, unsplit = 0.0, 0.0, 0.0, 0.0
-    kept_at_peak = 0.0  # what is still kept at the backward's peak moment (the blocks up to it)
-    blocks = []  # (block, how checkpointed, layer), for the zero-bubble terms
-    scan: list[tuple[float, float, int]] = []  # per block: kept up to it, its backward's transient, layer
-    # Multi-token prediction's depths (the last stage's blocks after the main ones): each also
-    # keeps its two input norms (the embedding's and the hidden state's, their concatenation the
-    # projection's input) unless checkpointed (then the embedding, an input of the block), and
-    # the same as the main head for its logits (its norm, the head's input, the loss's fp32
-    # log-softmax; under PP the logits, an output of the stage).
-    mtp = [int(k) for k in getattr(j.whole, "mtp_layer_ids", ())] if last else []
-    one_head = _F32 * (2 * args.dim + 1) + e * args.dim + _F32 * j.vocab + (e * j.vocab if pp > 1 else 0)
-    host, prev_off, prev_whole = 0.0, 0.0, 0.0  # activation offload: on the host; the block before's, back
-    for i, layer in enumerate(j.split[s] + mtp):
-        blk = _with_cp(j, j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep))
-        how = _checkpointed(cfg, layer)
-        blocks.append((blk, how, layer))
-        kept = blk.kept(how)
-        if layer in mtp:
-            kept += (2 * (_F32 * (2 * args.dim + 1) + e * args.dim) if how == "none" else e * args.dim) + one_head
-        if i == 0 and not first:
-            kept -= r * args.dim  # its input is the pipeline's receive buffer
-        moved = j.device == "cuda" and offloads(cfg.memory.activation_offload, layer)  # a host device keeps them
-        # Offloaded: every tensor the block saves without checkpointing; under full or op AC its
-        # input (op checkpointing's cached outputs stay); not the receive buffer the pipeline holds.
-        off = (kept if how == "none" else min(kept, blk.input)) if moved else 0.0
-        host += (blk.kept(how) if how == "none" else blk.input) if moved else 0.0
-        kept_so_far += kept - off
-        whole_moved = moved and how == "none"  # moved with the rest: the experts' and tp's whole parts
-        # Its backward: its own tensors back on the device, and the block before's, prefetched; the
-        # whole (unsplit by tp) part of them comes back whole: (tp - 1) more of it before the / tp.
-        whole = blk.whole if whole_moved else 0.0
-        back = off + prev_off + (whole + prev_whole) * (j.tp - 1)
-        scan.append((kept_so_far, blk.recompute(how) + blk.backward + back, layer))
-        if kept_so_far + blk.recompute(how) + blk.backward + back > backward_peak:
-            backward_peak, kept_at_peak = kept_so_far + blk.recompute(how) + blk.backward + back, kept_so_far
-        prev_off, prev_whole = off, whole
-        moe_part += 0.0 if whole_moved else blk.experts(how)
-        unsplit += 0.0 if whole_moved else blk.unsplit(how)
-        lay = layer % cfg.activation_checkpoint.layer_freq == 0
-        act_modes["none"] += blk.none
-        act_modes["full"] += blk.input
-        act_modes["selective_op"] += blk.op
-        act_modes["selective_layer"] += blk.input if lay else blk.none
+    b = _scan_blocks(j, s, act_modes)
+    kept_so_far, backward_peak, kept_at_peak, moe_part, unsplit = (
+        b.kept_so_far, b.backward_peak, b.kept_at_peak, b.moe_part, b.unsplit)
+    blocks, scan, host = b.blocks, b.scan, b.host
     head, loss_whole = 0.0, 0.0
     chunked = tr.loss_chunk_tokens > 0
     if last:  # final norm, output head's input, the loss's log-softmax (not kept by a chunked loss)
@@ -179,6 +140,76 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         pipe=r * args.dim * j.tokens * n * ((0 if first else 1) + (0 if last else 1)) / sp if pp > 1 else 0.0,
         held=held, input_transient=input_t, weight_transient=weight_t, offloaded=host * j.tokens / j.tp,
         scan=[(k * j.tokens / j.tp, t * j.tokens / j.tp, layer) for k, t, layer in scan])
+
+
+@dataclass
+class _BlockScan:
+    """What :func:`_scan_blocks` finds over a stage's blocks, per token of a microbatch (bytes):
+    ``kept_so_far`` (kept by all of them), ``backward_peak`` (the most held while one runs its
+    backward), ``kept_at_peak``, ``moe_part``, ``unsplit`` (tp's whole parts), ``host``
+    (offloaded), and the ``blocks`` and ``scan`` the zero-bubble and transient terms read."""
+
+    kept_so_far: float
+    backward_peak: float
+    kept_at_peak: float
+    moe_part: float
+    unsplit: float
+    host: float
+    blocks: list
+    scan: list[tuple[float, float, int]]
+
+
+def _scan_blocks(j: _Job, s: int, act_modes: dict[str, float]) -> _BlockScan:
+    """Stage ``s``'s blocks (and a last stage's multi-token-prediction depths), from the first:
+    what each keeps, offloads and holds in its backward; adds each AC mode's bytes to
+    ``act_modes``."""
+    cfg, args, e, r, pp, tr = j.cfg, j.args, j.e, j.r, j.dims.pp, j.cfg.training
+    first = s == 0
+    kept_so_far, backward_peak, moe_part, unsplit = 0.0, 0.0, 0.0, 0.0
+    kept_at_peak = 0.0  # what is still kept at the backward's peak moment (the blocks up to it)
+    blocks = []  # (block, how checkpointed, layer), for the zero-bubble terms
+    scan: list[tuple[float, float, int]] = []  # per block: kept up to it, its backward's transient, layer
+    # Multi-token prediction's depths (the last stage's blocks after the main ones): each also
+    # keeps its two input norms (the embedding's and the hidden state's, their concatenation the
+    # projection's input) unless checkpointed (then the embedding, an input of the block), and
+    # the same as the main head for its logits (its norm, the head's input, the loss's fp32
+    # log-softmax; under PP the logits, an output of the stage).
+    mtp = [int(k) for k in getattr(j.whole, "mtp_layer_ids", ())] if s == j.dims.num_stages - 1 else []
+    logits = 0 if tr.loss_chunk_tokens > 0 else _F32 * j.vocab + (e * j.vocab if pp > 1 else 0)  # chunked: none kept
+    one_head = _F32 * (2 * args.dim + 1) + e * args.dim + logits
+    host, prev_off, prev_whole = 0.0, 0.0, 0.0  # activation offload: on the host; the block before's, back
+    for i, layer in enumerate(j.split[s] + mtp):
+        blk = _with_cp(j, j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep))
+        how = _checkpointed(cfg, layer)
+        blocks.append((blk, how, layer))
+        kept = blk.kept(how)
+        if layer in mtp:
+            kept += (2 * (_F32 * (2 * args.dim + 1) + e * args.dim) if how == "none" else e * args.dim) + one_head
+        if i == 0 and not first:
+            kept -= r * args.dim  # its input is the pipeline's receive buffer
+        moved = j.device == "cuda" and offloads(cfg.memory.activation_offload, layer)  # a host device keeps them
+        # Offloaded: every tensor the block saves without checkpointing; under full or op AC its
+        # input (op checkpointing's cached outputs stay); not the receive buffer the pipeline holds.
+        off = (kept if how == "none" else min(kept, blk.input)) if moved else 0.0
+        host += (blk.kept(how) if how == "none" else blk.input) if moved else 0.0
+        kept_so_far += kept - off
+        whole_moved = moved and how == "none"  # moved with the rest: the experts' and tp's whole parts
+        # Its backward: its own tensors back on the device, and the block before's, prefetched; the
+        # whole (unsplit by tp) part of them comes back whole: (tp - 1) more of it before the / tp.
+        whole = blk.whole if whole_moved else 0.0
+        back = off + prev_off + (whole + prev_whole) * (j.tp - 1)
+        scan.append((kept_so_far, blk.recompute(how) + blk.backward + back, layer))
+        if kept_so_far + blk.recompute(how) + blk.backward + back > backward_peak:
+            backward_peak, kept_at_peak = kept_so_far + blk.recompute(how) + blk.backward + back, kept_so_far
+        prev_off, prev_whole = off, whole
+        moe_part += 0.0 if whole_moved else blk.experts(how)
+        unsplit += 0.0 if whole_moved else blk.unsplit(how)
+        lay = layer % cfg.activation_checkpoint.layer_freq == 0
+        act_modes["none"] += blk.none
+        act_modes["full"] += blk.input
+        act_modes["selective_op"] += blk.op
+        act_modes["selective_layer"] += blk.input if lay else blk.none
+    return _BlockScan(kept_so_far, backward_peak, kept_at_peak, moe_part, unsplit, host, blocks, scan)
 
 
 def _loss_backward(j: _Job) -> float:
