@@ -26,6 +26,8 @@ parallelisms are applied by the parallelize step (``ray_titan.parallel.stack``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -79,6 +81,24 @@ def sharded_mask(whole: torch.Tensor | None, local: torch.Tensor, gathered: torc
     doc = (whole == 0).cumsum(dim=1)
     same = doc[:, local][:, :, None] == doc[:, gathered][:, None, :]
     return (same & causal)[:, None]
+
+
+# torch's all-gather whose backward reduce-scatters: all_gather_single_autograd from torch 2.13
+# (all_gather_tensor_autograd, deprecated there, is its alias), all_gather_tensor_autograd before.
+_ALL_GATHER_AUTOGRAD: Any = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous: torch 2.11's reduce-scatter (the
+    all-gather's backward) refuses the strided gradient ``movedim`` hands it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 class ContextParallel:
@@ -158,9 +178,9 @@ class ContextParallel:
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """``t (batch, heads, seq_len / cp, dim)`` of every cp rank, concatenated in rank order on
         the sequence dimension, with a backward that reduce-scatters the gradient."""
-        # Gathered on dim 0 (what all_gather_single_autograd supports), then moved back.
-        out = funcol.all_gather_single_autograd(t.movedim(2, 0).contiguous(), 0, self.group)
-        return out.movedim(0, 2)
+        # Gathered on dim 0 (what the autograd all-gather supports), then moved back.
+        out = _ALL_GATHER_AUTOGRAD(t.movedim(2, 0).contiguous(), 0, self.group)
+        return _ContiguousGrad.apply(out).movedim(0, 2)
 
 
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, seq_len: int) -> ContextParallel:
