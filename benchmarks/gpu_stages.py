@@ -129,12 +129,9 @@ def _one_rank(ctx: StageContext, name: str, steps: int, *flags: str):
 
 def _plan_peak(ctx: StageContext, cfg) -> int | None:
     """The memory plan's peak for rank 0 of ``cfg`` on CUDA (bytes), recorded; None if it fails."""
-    from ray_titan.preflight.memory_plan import memory_plan
-
-    plan = ctx.attempt("memory plan", lambda: memory_plan(cfg, device="cuda", levers=False))
-    if plan is None:
+    peak = ctx.attempt("memory plan", lambda: memory_plan_peak(cfg))
+    if peak is None:
         return None
-    peak = plan.ranks[0].peak
     ctx.log.add("memory plan peak, rank 0", round(peak / MiB, 1), "MiB", note="the memory plan, device cuda")
     return peak
 
@@ -152,17 +149,23 @@ def _train(ctx: StageContext, cfg, callbacks: list | None = None) -> dict[str, A
     return run
 
 
+def _tokens_per_s(cfg, table, timed: range) -> float:
+    """Global batch × seq_len over the median ``step_time_s`` of the ``timed`` steps of a run's
+    metrics ``table`` (tokens/s)."""
+    times = [s for st, s in zip(table["step"].to_pylist(), table["step_time_s"].to_pylist()) if st in timed and s]
+    return cfg.training.global_batch_size * cfg.training.seq_len / statistics.median(times)
+
+
 def _report_run(ctx: StageContext, cfg, run: dict[str, Any], timed: range, plan: int | None) -> float:
     """Facts of a finished one-rank run: steps, last loss and its finiteness, tokens/s over the
     ``timed`` steps (global batch × seq_len over their median ``step_time_s``), the device peaks
     beside the ``plan``. Returns the tokens/s."""
     t = run["steps"]
     losses = [x for x in t["step_loss"].to_pylist() if x is not None]
-    times = [s for st, s in zip(t["step"].to_pylist(), t["step_time_s"].to_pylist()) if st in timed and s]
     ctx.log.add("steps run", t.num_rows)
     ctx.log.add("last loss", losses[-1] if losses else None)
     ctx.log.add("loss finite", bool(losses) and all(math.isfinite(x) for x in losses), note=f"{len(losses)} steps")
-    tps = cfg.training.global_batch_size * cfg.training.seq_len / statistics.median(times)
+    tps = _tokens_per_s(cfg, t, timed)
     ctx.log.add("tokens/s", round(tps, 1), "tok/s",
                 note=f"median step time of steps {timed.start}-{timed.stop - 1}, "
                      f"{cfg.training.global_batch_size} × {cfg.training.seq_len} tokens per step")
@@ -319,8 +322,7 @@ def stage_memory_levers(ctx: StageContext) -> None:
         if run is None:
             continue
         t = run["steps"]
-        times = [x for st, x in zip(t["step"].to_pylist(), t["step_time_s"].to_pylist()) if st >= 3 and x]
-        tps = cfg.training.global_batch_size * cfg.training.seq_len / statistics.median(times)
+        tps = _tokens_per_s(cfg, t, range(3, steps + 1))
         losses = [x for x in t["step_loss"].to_pylist() if x is not None]
         ctx.log.add(f"{name}: tokens/s", round(tps, 1), "tok/s")
         ctx.log.add(f"{name}: last loss", losses[-1] if losses else None)
