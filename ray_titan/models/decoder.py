@@ -27,7 +27,7 @@ from ray_titan.models.rope import RopeScaling, inv_frequencies
 
 __all__ = [
     "Decoder", "FeedForward", "RMSNorm", "apply_rope", "count_parameters", "document_causal_mask", "param_seed",
-    "rope_tables",
+    "rope_tables", "scaled_dot_product_attention",
 ]
 
 
@@ -74,6 +74,12 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float,
         return angles.cos(), angles.sin()
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
+
+def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (same arguments and result), looked up at each call: the
+    attentions' default ``core_attention`` hook. Not bound at import, because the simulated GPU
+    (``ray_titan.dry_run``) replaces torch's function with its kernels' forms after the models load."""
+    return F.scaled_dot_product_attention(*args, **kwargs)
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``(batch, seq, heads, head_dim)`` pairwise (interleaved pairs, as Meta's

@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal, Protocol, cast
+from typing import ClassVar, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ray_titan.models.decoder import Decoder, FeedForward, RMSNorm, apply_rope
+from ray_titan.models.decoder import Decoder, FeedForward, RMSNorm, apply_rope, scaled_dot_product_attention
 from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
 from ray_titan.models.rope import softmax_scale_factor
 from ray_titan.models.routing import ROUTERS, SELECTS_WITH_BIAS, RoutingArgs, check_routing
@@ -90,11 +90,7 @@ class MLA(nn.Module):
     """
 
     LATENT_NORM_EPS = 1e-6
-    @staticmethod
-    def core_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
-        # Looked up at each call, not bound at import: the simulated GPU (ray_titan.dry_run)
-        # replaces F.scaled_dot_product_attention with its kernels' forms after the models load.
-        return F.scaled_dot_product_attention(*args, **kwargs)
+    core_attention = staticmethod(scaled_dot_product_attention)
 
     def __init__(self, args: DeepSeekV2Args):
         super().__init__()

@@ -13,13 +13,10 @@ query and key head, before the rotary embedding.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ray_titan.models.decoder import Decoder, FeedForward, RMSNorm, apply_rope
+from ray_titan.models.decoder import Decoder, FeedForward, RMSNorm, apply_rope, scaled_dot_product_attention
 from ray_titan.models.llama.args import LlamaArgs
 
 __all__ = ["Attention", "Llama", "TransformerBlock"]
@@ -41,11 +38,7 @@ class Attention(nn.Module):
     hook: context parallelism replaces it, ``Decoder.sequence_sharding``).
     """
 
-    @staticmethod
-    def core_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
-        # Looked up at each call, not bound at import: the simulated GPU (ray_titan.dry_run)
-        # replaces F.scaled_dot_product_attention with its kernels' forms after the models load.
-        return F.scaled_dot_product_attention(*args, **kwargs)
+    core_attention = staticmethod(scaled_dot_product_attention)
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
