@@ -5,8 +5,8 @@ fields, :data:`ray_titan.metrics.fields.FIELDS` (those of :data:`~ray_titan.metr
 
 Device fields are ``None`` on CPU-only workers. The train loop samples with
 :class:`MemorySampler`: RSS and the device counters every step, the ``host_heap_*`` and
-``host_available_bytes`` fields at most every ``metrics.heap_stats_interval_s`` (glibc's
-``mallinfo2`` walks every arena's free lists: 0.55 ms in a main-job Ray worker). The cost of
+``host_available_bytes`` fields every step too unless ``metrics.heap_stats_interval_s`` spaces
+them (glibc's ``mallinfo2`` walks every arena's free lists: 0.55 ms in a main-job Ray worker). The cost of
 each read is printed by ``benchmarks/memory_sampling.py``; a run's own cost of sampling and
 reporting is in its ``metrics_time_s`` column.
 
@@ -142,16 +142,15 @@ class MemorySampler:
     Every :meth:`sample`: host RSS (``/proc/self/statm``, kept open and re-read with ``pread``,
     ~2 µs), peak RSS (``getrusage``), the device counters (resetting the device peaks) and, under
     jemalloc, malloc's statistics (``mallctl``, ~20 µs). At most every ``slow_interval_s``
-    seconds (the first sample always): glibc's malloc statistics (``host_heap_in_use_bytes``,
-    ``host_heap_free_bytes``) and ``host_available_bytes``; samples in between carry the last
-    values. glibc's ``mallinfo2`` walks every arena's free lists under
+    seconds (the first sample always; 0, the default: every sample): glibc's malloc statistics
+    (``host_heap_in_use_bytes``, ``host_heap_free_bytes``) and ``host_available_bytes``; samples
+    in between carry the last values. glibc's ``mallinfo2`` walks every arena's free lists under
     the arena's lock: 0.55 ms per call in a main-job Ray worker (its threads each get an arena),
-    ``/proc/meminfo`` 0.1 ms; every step they made sampling 0.8 ms of a worker's CPU per step,
-    1 % of it. Both drift slowly, and the memory verdict fits a slope over many steps.
-    0: every field every sample.
+    ``/proc/meminfo`` 0.1 ms. Spacing them saves that, at the price of a host leak series that
+    pairs a fresh RSS with older free bytes (``metrics.heap_stats_interval_s``).
     """
 
-    def __init__(self, device: torch.device, slow_interval_s: float = 1.0):
+    def __init__(self, device: torch.device, slow_interval_s: float = 0.0):
         from ray_titan.allocator import active_allocator, jemalloc_muzzy_decay_ms
 
         self.device, self.slow_interval_s = device, slow_interval_s
