@@ -12,6 +12,7 @@ most 4 at a time.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import traceback
@@ -130,6 +131,9 @@ def _rank_main(rank: int, nproc: int, config: str, overrides: list[str], run_dir
     from ray_titan.trainer import train_loop
 
     os.environ.update(env or {})  # the forkserver's environment is that of its first use
+    # A native crash (no Python exception) leaves the rank's Python stacks here instead.
+    crash = open(Path(run_dir) / f"crash-rank{rank}.txt", "w")  # noqa: SIM115 (open until exit)
+    faulthandler.enable(crash, all_threads=True)
     try:
         if nproc > 1:
             dist.init_process_group("gloo", rank=rank, world_size=nproc)  # env:// on rendezvous_store's
@@ -142,6 +146,17 @@ def _rank_main(rank: int, nproc: int, config: str, overrides: list[str], run_dir
     except BaseException:
         (Path(run_dir) / f"error-rank{rank}.txt").write_text(traceback.format_exc())
         raise
+
+
+def _failure(run_dir: Path, exitcodes: list[int | None]) -> str:
+    """Why a composition failed: every rank's exit code, then the first rank's error that is not
+    a peer's lost connection (a rank that crashed takes its peers' sockets down with it), or the
+    Python stacks of a rank that died natively."""
+    errors = {int(f.stem.rsplit("rank", 1)[1]): f.read_text() for f in run_dir.glob("error-rank*.txt")}
+    crashes = {int(f.stem.rsplit("rank", 1)[1]): f.read_text() for f in run_dir.glob("crash-rank*.txt")}
+    root = [e for _, e in sorted(errors.items()) if "by peer" not in e] or [
+        f"rank {r} died natively:\n{c}" for r, c in sorted(crashes.items()) if c.strip()] or list(errors.values())
+    return f"exit codes {exitcodes}\n" + (root[0][-3000:] if root else "")
 
 
 def _run(tmp: Path, model: str, nproc: int, overrides: list[str], steps: int = STEPS, save: bool = False,
@@ -161,8 +176,7 @@ def _run(tmp: Path, model: str, nproc: int, overrides: list[str], steps: int = S
         for p in procs:
             p.start()
         join_all(procs, 300)
-    errors = [f.read_text() for f in sorted(run_dir.glob("error-rank*.txt"))]
-    assert all(p.exitcode == 0 for p in procs), errors[0][-3000:] if errors else [p.exitcode for p in procs]
+    assert all(p.exitcode == 0 for p in procs), _failure(run_dir, [p.exitcode for p in procs])
     cfg = load_config(REPO / "configs" / CONFIGS[model], flags)
     dims = parallel_dims(cfg)
     collector = MetricsCollector(str(run_dir), nproc, dims.last_stage_ranks(), steps, enable_tensorboard=False)
