@@ -132,7 +132,7 @@ def _rank_main(rank: int, nproc: int, config: str, overrides: list[str], run_dir
 
     os.environ.update(env or {})  # the forkserver's environment is that of its first use
     # A native crash (no Python exception) leaves the rank's Python stacks here instead.
-    crash = open(Path(run_dir) / f"crash-rank{rank}.txt", "w")  # noqa: SIM115 (open until exit)
+    crash = open(Path(run_dir) / f"crash-rank{rank}.txt", "w")  # open until exit
     faulthandler.enable(crash, all_threads=True)
     try:
         if nproc > 1:
