@@ -51,6 +51,10 @@ CP = {
     # DeepSeek-V3's aux-loss-free routing: the bias moves from the load summed over dp_shard × cp
     # (each cp rank routes other tokens; summed over dp_shard alone, the cp ranks' biases diverge).
     "deepseek_v3_cp2_dp_shard2": ("deepseek_v3", 4, ["--parallelism.cp=2", "--parallelism.dp_shard=2"], []),
+    # Expert parallel within each cp rank's tokens (the ep group at a fixed cp coordinate), the
+    # routed experts FSDP-sharded over dp_shard / ep × cp.
+    "deepseek_cp2_dp_shard2_ep2": ("deepseek_v2", 4, ["--parallelism.cp=2", "--parallelism.dp_shard=2",
+                                                      "--parallelism.ep=2"], []),
 }
 
 
