@@ -116,6 +116,8 @@ CASES: list[Case] = [
     _case("cp8 fp32 document mask", cp=8, seq=1024, extra=("--training.document_mask=true",)),
     _case("cp2 pp2 1F1B bf16 full-AC", cp=2, pp=2, n=2, bf16=True, ac="full", seq=512),
     _case("deepseek cp2 fsdp2 bf16", model="deepseek_v2", cp=2, dp=2, bf16=True, seq=512),
+    # Expert parallel under cp: tokens exchanged within a cp rank, experts sharded over dp_shard / ep × cp.
+    _case("deepseek_v3 cp2 dp2 ep2 bf16", model="deepseek_v3", cp=2, dp=2, ep=2, bf16=True, seq=512),
 ]
 # One realistic mesh per flavor of every family, bf16, 1F1B, no activation checkpointing, one
 # sequence per microbatch: the meshes of the MoE flavors' and the 70B / 8B rows before it

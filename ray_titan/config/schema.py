@@ -281,11 +281,12 @@ class Parallelism(_Section):
     whole cp group in each attention layer; rotary positions and document masks are those of the
     whole sequence, and the loss is reduced over the cp ranks. Activations per rank shrink by
     ``cp``; parameters are FSDP-sharded over ``dp_shard × cp``. ``training.seq_len`` must be a
-    multiple of ``2·cp``; not with ``ep > 1`` nor with gpt-oss (sinks and sliding windows)
-    (ray_titan.parallel.context)."""
+    multiple of ``2·cp``; not with gpt-oss (sinks and sliding windows) (ray_titan.parallel.context).
+    With ``ep > 1`` the routed experts are FSDP-sharded over ``dp_shard / ep × cp``."""
     ep: int = Field(1, gt=0)
     """Expert-parallel degree (mesh axis ``ep``, MoE models only): borrows ranks from ``dp_shard``
-    (must divide it); routed experts are split over ``ep`` and FSDP-sharded over ``dp_shard / ep``."""
+    (must divide it); routed experts are split over ``ep`` and FSDP-sharded over ``dp_shard / ep``
+    (× ``cp`` under context parallel)."""
     pipeline_schedule: Literal[
         "GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
     ] = "1F1B"

@@ -23,6 +23,13 @@ spans ``tp``, ``dp_replicate`` or ``pp``: under tensor parallel every tp rank of
 of its DP rank's tokens and the same experts' ``1/tp`` slices (the routed experts are
 tensor-parallel over ``tp`` as well: expert-tensor parallel), so the tp ranks dispatch the same
 tokens over their own ``ep`` groups and no expert's work is repeated.
+
+Nor does EP span ``cp``: an ``ep`` group is the ranks of one cp coordinate (each routes its own
+slice of the sequences; dispatch is per token, so the slices need nothing more), and the routed
+experts are FSDP-sharded over ``dp_shard_mod_ep × cp`` (flattened as ``dp_shard_mod_ep_cp``), as
+every other parameter is over ``dp_shard × cp``. torchtitan 0.3.0 instead lets EP borrow from
+``dp_shard × cp`` (× ``tp``) together; keeping it within ``dp_shard`` keeps each token exchange
+inside one cp rank's data and the expert-tensor-parallel layout of the routed experts unchanged.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ class ParallelDims:
     size = ``pp × dp_replicate × dp_shard × cp × tp``.
 
     ``ep`` (expert parallel) borrows ranks from ``dp_shard`` only: it must divide ``dp_shard``
-    (module docstring: why not ``tp``).
+    (module docstring: why not ``tp`` or ``cp``).
 
     Stage placement (``pp_style``):
 
@@ -195,8 +202,9 @@ class ParallelDims:
         - with ``cp > 1``: ``"dp_shard_cp"`` and ``"dp_cp"`` (``dp_replicate × dp_shard × cp``
           flattened: every rank holding other tokens of this (pp, tp) position);
         - with ``ep > 1``: ``"ep"`` (1-D), ``"dp_shard_mod_ep"`` (1-D), ``"efsdp"`` (what the routed
-          experts are FSDP-sharded over: ``dp_shard_mod_ep``, or ``(dp_replicate, dp_shard_mod_ep)``
-          under HSDP) and, with ``tp > 1``, ``"ep_tp"`` (2-D, the experts' own mesh).
+          experts are FSDP-sharded over: ``dp_shard_mod_ep``, flattened with ``cp`` as
+          ``"dp_shard_mod_ep_cp"`` when ``cp > 1``, or 2-D with ``dp_replicate`` first under HSDP)
+          and, with ``tp > 1``, ``"ep_tp"`` (2-D, the experts' own mesh).
         """
         root = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
                                 mesh_dim_names=self.AXES)
@@ -222,11 +230,17 @@ class ParallelDims:
                                       ("dp_shard_mod_ep", "ep"))
             meshes["ep"] = ep_view["ep"]
             meshes["dp_shard_mod_ep"] = ep_view["dp_shard_mod_ep"]
-            meshes["efsdp"] = (ep_view["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate > 1
-                               else meshes["dp_shard_mod_ep"])
+            if self.cp > 1:  # not adjacent axes (ep lies between): a flattened view of their ranks
+                eshard = "dp_shard_mod_ep_cp"
+                meshes[eshard] = ep_view["dp_shard_mod_ep", "cp"]._flatten(eshard)
+                # The 2-D view with a flattened axis comes from the root, as "fsdp"'s does.
+                meshes["efsdp"] = root["dp_replicate", eshard] if self.dp_replicate > 1 else meshes[eshard]
+            else:
+                meshes["efsdp"] = (ep_view["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate > 1
+                                   else meshes["dp_shard_mod_ep"])
             if self.tp > 1:
                 meshes["ep_tp"] = ep_view["ep", "tp"]
-            if self.dp_shard > self.ep or self.dp_replicate > 1:  # the experts are FSDP-sharded
+            if (self.dp_shard > self.ep or self.dp_replicate > 1) and self.cp == 1:  # the experts are FSDP-sharded
                 ep_view["dp_shard_mod_ep", "ep"]._flatten("dp_shard_mod_ep_ep")
         return meshes
 

@@ -46,9 +46,7 @@ def clip_grad_norm_(
         counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
         if not counted:
             continue
-        norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        norm = _group_norm(counted)
         sq = norm**2 if sq is None else sq + norm**2
     if sq is None:  # no gradient here: a zero on the parameters' device (an NCCL group takes no host tensor)
         sq = torch.zeros((), device=parameters[0].device if parameters else None)
@@ -59,3 +57,23 @@ def clip_grad_norm_(
         for params in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
+
+
+def _group_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm (0-dim, replicated) of ``grads``, tensors of one mesh and placements.
+
+    DTensor merges the all-reduces over several mesh axes into one over a flattened view of them
+    when it finds one; torch 2.13's lookup raises ``KeyError`` ("Mesh dim indices should be in
+    ascending order") for a mesh whose axes are not in the root mesh's order, as the routed
+    experts' ``(dp_shard_mod_ep_cp, ep)`` under context parallel (``cp`` lies inside ``ep`` in
+    the root). It raises while planning, before any collective, so the norm is then computed
+    again with the merging off: one all-reduce per axis."""
+    try:
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    except KeyError:
+        from torch.distributed.tensor._redistribute import disable_redistribute_transform_optimization
+
+        with disable_redistribute_transform_optimization():
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+            return norm.full_tensor() if isinstance(norm, DTensor) else norm

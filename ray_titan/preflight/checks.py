@@ -186,7 +186,7 @@ def _check_expert_parallel(cfg: JobConfig, margs: Any) -> None:
         if par.dp_shard % par.ep:
             raise ConfigError(
                 f"parallelism.ep = {par.ep} must divide parallelism.dp_shard = {par.dp_shard} "
-                "(expert parallelism borrows its ranks from dp_shard only, never from tp, dp_replicate "
+                "(expert parallelism borrows its ranks from dp_shard only, never from tp, cp, dp_replicate "
                 "or pp: ray_titan.parallel.dims); use an ep that divides dp_shard"
             )
         if margs.n_routed_experts % par.ep:
@@ -479,8 +479,9 @@ def _check_document_mask(cfg: JobConfig, margs: Any) -> None:
 def _check_context_parallel(cfg: JobConfig, margs: Any) -> None:
     """What context parallelism (``parallelism.cp``, ``ray_titan.parallel.context``) needs: a
     sequence the causal load balancer can cut into ``2·cp`` equal chunks (and each rank's share
-    into ``tp`` under sequence parallel), a family whose attention it covers, and no expert
-    parallelism (the routed experts would have to be FSDP-sharded over ``cp`` as well)."""
+    into ``tp`` under sequence parallel), a family whose attention it covers, and no multi-token
+    prediction. Expert parallelism composes with it (``ep`` within ``dp_shard``, the routed experts
+    FSDP-sharded over ``dp_shard / ep × cp``: ``ray_titan.parallel.dims``)."""
     par = cfg.parallelism
     cp = par.cp
     if cp == 1:
@@ -506,11 +507,6 @@ def _check_context_parallel(cfg: JobConfig, margs: Any) -> None:
             f"parallelism.cp = {cp} with model.mtp_layers = {cfg.model.mtp_layers}: multi-token prediction's "
             "depth-shifted tokens and labels cross the cp ranks' slices, which it does not exchange yet; use "
             "parallelism.cp = 1 or model.mtp_layers = 0")
-    if par.ep > 1:
-        raise ConfigError(
-            f"parallelism.cp = {cp} with parallelism.ep = {par.ep}: expert parallelism under context "
-            "parallelism is not supported yet (the routed experts would be FSDP-sharded over dp_shard / ep × cp); "
-            "use parallelism.ep = 1, or parallelism.cp = 1")
 
 
 def _check_vocab(cfg: JobConfig, vocab_size: int) -> None:

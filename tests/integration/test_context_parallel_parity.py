@@ -1,8 +1,8 @@
-"""Context parallelism (``parallelism.cp``) equal to one worker: Llama (GQA) and DeepSeek-V2 (MLA)
-with the sequence split over 2 or 4 cp ranks, composed with dp_shard, tp and pp; the
-step losses the collector assembles and the gradient norms over 10 steps within the other parity
-tests' 1e-4 relative of the same one-process runs (tests/integration/test_parallel_parity.py's),
-with and without document masks.
+"""Context parallelism (``parallelism.cp``) equal to one worker: Llama (GQA), DeepSeek-V2 (MLA)
+and DeepSeek-V3 (aux-loss-free routing) with the sequence split over 2 or 4 cp ranks, composed
+with dp_shard, tp and pp; the step losses the collector assembles and the gradient norms over 10
+steps within the other parity tests' 1e-4 relative of the same one-process runs
+(tests/integration/test_parallel_parity.py's), with and without document masks.
 
 Below them, on 2 ranks without the trainer: the Llama (GQA), Qwen3 (q/k norms) and DeepSeek-V2
 (MLA, MoE balance loss) models give the one-rank logits and gradients, causal (the mask-free
@@ -48,6 +48,13 @@ CP = {
     "deepseek_cp2_tp2": ("deepseek_v2", 4, ["--parallelism.cp=2", "--parallelism.tp=2"], []),
     "deepseek_cp2_pp2": ("deepseek_v2", 4, ["--parallelism.cp=2", "--parallelism.pp=2",
                                             "--parallelism.microbatches=2"], []),
+    # DeepSeek-V3's aux-loss-free routing: the bias moves from the load summed over dp_shard × cp
+    # (each cp rank routes other tokens; summed over dp_shard alone, the cp ranks' biases diverge).
+    "deepseek_v3_cp2_dp_shard2": ("deepseek_v3", 4, ["--parallelism.cp=2", "--parallelism.dp_shard=2"], []),
+    # Expert parallel within each cp rank's tokens (the ep group at a fixed cp coordinate), the
+    # routed experts FSDP-sharded over dp_shard / ep × cp.
+    "deepseek_cp2_dp_shard2_ep2": ("deepseek_v2", 4, ["--parallelism.cp=2", "--parallelism.dp_shard=2",
+                                                      "--parallelism.ep=2"], []),
 }
 
 

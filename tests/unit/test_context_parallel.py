@@ -67,8 +67,8 @@ def _validate(*flags: str):
     (["--parallelism.cp=2", "--parallelism.tp=4", "--training.seq_len=36"], "training.seq_len = 36"),
     (["--parallelism.cp=2", "--model.name=gpt_oss"], "parallelism.cp = 2 is not supported for gpt_oss"),
     (["--parallelism.cp=2", "--model.name=qwen3_moe"], "parallelism.cp = 2 is not supported for qwen3_moe"),
-    (["--parallelism.cp=2", "--model.name=deepseek_v2", "--parallelism.dp_shard=2", "--parallelism.ep=2"],
-     "parallelism.ep = 2"),
+    # Expert parallelism borrows from dp_shard only, never from cp (ray_titan.parallel.dims).
+    (["--parallelism.cp=2", "--model.name=deepseek_v2", "--parallelism.ep=2"], "never from tp, cp"),
     # Gated DeltaNet's state runs along the whole sequence; MTP's shifted tokens cross the slices.
     (["--parallelism.cp=2", "--model.name=qwen3_5"], "parallelism.cp = 2 is not supported for qwen3_5"),
     (["--parallelism.cp=2", "--model.name=qwen3_5_moe"], "parallelism.cp = 2 is not supported for qwen3_5_moe"),
@@ -80,6 +80,13 @@ def test_preflight_refuses_what_context_parallel_cannot_split(flags, setting):
 
     with pytest.raises(ConfigError, match=setting):
         _validate(*flags)
+
+
+def test_preflight_accepts_expert_parallel_under_context_parallel():
+    """ep within dp_shard composes with cp (the routed experts FSDP-sharded over dp_shard / ep × cp)."""
+    cfg = _validate("--parallelism.cp=2", "--model.name=deepseek_v3", "--parallelism.dp_shard=2",
+                    "--parallelism.ep=2")
+    assert (cfg.world_size, cfg.parallelism.ep, cfg.parallelism.cp) == (4, 2, 2)
 
 
 def test_a_context_parallel_mesh_counts_its_workers_and_coordinates():
@@ -94,3 +101,32 @@ def test_a_context_parallel_mesh_counts_its_workers_and_coordinates():
         (d, c, t) for d in range(2) for c in range(2) for t in range(2)]
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert dims.fsdp and ParallelDims(cp=2).fsdp and dims.describe() == "pp=1 × dp_shard=2 × cp=2 × tp=2"
+
+
+@pytest.mark.parametrize("rank", [0, 13])
+def test_expert_meshes_under_context_parallel_follow_the_coordinates(rank, request):
+    """ep = 2 within dp_shard = 4, cp = 2, HSDP over 2 replicas (16 ranks of a fake process group):
+    a rank's ``ep`` group is the ranks differing only in their ep coordinate (the same cp rank: the
+    tokens exchanged are of one cp slice), and its experts' FSDP mesh (``efsdp``) every rank of
+    its pp, tp and ep coordinates, ``(dp_replicate, dp_shard / ep × cp)``."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ray_titan.parallel.dims import ParallelDims
+
+    dims = ParallelDims(dp_replicate=2, dp_shard=4, cp=2, ep=2)
+    coords = [dims.coords(r) for r in range(dims.world_size)]
+    me = coords[rank]
+    def outside_ep(c: dict[str, int]) -> tuple[int, int, int]:
+        return c["dp_replicate"], c["dp_shard"] // dims.ep, c["cp"]
+
+    ep_ranks = [r for r, c in enumerate(coords) if outside_ep(c) == outside_ep(me)]
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+    request.addfinalizer(dist.destroy_process_group)
+    meshes = dims.build_mesh("cpu")
+    assert meshes["ep"].mesh.tolist() == ep_ranks and [coords[r]["ep"] for r in ep_ranks] == [0, 1]
+    efsdp = meshes["efsdp"]
+    assert efsdp.mesh_dim_names == ("dp_replicate", "dp_shard_mod_ep_cp") and tuple(efsdp.mesh.shape) == (2, 4)
+    assert sorted(efsdp.mesh.flatten().tolist()) == [r for r, c in enumerate(coords) if c["ep"] == me["ep"]]
+    # Each replica's row is one FSDP shard group: the cp ranks of the dp_shard ranks of this ep rank.
+    assert {coords[r]["dp_replicate"] for r in efsdp.mesh[me["dp_replicate"]].tolist()} == {me["dp_replicate"]}
