@@ -72,7 +72,8 @@ class BlockActivations:
     the column-parallel projections (under sequence parallel all-gathered over the sequence, and
     saved so by the projection: measured on the simulated GPU, ``ray-titan dry-run``);
     ``weight_step``: what a zero-bubble schedule's input-gradient step keeps for the block's
-    weight-gradient step (:meth:`weight_step_inputs`)."""
+    weight-gradient step (:meth:`weight_step_inputs`); ``whole_op``: the part of ``op`` that
+    tensor parallel does not split, where a family counts it apart from ``whole`` (None: ``whole``)."""
 
     none: float
     op: float
@@ -82,6 +83,7 @@ class BlockActivations:
     experts_op: float = 0.0
     whole: float = 0.0
     weight_step: float | None = None
+    whole_op: float | None = None
 
     def weight_step_inputs(self) -> float:
         """Bytes per token a zero-bubble input-gradient step (``I``) keeps until the block's
@@ -95,6 +97,8 @@ class BlockActivations:
 
     def unsplit(self, checkpointed: str) -> float:
         """Bytes per token within :meth:`kept` that every tensor-parallel rank keeps whole."""
+        if checkpointed == "op" and self.whole_op is not None:
+            return self.whole_op
         return 0.0 if checkpointed == "full" else self.whole
 
     def experts(self, checkpointed: str) -> float:

@@ -136,6 +136,12 @@ def deepseek_block_activations(a: Any, layer: int, e: int, seq: int, device: str
     q_mms = [e * a.q_lora_rank, e * h * qk] if a.q_lora_rank else [e * h * qk]
     mms = q_mms + [e * (r_kv + r_rope), e * h * (a.qk_nope_head_dim + vd), e * d]
     attention_op = F32 * d + core_op + op_sac_saved(mms)
+    # Under tensor parallel only the heads' projections (wq_b or wq, wkv_b; wo) are split: the
+    # gathered input of the latent projections and the query and key-value latents are whole.
+    attention_whole = e * d + q + kv
+    # Under op SAC: the gathered input (collectives' outputs are saved) and the saved outputs of
+    # the latent projections (the 1st and 3rd matmuls with a query latent; none without).
+    attention_whole_op = e * d + (e * (a.q_lora_rank + r_kv + r_rope) if a.q_lora_rank else 0)
     if layer < a.n_dense_layers:
         ffn = norm_in + e * 4 * a.inter_dim
         ffn_op = op_sac_saved([e * a.inter_dim, e * a.inter_dim, e * d], len(mms))
@@ -143,5 +149,7 @@ def deepseek_block_activations(a: Any, layer: int, e: int, seq: int, device: str
     else:
         moe = moe_activations(a, e, rho, ep, norm_in, device=device, mm_before=len(mms))
         return BlockActivations(attention + moe.none, attention_op + moe.op, F32 * d, moe.backward,
-                                moe.experts_none, moe.experts_op)
-    return BlockActivations(attention + ffn, attention_op + ffn_op, F32 * d, backward)
+                                moe.experts_none, moe.experts_op, attention_whole + moe.whole,
+                                whole_op=attention_whole_op + e * d)  # and the MoE's gathered input
+    return BlockActivations(attention + ffn, attention_op + ffn_op, F32 * d, backward, whole=attention_whole + e * d,
+                            whole_op=attention_whole_op + e * d)
