@@ -36,18 +36,18 @@ from tests.unit.test_context_parallel import BATCH, SEQ, positions
 
 DOCS = ["--training.document_mask=true"]
 # name: (model, ranks, flags, the one worker's flags too). Qwen3's q/k norms: in the two-rank
-# model test below. Document masks on cp = 4: documents
-# cross the chunk boundaries, and each rank's two chunks are far apart in the sequence.
+# model test below. cp = 4 over 8 ranks, with dp_shard (document masks: documents cross the chunk
+# boundaries, and each rank's two chunks are far apart in the sequence) and with tp (MLA).
 CP = {
     "llama_cp2_dp_shard2": ("llama", 4, ["--parallelism.cp=2", "--parallelism.dp_shard=2"], []),
     "llama_cp2_tp2": ("llama", 4, ["--parallelism.cp=2", "--parallelism.tp=2"], []),
     "llama_cp2_pp2": ("llama", 4, ["--parallelism.cp=2", "--parallelism.pp=2", "--parallelism.microbatches=2"], []),
-    "llama_cp4_document_mask": ("llama", 4, ["--parallelism.cp=4"], DOCS),
+    "llama_cp4_dp_shard2_document_mask": ("llama", 8, ["--parallelism.cp=4", "--parallelism.dp_shard=2"], DOCS),
     # MLA, MoE with the sequence-wise balance loss (its routing counts summed over cp).
     "deepseek_cp2_dp_shard2": ("deepseek_v2", 4, ["--parallelism.cp=2", "--parallelism.dp_shard=2"], []),
-    "deepseek_cp2_tp2": ("deepseek_v2", 4, ["--parallelism.cp=2", "--parallelism.tp=2"], []),
     "deepseek_cp2_pp2": ("deepseek_v2", 4, ["--parallelism.cp=2", "--parallelism.pp=2",
                                             "--parallelism.microbatches=2"], []),
+    "deepseek_cp4_tp2": ("deepseek_v2", 8, ["--parallelism.cp=4", "--parallelism.tp=2"], []),
     # DeepSeek-V3's aux-loss-free routing: the bias moves from the load summed over dp_shard × cp
     # (each cp rank routes other tokens; summed over dp_shard alone, the cp ranks' biases diverge).
     "deepseek_v3_cp2_dp_shard2": ("deepseek_v3", 4, ["--parallelism.cp=2", "--parallelism.dp_shard=2"], []),
