@@ -128,6 +128,31 @@ def test_noaux_tc_weights_are_normalised_then_scaled():
     torch.testing.assert_close(weights, args.route_scale * chosen / chosen.sum(-1, keepdim=True))
 
 
+def test_noaux_tc_with_one_group_chooses_as_the_grouped_rule_and_saves_no_group_ranking():
+    """One group (Kimi K2, the 16B flavor): the same experts and weights as ranking the one group
+    (the general rule, :func:`_top_k_in_best_groups`), and autograd keeps nothing of ranking the
+    group for backward (the ``(tokens, 1, 2)`` indices of each group's two best scores, ...)."""
+    from ray_titan.models.routing import _top_k_in_best_groups
+
+    args = dataclasses.replace(get_model_args("deepseek_v3", "debug"), n_group=1, topk_group=1)
+    logits = torch.randn(64, args.n_routed_experts, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    bias = torch.randn(args.n_routed_experts, generator=torch.Generator().manual_seed(5))
+    saved: list[tuple[int, ...]] = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        weights, indices, _ = ROUTERS["noaux_tc"](logits, bias, args)
+    assert saved and not any(len(shape) == 3 for shape in saved), saved  # (tokens, groups, ...): none
+    select = logits.sigmoid() + bias
+    ranked = select.view(64, 1, -1).topk(2, dim=-1).values.sum(dim=-1)
+    assert torch.equal(indices, _top_k_in_best_groups(select, ranked, args))
+    chosen = logits.sigmoid().gather(-1, indices)
+    torch.testing.assert_close(weights, args.route_scale * chosen / chosen.sum(-1, keepdim=True))
+
+
 def test_mtp_tensors_are_refused_when_config_json_declares_none(v3, tmp_path):
     """A multi-token-prediction depth's tensors (``model.layers.<num_hidden_layers>.*``) in files
     whose config.json says ``num_nextn_predict_layers = 0`` are refused as unexpected tensors
