@@ -156,6 +156,17 @@ FLAVOR_CASES: list[Case] = [
     # 82.4 GiB there): the head's logits and their gradient a chunk of 2048 tokens at a time.
     _case("llama 3.1-8B fsdp8 seq8192 sel-op chunked loss", model="llama", flavor="3.1-8B", dp=8, mb=2, seq=8192,
           bf16=True, ac="op", extra=("--training.loss_chunk_tokens=2048",)),
+    # Issue 42: one 131,072-token sequence per data-parallel rank over dp_shard × cp = 8 (cp=2 at
+    # 65,536 tokens: torch's CausalBias reserves 32 GiB of host memory at 131,072, more than a
+    # 24 GiB host; benchmarks/results/2026-11-28-rope-tables-and-cp-plan.md).
+    _case("llama 3.1-8B cp8 seq131072 full-AC", model="llama", flavor="3.1-8B", cp=8, mb=1, seq=131072,
+          bf16=True, ac="full"),
+    _case("llama 3.1-8B cp8 seq131072 sel-op", model="llama", flavor="3.1-8B", cp=8, mb=1, seq=131072,
+          bf16=True, ac="op"),
+    _case("llama 3.1-8B cp4 dp2 seq131072 full-AC", model="llama", flavor="3.1-8B", cp=4, dp=2, mb=1,
+          seq=131072, bf16=True, ac="full"),
+    _case("llama 3.1-8B cp2 dp4 seq65536 full-AC", model="llama", flavor="3.1-8B", cp=2, dp=4, mb=1,
+          seq=65536, bf16=True, ac="full"),
     _case("gpt_oss 20B pp2 dp4 ep4 seq2048", model="gpt_oss", flavor="20B", pp=2, dp=4, ep=4, n=2, mb=1,
           seq=2048, bf16=True),
     _case("deepseek_v2 V2-Lite pp2 dp8 ep8 seq4096", model="deepseek_v2", flavor="V2-Lite", pp=2, dp=8, ep=8,

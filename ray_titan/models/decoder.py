@@ -174,6 +174,7 @@ class Decoder(nn.Module):
     layers: nn.ModuleDict
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    rope_positions: int  # the rotary tables' rows (fit_rope_tables)
     sequence_sharding: Any = None
 
     def __init__(self, args):
@@ -184,9 +185,29 @@ class Decoder(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = None if self.tied else nn.Linear(args.dim, args.vocab_size, bias=False)
         # Not persistent: recomputed by init_weights (also after materialising from meta).
-        cos, sin = rope_tables(self.rope_dim, args.max_seq_len, args.rope_theta, self.rope_scaling)
+        self.rope_positions = args.max_seq_len
+        cos, sin = rope_tables(self.rope_dim, self.rope_positions, args.rope_theta, self.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def fit_rope_tables(self, positions: int) -> None:
+        """Make the rotary tables ``rope_cos``/``rope_sin`` cover positions ``0 .. positions - 1``
+        only, ``(positions, rope_dim // 2)`` fp32 each, on their current device (meta before
+        materialising); :meth:`init_buffers` keeps that length. The trainer fits them to the
+        job's ``training.seq_len`` instead of the model's ``max_seq_len`` (163,840 positions for
+        DeepSeek-V3: 40 MiB of tables a rank holds for nothing), as torchtitan 0.3.0 sizes its
+        rope cache from ``training.seq_len`` (``Decoder.Config.update_from_config``). Only the
+        length changes: the frequencies depend on the scaling's
+        ``original_max_position_embeddings``, never on the table's length, so each row is
+        bitwise the full table's. Raises ``ValueError`` unless ``1 <= positions <=
+        args.max_seq_len``."""
+        if not 1 <= positions <= self.args.max_seq_len:
+            raise ValueError(f"rotary tables of {positions} positions: the model covers 1 .. "
+                             f"{self.args.max_seq_len} (max_seq_len)")
+        self.rope_positions = positions
+        with torch.device(self.rope_cos.device):
+            self.rope_cos, self.rope_sin = rope_tables(self.rope_dim, positions, self.args.rope_theta,
+                                                       self.rope_scaling)
 
     def make_layer(self, layer_id: int) -> nn.Module:
         raise NotImplementedError
@@ -279,7 +300,7 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Recompute the rotary tables (subclasses reset their own buffers too)."""
-        cos, sin = rope_tables(self.rope_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_scaling)
+        cos, sin = rope_tables(self.rope_dim, self.rope_positions, self.args.rope_theta, self.rope_scaling)
         self.rope_cos = cos.to(self.rope_cos.device)
         self.rope_sin = sin.to(self.rope_sin.device)
 

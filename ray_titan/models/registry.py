@@ -86,15 +86,20 @@ def get_model_args(name: str, flavor: str) -> Any:
 
 
 def build_model(name: str, flavor: str, vocab_size: int | None = None, *, args: Any = None,
-                **overrides: Any) -> Decoder:
+                rope_positions: int | None = None, **overrides: Any) -> Decoder:
     """Construct the whole model (on the current default device; use ``torch.device("meta")``
     as a context to allocate nothing). ``args``: the model arguments, instead of the flavor's
     (a Hugging Face checkpoint's). ``vocab_size`` overrides the flavor's, to match the
-    tokenizer; ``overrides`` replace other fields of the arguments (e.g. the MoE
-    ``load_balance``). Raises ``KeyError`` for an unknown family or flavor."""
+    tokenizer; ``rope_positions``: the rotary tables' length (the job's sequence length;
+    ``Decoder.fit_rope_tables``), None: the arguments' ``max_seq_len``; ``overrides`` replace
+    other fields of the arguments (e.g. the MoE ``load_balance``). Raises ``KeyError`` for an
+    unknown family or flavor, ``ValueError`` for ``rope_positions`` above ``max_seq_len``."""
     args = args if args is not None else get_model_args(name, flavor)
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     if overrides:
         args = dataclasses.replace(args, **overrides)
-    return get_spec(name).model_cls(args)
+    model = get_spec(name).model_cls(args)
+    if rope_positions is not None:
+        model.fit_rope_tables(rope_positions)
+    return model

@@ -128,13 +128,19 @@ def noaux_tc(logits: torch.Tensor, expert_bias: torch.Tensor | None, args: Routi
     its two best biased scores; a token keeps its ``topk_group`` best of ``n_group`` groups and
     takes the top-k biased scores there. The weights are the chosen experts' *unbiased* scores,
     renormalised to sum to 1 when ``norm_topk_prob``, and then always times
-    ``routed_scaling_factor`` (V3 does both, V2 one or the other: :func:`_deepseek_weights`)."""
+    ``routed_scaling_factor`` (V3 does both, V2 one or the other: :func:`_deepseek_weights`).
+    Where a token keeps every group (``topk_group >= n_group``: one group, as Kimi K2 and the
+    16B flavor), the groups are not ranked: the same choice, without the group scores' top-k
+    that autograd would keep for backward (36 bytes a token and MoE layer)."""
     scores = _scores(logits, args)
     select = scores if expert_bias is None else scores + expert_bias
     tokens, n = select.shape
-    per_group = n // args.n_group
-    group_scores = select.view(tokens, args.n_group, per_group).topk(min(2, per_group), dim=-1).values.sum(dim=-1)
-    indices = _top_k_in_best_groups(select, group_scores, args)
+    if args.topk_group >= args.n_group:
+        indices = select.topk(args.n_activated_experts, dim=-1).indices
+    else:
+        per_group = n // args.n_group
+        group_scores = select.view(tokens, args.n_group, per_group).topk(min(2, per_group), dim=-1).values.sum(dim=-1)
+        indices = _top_k_in_best_groups(select, group_scores, args)
     weights = scores.gather(-1, indices)
     if args.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

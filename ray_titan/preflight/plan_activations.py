@@ -46,6 +46,23 @@ def _with_cp(j: _Job, blk: BlockActivations) -> BlockActivations:
     return dataclasses.replace(blk, none=blk.none + gathered + bias, backward=blk.backward + bias)
 
 
+def _with_residual_dtype(j: _Job, blk: BlockActivations) -> BlockActivations:
+    """A block's activations with its input in the residual stream's dtype: what activation
+    checkpointing keeps of a block, its input (``input`` under full AC, and within ``op`` under
+    op-level selective AC, whose other saved tensors are the cached op outputs), is the tensor
+    the block was called with, the previous block's output or the embedding's: ``j.r`` bytes an
+    element, bf16 under FSDP2's bf16 parameters (the embedding and every residual add compute in
+    bf16), fp32 under autocast or in fp32. The families count it fp32 (``F32·d``). Measured on
+    the simulated GPU (``ray-titan dry-run``, Llama 3.1 8B, FSDP, bf16, 16,384 tokens a rank,
+    full AC): the kept block inputs are ``forward:add.Tensor``'s, 2 bytes an element; counted
+    fp32 they were 4 GiB (11 % of the peak) too many, at cp = 8 (issue 42) as at cp = 1. A
+    family whose ``op`` is its ``none`` (op SAC saves all of it) keeps its ``op``."""
+    if j.r >= _F32 or not blk.input:
+        return blk
+    less = blk.input * (1 - j.r / _F32)
+    return dataclasses.replace(blk, input=blk.input - less, op=blk.op - less if blk.op < blk.none else blk.op)
+
+
 def _checkpointed(cfg: JobConfig, layer: int) -> str:
     """How block ``layer`` is checkpointed: ``none``, ``op`` or ``full`` (``ray_titan.parallel.ac``)."""
     ac = cfg.activation_checkpoint
@@ -179,7 +196,8 @@ def _scan_blocks(j: _Job, s: int, act_modes: dict[str, float]) -> _BlockScan:
     one_head = _F32 * (2 * args.dim + 1) + e * args.dim + logits
     host, prev_off, prev_whole = 0.0, 0.0, 0.0  # activation offload: on the host; the block before's, back
     for i, layer in enumerate(j.split[s] + mtp):
-        blk = _with_cp(j, j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep))
+        blk = _with_cp(j, _with_residual_dtype(
+            j, j.spec.block_activations(args, layer, e, tr.seq_len, j.device, j.rho, j.dims.ep)))
         how = _checkpointed(cfg, layer)
         blocks.append((blk, how, layer))
         kept = blk.kept(how)

@@ -43,16 +43,17 @@ def _vocab_size(cfg: JobConfig, args: Any) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_model(name: str, args: Any, vocab: int, extra: tuple[tuple[str, Any], ...]) -> Any:
+def _meta_model(name: str, args: Any, vocab: int, extra: tuple[tuple[str, Any], ...], seq_len: int) -> Any:
     """The whole model of family ``name`` with the arguments ``args`` (a flavor's, or a Hugging
     Face checkpoint's ``config.json``; frozen dataclasses, so a cache key) on the meta device
-    (nothing allocated); cached, since levers re-plan."""
+    (nothing allocated), its rotary tables for ``seq_len`` positions as the trainer fits them;
+    cached, since levers re-plan."""
     import torch
 
     from ray_titan.models.registry import build_model
 
-    with torch.device("meta"):
-        return build_model(name, "", vocab_size=vocab, args=args, **dict(extra))  # "": the flavor is in args
+    with torch.device("meta"):  # "": the flavor is in args
+        return build_model(name, "", vocab_size=vocab, args=args, rope_positions=seq_len, **dict(extra))
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def _job(cfg: JobConfig, device: str, rho: float, vocab_size: int | None) -> _Jo
     args = job_model_args(cfg)  # a Hugging Face checkpoint's config.json, else the flavor's
     # As the trainer builds it: a Hugging Face checkpoint's own vocabulary, else the tokenizer's.
     vocab = vocab_size or (args.vocab_size if cfg.checkpoint.initial_load_hf else _vocab_size(cfg, args))
-    whole = _meta_model(cfg.model.name, args, vocab, tuple(sorted(spec.config_args(cfg.model).items())))
+    whole = _meta_model(cfg.model.name, args, vocab, tuple(sorted(spec.config_args(cfg.model).items())), tr.seq_len)
     # training.mixed_precision: bf16 activations; under FSDP2 the parameters are gathered in bf16
     # (pe = 2 bytes), without it autocast keeps a bf16 copy of the stage's weights (autocast_copy).
     bf16 = resolve_mixed_precision(tr.mixed_precision, device) == "bf16"

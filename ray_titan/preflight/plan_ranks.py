@@ -70,13 +70,26 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
     if emb_grad and base + grads_during + a_after + emb_grad > max(before_grads, with_grads):
         with_grads, a_grads, transient = base + grads_during + a_after + emb_grad, a_after, emb_grad
     in_flight = {s: c for c, s in zip(flight.peak, stage_ids)}
+    gathered_less = 0.0  # of ``gathered``, what the peak's moment does not hold
     if pp == 1 and dims.fsdp_shard > 1:
+        # At the loss's backward FSDP2 has gathered none of the blocks yet (each resharded after
+        # forward; the last block's pre-backward gathers it, and prefetches the one before, only
+        # after the head's backward): before_grads' moment is the loss's when it is the largest.
+        less = _blocks_gathered_at_loss(j, params[0], gathered)
+        if less:
+            moments = [(k + t, layer) for k, t, layer in acts[0].scan]
+            top = max(m for m, _ in moments)
+            top_less = max(m - (less if layer < 0 else 0.0) for m, layer in moments)
+            if top_less < top:  # the loss's moment was the largest
+                before_grads -= top - top_less
+                gathered_less = less if top_less == max(m - less for m, layer in moments if layer < 0) else 0.0
         # FSDP2 without PP: the gradient-syncing microbatch's backward, block by block
         # (_fsdp_backward_moment); the first microbatch's (no gradients) is before_grads.
-        fb = _fsdp_backward_moment(j, acts[0], params[0])
-        if base + fb.activations + fb.transient + fb.grads >= before_grads:
-            with_grads = base + fb.activations + fb.transient + fb.grads
+        fb = _fsdp_backward_moment(j, acts[0], params[0], less)
+        if base + fb.activations + fb.transient + fb.grads - fb.gathered_less >= before_grads:
+            with_grads = base + fb.activations + fb.transient + fb.grads - fb.gathered_less
             a_grads, transient, freed, grads_during = fb.activations, fb.transient, 0.0, fb.grads
+            gathered_less = fb.gathered_less
     if pp > 1 and j.rule is not None and j.rule.stages_per_rank != 1:
         # Several stages per rank (interleaved, zero-bubble, DualPipeV): the peak's moment found
         # by walking the rank's actions, each stage's backward with what is in flight then, and
@@ -98,7 +111,8 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
             parameters=int(0 if off else param_b),
             gradients=int(0 if off else grads_after),
             optimizer_state={cfg.optimizer.name: int(0 if off else opt_b)},
-            fsdp_unsharded_params=int(gathered), fsdp_unsharded_grads=int(grads_during if dims.fsdp_shard > 1 else 0),
+            fsdp_unsharded_params=int(gathered - (gathered_less if phase == "forward_backward" else 0.0)),
+            fsdp_unsharded_grads=int(grads_during if dims.fsdp_shard > 1 else 0),
             activations_per_microbatch=dict(act_mb), in_flight=dict(in_flight),
             activations=int(a_peak if before_grads >= with_grads else a_grads),
             activations_by_ac_mode=dict(by_mode),
@@ -124,6 +138,18 @@ def _listed_ranks(dims: ParallelDims, pp_rank: int) -> list[tuple[int, int | Non
     return [(rank, None) for rank in range(first, last + 1)]
 
 
+def _blocks_gathered_at_loss(j: _Job, p: _StageParams, gathered: float) -> float:
+    """Bytes of ``gathered`` (FSDP2's unsharded parameters, one stage without PP) that the loss's
+    backward does not hold: the blocks' (two: the running and the prefetched), where FSDP2
+    reshards them after forward; only the root group (final norm, head) is gathered then. 0 with
+    tensor parallel or multi-token prediction (not measured) or without resharding. Measured on
+    the simulated GPU (Llama 3.1 8B, FSDP over dp_shard × cp = 8, bf16, full AC, the peak at the
+    loss's backward: the head's bf16 weight alone, ``forward:resize_`` 1.05 GB)."""
+    if j.tp > 1 or not j.reshard or j.cfg.model.mtp_layers:
+        return 0.0
+    return max(0.0, gathered - j.e * p.root.full)
+
+
 @dataclass
 class _Moment:
     """The peak's moment of a zero-bubble rank (:func:`_zero_bubble_peak`), bytes: the kept
@@ -136,9 +162,10 @@ class _Moment:
     freed: float
     grads: float
     in_flight: dict[int, int]
+    gathered_less: float = 0.0  # of FSDP2's gathered parameters, what this moment does not hold
 
 
-def _fsdp_backward_moment(j: _Job, a: _StageActivations, p: _StageParams) -> _Moment:
+def _fsdp_backward_moment(j: _Job, a: _StageActivations, p: _StageParams, at_loss_less: float = 0.0) -> _Moment:
     """The most memory above the resident states while FSDP2 (no PP) runs the backward of the
     microbatch that syncs gradients (the last; the only one with one microbatch), from the head
     to the first block (``a.scan``): what is still kept up to the block, its transient, the
@@ -150,7 +177,8 @@ def _fsdp_backward_moment(j: _Job, a: _StageActivations, p: _StageParams) -> _Mo
     finished blocks' shards and the root's unsharded ones. Measured on the simulated GPU
     (``ray-titan dry-run``, 2026-11-26): the peak at a checkpointed block's recomputation, the
     buffers ``(e + 4)·G`` of the block after it beside it (fsdp2 bf16 full AC, HSDP fp32
-    selective layer)."""
+    selective layer). ``at_loss_less``: the gathered bytes the loss's moment does not hold
+    (:func:`_blocks_gathered_at_loss`)."""
     n, pe = j.cfg.parallelism.microbatches, j.e
     biggest = max((g.full for g in [*p.blocks.values(), *p.experts.values()]), default=0)
     extra = a.kept - (a.scan[-1][0] if a.scan else 0.0)  # kept outside the blocks (the token ids)
@@ -166,8 +194,9 @@ def _fsdp_backward_moment(j: _Job, a: _StageActivations, p: _StageParams) -> _Mo
         else:
             grads = shards + pe * (p.root.full - _root_grads_later(j, layer))
         rs = (pe + _F32) * biggest if done else 0.0
-        m = _Moment(kept + extra, t + rs, 0.0, grads, {0: 1})
-        if best is None or m.activations + m.transient + m.grads > best.activations + best.transient + best.grads:
+        m = _Moment(kept + extra, t + rs, 0.0, grads, {0: 1}, at_loss_less if layer < 0 else 0.0)
+        if best is None or (m.activations + m.transient + m.grads - m.gathered_less
+                            > best.activations + best.transient + best.grads - best.gathered_less):
             best = m
         if layer >= 0:
             finished.append(layer)

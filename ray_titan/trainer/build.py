@@ -189,7 +189,7 @@ def build_stages(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, pp_r
     hf_args = hf_model(hf)[1] if hf else None
     with torch.device("meta"):
         whole = build_model(cfg.model.name, cfg.model.flavor, vocab_size=None if hf else vocab_size, args=hf_args,
-                            **spec.config_args(cfg.model))
+                            rope_positions=cfg.training.seq_len, **spec.config_args(cfg.model))
     split = split_layers(whole.args.n_layers, dims.num_stages)
     stages: dict[int, nn.Module] = {}
     for s in dims.stages_on_pp_rank(pp_rank):

@@ -71,6 +71,48 @@ def test_logits_and_experts_match_transformers(v3):
         assert (v2_weights(tokens) - want).abs().max() > 1e-2
 
 
+def test_rotary_tables_fitted_to_the_job_keep_yarns_frequencies(v3):
+    """The trainer's tables cover ``training.seq_len`` positions only (300 here, of config.json's
+    2,560): the same rows, bitwise, as the whole YaRN tables (``original_max_position_embeddings``
+    sets the frequencies, not the table's length), and the same logits as transformers'. Longer
+    than ``max_seq_len`` is refused."""
+    from ray_titan.checkpoint import load_hf_weights
+
+    path, ref = v3
+    whole, spec, args = load_ray_titan(path)
+    fitted = build_model(spec.name, "", args=args, rope_positions=300)
+    fitted.init_buffers()  # as the trainer initialises them, after materialising
+    load_hf_weights(fitted, str(path), spec, args)
+    assert args.max_seq_len == 2560 and args.rope_scaling.kind == "yarn"
+    assert fitted.rope_cos.shape == (300, args.qk_rope_head_dim // 2) and fitted.rope_positions == 300
+    assert torch.equal(fitted.rope_cos, whole.rope_cos[:300]) and torch.equal(fitted.rope_sin, whole.rope_sin[:300])
+    tokens = torch.randint(0, VOCAB, (1, 300), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, want = fitted.eval()(tokens), ref(tokens).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    with torch.no_grad():
+        assert torch.equal(got, whole(tokens))
+    with pytest.raises(ValueError, match="1 .. 2560"):
+        fitted.fit_rope_tables(2561)
+
+
+def test_the_trainer_and_the_plan_fit_the_rotary_tables_to_training_seq_len():
+    """``build_stages`` (one rank) and the memory plan's model hold tables of ``training.seq_len``
+    rows, not the flavor's ``max_seq_len`` (1,024 for the debug flavor)."""
+    from ray_titan.config import load_config
+    from ray_titan.preflight.plan_job import _job
+    from ray_titan.trainer.build import build_stages, parallel_dims
+
+    cfg = load_config("configs/debug_deepseek_v3.toml", ["--parallelism.pp=1", "--parallelism.dp_shard=1",
+                                                          "--parallelism.ep=1", "--training.seq_len=96",
+                                                          "--training.global_batch_size=2"])
+    (stage,) = build_stages(cfg, parallel_dims(cfg), None, 0, 258, torch.device("cpu")).values()
+    planned = _job(cfg, "cpu", 1.0, 258).whole
+    rope_dim = get_model_args("deepseek_v3", "debug").qk_rope_head_dim
+    for model in (stage, planned):
+        assert model.rope_cos.shape == model.rope_sin.shape == (96, rope_dim // 2)
+
+
 def test_noaux_tc_weights_are_normalised_then_scaled():
     """V3's weights: the chosen sigmoid scores summing to 1, times routed_scaling_factor (V2
     scales only when not normalising); the selection uses the bias, the weights do not."""
@@ -82,6 +124,31 @@ def test_noaux_tc_weights_are_normalised_then_scaled():
     assert (indices == 5).any(dim=-1).all()
     torch.testing.assert_close(scores, logits.sigmoid())
     torch.testing.assert_close(weights.sum(-1), torch.full((64,), args.route_scale))
+    chosen = logits.sigmoid().gather(-1, indices)
+    torch.testing.assert_close(weights, args.route_scale * chosen / chosen.sum(-1, keepdim=True))
+
+
+def test_noaux_tc_with_one_group_chooses_as_the_grouped_rule_and_saves_no_group_ranking():
+    """One group (Kimi K2, the 16B flavor): the same experts and weights as ranking the one group
+    (the general rule, :func:`_top_k_in_best_groups`), and autograd keeps nothing of ranking the
+    group for backward (the ``(tokens, 1, 2)`` indices of each group's two best scores, ...)."""
+    from ray_titan.models.routing import _top_k_in_best_groups
+
+    args = dataclasses.replace(get_model_args("deepseek_v3", "debug"), n_group=1, topk_group=1)
+    logits = torch.randn(64, args.n_routed_experts, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    bias = torch.randn(args.n_routed_experts, generator=torch.Generator().manual_seed(5))
+    saved: list[tuple[int, ...]] = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        weights, indices, _ = ROUTERS["noaux_tc"](logits, bias, args)
+    assert saved and not any(len(shape) == 3 for shape in saved), saved  # (tokens, groups, ...): none
+    select = logits.sigmoid() + bias
+    ranked = select.view(64, 1, -1).topk(2, dim=-1).values.sum(dim=-1)
+    assert torch.equal(indices, _top_k_in_best_groups(select, ranked, args))
     chosen = logits.sigmoid().gather(-1, indices)
     torch.testing.assert_close(weights, args.route_scale * chosen / chosen.sum(-1, keepdim=True))
 
