@@ -119,7 +119,7 @@ CASES: list[Case] = [
     # Expert parallel under cp: tokens exchanged within a cp rank, experts sharded over dp_shard / ep × cp.
     _case("deepseek_v3 cp2 dp2 ep2 bf16", model="deepseek_v3", cp=2, dp=2, ep=2, bf16=True, seq=512),
     # MoE under tensor parallel: the routed experts' tokens gathered from the sequence-parallel
-    # shards. With op SAC it FAILs (2026-11-28: temporaries 5.75 MiB planned, 9.22 simulated): the
+    # shards. With op SAC it FAILs (2026-11-28: temporaries 5.85 MiB planned, 9.19 simulated): the
     # plan divides a block's recomputed and backward tensors by tp, and an MoE's are mostly whole.
     _case("deepseek tp2 dp2 ep2 bf16", model="deepseek_v2", tp=2, dp=2, ep=2, bf16=True, seq=512),
     _case("deepseek_v3 tp2 dp2 ep2 bf16 sel-op", model="deepseek_v3", tp=2, dp=2, ep=2, bf16=True, ac="op", seq=512),

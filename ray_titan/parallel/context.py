@@ -34,7 +34,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 __all__ = [
     "ContextParallel", "apply_context_parallel", "attention_work", "balanced_indices", "shard_batch",
@@ -88,6 +88,21 @@ def sharded_mask(whole: torch.Tensor | None, local: torch.Tensor, gathered: torc
 _ALL_GATHER_AUTOGRAD: Any = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
+class _LowerRightCausal(CausalBias):
+    """``torch.nn.attention.bias.causal_lower_right(seq_len_q, seq_len_kv)`` without its storage:
+    ``CausalBias`` has no ``__new__``, so ``torch.Tensor.__new__`` reads its arguments as sizes and
+    allocates an uninitialised ``(2, seq_len_q, seq_len_kv)`` fp32 host tensor (torch 2.11-2.15):
+    32 GiB of address space per attention chunk of a 131,072-token sequence at cp = 2, which a
+    host without overcommit refuses. This one wraps an empty tensor; ``scaled_dot_product_attention``
+    reads only its variant and lengths."""
+
+    def __new__(cls, seq_len_q: int, seq_len_kv: int) -> _LowerRightCausal:
+        return torch.Tensor._make_subclass(cls, torch.empty(0))
+
+    def __init__(self, seq_len_q: int, seq_len_kv: int) -> None:
+        super().__init__(CausalVariant.LOWER_RIGHT, seq_len_q, seq_len_kv)
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """The identity, whose backward makes the gradient contiguous: torch 2.11's reduce-scatter (the
     all-gather's backward) refuses the strided gradient ``movedim`` hands it."""
@@ -121,7 +136,7 @@ class ContextParallel:
         # Made here, at build time: tensor subclasses without data, which a dispatch mode active
         # in the step (selective AC's, ray-titan dry-run's fake tensors) would refuse to wrap.
         with unset_fake_temporarily():
-            self._causal = [(end, causal_lower_right(chunk, end)) for end in ends]
+            self._causal = [(end, _LowerRightCausal(chunk, end)) for end in ends]
 
     def positions_and_mask(self, positions: torch.Tensor | None,
                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -130,3 +130,24 @@ def test_expert_meshes_under_context_parallel_follow_the_coordinates(rank, reque
     assert sorted(efsdp.mesh.flatten().tolist()) == [r for r, c in enumerate(coords) if c["ep"] == me["ep"]]
     # Each replica's row is one FSDP shard group: the cp ranks of the dp_shard ranks of this ep rank.
     assert {coords[r]["dp_replicate"] for r in efsdp.mesh[me["dp_replicate"]].tolist()} == {me["dp_replicate"]}
+
+
+def test_the_causal_chunks_of_a_long_sequence_hold_no_host_memory(request):
+    """At 131,072 tokens on cp = 2 each rank's two lower-right causal masks stand for 32,768 × up to
+    131,072 positions; torch's own ``causal_lower_right`` would allocate a (2, 32,768, 131,072)
+    fp32 tensor (32 GiB) for each at build time. They hold nothing, and mask as torch's does."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ray_titan.parallel.context import ContextParallel, _LowerRightCausal
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    request.addfinalizer(dist.destroy_process_group)
+    cp = ContextParallel(dist.group.WORLD, 131_072)
+    assert [end for end, _ in cp._causal] == [32_768, 131_072]
+    assert all(bias.untyped_storage().nbytes() == 0 for _, bias in cp._causal)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=torch.Generator().manual_seed(n)) for n in (4, 12, 12))
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=_LowerRightCausal(4, 12)),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(4, 12)))
