@@ -36,12 +36,13 @@ from tests.unit.test_context_parallel import BATCH, SEQ, positions
 
 DOCS = ["--training.document_mask=true"]
 # name: (model, ranks, flags, the one worker's flags too). Qwen3's q/k norms: in the two-rank
-# model test below. cp = 4 over 8 ranks, with dp_shard (document masks: documents cross the chunk
-# boundaries, and each rank's two chunks are far apart in the sequence) and with tp (MLA).
+# model test below. cp = 4 over 8 ranks, with pp, with dp_shard (document masks: documents cross
+# the chunk boundaries, and each rank's two chunks are far apart in the sequence) and with tp
+# (MLA); cp = 2 with each of them.
 CP = {
     "llama_cp2_dp_shard2": ("llama", 4, ["--parallelism.cp=2", "--parallelism.dp_shard=2"], []),
     "llama_cp2_tp2": ("llama", 4, ["--parallelism.cp=2", "--parallelism.tp=2"], []),
-    "llama_cp2_pp2": ("llama", 4, ["--parallelism.cp=2", "--parallelism.pp=2", "--parallelism.microbatches=2"], []),
+    "llama_cp4_pp2": ("llama", 8, ["--parallelism.cp=4", "--parallelism.pp=2", "--parallelism.microbatches=2"], []),
     "llama_cp4_dp_shard2_document_mask": ("llama", 8, ["--parallelism.cp=4", "--parallelism.dp_shard=2"], DOCS),
     # MLA, MoE with the sequence-wise balance loss (its routing counts summed over cp).
     "deepseek_cp2_dp_shard2": ("deepseek_v2", 4, ["--parallelism.cp=2", "--parallelism.dp_shard=2"], []),
