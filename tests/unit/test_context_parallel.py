@@ -151,3 +151,18 @@ def test_the_causal_chunks_of_a_long_sequence_hold_no_host_memory(request):
     q, k, v = (torch.randn(1, 2, n, 8, generator=torch.Generator().manual_seed(n)) for n in (4, 12, 12))
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=_LowerRightCausal(4, 12)),
                                F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(4, 12)))
+
+
+def test_the_layout_line_shows_the_cp_coordinate():
+    """The console's layout line (``console.layout_line``) names each node's cp span beside the
+    other axes, from the ranks' mesh coordinates."""
+    import numpy as np
+
+    from ray_titan.metrics.collector.console import layout_line
+    from ray_titan.parallel.dims import ParallelDims
+
+    dims = ParallelDims(pp=2, dp_shard=2, cp=2)
+    ranks = np.arange(dims.world_size)
+    line = layout_line(ranks, ["node-a"] * 4 + ["node-b"] * 4, [dims.coords(int(r)) for r in ranks])
+    assert "node node-a: ranks 0-3 (pp=0 × dp_shard=0-1 × cp=0-1)" in line, line
+    assert "node node-b: ranks 4-7 (pp=1 × dp_shard=0-1 × cp=0-1)" in line, line
