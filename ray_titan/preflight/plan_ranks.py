@@ -72,19 +72,9 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
     in_flight = {s: c for c, s in zip(flight.peak, stage_ids)}
     gathered_less = 0.0  # of ``gathered``, what the peak's moment does not hold
     if pp == 1 and dims.fsdp_shard > 1:
-        # At the loss's backward FSDP2 has gathered none of the blocks yet (each resharded after
-        # forward; the last block's pre-backward gathers it, and prefetches the one before, only
-        # after the head's backward): before_grads' moment is the loss's when it is the largest.
-        less = _blocks_gathered_at_loss(j, params[0], gathered)
-        if less:
-            moments = [(k + t, layer) for k, t, layer in acts[0].scan]
-            top = max(m for m, _ in moments)
-            top_less = max(m - (less if layer < 0 else 0.0) for m, layer in moments)
-            if top_less < top:  # the loss's moment was the largest
-                before_grads -= top - top_less
-                gathered_less = less if top_less == max(m - less for m, layer in moments if layer < 0) else 0.0
-        # FSDP2 without PP: the gradient-syncing microbatch's backward, block by block
-        # (_fsdp_backward_moment); the first microbatch's (no gradients) is before_grads.
+        drop, gathered_less, less = _loss_moment_without_blocks(j, acts[0], params[0], gathered)
+        before_grads -= drop
+        # The gradient-syncing microbatch's backward, block by block; the first's is before_grads.
         fb = _fsdp_backward_moment(j, acts[0], params[0], less)
         if base + fb.activations + fb.transient + fb.grads - fb.gathered_less >= before_grads:
             with_grads = base + fb.activations + fb.transient + fb.grads - fb.gathered_less
@@ -126,6 +116,25 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
             activations_freed_at_peak=int(min(freed, a_peak if before_grads >= with_grads else a_grads)),
         ))
     return plans
+
+
+def _loss_moment_without_blocks(j: _Job, acts: Any, params: Any, gathered: float) -> tuple[float, float, float]:
+    """FSDP2 without PP: at the loss's backward FSDP2 has gathered none of the blocks yet (each
+    resharded after forward; the last block's pre-backward gathers it, and prefetches the one
+    before, only after the head's backward). Returns ``(drop, gathered_less, less)``: how much
+    lower the forward/backward peak before gradients is where the loss's moment was the largest
+    of the stage's scan (bytes), the gathered bytes that moment does not hold (0 where the peak
+    is another moment), and the blocks' gathered bytes at the loss (``_blocks_gathered_at_loss``)."""
+    less = _blocks_gathered_at_loss(j, params, gathered)
+    if not less:
+        return 0.0, 0.0, less
+    moments = [(k + t, layer) for k, t, layer in acts.scan]
+    top = max(m for m, _ in moments)
+    top_less = max(m - (less if layer < 0 else 0.0) for m, layer in moments)
+    if top_less >= top:  # the loss's moment was not the largest
+        return 0.0, 0.0, less
+    at_loss = top_less == max(m - less for m, layer in moments if layer < 0)
+    return top - top_less, less if at_loss else 0.0, less
 
 
 def _listed_ranks(dims: ParallelDims, pp_rank: int) -> list[tuple[int, int | None]]:

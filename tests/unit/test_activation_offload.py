@@ -148,9 +148,10 @@ def test_the_plan_moves_the_offloaded_bytes_from_device_activations_to_the_host(
     off = cfg.with_overrides(["--memory.activation_offload=all"])
     (before, after) = (memory_plan(c, None, "cuda", levers=False).ranks[0] for c in (cfg, off))
     assert after.peak < before.peak and before.activations_offloaded == 0
-    # Full AC: the 16 block inputs (bf16 FSDP2: the residual stream is fp32, 4·d per token) go.
+    # Full AC: the 16 block inputs go (bf16 FSDP2: the residual stream is bf16, 2·d per token;
+    # plan_activations._with_residual_dtype, measured on the simulated GPU).
     tokens, dim, n_layers = 2 * 4096, 2048, 16
-    assert after.activations_offloaded == after.offload_bytes_per_step == n_layers * tokens * 4 * dim
+    assert after.activations_offloaded == after.offload_bytes_per_step == n_layers * tokens * 2 * dim
     kept = [sum(r.activations_per_microbatch.values()) for r in (before, after)]
     assert kept[0] - kept[1] == after.activations_offloaded
     assert "in pinned host memory" in memory_plan(off, None, "cuda", levers=False).format()
