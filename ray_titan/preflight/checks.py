@@ -507,6 +507,21 @@ def _check_context_parallel(cfg: JobConfig, margs: Any) -> None:
             f"parallelism.cp = {cp} with model.mtp_layers = {cfg.model.mtp_layers}: multi-token prediction's "
             "depth-shifted tokens and labels cross the cp ranks' slices, which it does not exchange yet; use "
             "parallelism.cp = 1 or model.mtp_layers = 0")
+    if par.ep > 1 and par.dp_replicate > 1 and _torch_before(2, 13):
+        import torch
+
+        raise ConfigError(
+            f"parallelism.cp = {cp} with parallelism.ep = {par.ep} and parallelism.dp_replicate = {par.dp_replicate} "
+            f"needs torch >= 2.13 (this is {torch.__version__}): before it DeviceMesh cannot slice the routed "
+            "experts' (dp_replicate, dp_shard / ep × cp) mesh, whose flattened dimension is not contiguous; use "
+            "parallelism.dp_replicate = 1 or torch >= 2.13")
+
+
+def _torch_before(major: int, minor: int) -> bool:
+    """Whether the installed torch is older than ``major.minor`` (read at each call)."""
+    import torch
+
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (major, minor)
 
 
 def _check_vocab(cfg: JobConfig, vocab_size: int) -> None:

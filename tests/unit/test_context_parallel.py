@@ -113,7 +113,10 @@ def test_expert_meshes_under_context_parallel_follow_the_coordinates(rank, reque
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ray_titan.parallel.dims import ParallelDims
+    from ray_titan.preflight.checks import _torch_before
 
+    if _torch_before(2, 13):  # pre-flight refuses this mesh there (the test below)
+        pytest.skip(f"torch {torch.__version__}'s DeviceMesh cannot slice a non-contiguous flattened dim")
     dims = ParallelDims(dp_replicate=2, dp_shard=4, cp=2, ep=2)
     coords = [dims.coords(r) for r in range(dims.world_size)]
     me = coords[rank]
@@ -166,3 +169,22 @@ def test_the_layout_line_shows_the_cp_coordinate():
     line = layout_line(ranks, ["node-a"] * 4 + ["node-b"] * 4, [dims.coords(int(r)) for r in ranks])
     assert "node node-a: ranks 0-3 (pp=0 × dp_shard=0-1 × cp=0-1)" in line, line
     assert "node node-b: ranks 4-7 (pp=1 × dp_shard=0-1 × cp=0-1)" in line, line
+
+
+def test_preflight_refuses_experts_under_cp_with_replicas_before_torch_2_13(monkeypatch):
+    """torch 2.11's DeviceMesh cannot slice the experts' ``(dp_replicate, dp_shard_mod_ep_cp)``
+    mesh (its flattened dim is not contiguous): refused before any worker starts, naming the
+    settings and the torch that would do; accepted on a torch that slices it."""
+    from ray_titan.config import load_config
+    from ray_titan.config.schema import ConfigError
+    from ray_titan.preflight.checks import validate_job
+    from tests.conftest import REPO
+
+    flags = ["--model.name=deepseek_v2", "--parallelism.pp=1", "--parallelism.cp=2", "--parallelism.dp_shard=2",
+             "--parallelism.ep=2", "--parallelism.dp_replicate=2"]
+    cfg = load_config(REPO / "configs" / "debug_deepseek.toml", flags)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(ConfigError, match=r"parallelism.dp_replicate = 2 needs torch >= 2.13 \(this is 2.11.0"):
+        validate_job(cfg)
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    validate_job(cfg)
