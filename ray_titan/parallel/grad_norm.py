@@ -68,12 +68,14 @@ def _group_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     experts' ``(dp_shard_mod_ep_cp, ep)`` under context parallel (``cp`` lies inside ``ep`` in
     the root). It raises while planning, before any collective, so the norm is then computed
     again with the merging off: one all-reduce per axis."""
-    try:
+    def total() -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    try:
+        return total()
     except KeyError:
         from torch.distributed.tensor._redistribute import disable_redistribute_transform_optimization
 
         with disable_redistribute_transform_optimization():
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+            return total()

@@ -518,10 +518,12 @@ def _check_context_parallel(cfg: JobConfig, margs: Any) -> None:
 
 
 def _torch_before(major: int, minor: int) -> bool:
-    """Whether the installed torch is older than ``major.minor`` (read at each call)."""
+    """Whether the installed torch is older than ``major.minor`` (read at each call), by torch's
+    own version comparison (``torch.torch_version.TorchVersion``)."""
     import torch
+    from torch.torch_version import TorchVersion
 
-    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (major, minor)
+    return TorchVersion(torch.__version__) < f"{major}.{minor}"
 
 
 def _check_vocab(cfg: JobConfig, vocab_size: int) -> None:
