@@ -137,16 +137,36 @@ def _plan_peak(ctx: StageContext, cfg) -> int | None:
 
 
 def _train(ctx: StageContext, cfg, callbacks: list | None = None) -> dict[str, Any]:
-    """``cfg`` on one rank in this process (``gpu_checks.train_here``) with the device's peak
-    counters reset first; adds ``peak_allocated`` and ``peak_reserved`` (bytes; None on CPU)."""
+    """``cfg`` on one rank in this process (``gpu_checks.train_here``); adds the run's device
+    peaks ``peak_active`` and ``peak_reserved`` (bytes; None on CPU), from :func:`run_peaks`."""
     from benchmarks.gpu_checks import train_here
 
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     run = train_here(cfg, ctx.device, callbacks=callbacks)
-    run["peak_allocated"] = torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else None
-    run["peak_reserved"] = torch.cuda.max_memory_reserved(ctx.device) if ctx.cuda else None
+    tail = (torch.cuda.max_memory_allocated(ctx.device), torch.cuda.max_memory_reserved(ctx.device)) if ctx.cuda \
+        else None
+    run["peak_active"], run["peak_reserved"] = run_peaks(run["steps"], tail)
     return run
+
+
+def run_peaks(steps, tail: tuple[int, int] | None) -> tuple[int | None, int | None]:
+    """A run's device peaks ``(active, reserved)`` in bytes: the largest of its metrics
+    table's per-step ``device_peak_active_bytes`` / ``device_peak_reserved_bytes`` and ``tail``,
+    the device counters read after the run (``max_memory_allocated``, ``max_memory_reserved``);
+    ``(None, None)`` when ``tail`` is None (CPU). The counters alone are not the run's peak: the
+    memory sampler resets them at every sample, so after a run they hold only what followed the
+    last one (the H100 levers table of 2026-11-27 read that tail as the peak). The per-step
+    figure is the active bytes, which also count blocks freed on the compute stream that another
+    stream still uses (``record_stream``), so it is at least the allocated bytes."""
+    if tail is None:
+        return None, None
+
+    def most(column: str, last: int) -> int:
+        seen = [v for v in steps[column].to_pylist() if v is not None] if column in steps.column_names else []
+        return max([last, *seen])
+
+    return most("device_peak_active_bytes", tail[0]), most("device_peak_reserved_bytes", tail[1])
 
 
 def _tokens_per_s(cfg, table, timed: range) -> float:
@@ -170,9 +190,9 @@ def _report_run(ctx: StageContext, cfg, run: dict[str, Any], timed: range, plan:
                 note=f"median step time of steps {timed.start}-{timed.stop - 1}, "
                      f"{cfg.training.global_batch_size} × {cfg.training.seq_len} tokens per step")
     if not ctx.cuda:
-        ctx.log.add("device peak allocated", NA)
+        ctx.log.add("device peak active", NA)
         return tps
-    for what in ("allocated", "reserved"):
+    for what in ("active", "reserved"):
         peak = run[f"peak_{what}"]
         ctx.log.add(f"device peak {what}", round(peak / MiB, 1), "MiB",
                     note=f"plan {plan / MiB:.1f} MiB: measured/plan {peak / plan:.3f}" if plan else "no plan")
@@ -329,7 +349,7 @@ def stage_memory_levers(ctx: StageContext) -> None:
         if plan is not None:
             ctx.log.add(f"{name}: plan peak", round(plan / MiB, 1), "MiB")
         if ctx.cuda:
-            for what in ("allocated", "reserved"):
+            for what in ("active", "reserved"):
                 ctx.log.add(f"{name}: device peak {what}", round(run[f"peak_{what}"] / MiB, 1), "MiB")
             if name == "none":
                 base = {"tps": tps, "reserved": run["peak_reserved"]}

@@ -113,9 +113,10 @@ FIT_GROUPS = ("microbatches", "ac")
 """The groups ``memory.fit = "auto"`` may apply: they keep the job's devices and its model states on
 them. Not ``act_offload``: on an H100 (2026-11-27, the Llama 3.2 1B shape at 4 × 2,048 tokens,
 bf16, one rank; ``benchmarks/results/2026-11-27-first-contact-h100.md``) offloading every block
-left the peak allocated where it was and raised the peak reserved 1.54× (with full AC 1.33×),
-where the plan counted it lower: until a GPU shows it saving what the plan says, the plan lists
-it with its cost and a user may set it, but the automatic choice does not make it."""
+raised the peak reserved 1.54× (with full AC 1.33×), where the plan counted it lower (that run's
+"peak allocated" was only the counters' tail after the last memory sample, not the run's peak):
+until a GPU shows it saving what the plan says, the plan lists it with its cost and a user may set
+it, but the automatic choice does not make it."""
 
 HOST_LINK_BYTES_PER_S = 50e9
 """Host-device copy bandwidth per direction the activation-offload lever assumes, bytes/s: an H100

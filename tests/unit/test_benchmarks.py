@@ -344,3 +344,17 @@ def test_a_bare_cuda_device_gets_the_index_set_device_needs(monkeypatch):
     assert _get_device_index(indexed(torch.device("cuda"))) == 3
     assert indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert indexed(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_a_runs_device_peak_is_the_largest_step_peak_not_the_counters_after_it():
+    """The memory sampler resets the device's peak counters at every sample, so after a run
+    they hold only its tail: the run's peak is the largest per-step peak or that tail."""
+    import pyarrow as pa
+
+    from benchmarks.gpu_stages import run_peaks
+
+    steps = pa.table({"device_peak_active_bytes": [5, 9, None, 7], "device_peak_reserved_bytes": [8, 12, None, 11]})
+    assert run_peaks(steps, (3, 10)) == (9, 12)
+    assert run_peaks(steps, (20, 30)) == (20, 30)
+    assert run_peaks(pa.table({"step": [1]}), (3, 10)) == (3, 10)
+    assert run_peaks(steps, None) == (None, None)
