@@ -7,18 +7,27 @@ as torchtune's ``OffloadActivations`` does (torchtune 0.6, ``training/_activatio
 read for the design, not copied), on CUDA:
 
 - **pack** (forward, each tensor a block saves): the copy into a pinned host tensor runs on a side
-  stream that first waits for the compute stream, so it overlaps the compute that follows; the
-  device tensor is marked as used by the side stream (``Tensor.record_stream``) and dropped, so
-  the caching allocator reuses its memory once the copy is done. Parameters, buffers (their
+  stream that first waits for the compute stream, so it overlaps the compute that follows. The
+  device tensor stays referenced by its block's group until the compute stream has waited for the
+  group's copies, which it does when the block after the next one starts its forward
+  (:data:`FORWARD_LAG` blocks later): at most that many blocks' saved tensors are still on the
+  device in forward, whatever the host link's speed. Marking the tensor as used by the side
+  stream (``Tensor.record_stream``), as a first version did, bounds nothing: where the copies are
+  slower than the compute, the freed blocks wait for them while compute allocates new ones (on an
+  H100 the reserve grew 1.54×, benchmarks/results/2026-11-27-first-contact-h100.md). torchtune
+  bounds its forward stash the same way (``max_fwd_stash_size``). Parameters, buffers (their
   storages: FSDP2's unsharded weights, the rotary tables) and tensors under
   :data:`MIN_OFFLOAD_BYTES` stay where they are.
 - **prefetch**: when the gradient of a block's output arrives (its backward is next), that
   block's tensors and those of the block before it (the next backward) are copied back on the
-  side stream, so the copy of block ``k − 1`` overlaps block ``k``'s backward.
+  side stream into device tensors allocated on the compute stream (the caching allocator keeps a
+  pool per stream: tensors allocated on the side stream would return to its pool, which compute
+  never reuses), so the copy of block ``k − 1`` overlaps block ``k``'s backward. A block whose
+  device tensors are still held (the last ones of the forward) hands those over without a copy.
 - **unpack** (backward): the compute stream waits for the prefetch's event and takes the device
-  tensor (marked as used by the compute stream); a tensor not prefetched is copied back on the
-  compute stream. The host copy stays until autograd drops the saved tensor (a graph kept with
-  ``retain_graph``, the zero-bubble schedules' split backward, unpacks twice).
+  tensor; a tensor not prefetched is copied back on the compute stream. The host copy stays
+  until autograd drops the saved tensor (a graph kept with ``retain_graph``, the zero-bubble
+  schedules' split backward, unpacks twice).
 
 Pinned host memory comes from torch's caching host allocator, which keeps freed blocks for the
 next step: host memory rises over the first step and then stays flat (no leak for the verdict of
@@ -34,6 +43,7 @@ while the op outputs selective checkpointing caches stay on the device.
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 from dataclasses import dataclass
@@ -42,11 +52,17 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["MIN_OFFLOAD_BYTES", "ActivationOffloader", "OffloadStats", "apply_activation_offload", "offloads"]
+__all__ = ["FORWARD_LAG", "MIN_OFFLOAD_BYTES", "ActivationOffloader", "OffloadStats", "apply_activation_offload",
+           "offloads"]
 
 MIN_OFFLOAD_BYTES = 1024
 """Saved tensors smaller than this stay on the device (a copy's fixed cost outweighs them;
 torchtune's ``min_offload_size``)."""
+
+FORWARD_LAG = 1
+"""Blocks whose copies to the host may still run when a block's forward starts: block ``k``'s
+forward first waits for the copies of block ``k − 1 − FORWARD_LAG`` and lets go of their device
+tensors. 1 lets block ``k − 1``'s copies overlap block ``k``'s compute."""
 
 
 @dataclass
@@ -54,7 +70,9 @@ class OffloadStats:
     """What the hooks did since the last :meth:`ActivationOffloader.reset`: tensors packed (to be
     moved: saves, a tensor saved by several ops counted each time) and the bytes copied (each
     tensor once per block forward: ``copies``), tensors left on the device, tensors unpacked,
-    copies prefetched and block backwards announced (the output-gradient hook)."""
+    copies prefetched, device tensors handed back without a copy (still held from the forward),
+    block backwards announced (the output-gradient hook) and the most blocks whose device tensors
+    the forward held at once (``held_blocks``: :data:`FORWARD_LAG` + 1 at most)."""
 
     packed: int = 0
     copies: int = 0
@@ -62,21 +80,25 @@ class OffloadStats:
     kept: int = 0
     unpacked: int = 0
     prefetched: int = 0
+    reused: int = 0
     backward_hooks: int = 0
+    held_blocks: int = 0
 
 
 class _Handle:
     """One saved tensor moved to the host: the pinned copy, the device it came from, the saves
-    that share it (``uses``, the unpacks still to come), and, once prefetched, the device copy and
-    the event that ends its copy."""
+    that share it (``uses``, the unpacks still to come), the device tensor while its copy may
+    still run (``held``), and, once prefetched, the device copy and the event that ends its copy
+    (None: nothing to wait for)."""
 
-    __slots__ = ("__weakref__", "device", "event", "host", "nbytes", "on_device", "uses")
+    __slots__ = ("__weakref__", "device", "event", "held", "host", "nbytes", "on_device", "uses")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, nbytes: int) -> None:
+    def __init__(self, host: torch.Tensor, device: torch.device, nbytes: int, held: torch.Tensor | None = None) -> None:
         self.host = host
         self.device = device
         self.nbytes = nbytes
         self.uses = 1
+        self.held = held  # the device tensor, until the compute stream has waited for its copy
         self.on_device: torch.Tensor | None = None
         self.event: Any = None
 
@@ -99,6 +121,8 @@ class _Group:
         self.handles: list[weakref.ref[_Handle]] = []
         self.prev = weakref.ref(prev) if prev is not None else None
         self.fetched = False  # prefetched once: a second backward (retain_graph) copies on demand
+        self.copied: Any = None  # the side stream's event after this block's last copy to the host
+        self.holds = False  # some handle still holds its device tensor
         # While the block's forward runs: the tensors copied so far, by storage and view, with a
         # weak reference to the tensor (alive: the storage is not another's yet), so that a
         # tensor several ops save (a norm's output, the input of q, k and v) is copied once.
@@ -117,6 +141,7 @@ class ActivationOffloader:
         self.stats = OffloadStats()
         self._stream: Any = None
         self._last: weakref.ref[_Group] | None = None
+        self._holding: collections.deque[_Group] = collections.deque()  # forward's groups, oldest first
 
     def reset(self) -> OffloadStats:
         """Return the counts so far and start new ones."""
@@ -145,15 +170,16 @@ class ActivationOffloader:
             if not self.copy_on_host:
                 group.seen[key] = (weakref.ref(t), _Handle(t, t.device, 0))  # counted once; never returned
                 return t  # on a host device there is nowhere to move it
-            handle = _Handle(torch.empty_like(t).copy_(t), t.device, nbytes)
+            host = torch.empty_like(t).copy_(t)
         else:
             stream = self._side_stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 host = torch.empty_like(t, device="cpu", pin_memory=True)
                 host.copy_(t, non_blocking=True)
-            t.record_stream(stream)  # its memory is reused only once the copy is done
-            handle = _Handle(host, t.device, nbytes)
+                group.copied = stream.record_event()
+        handle = _Handle(host, t.device, nbytes, held=t)
+        group.holds = True
         group.handles.append(weakref.ref(handle))
         group.seen[key] = (weakref.ref(t), handle)
         return handle
@@ -167,11 +193,24 @@ class ActivationOffloader:
             return t if t is not None else torch.empty_like(packed.host).copy_(packed.host)
         current = torch.cuda.current_stream()
         if t is not None:
-            current.wait_event(packed.event)
-            t.record_stream(current)
+            if packed.event is not None:
+                current.wait_event(packed.event)
             return t
         current.wait_stream(self._side_stream())  # the copy to the host is done
         return packed.host.to(packed.device, non_blocking=True)
+
+    def _release(self, keep: int) -> None:
+        """Let go of the device tensors of all but the newest ``keep`` forward groups, once the
+        compute stream has waited for their copies to the host."""
+        while len(self._holding) > keep:
+            group = self._holding.popleft()
+            if group.copied is not None:
+                torch.cuda.current_stream().wait_event(group.copied)
+            for ref in group.handles:
+                handle = ref()
+                if handle is not None:
+                    handle.held = None
+            group.holds = False
 
     def _prefetch(self, group: _Group | None) -> None:
         if group is None or group.fetched:
@@ -179,19 +218,31 @@ class ActivationOffloader:
         # Once: a second backward over the graph (a zero-bubble schedule's weight step) may not
         # unpack every tensor, and a copy no unpack takes would stay until the graph dies.
         group.fetched = True
+        if group.holds:
+            self._holding.remove(group)
+            group.holds = False
         for ref in group.handles:
             handle = ref()
             if handle is None or handle.on_device is not None:
+                continue
+            if handle.held is not None:  # still on the device: no copy back
+                handle.on_device, handle.held = handle.held, None
+                if handle.device.type == "cuda":  # its copy to the host may still read it
+                    handle.on_device.record_stream(self._side_stream())
+                self.stats.reused += 1
                 continue
             self.stats.prefetched += 1
             if handle.device.type != "cuda":  # copy_on_host
                 handle.on_device = torch.empty_like(handle.host).copy_(handle.host)
                 continue
+            # Allocated on the compute stream, so that its memory returns to compute's pool.
+            on_device = torch.empty_like(handle.host, device=handle.device)
             stream = self._side_stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                handle.on_device = handle.host.to(handle.device, non_blocking=True)
+                on_device.copy_(handle.host, non_blocking=True)
                 handle.event = stream.record_event()
+            handle.on_device = on_device
 
     def _backward_starts(self, group: _Group) -> None:
         """The gradient of ``group``'s block output arrived: bring back its tensors and those of
@@ -217,6 +268,9 @@ class ActivationOffloader:
             last = self._last() if self._last is not None else None
             group = _Group(layer, last)
             self._last = weakref.ref(group)
+            self._release(FORWARD_LAG)
+            self._holding.append(group)
+            self.stats.held_blocks = max(self.stats.held_blocks, len(self._holding))
             skip = {_storage_key(t) for t in [*block.parameters(), *block.buffers()]}
             stage = outer()
             if stage is not None:

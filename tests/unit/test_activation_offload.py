@@ -11,7 +11,7 @@ import torch
 from ray_titan.config.schema import ConfigError, load_config
 from ray_titan.models.registry import build_model
 from ray_titan.parallel.ac import apply_ac
-from ray_titan.parallel.offload import ActivationOffloader, apply_activation_offload, offloads
+from ray_titan.parallel.offload import FORWARD_LAG, ActivationOffloader, apply_activation_offload, offloads
 from ray_titan.preflight.checks import validate_job
 
 CONFIG = "configs/debug_llama.toml"
@@ -60,8 +60,10 @@ def test_loss_and_gradients_match_no_offloading(ac, copy):
     n_layers = len(model.layers)
     assert off.stats.backward_hooks == n_layers  # every block's backward announced, once
     assert off.stats.unpacked >= off.stats.packed > 0
-    if copy:  # every handle came back through the prefetch (its block's, or the block after it's)
-        assert off.stats.prefetched == off.stats.copies
+    if copy:  # every handle came back through the prefetch (its block's, or the block after it's):
+        # the last FORWARD_LAG + 1 blocks' still held on the device, the others' copied back
+        assert off.stats.prefetched + off.stats.reused == off.stats.copies
+        assert 0 < off.stats.reused < off.stats.copies and off.stats.held_blocks == FORWARD_LAG + 1
     if ac == "none":  # a tensor several ops save (a norm's output: q, k, v's input) is copied once
         assert off.stats.copies < off.stats.packed
 
@@ -93,6 +95,28 @@ def test_hooks_pack_what_the_blocks_save_but_the_weights():
     assert stats.packed + stats.kept == count.count - before_count
     weights = sum(p.numel() * p.element_size() for p in plain.layers.parameters() if p.dim() == 2)
     assert stats.packed_bytes <= count.bytes - before_bytes - weights
+
+
+def test_the_forward_holds_the_device_tensors_of_the_last_blocks_only():
+    """Each block's forward lets go of the device tensors of the blocks more than FORWARD_LAG
+    before it (on a GPU once their copies to the host are done): at the end of the forward only
+    the last FORWARD_LAG + 1 blocks still hold theirs, whatever the copies' speed. Holding every
+    block until its copy ends (``record_stream``) kept all of them on an H100."""
+    model, off = _model("none", "all", copy=True)
+    assert off is not None
+    tokens = torch.randint(0, 258, (2, 32))
+    logits = model(tokens)
+    groups = []
+    group = off._last() if off._last is not None else None
+    while group is not None:
+        groups.append(group)
+        group = group.prev() if group.prev is not None else None
+    assert [g.layer for g in groups] == list(range(len(model.layers)))[::-1]
+    held = {g.layer: [h().held is not None for h in g.handles if h() is not None] for g in groups}
+    last = len(model.layers) - 1 - FORWARD_LAG
+    assert all(all(v) and v for k, v in held.items() if k >= last)
+    assert not any(any(v) for k, v in held.items() if k < last)
+    del logits
 
 
 def test_full_ac_offloads_the_block_inputs_only():
@@ -199,7 +223,8 @@ def test_a_run_with_host_copies_keeps_its_losses(tmp_path, corpus_cache, monkeyp
     _, _, plain = _train(tmp_path / "plain", corpus_cache)
     monkeypatch.setattr(stack, "apply_activation_offload", with_copies)
     _, _, steps = _train(tmp_path / "offload", corpus_cache, "--memory.activation_offload=all")
-    assert made and made[0].stats.copies > 0 and made[0].stats.prefetched == made[0].stats.copies
+    stats = made[0].stats if made else None
+    assert stats is not None and stats.copies > 0 and stats.prefetched + stats.reused == stats.copies
     assert steps["step_loss"].to_pylist() == plain["step_loss"].to_pylist()
     assert steps["grad_norm"].to_pylist() == plain["grad_norm"].to_pylist()
 
