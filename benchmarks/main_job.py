@@ -157,6 +157,27 @@ def bench_torchtitan(bench: Bench) -> list[Row]:
     return rows
 
 
+def bench_torchtitan_ac(bench: Bench) -> list[Row]:
+    """Step time under each activation-checkpointing mode, ray_titan vs torchtitan 0.3.0, both
+    under torchrun on dp_shard = 2 (FSDP2) with the main job's model, batch and data: ``none``,
+    ``full`` and selective ``op`` (torchtitan's ``SelectiveAC``, whose policy ray_titan's ``op``
+    follows). Issue 41's "not slower on CPU" for the memory comparison's policies."""
+    rows = []
+    for mode in ("none", "full", "selective"):
+        cfg = bench.job("torchtitan_ac", "--parallelism.pp=1", "--parallelism.dp_shard=2",
+                        "--parallelism.microbatches=1", f"--activation_checkpoint.mode={mode}",
+                        "--activation_checkpoint.selective_option=op")
+        label = "selective op" if mode == "selective" else mode
+        row, _, _ = compare(
+            bench, f"vs torchtitan 0.3.0, AC {label} (dp_shard=2, fp32)",
+            "ray_titan (torchrun)", lambda cfg=cfg: run_torchrun(bench, cfg),
+            "torchtitan Trainer (torchrun, CPU shims)", lambda cfg=cfg: run_torchtitan(bench.work, cfg),
+            "A/B ≥ 1.0", "", 2, cfg,
+        )
+        rows.append(row)
+    return rows
+
+
 def bench_compile(bench: Bench) -> list[Row]:
     """``training.compile`` vs eager on the main job's mesh under torchrun (no Ray: the compile
     is the subject): steady tokens/s, and the first step's seconds, which hold the compile."""

@@ -86,6 +86,8 @@ BENCHMARKS: dict[str, Benchmark] = {
                          "step's seconds", (40, 8)),
     "torchtitan": Benchmark(main_job.bench_torchtitan, "ray_titan vs torchtitan 0.3.0 on the main job's mesh and "
                             "on one process (needs the bench extra)", (40, 8)),
+    "torchtitan_ac": Benchmark(main_job.bench_torchtitan_ac, "ray_titan vs torchtitan 0.3.0 under each "
+                               "activation-checkpointing mode, dp_shard=2 (needs the bench extra)", (40, 8)),
     "collector_scale": Benchmark(_collector_scale, "the metrics path at 1,024 / 4,096 / 16,384 simulated ranks "
                                  "through real Ray calls", (200, 20)),
     "parquet_rank_history": Benchmark(_parquet_rank_history, "bytes, row groups and seconds to read one rank's "

@@ -193,9 +193,26 @@ def torchtitan_config(cfg, out_dir: Path):
         ),
         metrics=MetricsProcessor.Config(log_freq=cfg.metrics.log_freq),
         checkpoint=CheckpointManager.Config(enable=False),
-        activation_checkpoint=None,  # no AC, as the ray_titan job
+        activation_checkpoint=_ac_config(cfg),
         validator=Validator.Config(enable=False),
     )
+
+
+def _ac_config(cfg):
+    """torchtitan's activation checkpointing for the job's: none, ``FullAC`` or, for selective
+    ``op``, ``SelectiveAC`` (its per-op policy, which ray_titan's ``op`` follows). Raises
+    ValueError for selective checkpointing by layer count, which torchtitan 0.3.0 dropped."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    ac = cfg.activation_checkpoint
+    if ac.mode == "none":
+        return None
+    if ac.mode == "full":
+        return FullAC.Config()
+    if ac.selective_option != "op":
+        raise ValueError(f"activation_checkpoint.selective_option = {ac.selective_option!r}: torchtitan 0.3.0 "
+                         "checkpoints selectively by op only")
+    return SelectiveAC.Config()
 
 
 def _tokenizer(cfg):
