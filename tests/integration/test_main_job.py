@@ -126,7 +126,7 @@ def test_tensorboard_has_loss_and_every_ranks_memory(main_job):
 def test_user_parquet_file_trains(tmp_path):
     # One process (python -m ray_titan.launch): the subject is the data source, not Ray.
     docs = [p.read_text() for p in sorted((REPO / "ray_titan").rglob("*.py"))]
-    pq.write_table(pa.table({"text": docs * 20}), tmp_path / "train.parquet")
+    pq.write_table(pa.table({"text": docs}), tmp_path / "train.parquet")
     run = LaunchRun(REPO / "configs" / "debug_llama.toml", [
         "--job.name=userdata", "--data.source=parquet", f"--data.path={tmp_path / 'train.parquet'}",
         "--training.steps=20", "--parallelism.pp=1", "--parallelism.dp_shard=1", "--metrics.log_freq=5",

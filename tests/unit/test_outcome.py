@@ -52,3 +52,28 @@ def test_the_driver_raises_each_reason_as_its_own_error(tmp_path, capsys):
         _raise_if_stopped(None, RunOutcome(nonfinite_loss="nan at step 2"), signals, tmp_path, "no checkpoint")
     _raise_if_stopped(None, RunOutcome(final_loss=5.5), signals, tmp_path, "no checkpoint")  # finished: no error
     assert "run failed" in capsys.readouterr().err
+
+
+def test_sigterm_takes_the_ctrl_c_path_and_keeps_its_own_status():
+    """SIGTERM (what schedulers send) under the driver's guard calls whatever handles Ctrl-C then
+    (Ray Train's, which aborts the worker group) and is remembered for the exit status (143);
+    the process is not ended while the run stops in time. The Ray runs of the integration test
+    send Ctrl-C and SIGHUP, whose path adds only the terminal's streams to this one."""
+    import os
+    import signal
+    import time
+
+    from ray_titan.driver.signals import SignalGuard
+
+    seen: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        with SignalGuard(grace_s=60) as guard:
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while not seen and time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert seen == [signal.SIGINT] and guard.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) != guard._on_sigterm  # given back
