@@ -1,7 +1,7 @@
-"""DeepSeek-V3's multi-token prediction (no Ray, no process): the depths' labels against a loop
-over the tokens, the loss against a hand-written forward of the same weights, one MTP depth
-against transformers' ``MtpLayer`` on a checkpoint's tensors, the import and export of the
-depths, and the pre-flight's refusals."""
+"""Multi-token prediction (no Ray, no process): the depths' labels against a loop over the
+tokens, the loss against a hand-written forward of the same weights, one MTP depth of each family
+that builds them (DeepSeek-V3, GLM-4.5) against transformers' ``MtpLayer`` on a checkpoint's
+tensors, the import and export of the depths, and the pre-flight's refusals."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ray_titan.data.loader import IGNORE_INDEX
 from ray_titan.models.decoder import document_causal_mask
+from ray_titan.models.deepseek_v2.model import MtpDepth
 from ray_titan.models.registry import build_model
 from ray_titan.trainer.build import cross_entropy_loss
 from ray_titan.trainer.mtp import MtpLoss, mtp_labels
@@ -74,7 +75,7 @@ def _reference_loss(model, x: torch.Tensor, labels: torch.Tensor, positions: tor
         ahead = torch.zeros_like(x)
         ahead[:, :seq - k] = x[:, k:]
         e = blk.enorm(model.tok_embeddings(ahead))
-        h = blk.head_norm(super(type(blk), blk).forward(blk.eh_proj(torch.cat([e, blk.hnorm(h)], -1)), cos, sin,
+        h = blk.head_norm(super(MtpDepth, blk).forward(blk.eh_proj(torch.cat([e, blk.hnorm(h)], -1)), cos, sin,
                                                            mask))
         logits = model.output(h)
         terms = []
@@ -118,14 +119,15 @@ def test_loss_matches_a_hand_written_reference():
     torch.testing.assert_close(loss_fn(logits, labels), main, rtol=0, atol=1e-5)
 
 
-def _mtp_checkpoint(directory):
-    """A tiny DeepSeek-V3 checkpoint with one MTP depth as the released files lay it out
-    (``model.layers.3.*`` beside 3 layers): transformers' 4-layer model saved, its layer 3 made
-    the depth's block, with random ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and the
-    copies of the embedding and head. Returns the 4-layer transformers model."""
+def _mtp_checkpoint(family: str, directory):
+    """A tiny checkpoint of ``family`` (DeepSeek-V3 or GLM-4.5) with one MTP depth as the
+    released files lay it out (``model.layers.3.*`` beside 3 layers): transformers' 4-layer model
+    saved, its (MoE) layer 3 made the depth's block, with random ``enorm``, ``hnorm``,
+    ``eh_proj``, ``shared_head.norm`` and the copies of the embedding and head. Returns the
+    4-layer transformers model."""
     from safetensors.torch import load_file, save_file
 
-    ref4 = make_hf_model("deepseek_v3", directory, num_hidden_layers=4)
+    ref4 = make_hf_model(family, directory, num_hidden_layers=4)
     tensors = load_file(directory / "model.safetensors")
     g = torch.Generator().manual_seed(7)
     dim = ref4.config.hidden_size
@@ -144,32 +146,40 @@ def _mtp_checkpoint(directory):
     return ref4
 
 
-@pytest.fixture(scope="module")
-def mtp_ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("v3_mtp")
-    return path, _mtp_checkpoint(path)
+# Each family that builds MTP depths: its transformers decoder layer, RMSNorm and rotary classes.
+_HF_CLASSES = {
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3"),
+    "glm4_moe": ("glm4_moe", "Glm4Moe"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(_HF_CLASSES))
+def mtp_ckpt(request, tmp_path_factory):
+    """``(family, directory, 4-layer transformers model)`` of :func:`_mtp_checkpoint`."""
+    path = tmp_path_factory.mktemp(f"{request.param}_mtp")
+    return request.param, path, _mtp_checkpoint(request.param, path)
 
 
 def test_mtp_depth_matches_transformers_mtp_layer(mtp_ckpt):
-    """The checkpoint's depth imported into ray_titan's MtpBlock and into transformers'
-    ``MtpLayer`` (its block loaded from the same tensors): the same output within 1e-4 for the
-    same hidden states and shifted embeddings. Negative control: the projection's halves swapped
-    (hidden first, Inkling's order) differ."""
-    from transformers.modeling_layers import MtpLayer
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-        DeepseekV3DecoderLayer,
-        DeepseekV3RMSNorm,
-        DeepseekV3RotaryEmbedding,
-    )
+    """The checkpoint's depth imported into ray_titan's depth (DeepSeek-V3's MtpBlock, GLM-4.5's
+    Glm4MtpBlock) and into transformers' ``MtpLayer`` around the family's decoder layer (its block
+    loaded from the same tensors): the same output within 1e-4 for the same hidden states and
+    shifted embeddings. Negative control: the projection's halves swapped (hidden first,
+    Inkling's order) differ."""
+    import importlib
 
-    path, ref4 = mtp_ckpt
+    from safetensors.torch import load_file
+    from transformers.modeling_layers import MtpLayer
+
+    family, path, ref4 = mtp_ckpt
+    module, prefix = _HF_CLASSES[family]
+    hf = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     model, _, args = load_ray_titan(path)
     assert args.n_mtp_layers == 1 and list(model.layers) == ["0", "1", "2", "3"]
-    config = transformers.DeepseekV3Config.from_pretrained(path).get_mtp_config()
+    assert isinstance(model.layers["3"], MtpDepth) and hasattr(model.layers["3"], "moe")
+    config = type(ref4.config).from_pretrained(path).get_mtp_config()
     config._attn_implementation = "sdpa"  # causal without a mask, as ray_titan's
-    layer = MtpLayer(config, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0).eval()
-    from safetensors.torch import load_file
-
+    layer = MtpLayer(config, getattr(hf, f"{prefix}DecoderLayer"), getattr(hf, f"{prefix}RMSNorm"), 0).eval()
     files = load_file(path / "model.safetensors")
     state = {f"mtp_block.{k}": v for k, v in ref4.model.layers[3].state_dict().items()}
     state |= {f"{n}.weight": files[f"model.layers.3.{n}.weight"] for n in ("enorm", "hnorm", "eh_proj")}
@@ -181,10 +191,12 @@ def test_mtp_depth_matches_transformers_mtp_layer(mtp_ckpt):
     ids = torch.randint(0, VOCAB, (1, seq), generator=g)
     emb = model.tok_embeddings(ids)
     pos = torch.arange(seq)[None]
-    rotary = DeepseekV3RotaryEmbedding(config)
+    rotary = getattr(hf, f"{prefix}RotaryEmbedding")(config)
     with torch.no_grad():
         want = layer(emb, h, rotary(h, pos), None, pos, None)
         got = model.layers["3"](h, model.rope_cos, model.rope_sin, emb=emb)
+        print(f"{family}: max |difference| = {(got - want).abs().max().item():.2e} "
+              f"(outputs up to {want.abs().max():.1f})")
         assert want.abs().max() > 0.5
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
         config.mtp_hidden_states_first = True
@@ -202,8 +214,9 @@ def test_import_train_export_keeps_the_mtp_depth(mtp_ckpt, tmp_path):
     from ray_titan.metrics.reading.steps import read_steps
     from tests.support.hf_models import train_one_dropped_step
 
-    src, _ = mtp_ckpt
-    _, run_dir = train_one_dropped_step(src, tmp_path, "--model.mtp_layers=1")
+    _, src, _ = mtp_ckpt
+    # Auxiliary-loss-free balancing moves the correction bias after every step, a dropped one too.
+    _, run_dir = train_one_dropped_step(src, tmp_path, "--model.mtp_layers=1", "--model.bias_update_rate=0")
     row = read_steps(run_dir).to_pylist()[0]
     assert row["mtp_losses"] is not None and len(row["mtp_losses"]) == 1
     out = tmp_path / "export"

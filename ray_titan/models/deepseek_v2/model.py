@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import ClassVar, Literal, Protocol, cast
+from typing import Any, ClassVar, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ from ray_titan.models.rope import softmax_scale_factor
 from ray_titan.models.routing import ROUTERS, SELECTS_WITH_BIAS, RoutingArgs, check_routing
 
 __all__ = [
-    "EXPERT_ACTIVATIONS", "MLA", "DeepSeekV2", "GroupedExperts", "MoE", "MoEArgs", "MtpBlock", "Router",
+    "EXPERT_ACTIVATIONS", "MLA", "DeepSeekV2", "GroupedExperts", "MoE", "MoEArgs", "MtpBlock", "MtpDepth", "Router",
     "activated_parameters", "clamped_swiglu", "route_tokens", "swiglu",
 ]
 
@@ -458,25 +458,32 @@ class MoEBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class MtpBlock(MoEBlock):
-    """One depth of DeepSeek-V3's multi-token prediction (arXiv:2412.19437 §2.2, eq. 21–23; the
-    checkpoints' ``model.layers.<n_layers + k>``; transformers' ``MtpLayer``): ``h' = eh_proj
-    [enorm(emb); hnorm(h)]`` (the embedding first, as DeepSeek's ``M_k[RMSNorm(h); RMSNorm(Emb)]``
-    is laid out in the released weights), one MoE block (MTP blocks are MoE layers whatever
-    ``n_dense_layers``), then ``head_norm`` (the checkpoint's ``shared_head.norm``) before the
-    shared output head.
+class MtpDepth(nn.Module):
+    """One depth of multi-token prediction around a family's own block (DeepSeek-V3,
+    arXiv:2412.19437 §2.2, eq. 21–23; transformers' ``MtpLayer``), as a mixin placed before that
+    block's class: ``class MtpBlock(MtpDepth, MoEBlock)``, GLM-4.5's ``Glm4MtpBlock(MtpDepth,
+    Glm4MoeBlock)``. The block's parameters keep their names (the checkpoints' layer
+    ``<n_layers + k>`` names them as any other layer's); the depth adds ``enorm``, ``hnorm``,
+    ``eh_proj`` (``2·dim -> dim``) and ``head_norm`` (the checkpoint's ``shared_head.norm``), each
+    norm of class :attr:`NORM` (the family's RMSNorm). ``h' = eh_proj [enorm(emb); hnorm(h)]`` (the
+    embedding first, as DeepSeek's ``M_k[RMSNorm(h); RMSNorm(Emb)]`` is laid out in the released
+    weights; GLM-4.5 the same), then the block, then ``head_norm`` before the shared output head.
 
-    ``forward(h (batch, seq, dim), cos, sin, mask=None, emb=(batch, seq, dim))``: ``h`` the
-    previous depth's output (depth 1: the main model's last block's output, before its final
-    norm, as torchtitan's), ``emb`` the embedding of the tokens ``k`` ahead; returns the normed
-    ``(batch, seq, dim)``. One call does it all, so FSDP2 gathers the depth's weights once."""
+    ``__init__(args, layer_id)``: the block's own (``args.dim``, ``args.norm_eps`` size the
+    depth's parts). ``forward(h (batch, seq, dim), cos, sin, mask=None, emb=(batch, seq, dim))``:
+    ``h`` the previous depth's output (depth 1: the main model's last block's output, before its
+    final norm, as torchtitan's), ``emb`` the embedding of the tokens ``k`` ahead; returns the
+    normed ``(batch, seq, dim)``. Raises ``ValueError`` without ``emb``. One call does it all, so
+    FSDP2 gathers the depth's weights once."""
 
-    def __init__(self, args: DeepSeekV2Args, layer_id: int):
-        super().__init__(args, max(layer_id, args.n_dense_layers))
-        self.enorm = RMSNorm(args.dim, args.norm_eps)
-        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+    NORM: ClassVar[type[RMSNorm]] = RMSNorm
+
+    def __init__(self, args: Any, layer_id: int):
+        super().__init__(args, layer_id)  # the family's block, after this mixin in the MRO
+        self.enorm = self.NORM(args.dim, args.norm_eps)
+        self.hnorm = self.NORM(args.dim, args.norm_eps)
         self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
-        self.head_norm = RMSNorm(args.dim, args.norm_eps)
+        self.head_norm = self.NORM(args.dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None, emb: torch.Tensor | None = None) -> torch.Tensor:
@@ -484,6 +491,12 @@ class MtpBlock(MoEBlock):
             raise ValueError("an MTP block needs the embedding of the shifted tokens (emb=)")
         h = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(x)], dim=-1))
         return self.head_norm(super().forward(h, cos, sin, mask))
+
+
+class MtpBlock(MtpDepth, MoEBlock):
+    """One depth of DeepSeek-V3's multi-token prediction (:class:`MtpDepth`; the checkpoints'
+    ``model.layers.<n_layers + k>``) around DeepSeek's MoE block: MLA and an MoE feed-forward (a
+    layer past ``n_dense_layers``, so MoE whatever ``n_dense_layers``)."""
 
 
 class DeepSeekV2(Decoder):
@@ -503,18 +516,20 @@ class DeepSeekV2(Decoder):
     (validation) only the logits."""
 
     RESIDUAL_OUTPUTS = ("wo.weight", "w2.weight", "experts.w2")
-    # Whether ``args.n_mtp_layers`` builds MTP blocks (DeepSeek's layer); a family whose MTP layer
-    # differs (GLM-4.5's) sets False and skips those weights on import instead.
-    BUILDS_MTP: ClassVar[bool] = True
 
     def __init__(self, args: DeepSeekV2Args):
         super().__init__(args)
         self.mtp_embeddings: nn.Embedding | None = None
-        for k in range(args.n_mtp_layers if self.BUILDS_MTP else 0):
-            self.layers[str(args.n_layers + k)] = MtpBlock(args, args.n_layers + k)
+        for k in range(args.n_mtp_layers):
+            self.layers[str(args.n_layers + k)] = self.make_mtp_layer(args.n_layers + k)
 
     def make_layer(self, layer_id: int) -> nn.Module:
         return MoEBlock(self.args, layer_id)
+
+    def make_mtp_layer(self, layer_id: int) -> nn.Module:
+        """The multi-token-prediction depth keyed ``layer_id`` (``n_layers + k``): an
+        :class:`MtpDepth` around the family's block (DeepSeek's: :class:`MtpBlock`)."""
+        return MtpBlock(self.args, layer_id)
 
     @property
     def mtp_layer_ids(self) -> list[str]:

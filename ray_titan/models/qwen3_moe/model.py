@@ -82,7 +82,8 @@ class Qwen3MoeBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args.attention_args())
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        if layer_id in args.moe_layers:
+        # A multi-token-prediction depth (keyed past the main layers) is MoE (transformers' get_mtp_config).
+        if layer_id in args.moe_layers or layer_id >= args.n_layers:
             self.moe = self.MOE(args)
         else:
             self.feed_forward = FeedForward(args.dim, args.inter_dim)
