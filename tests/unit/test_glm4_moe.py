@@ -111,16 +111,24 @@ def test_flavor_is_the_model_card(flavor, total, activated):
 
 def test_flops_count_the_activated_parameters():
     """The FLOPs count the activated parameters (routed top-k, shared expert, dense layers), not
-    all experts; the memory planner's block formula tells the dense layers from the MoE ones."""
+    all experts, and an MTP depth as DeepSeek-V3's; the memory planner's block formula tells the
+    dense layers from the MoE ones, and counts the MTP depth's block (layer ``n_layers``) as MoE."""
     from ray_titan.metrics.flops import model_flops_per_token
 
     args = get_model_args("glm4_moe", "106B-A12B")
     with torch.device("meta"):
         n_active = activated_parameters(build_model("glm4_moe", "106B-A12B"))
     assert model_flops_per_token(args, 4096) == 6 * n_active + 12 * args.n_layers * args.n_heads * args.head_dim * 4096
+    # An MTP depth (model.mtp_layers = 1): its block's activated parameters and the head once more, one more layer.
+    mtp = dataclasses.replace(args, n_mtp_layers=1)
+    with torch.device("meta"):
+        n_mtp = activated_parameters(build_model("glm4_moe", "", args=mtp)) + args.vocab_size * args.dim
+    assert n_mtp > n_active + args.vocab_size * args.dim
+    attention = 12 * (args.n_layers + 1) * args.n_heads * args.head_dim * 4096
+    assert model_flops_per_token(mtp, 4096) == 6 * n_mtp + attention
     spec, debug = get_spec("glm4_moe"), get_model_args("glm4_moe", "debug")
-    dense, moe = (spec.block_activations(debug, layer, 2, 64, "cpu", 1.0, 1) for layer in (0, 1))
-    assert dense.experts_none == 0 < moe.experts_none
+    dense, moe, depth = (spec.block_activations(debug, layer, 2, 64, "cpu", 1.0, 1) for layer in (0, 1, 4))
+    assert dense.experts_none == 0 < moe.experts_none == depth.experts_none  # the MTP depth's block is MoE
 
 
 @pytest.mark.parametrize("change, message", [
