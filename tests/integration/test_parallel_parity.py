@@ -88,7 +88,10 @@ MOE_V3 = {"pp2_dp_shard2_ep2": (4, ["--parallelism.pp=2", "--parallelism.dp_shar
 # on the last stage with its copy of the embedding (gradients summed with stage 0's), its experts
 # over ep, its labels cut at documents; its loss must match too (the mtp_losses column).
 MTP_FLAGS = ["--model.mtp_layers=1", "--training.document_mask=true"]
-MTP = {"pp2_dp_shard2_ep2": (4, [*MOE_V3["pp2_dp_shard2_ep2"][1], *MTP_FLAGS])}
+MTP = {"pp2_dp_shard2_ep2": (4, [*MOE_V3["pp2_dp_shard2_ep2"][1], *MTP_FLAGS]),
+       # GLM-4.5's depth: its own block (GQA with q/k/v biases, partial rotary, q/k norms) around the same machinery.
+       "glm4_moe_pp2_dp_shard2_ep2": (4, [*MOE_V3["pp2_dp_shard2_ep2"][1], *MTP_FLAGS])}
+MTP_MODEL = {"glm4_moe_pp2_dp_shard2_ep2": "glm4_moe_mtp"}  # the others: deepseek_v3_mtp
 # Qwen3-MoE under tensor parallel (per-head q/k norms on each rank's heads, experts split by
 # hidden units) with experts over ep; gpt-oss (sinks, sliding windows, expert biases sharded
 # over ep; tp refused) with experts over ep. Both families' balance loss (transformers') pools the
@@ -114,12 +117,12 @@ QWEN35 = {"qwen3_5": (4, ["--model.name=qwen3_5", "--parallelism.pp=2", "--paral
 TIED = {"qwen3": (2, ["--model.name=qwen3", "--parallelism.tp=2"]),
         "qwen3_chunked_loss": (2, ["--model.name=qwen3", "--parallelism.tp=2", CHUNKED])}
 REFERENCE_FLAGS = {"qwen3": ["--model.name=qwen3"], "qwen3_moe": ["--parallelism.microbatches=2"],
-                   "deepseek_v3_mtp": MTP_FLAGS,
+                   "deepseek_v3_mtp": MTP_FLAGS, "glm4_moe_mtp": MTP_FLAGS,
                    "gpt_oss": ["--parallelism.microbatches=2"], "qwen3_5": ["--model.name=qwen3_5"],
                    "qwen3_5_moe": ["--model.name=qwen3_5_moe", "--parallelism.microbatches=2"]}
 CONFIGS = {"llama": "debug_llama.toml", "qwen3": "debug_llama.toml",
            "deepseek_v2": "debug_deepseek.toml", "deepseek_v3": "debug_deepseek_v3.toml",
-           "deepseek_v3_mtp": "debug_deepseek_v3.toml",
+           "deepseek_v3_mtp": "debug_deepseek_v3.toml", "glm4_moe_mtp": "debug_glm4_moe.toml",
            "qwen3_moe": "debug_qwen3_moe.toml", "gpt_oss": "debug_gpt_oss.toml", "glm4_moe": "debug_glm4_moe.toml",
            "minimax_m2": "debug_minimax_m2.toml", "qwen3_5": "debug_llama.toml", "qwen3_5_moe": "debug_llama.toml"}
 
@@ -277,7 +280,8 @@ def test_mtp_composition_matches_one_worker(name, corpus, references):
     """The step loss (the main loss alone), the gradient norm and the MTP depth's loss (the mean
     of the last stage's data-parallel ranks, each over its equal share of tokens) against one
     worker's."""
-    run, ref = _run(corpus / f"mtp_{name}", "deepseek_v3_mtp", *MTP[name]), references("deepseek_v3_mtp")
+    model = MTP_MODEL.get(name, "deepseek_v3_mtp")
+    run, ref = _run(corpus / f"mtp_{name}", model, *MTP[name]), references(model)
     _check_parity(name, run, ref)
 
     def depth_curve(table):
