@@ -373,3 +373,28 @@ def test_qwen35_import_train_export_keeps_the_mtp_layer(qwen35_mtp_ckpt, tmp_pat
                                             "--parallelism.pp=1", "--parallelism.dp_shard=1"]))
     with pytest.raises(ConfigError, match=rf"model.mtp_layers = 2 but model.name = '{family}' builds at most 1"):
         validate_job(cfg, check_data=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen35_flops_and_memory_plan_count_the_mtp_depth(family):
+    """One depth (model.mtp_layers = 1) adds to the FLOPs its block's activated parameters and the
+    output head once more (6 × (N_depth + V·d)) and one full-attention layer's scores; the memory
+    plan's block formula counts the depth's block (layer n_layers) as a full-attention block."""
+    import dataclasses
+
+    from ray_titan.models.deepseek_v2.model import activated_parameters
+    from ray_titan.models.registry import get_model_args, get_spec
+
+    spec, args = get_spec(family), get_model_args(family, "debug")
+    mtp = dataclasses.replace(args, n_mtp_layers=1)
+    with torch.device("meta"):
+        base, with_depth = (build_model(family, "", args=a) for a in (args, mtp))
+    count = activated_parameters if spec.moe else (lambda m: sum(p.numel() for p in m.parameters()))
+    depth = count(with_depth) - count(base)
+    assert depth > 2 * args.dim * args.dim  # eh_proj and the block
+    seq = 256
+    want = 6 * (depth + args.vocab_size * args.dim) + 12 * args.n_heads * args.head_dim * seq
+    assert spec.flops_per_token(mtp, seq) - spec.flops_per_token(args, seq) == want
+    depth_block = spec.block_activations(mtp, args.n_layers, 2, seq, "cpu", 1.0, 1)
+    assert depth_block == spec.block_activations(args, args.full_attention_layers[0], 2, seq, "cpu", 1.0, 1)
+    assert depth_block != spec.block_activations(args, 0, 2, seq, "cpu", 1.0, 1)  # a DeltaNet block's differs
