@@ -138,6 +138,11 @@ FLAVOR_CASES: list[Case] = [
     _case("qwen3_5 27B pp4 dp8 seq1024", model="qwen3_5", flavor="27B", pp=4, dp=8, n=4, mb=1, seq=1024,
           bf16=True),
     _case("qwen3_5_moe debug pp2 dp2 ep2", model="qwen3_5_moe", **_MOE_DEBUG),  # type: ignore[arg-type]
+    # Multi-token prediction's depth: a full-attention block with the family's feed-forward.
+    _case("qwen3_5 debug pp2 dp2 bf16 mtp1", model="qwen3_5", pp=2, dp=2, n=2, seq=256, bf16=True,
+          extra=("--model.mtp_layers=1",)),
+    _case("qwen3_5_moe debug pp2 dp2 ep2 mtp1", model="qwen3_5_moe", **_MOE_DEBUG,  # type: ignore[arg-type]
+          extra=("--model.mtp_layers=1",)),
     _case("qwen3_5_moe 397B-A17B pp8 dp16 ep16 seq1024", model="qwen3_5_moe", flavor="397B-A17B", pp=8, dp=16,
           ep=16, n=8, mb=1, seq=1024, bf16=True),
     _case("qwen3 0.6B fsdp8 seq4096", model="qwen3", flavor="0.6B", dp=8, seq=4096, mb=1, bf16=True),
@@ -178,6 +183,9 @@ FLAVOR_CASES: list[Case] = [
     _case("deepseek_v3 16B pp2 dp8 ep8 seq4096 mtp1", model="deepseek_v3", flavor="16B", pp=2, dp=8, ep=8, n=2,
           mb=1, seq=4096, bf16=True, extra=("--model.mtp_layers=1",)),
     _case("deepseek_v3 debug pp2 dp2 ep2 mtp1", model="deepseek_v3", **_MOE_DEBUG,  # type: ignore[arg-type]
+          extra=("--model.mtp_layers=1", "--training.document_mask=true")),
+    # GLM-4.5's depth: its own block (GQA, partial rotary, q/k norms; an MoE feed-forward).
+    _case("glm4_moe debug pp2 dp2 ep2 mtp1", model="glm4_moe", **_MOE_DEBUG,  # type: ignore[arg-type]
           extra=("--model.mtp_layers=1", "--training.document_mask=true")),
     _case("qwen3_moe 30B-A3B pp4 dp8 ep8 seq4096", model="qwen3_moe", flavor="30B-A3B", pp=4, dp=8, ep=8, n=8,
           mb=1, seq=4096, bf16=True),

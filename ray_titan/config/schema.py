@@ -85,13 +85,14 @@ class Model(_Section):
     bias_update_rate: float = Field(0.001, ge=0)
     """MoE only: γ, the step of the aux-loss-free bias update per optimizer step (DeepSeek-V3: 0.001)."""
     mtp_layers: int = Field(0, ge=0)
-    """DeepSeek-V3 only: multi-token-prediction depths to build and train (DeepSeek-V3 §2.2,
-    arXiv:2412.19437; ``num_nextn_predict_layers`` of its ``config.json``); 0: none. Depth ``k``
+    """DeepSeek-V3, GLM-4.5 and Qwen3.5 (dense, MoE; at most 1) only: multi-token-prediction depths
+    to build and train (DeepSeek-V3 §2.2, arXiv:2412.19437; ``num_nextn_predict_layers``, Qwen3.5's
+    ``mtp_num_hidden_layers``, of their ``config.json``); 0: none. Depth ``k``
     predicts the token ``k + 1`` ahead from the previous depth's hidden state and the embedding of
     the token ``k`` ahead, through one more MoE block and the shared output head; its loss is
     added as ``training.mtp_loss_weight × mean of the depths' losses``. With
-    ``checkpoint.initial_load_hf`` the checkpoint must hold at least this many (DeepSeek-V3 and
-    Kimi K2 hold 1), which are imported and exported with the model. Not with tensor parallelism."""
+    ``checkpoint.initial_load_hf`` the checkpoint must hold at least this many (DeepSeek-V3, Kimi
+    K2, GLM-4.5 and Qwen3.5 hold 1), which are imported and exported with the model. Not with tensor parallelism."""
 
 
 class DataSource(_Section):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,8 @@ from torch import nn
 from ray_titan.models.rope import RopeScaling, inv_frequencies
 
 __all__ = [
-    "Decoder", "FeedForward", "RMSNorm", "apply_rope", "count_parameters", "document_causal_mask", "param_seed",
+    "Decoder", "FeedForward", "MtpDecoder", "MtpDepth", "RMSNorm", "apply_rope", "count_parameters",
+    "document_causal_mask", "param_seed",
     "rope_tables", "scaled_dot_product_attention",
 ]
 
@@ -303,6 +304,103 @@ class Decoder(nn.Module):
         cos, sin = rope_tables(self.rope_dim, self.rope_positions, self.args.rope_theta, self.rope_scaling)
         self.rope_cos = cos.to(self.rope_cos.device)
         self.rope_sin = sin.to(self.rope_sin.device)
+
+
+class MtpDepth(nn.Module):
+    """One depth of multi-token prediction around a family's own block (DeepSeek-V3,
+    arXiv:2412.19437 §2.2, eq. 21–23; transformers' ``MtpLayer``), as a mixin placed before that
+    block's class: DeepSeek's ``MtpBlock(MtpDepth, MoEBlock)``, GLM-4.5's
+    ``Glm4MtpBlock(MtpDepth, Glm4MoeBlock)``, Qwen3.5's ``Qwen35MtpBlock(MtpDepth, Qwen35Block)``.
+    The block's parameters keep their names; the depth adds ``enorm``, ``hnorm``, ``eh_proj``
+    (``2·dim -> dim``) and ``head_norm`` (DeepSeek's ``shared_head.norm``), each norm of class
+    :attr:`NORM` (the family's RMSNorm). ``h' = eh_proj [enorm(emb); hnorm(h)]`` (the embedding
+    first, as DeepSeek's ``M_k[RMSNorm(h); RMSNorm(Emb)]`` is laid out in the released weights;
+    GLM-4.5's and Qwen3.5's the same), then the block, then ``head_norm`` before the shared output
+    head.
+
+    ``__init__(args, layer_id, *more)``: the block's own (``args.dim``, ``args.norm_eps`` size the
+    depth's parts). ``forward(h (batch, seq, dim), cos, sin, mask=None, emb=(batch, seq, dim))``:
+    ``h`` the previous depth's output (depth 1: the main model's, :class:`MtpDecoder`), ``emb``
+    the embedding of the tokens ``k`` ahead; returns the normed ``(batch, seq, dim)``. Raises
+    ``ValueError`` without ``emb``. One call does it all, so FSDP2 gathers the depth's weights
+    once."""
+
+    NORM: ClassVar[type[RMSNorm]] = RMSNorm
+
+    def __init__(self, args: Any, layer_id: int, *more: Any):
+        super().__init__(args, layer_id, *more)  # the family's block, after this mixin in the MRO
+        self.enorm = self.NORM(args.dim, args.norm_eps)
+        self.hnorm = self.NORM(args.dim, args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.head_norm = self.NORM(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None, emb: torch.Tensor | None = None) -> torch.Tensor:
+        if emb is None:
+            raise ValueError("an MTP block needs the embedding of the shifted tokens (emb=)")
+        h = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(x)], dim=-1))
+        return self.head_norm(super().forward(h, cos, sin, mask))
+
+
+class MtpDecoder(Decoder):
+    """A :class:`Decoder` with multi-token prediction (DeepSeek-V3 §2.2): with ``args.n_mtp_layers
+    = D > 0`` ``layers`` also holds ``D`` depths (:meth:`make_mtp_layer`, an :class:`MtpDepth`
+    around the family's block) under keys ``n_layers .. n_layers + D - 1`` (the DeepSeek-V3 and
+    GLM-4.5 checkpoints' numbering); they belong to the last pipeline stage, which then also needs
+    the token embedding: its own copy, ``mtp_embeddings``, when the stage does not hold
+    ``tok_embeddings`` (``ray_titan.parallel.pipeline.build_stage_module``; kept equal as a tied
+    embedding is, ``ray_titan.parallel.tied``). ``forward(x, positions=None, tokens=None)``: given
+    the input ids ``tokens (batch, seq)`` int64 (every stage receives them; only the last reads
+    them), a last stage holding the depths returns ``(logits, mtp logits of depth 1, ..., depth
+    D)``, each ``(batch, seq, vocab_size)`` (final-normed hidden states under :attr:`hidden_out`);
+    depth ``k``'s position ``i`` predicts token ``i + k + 1`` (its input is token ``i + k``,
+    rolled in from the sequence's start past its end: those positions' labels are masked,
+    ``ray_titan.trainer.mtp.mtp_labels``). Without ``tokens`` (validation) only the logits.
+
+    Depth 1's hidden input is the main model's last block's output before its final norm
+    (torchtitan's DeepSeek-V3), or after it when :attr:`MTP_AFTER_NORM` (Qwen3.5: vLLM's
+    ``Qwen3NextMultiTokenPredictor`` is fed the target model's normed output)."""
+
+    MTP_AFTER_NORM: ClassVar[bool] = False
+
+    def __init__(self, args: Any):
+        super().__init__(args)
+        self.mtp_embeddings: nn.Embedding | None = None
+        for k in range(getattr(args, "n_mtp_layers", 0)):
+            self.layers[str(args.n_layers + k)] = self.make_mtp_layer(args.n_layers + k)
+
+    def make_mtp_layer(self, layer_id: int) -> nn.Module:
+        """The multi-token-prediction depth keyed ``layer_id`` (``n_layers + k``): an
+        :class:`MtpDepth` around the family's block."""
+        raise NotImplementedError
+
+    @property
+    def mtp_layer_ids(self) -> list[str]:
+        """Keys in ``layers`` of the MTP depths this module holds, in depth order."""
+        return [k for k in self.layers if int(k) >= self.args.n_layers]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,  # type: ignore[override]
+                tokens: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        # (the override returns a tuple with ``tokens``, which Decoder.forward does not take)
+        h, rope = self.trunk(x, positions)
+        if self.norm is None:
+            return h
+        # hidden_out (the chunked loss): each output stays hidden states; the loss applies the head.
+        head = (lambda t: t) if self.hidden_out else self.logits
+        normed = self.norm(h)
+        out = head(normed)
+        depths = self.mtp_layer_ids
+        if tokens is None or not depths:
+            return out
+        emb = self.tok_embeddings if self.tok_embeddings is not None else self.mtp_embeddings
+        assert emb is not None, "a last stage with MTP blocks has the embedding or its copy"
+        outs = [out]
+        if self.MTP_AFTER_NORM:
+            h = normed
+        for k, key in enumerate(depths, 1):
+            h = self.layers[key](h, *rope, emb=emb(torch.roll(tokens, -k, dims=1)))
+            outs.append(head(h))
+        return tuple(outs)
 
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:

@@ -16,7 +16,8 @@ from ray_titan.models.decoder import Decoder
 from ray_titan.models.state_dict_adapter import StateDictAdapter
 from ray_titan.parallel.dims import Meshes, ParallelDims
 
-__all__ = ["BlockFormula", "FlopsPerToken", "ModelSpec", "Parallelize", "moe_config_args", "mtp_moe_config_args"]
+__all__ = ["BlockFormula", "FlopsPerToken", "ModelSpec", "Parallelize", "moe_config_args", "mtp_config_args",
+           "mtp_moe_config_args"]
 
 Parallelize = Callable[[nn.Module, ParallelDims, "Meshes | None", JobConfig], None]
 FlopsPerToken = Callable[[Any, int], int]
@@ -62,7 +63,12 @@ def moe_config_args(m: Model) -> dict[str, Any]:
     return {**lb, "aux_loss_coeff": m.aux_loss_coeff, "bias_update_rate": m.bias_update_rate}
 
 
+def mtp_config_args(m: Model) -> dict[str, Any]:
+    """The multi-token-prediction depths, ``n_mtp_layers`` = ``model.mtp_layers`` (the depths
+    built replace a checkpoint's count)."""
+    return {"n_mtp_layers": m.mtp_layers}
+
+
 def mtp_moe_config_args(m: Model) -> dict[str, Any]:
-    """:func:`moe_config_args` and the multi-token-prediction depths, ``n_mtp_layers`` =
-    ``model.mtp_layers`` (DeepSeek-V3: the depths built replace a checkpoint's count)."""
-    return {**moe_config_args(m), "n_mtp_layers": m.mtp_layers}
+    """:func:`moe_config_args` and :func:`mtp_config_args` (DeepSeek-V3, GLM-4.5, Qwen3.5-MoE)."""
+    return {**moe_config_args(m), **mtp_config_args(m)}

@@ -174,6 +174,7 @@ SIZE_FIELDS: dict[str, tuple[int, int]] = {
     "max_position_embeddings": (1, MAX_POSITIONS),
     "original_max_position_embeddings": (1, MAX_POSITIONS),
     "num_nextn_predict_layers": (0, 16),  # DeepSeek-V3's MTP modules (released: 1); sizes a skip list
+    "mtp_num_hidden_layers": (0, 16),  # Qwen3.5's MTP layers (released: 1)
     # Read by transformers' reference, not by ray_titan (or only to refuse other values): still
     # sizes, checked by check_config_numbers wherever they appear.
     "qk_head_dim": (1, 2 * MAX_HEAD_DIM),  # DeepSeek: qk_nope_head_dim + qk_rope_head_dim

@@ -213,6 +213,12 @@ def _check_mtp(cfg: JobConfig, margs: Any) -> None:
             f"model.mtp_layers = {depths} with parallelism.tp = {cfg.parallelism.tp}: the multi-token-prediction "
             "blocks have no tensor-parallel plan yet; use parallelism.tp = 1 or model.mtp_layers = 0"
         )
+    most = getattr(margs, "max_mtp_layers", None)  # a family whose layout holds fewer depths (Qwen3.5: 1)
+    if most is not None and depths > most:
+        raise ConfigError(
+            f"model.mtp_layers = {depths} but model.name = {cfg.model.name!r} builds at most {most} "
+            f"multi-token-prediction depth(s); valid: 0 to {most}"
+        )
 
 
 def _check_pipeline(cfg: JobConfig, margs: Any) -> None:

@@ -97,7 +97,8 @@ def test_flavor_is_the_model_card(flavor, total, activated):
     on the meta device, has the card's counts: "355B total parameters and 32B active" (GLM-4.5),
     "106B total and 12B active" (Air). Activated as DeepSeek counts (no input embedding), truncated
     to the card's billions (32.86, 12.80); the totals within 1 % (352.80: the card's 355B sits
-    between it and 356.8 with the multi-token-prediction layer, which is not built; Air's 106.85)."""
+    between it and 356.8 with the multi-token-prediction layer, which the flavor builds only under
+    ``model.mtp_layers = 1``; Air's 106.85)."""
     spec = get_spec("glm4_moe")
     args = get_model_args("glm4_moe", flavor)
     spec.hf.check_config(HUB_CONFIGS[flavor])  # every number of a released file is in range
@@ -110,16 +111,24 @@ def test_flavor_is_the_model_card(flavor, total, activated):
 
 def test_flops_count_the_activated_parameters():
     """The FLOPs count the activated parameters (routed top-k, shared expert, dense layers), not
-    all experts; the memory planner's block formula tells the dense layers from the MoE ones."""
+    all experts, and an MTP depth as DeepSeek-V3's; the memory planner's block formula tells the
+    dense layers from the MoE ones, and counts the MTP depth's block (layer ``n_layers``) as MoE."""
     from ray_titan.metrics.flops import model_flops_per_token
 
     args = get_model_args("glm4_moe", "106B-A12B")
     with torch.device("meta"):
         n_active = activated_parameters(build_model("glm4_moe", "106B-A12B"))
     assert model_flops_per_token(args, 4096) == 6 * n_active + 12 * args.n_layers * args.n_heads * args.head_dim * 4096
+    # An MTP depth (model.mtp_layers = 1): its block's activated parameters and the head once more, one more layer.
+    mtp = dataclasses.replace(args, n_mtp_layers=1)
+    with torch.device("meta"):
+        n_mtp = activated_parameters(build_model("glm4_moe", "", args=mtp)) + args.vocab_size * args.dim
+    assert n_mtp > n_active + args.vocab_size * args.dim
+    attention = 12 * (args.n_layers + 1) * args.n_heads * args.head_dim * 4096
+    assert model_flops_per_token(mtp, 4096) == 6 * n_mtp + attention
     spec, debug = get_spec("glm4_moe"), get_model_args("glm4_moe", "debug")
-    dense, moe = (spec.block_activations(debug, layer, 2, 64, "cpu", 1.0, 1) for layer in (0, 1))
-    assert dense.experts_none == 0 < moe.experts_none
+    dense, moe, depth = (spec.block_activations(debug, layer, 2, 64, "cpu", 1.0, 1) for layer in (0, 1, 4))
+    assert dense.experts_none == 0 < moe.experts_none == depth.experts_none  # the MTP depth's block is MoE
 
 
 @pytest.mark.parametrize("change, message", [
@@ -136,27 +145,46 @@ def test_bad_config_json_is_refused_naming_the_field(tiny, tmp_path, change, mes
     hf.assert_config_refused(tiny[0], tmp_path, change, message)
 
 
-def test_mtp_layer_is_skipped_when_config_json_declares_it(tiny, tmp_path, capsys):
+def test_mtp_layer_is_imported_when_config_json_declares_it(tiny, tmp_path):
     """The released files carry the MTP layer as layer ``num_hidden_layers`` (transformers ignores
-    ``model.layers.92.*``): with ``num_nextn_predict_layers = 1`` its tensors are skipped with a line
-    saying so and the rest loads as before; with 0 they are refused as unexpected."""
+    ``model.layers.92.*``): with ``num_nextn_predict_layers = 1`` the depth is imported (its block
+    and ``eh_proj`` as the files hold them), a job without MTP (``model.mtp_layers = 0``: the
+    model built without the depth) reads the rest as before and skips it; a depth with tensors
+    missing is refused naming one; with ``num_nextn_predict_layers = 0`` its tensors are refused
+    as unexpected."""
     import json
 
     from safetensors.torch import load_file, save_file
 
-    from ray_titan.checkpoint import HFCheckpointError, check_hf_checkpoint
+    from ray_titan.checkpoint import HFCheckpointError, check_hf_checkpoint, load_hf_weights
 
     src, _ = tiny
     for f in src.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(tmp_path / "model.safetensors") | {"model.layers.3.eh_proj.weight": torch.randn(64, 128)}
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    tensors = load_file(tmp_path / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    depth = {k.replace("layers.2.", "layers.3."): v + 0.01 * torch.randn(v.shape, generator=g)
+             for k, v in tensors.items() if k.startswith("model.layers.2.")}  # an MoE block
+    depth |= {f"model.layers.3.{n}.weight": torch.randn(64, generator=g)
+              for n in ("enorm", "hnorm", "shared_head.norm")}
+    depth["model.layers.3.eh_proj.weight"] = torch.randn(64, 128, generator=g)
+    save_file(tensors | depth, tmp_path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1  # transformers' default, written by save_pretrained
-    model, _, args = hf.load_ray_titan(tmp_path)
-    assert args.n_mtp_layers == 1 and "skipping 1 tensor(s) model.layers.3.*" in capsys.readouterr().out
+    model, spec, args = hf.load_ray_titan(tmp_path)
+    assert args.n_mtp_layers == 1
+    assert torch.equal(model.layers["3"].eh_proj.weight, depth["model.layers.3.eh_proj.weight"])
+    bias = depth["model.layers.3.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(model.layers["3"].moe.router.expert_bias, bias)
+    without = build_model(spec.name, "", args=dataclasses.replace(args, n_mtp_layers=0))
+    load_hf_weights(without, str(tmp_path), spec, dataclasses.replace(args, n_mtp_layers=0))
     reference, _, _ = hf.load_ray_titan(src)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    assert without.state_dict().keys() == reference.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(without.state_dict().values(), reference.state_dict().values()))
+    save_file(tensors | {"model.layers.3.eh_proj.weight": depth["model.layers.3.eh_proj.weight"]},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HFCheckpointError, match=r"missing tensor\(s\) model.layers.3.enorm.weight"):
+        check_hf_checkpoint(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
     with pytest.raises(HFCheckpointError, match=r"unexpected tensor\(s\) model.layers.3.eh_proj.weight"):
         check_hf_checkpoint(str(tmp_path))

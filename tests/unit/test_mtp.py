@@ -1,7 +1,8 @@
-"""DeepSeek-V3's multi-token prediction (no Ray, no process): the depths' labels against a loop
-over the tokens, the loss against a hand-written forward of the same weights, one MTP depth
-against transformers' ``MtpLayer`` on a checkpoint's tensors, the import and export of the
-depths, and the pre-flight's refusals."""
+"""Multi-token prediction (no Ray, no process): the depths' labels against a loop over the
+tokens, the loss against a hand-written forward of the same weights, one MTP depth of each family
+that builds them (DeepSeek-V3, GLM-4.5, Qwen3.5 dense and MoE) against transformers' ``MtpLayer``
+around the family's decoder layer on a checkpoint's tensors, the import and export of the depths,
+and the pre-flight's refusals."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_titan.data.loader import IGNORE_INDEX
-from ray_titan.models.decoder import document_causal_mask
+from ray_titan.models.decoder import MtpDepth, document_causal_mask
 from ray_titan.models.registry import build_model
 from ray_titan.trainer.build import cross_entropy_loss
 from ray_titan.trainer.mtp import MtpLoss, mtp_labels
@@ -74,7 +75,7 @@ def _reference_loss(model, x: torch.Tensor, labels: torch.Tensor, positions: tor
         ahead = torch.zeros_like(x)
         ahead[:, :seq - k] = x[:, k:]
         e = blk.enorm(model.tok_embeddings(ahead))
-        h = blk.head_norm(super(type(blk), blk).forward(blk.eh_proj(torch.cat([e, blk.hnorm(h)], -1)), cos, sin,
+        h = blk.head_norm(super(MtpDepth, blk).forward(blk.eh_proj(torch.cat([e, blk.hnorm(h)], -1)), cos, sin,
                                                            mask))
         logits = model.output(h)
         terms = []
@@ -118,14 +119,15 @@ def test_loss_matches_a_hand_written_reference():
     torch.testing.assert_close(loss_fn(logits, labels), main, rtol=0, atol=1e-5)
 
 
-def _mtp_checkpoint(directory):
-    """A tiny DeepSeek-V3 checkpoint with one MTP depth as the released files lay it out
-    (``model.layers.3.*`` beside 3 layers): transformers' 4-layer model saved, its layer 3 made
-    the depth's block, with random ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and the
-    copies of the embedding and head. Returns the 4-layer transformers model."""
+def _mtp_checkpoint(family: str, directory):
+    """A tiny checkpoint of ``family`` (DeepSeek-V3 or GLM-4.5) with one MTP depth as the
+    released files lay it out (``model.layers.3.*`` beside 3 layers): transformers' 4-layer model
+    saved, its (MoE) layer 3 made the depth's block, with random ``enorm``, ``hnorm``,
+    ``eh_proj``, ``shared_head.norm`` and the copies of the embedding and head. Returns the
+    4-layer transformers model."""
     from safetensors.torch import load_file, save_file
 
-    ref4 = make_hf_model("deepseek_v3", directory, num_hidden_layers=4)
+    ref4 = make_hf_model(family, directory, num_hidden_layers=4)
     tensors = load_file(directory / "model.safetensors")
     g = torch.Generator().manual_seed(7)
     dim = ref4.config.hidden_size
@@ -144,51 +146,88 @@ def _mtp_checkpoint(directory):
     return ref4
 
 
-@pytest.fixture(scope="module")
-def mtp_ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("v3_mtp")
-    return path, _mtp_checkpoint(path)
+def _assert_depth_matches(family: str, model, key: str, layer, rotary) -> torch.Tensor:
+    """ray_titan's depth ``model.layers[key]`` and transformers' ``MtpLayer`` ``layer`` (its
+    ``rotary`` embedding) on the same random hidden states and token embeddings: within 1e-4,
+    and not with the projection's halves swapped (hidden first, Inkling's order). Returns the
+    token ids it embedded, ``(1, 24)``."""
+    g = torch.Generator().manual_seed(3)
+    seq = 24
+    h = torch.randn(1, seq, layer.config.hidden_size, generator=g)
+    ids = torch.randint(0, VOCAB, (1, seq), generator=g)
+    emb = model.tok_embeddings(ids)
+    pos = torch.arange(seq)[None]
+    with torch.no_grad():
+        want = layer(emb, h, rotary(h, pos), None, pos, None)
+        got = model.layers[key](h, model.rope_cos, model.rope_sin, emb=emb)
+        print(f"{family}: max |difference| = {(got - want).abs().max().item():.2e} "
+              f"(outputs up to {want.abs().max():.1f})")
+        assert want.abs().max() > 0.5
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        layer.config.mtp_hidden_states_first = True
+        assert (layer(emb, h, rotary(h, pos), None, pos, None) - got).abs().max() > 1e-2
+    return ids
+
+
+# Each family that builds MTP depths: its transformers decoder layer, RMSNorm and rotary classes.
+_HF_CLASSES = {
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3"),
+    "glm4_moe": ("glm4_moe", "Glm4Moe"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(_HF_CLASSES))
+def mtp_ckpt(request, tmp_path_factory):
+    """``(family, directory, 4-layer transformers model)`` of :func:`_mtp_checkpoint`."""
+    path = tmp_path_factory.mktemp(f"{request.param}_mtp")
+    return request.param, path, _mtp_checkpoint(request.param, path)
 
 
 def test_mtp_depth_matches_transformers_mtp_layer(mtp_ckpt):
-    """The checkpoint's depth imported into ray_titan's MtpBlock and into transformers'
-    ``MtpLayer`` (its block loaded from the same tensors): the same output within 1e-4 for the
-    same hidden states and shifted embeddings. Negative control: the projection's halves swapped
-    (hidden first, Inkling's order) differ."""
-    from transformers.modeling_layers import MtpLayer
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-        DeepseekV3DecoderLayer,
-        DeepseekV3RMSNorm,
-        DeepseekV3RotaryEmbedding,
-    )
+    """The checkpoint's depth imported into ray_titan's depth (DeepSeek-V3's MtpBlock, GLM-4.5's
+    Glm4MtpBlock) and into transformers' ``MtpLayer`` around the family's decoder layer (its block
+    loaded from the same tensors): the same output within 1e-4 for the same hidden states and
+    shifted embeddings. Negative control: the projection's halves swapped (hidden first,
+    Inkling's order) differ."""
+    import importlib
 
-    path, ref4 = mtp_ckpt
+    from safetensors.torch import load_file
+    from transformers.modeling_layers import MtpLayer
+
+    family, path, ref4 = mtp_ckpt
+    module, prefix = _HF_CLASSES[family]
+    hf = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     model, _, args = load_ray_titan(path)
     assert args.n_mtp_layers == 1 and list(model.layers) == ["0", "1", "2", "3"]
-    config = transformers.DeepseekV3Config.from_pretrained(path).get_mtp_config()
+    assert isinstance(model.layers["3"], MtpDepth) and hasattr(model.layers["3"], "moe")
+    config = type(ref4.config).from_pretrained(path).get_mtp_config()
     config._attn_implementation = "sdpa"  # causal without a mask, as ray_titan's
-    layer = MtpLayer(config, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0).eval()
-    from safetensors.torch import load_file
-
+    layer = MtpLayer(config, getattr(hf, f"{prefix}DecoderLayer"), getattr(hf, f"{prefix}RMSNorm"), 0).eval()
     files = load_file(path / "model.safetensors")
     state = {f"mtp_block.{k}": v for k, v in ref4.model.layers[3].state_dict().items()}
     state |= {f"{n}.weight": files[f"model.layers.3.{n}.weight"] for n in ("enorm", "hnorm", "eh_proj")}
     state["post_norm.weight"] = files["model.layers.3.shared_head.norm.weight"]
     layer.load_state_dict(state)
-    g = torch.Generator().manual_seed(3)
-    seq = 24
-    h = torch.randn(1, seq, config.hidden_size, generator=g)
-    ids = torch.randint(0, VOCAB, (1, seq), generator=g)
-    emb = model.tok_embeddings(ids)
-    pos = torch.arange(seq)[None]
-    rotary = DeepseekV3RotaryEmbedding(config)
-    with torch.no_grad():
-        want = layer(emb, h, rotary(h, pos), None, pos, None)
-        got = model.layers["3"](h, model.rope_cos, model.rope_sin, emb=emb)
-        assert want.abs().max() > 0.5
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
-        config.mtp_hidden_states_first = True
-        assert (layer(emb, h, rotary(h, pos), None, pos, None) - got).abs().max() > 1e-2
+    _assert_depth_matches(family, model, "3", layer, getattr(hf, f"{prefix}RotaryEmbedding")(config))
+
+
+def _train_one_step_and_export(src, tmp_path, *flags: str) -> tuple[dict, dict, dict]:
+    """The checkpoint ``src`` imported by the train loop with model.mtp_layers = 1 (and
+    ``flags``), one step whose update is dropped (it reports one depth's loss), exported in fp32:
+    ``(exported tensors, src's tensors, exported config.json)``."""
+    from safetensors.torch import load_file
+
+    from ray_titan.checkpoint import export_hf
+    from ray_titan.metrics.reading.steps import read_steps
+    from tests.support.hf_models import train_one_dropped_step
+
+    _, run_dir = train_one_dropped_step(src, tmp_path, "--model.mtp_layers=1", *flags)
+    row = read_steps(run_dir).to_pylist()[0]
+    assert row["mtp_losses"] is not None and len(row["mtp_losses"]) == 1
+    out = tmp_path / "export"
+    export_hf(run_dir, str(out), dtype="fp32")
+    exported = {k: v for f in out.glob("model*.safetensors") for k, v in load_file(f).items()}
+    return exported, load_file(src / "model.safetensors"), json.loads((out / "config.json").read_text())
 
 
 def test_import_train_export_keeps_the_mtp_depth(mtp_ckpt, tmp_path):
@@ -196,26 +235,15 @@ def test_import_train_export_keeps_the_mtp_depth(mtp_ckpt, tmp_path):
     is dropped, exported: every tensor of the depth comes back bit for bit under its name, with
     num_nextn_predict_layers = 1; the copies of the embedding and head are not written
     (transformers ignores them). The step reported the depth's loss beside the main loss."""
-    from safetensors.torch import load_file
-
-    from ray_titan.checkpoint import export_hf
-    from ray_titan.metrics.reading.steps import read_steps
-    from tests.support.hf_models import train_one_dropped_step
-
-    src, _ = mtp_ckpt
-    _, run_dir = train_one_dropped_step(src, tmp_path, "--model.mtp_layers=1")
-    row = read_steps(run_dir).to_pylist()[0]
-    assert row["mtp_losses"] is not None and len(row["mtp_losses"]) == 1
-    out = tmp_path / "export"
-    export_hf(run_dir, str(out), dtype="fp32")
-    exported = {k: v for f in out.glob("model*.safetensors") for k, v in load_file(f).items()}
-    original = load_file(src / "model.safetensors")
+    _, src, _ = mtp_ckpt
+    # Auxiliary-loss-free balancing moves the correction bias after every step, a dropped one too.
+    exported, original, config = _train_one_step_and_export(src, tmp_path, "--model.bias_update_rate=0")
     copies = {"model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"}
     assert exported.keys() == original.keys() - copies
     assert "model.layers.3.eh_proj.weight" in exported and "model.layers.3.mlp.experts.7.up_proj.weight" in exported
     for key, value in exported.items():
         assert torch.equal(value, original[key]), key
-    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert config["num_nextn_predict_layers"] == 1
 
 
 def test_transformers_checkpoint_without_mtp_tensors_imports_without_depths(tmp_path):
@@ -249,3 +277,124 @@ def test_preflight_refuses_what_mtp_cannot_run(flags, message):
     cfg = load_config(None, ["--parallelism.pp=1", "--parallelism.dp_shard=1", *flags])
     with pytest.raises(ConfigError, match=message):
         validate_job(cfg, check_data=False)
+
+
+def _qwen35_mtp_checkpoint(family: str, directory):
+    """A tiny Qwen3.5 (dense or MoE) checkpoint with its MTP layer as the released files lay it
+    out (vLLM's ``qwen3_next_mtp.py`` names): ``mtp.layers.0.*`` the full-attention layer 2's
+    tensors plus noise, random zero-centred ``mtp.pre_fc_norm_embedding`` /
+    ``mtp.pre_fc_norm_hidden`` / ``mtp.norm`` and ``mtp.fc`` (the routed experts without noise:
+    transformers fuses them); ``mtp_num_hidden_layers = 1``.
+    Returns the transformers model (without the MTP layer, which transformers ignores)."""
+    from safetensors.torch import load_file, save_file
+
+    ref = make_hf_model(family, directory)
+    tensors = load_file(directory / "model.safetensors")
+    g = torch.Generator().manual_seed(9)
+    dim = ref.config.hidden_size
+    # The routed experts stay layer 2's (transformers fuses them: the reference reads its own layer 2's).
+    tensors |= {k.replace("model.layers.2.", "mtp.layers.0."): v + (0 if ".experts." in k else 0.02) *
+                torch.randn(v.shape, generator=g) for k, v in tensors.items() if k.startswith("model.layers.2.")}
+    tensors |= {f"mtp.{n}.weight": 0.3 * torch.randn(dim, generator=g)
+                for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    tensors["mtp.fc.weight"] = 0.3 * torch.randn(dim, 2 * dim, generator=g)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    return ref
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def qwen35_mtp_ckpt(request, tmp_path_factory):
+    """``(family, directory, transformers model)`` of :func:`_qwen35_mtp_checkpoint`."""
+    path = tmp_path_factory.mktemp(f"{request.param}_mtp")
+    return request.param, path, _qwen35_mtp_checkpoint(request.param, path)
+
+
+def test_qwen35_mtp_depth_matches_transformers_mtp_layer(qwen35_mtp_ckpt):
+    """The checkpoint's ``mtp.*`` imported into ray_titan's Qwen35MtpBlock and into transformers'
+    ``MtpLayer`` around the family's decoder layer (full attention) and zero-centred RMSNorm,
+    loaded from the same tensors: the same output within 1e-4. Negative control: the
+    projection's halves swapped differ. The model feeds depth 1 the main model's normed output
+    (vLLM's): its MTP logits are the depth's on ``norm(h)``, not on ``h``."""
+    import copy
+    import importlib
+
+    from safetensors.torch import load_file
+    from transformers.modeling_layers import MtpLayer
+
+    from ray_titan.models.qwen3_5.model import Qwen35MtpBlock
+
+    family, path, ref = qwen35_mtp_ckpt
+    hf = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    prefix = "Qwen3_5Moe" if family == "qwen3_5_moe" else "Qwen3_5"
+    model, _, args = load_ray_titan(path)
+    assert args.n_mtp_layers == 1 and isinstance(model.layers["4"], Qwen35MtpBlock)
+    assert hasattr(model.layers["4"], "attention") and model.mtp_layer_ids == ["4"]
+    config = copy.deepcopy(ref.config)
+    config.layer_types = ["full_attention"]
+    config._attn_implementation = "sdpa"
+    layer = MtpLayer(config, getattr(hf, f"{prefix}DecoderLayer"), getattr(hf, f"{prefix}RMSNorm"), 0).eval()
+    files = load_file(path / "model.safetensors")
+    state = {f"mtp_block.{k}": files.get(f"mtp.layers.0.{k}", v) for k, v in ref.model.layers[2].state_dict().items()}
+    state |= {f"{a}.weight": files[f"mtp.{b}.weight"] for a, b in (
+        ("enorm", "pre_fc_norm_embedding"), ("hnorm", "pre_fc_norm_hidden"), ("eh_proj", "fc"), ("post_norm", "norm"))}
+    layer.load_state_dict(state)
+    ids = _assert_depth_matches(family, model, "4", layer, getattr(hf, f"{prefix}TextRotaryEmbedding")(config))
+    depth = model.layers["4"]
+    with torch.no_grad():
+        # The whole model: depth 1 reads the main model's normed output and the next token's embedding.
+        x = ids
+        _, mtp_logits = model(x, tokens=x)
+        trunk, _ = model.trunk(x, None)
+        ahead = model.tok_embeddings(torch.roll(x, -1, dims=1))
+        normed = model.output(depth(model.norm(trunk), model.rope_cos, model.rope_sin, emb=ahead))
+        torch.testing.assert_close(mtp_logits, normed, rtol=0, atol=1e-5)
+        assert (mtp_logits - model.output(depth(trunk, model.rope_cos, model.rope_sin, emb=ahead))).abs().max() > 1e-3
+
+
+def test_qwen35_import_train_export_keeps_the_mtp_layer(qwen35_mtp_ckpt, tmp_path):
+    """The Qwen3.5 checkpoint imported by the train loop with model.mtp_layers = 1, one step whose
+    update is dropped, exported: every tensor, ``mtp.*`` included, comes back bit for bit under
+    its name, with mtp_num_hidden_layers = 1; the step reported the depth's loss. Two depths
+    (the layout holds one ``mtp.fc``) are refused before any worker starts."""
+    from ray_titan.checkpoint import resolve_hf_job
+    from ray_titan.config import load_config
+    from ray_titan.config.schema import ConfigError
+    from ray_titan.preflight.checks import validate_job
+
+    family, src, _ = qwen35_mtp_ckpt
+    exported, original, config = _train_one_step_and_export(src, tmp_path)
+    assert exported.keys() == original.keys() and "mtp.fc.weight" in exported
+    for key, value in exported.items():
+        assert torch.equal(value, original[key]), key
+    assert config["mtp_num_hidden_layers"] == 1
+    cfg = resolve_hf_job(load_config(None, [f"--checkpoint.initial_load_hf={src}", "--model.mtp_layers=2",
+                                            "--parallelism.pp=1", "--parallelism.dp_shard=1"]))
+    with pytest.raises(ConfigError, match=rf"model.mtp_layers = 2 but model.name = '{family}' builds at most 1"):
+        validate_job(cfg, check_data=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen35_flops_and_memory_plan_count_the_mtp_depth(family):
+    """One depth (model.mtp_layers = 1) adds to the FLOPs its block's activated parameters and the
+    output head once more (6 × (N_depth + V·d)) and one full-attention layer's scores; the memory
+    plan's block formula counts the depth's block (layer n_layers) as a full-attention block."""
+    import dataclasses
+
+    from ray_titan.models.deepseek_v2.model import activated_parameters
+    from ray_titan.models.registry import get_model_args, get_spec
+
+    spec, args = get_spec(family), get_model_args(family, "debug")
+    mtp = dataclasses.replace(args, n_mtp_layers=1)
+    with torch.device("meta"):
+        base, with_depth = (build_model(family, "", args=a) for a in (args, mtp))
+    count = activated_parameters if spec.moe else (lambda m: sum(p.numel() for p in m.parameters()))
+    depth = count(with_depth) - count(base)
+    assert depth > 2 * args.dim * args.dim  # eh_proj and the block
+    seq = 256
+    want = 6 * (depth + args.vocab_size * args.dim) + 12 * args.n_heads * args.head_dim * seq
+    assert spec.flops_per_token(mtp, seq) - spec.flops_per_token(args, seq) == want
+    depth_block = spec.block_activations(mtp, args.n_layers, 2, seq, "cpu", 1.0, 1)
+    assert depth_block == spec.block_activations(args, args.full_attention_layers[0], 2, seq, "cpu", 1.0, 1)
+    assert depth_block != spec.block_activations(args, 0, 2, seq, "cpu", 1.0, 1)  # a DeltaNet block's differs

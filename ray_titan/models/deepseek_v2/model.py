@@ -34,20 +34,28 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import ClassVar, Literal, Protocol, cast
+from typing import Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ray_titan.models.decoder import Decoder, FeedForward, RMSNorm, apply_rope, scaled_dot_product_attention
+from ray_titan.models.decoder import (
+    Decoder,
+    FeedForward,
+    MtpDecoder,
+    MtpDepth,
+    RMSNorm,
+    apply_rope,
+    scaled_dot_product_attention,
+)
 from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
 from ray_titan.models.rope import softmax_scale_factor
 from ray_titan.models.routing import ROUTERS, SELECTS_WITH_BIAS, RoutingArgs, check_routing
 
 __all__ = [
-    "EXPERT_ACTIVATIONS", "MLA", "DeepSeekV2", "GroupedExperts", "MoE", "MoEArgs", "MtpBlock", "Router",
+    "EXPERT_ACTIVATIONS", "MLA", "DeepSeekV2", "GroupedExperts", "MoE", "MoEArgs", "MtpBlock", "MtpDepth", "Router",
     "activated_parameters", "clamped_swiglu", "route_tokens", "swiglu",
 ]
 
@@ -458,88 +466,27 @@ class MoEBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class MtpBlock(MoEBlock):
-    """One depth of DeepSeek-V3's multi-token prediction (arXiv:2412.19437 §2.2, eq. 21–23; the
-    checkpoints' ``model.layers.<n_layers + k>``; transformers' ``MtpLayer``): ``h' = eh_proj
-    [enorm(emb); hnorm(h)]`` (the embedding first, as DeepSeek's ``M_k[RMSNorm(h); RMSNorm(Emb)]``
-    is laid out in the released weights), one MoE block (MTP blocks are MoE layers whatever
-    ``n_dense_layers``), then ``head_norm`` (the checkpoint's ``shared_head.norm``) before the
-    shared output head.
-
-    ``forward(h (batch, seq, dim), cos, sin, mask=None, emb=(batch, seq, dim))``: ``h`` the
-    previous depth's output (depth 1: the main model's last block's output, before its final
-    norm, as torchtitan's), ``emb`` the embedding of the tokens ``k`` ahead; returns the normed
-    ``(batch, seq, dim)``. One call does it all, so FSDP2 gathers the depth's weights once."""
-
-    def __init__(self, args: DeepSeekV2Args, layer_id: int):
-        super().__init__(args, max(layer_id, args.n_dense_layers))
-        self.enorm = RMSNorm(args.dim, args.norm_eps)
-        self.hnorm = RMSNorm(args.dim, args.norm_eps)
-        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
-        self.head_norm = RMSNorm(args.dim, args.norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None, emb: torch.Tensor | None = None) -> torch.Tensor:
-        if emb is None:
-            raise ValueError("an MTP block needs the embedding of the shifted tokens (emb=)")
-        h = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(x)], dim=-1))
-        return self.head_norm(super().forward(h, cos, sin, mask))
+class MtpBlock(MtpDepth, MoEBlock):
+    """One depth of DeepSeek-V3's multi-token prediction
+    (:class:`~ray_titan.models.decoder.MtpDepth`; the checkpoints' ``model.layers.<n_layers +
+    k>``) around DeepSeek's MoE block: MLA and an MoE feed-forward (a layer past
+    ``n_dense_layers``, so MoE whatever ``n_dense_layers``)."""
 
 
-class DeepSeekV2(Decoder):
-    """DeepSeek-V2-style MoE decoder (module docstring); input/output as :class:`Decoder`.
-
-    With ``args.n_mtp_layers = D > 0`` (DeepSeek-V3's multi-token prediction) ``layers`` also
-    holds ``D`` :class:`MtpBlock` under keys ``n_layers .. n_layers + D - 1`` (the checkpoints'
-    numbering); they belong to the last pipeline stage, which then also needs the token
-    embedding: its own copy, ``mtp_embeddings``, when the stage does not hold ``tok_embeddings``
-    (``ray_titan.parallel.pipeline.build_stage_module``; kept equal as a tied embedding is,
-    ``ray_titan.parallel.tied``). ``forward(x, positions=None, tokens=None)``: given the input
-    ids ``tokens (batch, seq)`` int64 (every stage receives them; only the last reads them), a
-    last stage holding the MTP blocks returns ``(logits, mtp logits of depth 1, ..., depth D)``,
-    each ``(batch, seq, vocab_size)``; depth ``k``'s position ``i`` predicts token ``i + k + 1``
-    (its input is token ``i + k``, rolled in from the sequence's start past its end: those
-    positions' labels are masked, ``ray_titan.trainer.mtp.mtp_labels``). Without ``tokens``
-    (validation) only the logits."""
+class DeepSeekV2(MtpDecoder):
+    """DeepSeek-V2-style MoE decoder (module docstring); input/output as :class:`Decoder`, and
+    with ``args.n_mtp_layers = D > 0`` DeepSeek-V3's multi-token prediction
+    (:class:`~ray_titan.models.decoder.MtpDecoder`), its depths :class:`MtpBlock`."""
 
     RESIDUAL_OUTPUTS = ("wo.weight", "w2.weight", "experts.w2")
-    # Whether ``args.n_mtp_layers`` builds MTP blocks (DeepSeek's layer); a family whose MTP layer
-    # differs (GLM-4.5's) sets False and skips those weights on import instead.
-    BUILDS_MTP: ClassVar[bool] = True
-
-    def __init__(self, args: DeepSeekV2Args):
-        super().__init__(args)
-        self.mtp_embeddings: nn.Embedding | None = None
-        for k in range(args.n_mtp_layers if self.BUILDS_MTP else 0):
-            self.layers[str(args.n_layers + k)] = MtpBlock(args, args.n_layers + k)
 
     def make_layer(self, layer_id: int) -> nn.Module:
         return MoEBlock(self.args, layer_id)
 
-    @property
-    def mtp_layer_ids(self) -> list[str]:
-        """Keys in ``layers`` of the MTP depths this module holds, in depth order."""
-        return [k for k in self.layers if int(k) >= self.args.n_layers]
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,  # type: ignore[override]
-                tokens: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        # (the override returns a tuple with ``tokens``, which Decoder.forward does not take)
-        h, rope = self.trunk(x, positions)
-        if self.norm is None:
-            return h
-        # hidden_out (the chunked loss): each output stays hidden states; the loss applies the head.
-        head = (lambda t: t) if self.hidden_out else self.logits
-        out = head(self.norm(h))
-        depths = self.mtp_layer_ids
-        if tokens is None or not depths:
-            return out
-        emb = self.tok_embeddings if self.tok_embeddings is not None else self.mtp_embeddings
-        assert emb is not None, "a last stage with MTP blocks has the embedding or its copy"
-        outs = [out]
-        for k, key in enumerate(depths, 1):
-            h = self.layers[key](h, *rope, emb=emb(torch.roll(tokens, -k, dims=1)))
-            outs.append(head(h))
-        return tuple(outs)
+    def make_mtp_layer(self, layer_id: int) -> nn.Module:
+        """The multi-token-prediction depth keyed ``layer_id`` (``n_layers + k``): an
+        :class:`MtpDepth` around the family's block (DeepSeek's: :class:`MtpBlock`)."""
+        return MtpBlock(self.args, layer_id)
 
     @property
     def rope_dim(self) -> int:

@@ -21,11 +21,45 @@ from typing import Any
 
 from ray_titan.models.deepseek_v2.args import DeepSeekV2Args
 from ray_titan.models.deepseek_v2.state_dict_adapter import DeepSeekV2Adapter
-from ray_titan.models.state_dict_adapter import Source, size_field
+from ray_titan.models.state_dict_adapter import Source, StateDictAdapter, size_field
 
-__all__ = ["DeepSeekV3Adapter"]
+__all__ = ["DeepSeekV3Adapter", "MtpAdapter"]
 
-class DeepSeekV3Adapter(DeepSeekV2Adapter):
+
+class MtpAdapter(StateDictAdapter):
+    """The names of DeepSeek-V3's multi-token-prediction depths (module docstring), for any family
+    that lays them out as it does (GLM-4.5 too): mixed in before the family's adapter, whose
+    arguments have ``n_layers`` and ``n_mtp_layers`` (the depths built). :meth:`mtp_sources`
+    gives each depth's own tensors (the family's adapter gives its block's, under layer
+    ``n_layers + k``), :meth:`held_args` counts the depths a checkpoint holds and
+    :meth:`ignored_keys` adds their copies of the embedding and head."""
+
+    def mtp_sources(self, args: Any) -> dict[str, Source]:
+        """``enorm`` / ``hnorm`` / ``eh_proj`` / ``head_norm`` of each depth built and the last
+        pipeline stage's copy of the embedding, ``mtp_embeddings`` (read, never written)."""
+        out = {"mtp_embeddings.weight": Source(("model.embed_tokens.weight",))} if args.n_mtp_layers else {}
+        for i in range(args.n_layers, args.n_layers + args.n_mtp_layers):
+            hf, rt = f"model.layers.{i}.", f"layers.{i}."
+            out |= {f"{rt}{a}.weight": Source((f"{hf}{b}.weight",))
+                    for a, b in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                                 ("head_norm", "shared_head.norm"))}
+        return out
+
+    def held_args(self, args: Any, keys: set[str]) -> Any:
+        """The MTP depths the files hold: transformers' ``save_pretrained`` writes
+        ``num_nextn_predict_layers`` (its default 1) without the depths' tensors."""
+        held = 0
+        while held < args.n_mtp_layers and any(k.startswith(f"model.layers.{args.n_layers + held}.") for k in keys):
+            held += 1
+        return dataclasses.replace(args, n_mtp_layers=held)
+
+    def ignored_keys(self, args: Any) -> set[str]:
+        copies = {f"model.layers.{args.n_layers + k}.{name}" for k in range(args.n_mtp_layers)
+                  for name in ("embed_tokens.weight", "shared_head.head.weight")}
+        return super().ignored_keys(args) | copies
+
+
+class DeepSeekV3Adapter(MtpAdapter, DeepSeekV2Adapter):
     """DeepSeek-V3 and Kimi K2: sigmoid scores, ``noaux_tc`` routing (transformers'
     ``models/deepseek_v3/modeling_deepseek_v3.py`` computes only these), YaRN rope."""
 
@@ -51,25 +85,6 @@ class DeepSeekV3Adapter(DeepSeekV2Adapter):
 
     def sources(self, args: DeepSeekV2Args) -> dict[str, Source]:
         out = super().sources(args)
-        if args.n_mtp_layers:  # a last pipeline stage's copy of the embedding (read, never written)
-            out["mtp_embeddings.weight"] = Source(("model.embed_tokens.weight",))
         for i in range(args.n_layers, args.n_layers + args.n_mtp_layers):
-            hf, rt = f"model.layers.{i}.", f"layers.{i}."
             out |= self.layer_sources(args, i)
-            out |= {f"{rt}{a}.weight": Source((f"{hf}{b}.weight",))
-                    for a, b in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
-                                 ("head_norm", "shared_head.norm"))}
-        return out
-
-    def held_args(self, args: DeepSeekV2Args, keys: set[str]) -> DeepSeekV2Args:
-        """The MTP depths the files hold: transformers' ``save_pretrained`` writes
-        ``num_nextn_predict_layers`` (its default 1) without the depths' tensors."""
-        held = 0
-        while held < args.n_mtp_layers and any(k.startswith(f"model.layers.{args.n_layers + held}.") for k in keys):
-            held += 1
-        return dataclasses.replace(args, n_mtp_layers=held)
-
-    def ignored_keys(self, args: DeepSeekV2Args) -> set[str]:
-        copies = {f"model.layers.{args.n_layers + k}.{name}" for k in range(args.n_mtp_layers)
-                  for name in ("embed_tokens.weight", "shared_head.head.weight")}
-        return super().ignored_keys(args) | copies
+        return out | self.mtp_sources(args)

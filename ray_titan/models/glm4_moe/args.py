@@ -42,7 +42,7 @@ class Glm4MoeArgs:
     ``load_balance``: ``aux_free`` (default: the checkpoint's correction bias moved by
     ``bias_update_rate``, as DeepSeek-V3), ``aux_loss`` (DeepSeek's sequence-wise loss; the bias
     still takes part in the selection) or ``none``. ``n_mtp_layers``: multi-token-prediction
-    layers a checkpoint holds (``num_nextn_predict_layers``), not built (as DeepSeek-V3's).
+    depths (``num_nextn_predict_layers``), built as DeepSeek-V3's around GLM's block.
     """
 
     dim: int = 4096
@@ -70,8 +70,10 @@ class Glm4MoeArgs:
     init_std: float = 0.02
     tie_word_embeddings: bool = False
     n_mtp_layers: int = 0
-    """Multi-token-prediction layers a checkpoint holds (``num_nextn_predict_layers``; the released
-    ones: 1). Not built: an import skips their tensors, an export writes none (and says 0)."""
+    """Multi-token-prediction depths (``num_nextn_predict_layers``; the released checkpoints hold 1):
+    read from a checkpoint, and built (``ray_titan.models.glm4_moe.model.Glm4MtpBlock``) as many as
+    the job's ``model.mtp_layers`` sets, which replaces the checkpoint's count; an import reads, and
+    an export writes, the depths built."""
     load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_free"
     aux_loss_coeff: float = 0.001
     """α of DeepSeek's sequence-wise balance loss (when ``load_balance = "aux_loss"``)."""
@@ -129,12 +131,13 @@ FLAVORS: dict[str, Glm4MoeArgs] = {
         max_seq_len=1024,
     ),
     # GLM-4.5 (huggingface.co/zai-org/GLM-4.5, config.json; GLM-4.6 / 4.7 the same sizes): 355 B
-    # total, 32 B activated; 160 experts, 3 dense layers, q/k norms, routed scaling 2.5.
+    # total, 32 B activated; 160 experts, 3 dense layers, q/k norms, routed scaling 2.5. The
+    # release's one MTP layer (not in the card's counts) is built when model.mtp_layers = 1.
     "355B-A32B": Glm4MoeArgs(
         dim=5120, n_layers=92, inter_dim=12_288, moe_inter_dim=1536, n_routed_experts=160, n_dense_layers=3,
-        route_scale=2.5, qk_norm=True, n_mtp_layers=1,
+        route_scale=2.5, qk_norm=True,
     ),
     # GLM-4.5-Air (huggingface.co/zai-org/GLM-4.5-Air, config.json): 106 B total, 12 B activated.
-    "106B-A12B": Glm4MoeArgs(n_mtp_layers=1),
+    "106B-A12B": Glm4MoeArgs(),
 }
 """Flavors by name. ``debug`` is tiny and CPU-friendly."""

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from ray_titan.models.deepseek_v2.model import DeepSeekV2, MoE
+from ray_titan.models.deepseek_v2.model import DeepSeekV2, MoE, MtpDepth
 from ray_titan.models.qwen3_moe.model import Qwen3MoeBlock
 
-__all__ = ["Glm4Moe", "Glm4MoeBlock"]
+__all__ = ["Glm4Moe", "Glm4MoeBlock", "Glm4MtpBlock"]
 
 
 class Glm4MoeBlock(Qwen3MoeBlock):
@@ -34,15 +34,25 @@ class Glm4MoeBlock(Qwen3MoeBlock):
     MOE = MoE
 
 
-class Glm4Moe(DeepSeekV2):
-    """GLM-4.5 decoder (module docstring); input/output as :class:`~ray_titan.models.decoder.Decoder`.
-    The rotary tables cover the rotated part of a head (``args.rotary_dim``). Its MTP layer
-    (``args.n_mtp_layers``) is not built: its weights are skipped on import."""
+class Glm4MtpBlock(MtpDepth, Glm4MoeBlock):
+    """One depth of GLM-4.5's multi-token prediction (GLM-4.5 §2.1: "an MTP layer", the
+    checkpoints' ``model.layers.<num_hidden_layers + k>``; transformers' ``MtpLayer`` around
+    ``Glm4MoeDecoderLayer``): DeepSeek-V3's depth
+    (:class:`~ray_titan.models.deepseek_v2.model.MtpDepth`) around GLM's own block, its attention
+    (q/k/v biases, partial rotary, q/k norms) and an MoE feed-forward (an MTP layer is always MoE:
+    transformers' ``get_mtp_config`` sets ``first_k_dense_replace = 0``)."""
 
-    BUILDS_MTP = False
+
+class Glm4Moe(DeepSeekV2):
+    """GLM-4.5 decoder (module docstring); input/output as :class:`~ray_titan.models.decoder.Decoder`,
+    multi-token prediction (``args.n_mtp_layers``) as DeepSeek-V3's with :class:`Glm4MtpBlock`.
+    The rotary tables cover the rotated part of a head (``args.rotary_dim``)."""
 
     def make_layer(self, layer_id: int) -> nn.Module:
         return Glm4MoeBlock(self.args, layer_id)
+
+    def make_mtp_layer(self, layer_id: int) -> nn.Module:
+        return Glm4MtpBlock(self.args, layer_id)
 
     @property
     def rope_dim(self) -> int:

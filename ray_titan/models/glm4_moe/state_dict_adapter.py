@@ -8,8 +8,12 @@ their biases and per-head norms) for every layer, dense layers' ``mlp.{gate,up,d
 (``ray_titan.models.deepseek_v2.state_dict_adapter.moe_sources``): ``mlp.gate`` ↔ ``moe.router``,
 ``mlp.gate.e_score_correction_bias`` (required) ↔ ``moe.router.expert_bias``,
 ``mlp.experts.E.*`` ↔ row ``E`` of the stacked experts, ``mlp.shared_experts.*``. The
-multi-token-prediction layers (``model.layers.<num_hidden_layers + i>.*``) are skipped with a
-printed line and exported as none.
+multi-token-prediction depths (``num_nextn_predict_layers``; the model's ``n_mtp_layers``, built
+as many as ``model.mtp_layers`` asks) are DeepSeek-V3's layout
+(``ray_titan.models.deepseek_v3.state_dict_adapter.MtpAdapter``): ``model.layers.<num_hidden_layers
++ k>.*``, GLM's MoE block named as any other layer plus ``enorm`` / ``hnorm`` / ``eh_proj`` /
+``shared_head.norm``; their ``embed_tokens`` / ``shared_head.head`` copies are ignored and not
+exported.
 
 ``config.json``: ``partial_rotary_factor`` at the top level (the hub's files) or in
 ``rope_parameters`` (what transformers 5 writes), ``use_qk_norm``, ``attention_bias``,
@@ -20,9 +24,11 @@ it), ``n_shared_experts``, ``num_experts_per_tok``, ``routed_scaling_factor``, `
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ray_titan.models.deepseek_v2.state_dict_adapter import moe_sources
+from ray_titan.models.deepseek_v3.state_dict_adapter import MtpAdapter
 from ray_titan.models.glm4_moe.args import Glm4MoeArgs
 from ray_titan.models.llama.state_dict_adapter import LlamaAdapter
 from ray_titan.models.routing import group_problem
@@ -62,13 +68,15 @@ def _flag(config: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-class Glm4MoeAdapter(LlamaAdapter):
+class Glm4MoeAdapter(MtpAdapter, LlamaAdapter):
     """GLM-4.5 / 4.5-Air / 4.6 / 4.7: Llama-style names for attention with q/k/v biases, partial
-    rotary and optional q/k norms; DeepSeek-V3's names and router for the MoE layers."""
+    rotary and optional q/k norms; DeepSeek-V3's names and router for the MoE layers and its
+    layout of the multi-token-prediction depths."""
 
     model_type = "glm4_moe"
     architectures = ("Glm4MoeForCausalLM",)
-    training_fields = frozenset({"init_std", "load_balance", "aux_loss_coeff", "bias_update_rate"})
+    # The MTP depths built are the job's choice (model.mtp_layers), not compared with config.json.
+    training_fields = frozenset({"init_std", "load_balance", "aux_loss_coeff", "bias_update_rate", "n_mtp_layers"})
 
     def args_from_hf(self, config: dict[str, Any]) -> Glm4MoeArgs:  # type: ignore[override]
         def need(name: str, default: int | None = None) -> int:
@@ -116,19 +124,16 @@ class Glm4MoeAdapter(LlamaAdapter):
             "n_shared_experts": args.n_shared_experts, "num_experts_per_tok": args.n_activated_experts,
             "routed_scaling_factor": args.route_scale, "norm_topk_prob": args.norm_topk_prob,
             "n_group": args.n_group, "topk_group": args.topk_group,
-            "num_nextn_predict_layers": 0,  # no MTP tensors are written
+            "num_nextn_predict_layers": args.n_mtp_layers,
         }
 
     def sources(self, args: Glm4MoeArgs) -> dict[str, Source]:  # type: ignore[override]
-        out = super().sources(args.attention_args())
-        for i in args.moe_layers:
+        # The MTP depths' blocks are named as layers n_layers .. n_layers + n_mtp_layers - 1, all MoE.
+        n_all = args.n_layers + args.n_mtp_layers
+        out = super().sources(dataclasses.replace(args.attention_args(), n_layers=n_all))
+        for i in [*args.moe_layers, *range(args.n_layers, n_all)]:
             hf, rt = f"model.layers.{i}.", f"layers.{i}."
             for a in ("w1", "w2", "w3"):
                 del out[f"{rt}feed_forward.{a}.weight"]
             out |= moe_sources(args, hf, rt, Source((hf + "mlp.gate.e_score_correction_bias",)))
-        return out
-
-    def skipped_prefixes(self, args: Glm4MoeArgs) -> dict[str, str]:
-        why = ("a multi-token-prediction layer (GLM-4.5 §2.1; num_nextn_predict_layers): ray_titan trains the main "
-               "model only, without the MTP loss, and exports none")
-        return {f"model.layers.{args.n_layers + i}.": why for i in range(args.n_mtp_layers)}
+        return out | self.mtp_sources(args)

@@ -63,6 +63,11 @@ class Qwen35Args:
     init_std: float = 0.02
     tie_word_embeddings: bool = False
     hf_prefix: str = "model."
+    n_mtp_layers: int = 0
+    """Multi-token-prediction depths (``text_config.mtp_num_hidden_layers``; the released
+    checkpoints hold 1, ``mtp.*``): read from a checkpoint, and built
+    (``ray_titan.models.qwen3_5.model.Qwen35MtpBlock``) as many as the job's ``model.mtp_layers``
+    sets, at most :attr:`max_mtp_layers`; an import reads, and an export writes, the depth built."""
 
     tp_unsupported: ClassVar[str] = (
         "Gated DeltaNet's input projection holds the queries, keys and values of all heads one after "
@@ -72,6 +77,10 @@ class Qwen35Args:
         "Gated DeltaNet carries its state and its convolution across the whole packed sequence, so "
         "documents would see their predecessors")
     """Why ``training.document_mask`` is refused (the pre-flight)."""
+    max_mtp_layers: ClassVar[int] = 1
+    """Depths ``model.mtp_layers`` may build: the checkpoints' one ``mtp.fc`` and its norms serve
+    every MTP layer (vLLM's predictor), where ray_titan's depths each have their own (the pre-flight
+    refuses more)."""
     cp_unsupported: ClassVar[str] = (
         "Gated DeltaNet's recurrent state and causal convolution run along the whole sequence, which "
         "context parallel splits over ranks (a state hand-off between cp ranks is not built), and its "

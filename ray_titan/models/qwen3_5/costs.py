@@ -64,7 +64,9 @@ def hybrid_flops_per_token(model: Any, seq_len: int) -> int:
     """Training FLOPs per token at ``seq_len`` of a Qwen3.5 ``model`` (dense or MoE, on the meta
     device): the module docstring's count, ``N`` the activated non-embedding parameters
     (DeepSeek's count, :func:`ray_titan.models.deepseek_v2.model.activated_parameters`, for an
-    MoE model; dense: every parameter but the embedding)."""
+    MoE model; dense: every parameter but the embedding). Multi-token prediction's
+    ``n_mtp_layers`` depths count as DeepSeek-V3's: more full-attention blocks (their parameters
+    are among the model's), and the output head once more each."""
     from ray_titan.models.deepseek_v2.model import activated_parameters
 
     args = model.args
@@ -72,8 +74,11 @@ def hybrid_flops_per_token(model: Any, seq_len: int) -> int:
         n = activated_parameters(model)
     else:
         n = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("tok_embeddings"))
+    mtp = args.n_mtp_layers
+    n += mtp * args.vocab_size * args.dim
     linear = args.n_layers - len(args.full_attention_layers)
-    return (transformer_flops_per_token(n, len(args.full_attention_layers), args.n_heads * args.head_dim, seq_len)
+    return (transformer_flops_per_token(n, len(args.full_attention_layers) + mtp, args.n_heads * args.head_dim,
+                                        seq_len)
             + linear * deltanet_flops_per_token(args))
 
 
@@ -118,7 +123,7 @@ def qwen3_5_block_activations(a: Any, layer: int, e: int, seq: int, device: str,
     selective checkpointing is planned as keeping everything (``op = none``: an upper bound; its
     every-second-matmul rule is not modelled for DeltaNet's chunk loop)."""
     d = a.dim
-    if a.layer_types[layer] == FULL:
+    if layer >= a.n_layers or a.layer_types[layer] == FULL:  # an MTP depth's block is full attention
         mixer, mixer_backward = _attention(a, e), 0.0
     else:
         mixer, mixer_backward = _deltanet(a, e, seq)

@@ -10,8 +10,12 @@ share of each head in the ``rotate_half`` layout, and the output gated by ``sigm
 half of the query projection, Qiu et al. 2025, "Gated Attention for Large Language Models",
 arXiv:2505.06708), followed by a SwiGLU feed-forward. Every RMSNorm outside DeltaNet is
 zero-centred (``x̂ · (1 + w)``, weights initialised to 0: :class:`ZeroCenteredRMSNorm`). The text
-model only: the multimodal checkpoints' vision tower and multi-token-prediction layer are not
-built (their positions for text are the plain ones, so the multimodal rotary sections coincide).
+model only: the multimodal checkpoints' vision tower is not built (their positions for text are
+the plain ones, so the multimodal rotary sections coincide). Multi-token prediction
+(``args.n_mtp_layers``, the checkpoints' ``mtp.*``) as vLLM's ``Qwen3NextMultiTokenPredictor``
+(``vllm/model_executor/models/qwen3_next_mtp.py``, which Qwen3.5's reuses): zero-centred norms of
+the embedding and of the main model's *normed* output, concatenated embedding first, projected
+(``fc``), one full-attention block, a zero-centred norm, the shared head (:class:`Qwen35MtpBlock`).
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ray_titan.models.decoder import Decoder, FeedForward, RMSNorm, _copy_full_into, param_seed
+from ray_titan.models.decoder import FeedForward, MtpDecoder, MtpDepth, RMSNorm, _copy_full_into, param_seed
 from ray_titan.models.qwen3_5.args import FULL, Qwen35Args
 from ray_titan.models.qwen3_5.delta_rule import GatedDeltaNet
 
-__all__ = ["GatedAttention", "Qwen35", "Qwen35Block", "ZeroCenteredRMSNorm", "deltanet_layers", "rotate_half_rope"]
+__all__ = ["GatedAttention", "Qwen35", "Qwen35Block", "Qwen35MtpBlock", "ZeroCenteredRMSNorm", "deltanet_layers",
+           "rotate_half_rope"]
 
 
 class ZeroCenteredRMSNorm(RMSNorm):
@@ -98,7 +103,8 @@ class Qwen35Block(nn.Module):
     def __init__(self, args: Qwen35Args, layer_id: int, ffn_name: str, ffn: nn.Module):
         super().__init__()
         self.attention_norm = ZeroCenteredRMSNorm(args.dim, args.norm_eps)
-        if args.layer_types[layer_id] == FULL:
+        # An MTP depth's block (keyed past the main layers) is full attention (vLLM's Qwen3.5 MTP).
+        if layer_id >= args.n_layers or args.layer_types[layer_id] == FULL:
             self.attention = GatedAttention(args)
         else:
             self.linear_attn = GatedDeltaNet(args.dim, args.linear_k_heads, args.linear_v_heads,
@@ -119,11 +125,24 @@ class Qwen35Block(nn.Module):
         return h + getattr(self, self.ffn_name)(self.ffn_norm(h))
 
 
-class Qwen35(Decoder):
-    """Qwen3.5 dense decoder (module docstring); input/output as :class:`Decoder`. Subclasses
-    give each block another feed-forward (:meth:`make_ffn`)."""
+class Qwen35MtpBlock(MtpDepth, Qwen35Block):
+    """Qwen3.5's multi-token-prediction depth (module docstring): the depth's parts
+    (:class:`~ray_titan.models.decoder.MtpDepth`: ``enorm``, ``hnorm``, ``eh_proj``,
+    ``head_norm``, the checkpoints' ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``,
+    ``mtp.fc``, ``mtp.norm``) zero-centred, around a full-attention :class:`Qwen35Block` (the
+    checkpoints' ``mtp.layers.0``) with the family's feed-forward."""
+
+    NORM = ZeroCenteredRMSNorm
+
+
+class Qwen35(MtpDecoder):
+    """Qwen3.5 dense decoder (module docstring); input/output as :class:`~ray_titan.models.decoder.Decoder`,
+    multi-token prediction (``args.n_mtp_layers``) as :class:`~ray_titan.models.decoder.MtpDecoder`
+    with :class:`Qwen35MtpBlock`, fed the main model's normed output. Subclasses give each block
+    another feed-forward (:meth:`make_ffn`)."""
 
     RESIDUAL_OUTPUTS = ("wo.weight", "out_proj.weight", "w2.weight", "experts.w2")
+    MTP_AFTER_NORM = True
 
     def __init__(self, args: Qwen35Args):
         super().__init__(args)
@@ -135,6 +154,9 @@ class Qwen35(Decoder):
 
     def make_layer(self, layer_id: int) -> nn.Module:
         return Qwen35Block(self.args, layer_id, *self.make_ffn(layer_id))
+
+    def make_mtp_layer(self, layer_id: int) -> nn.Module:
+        return Qwen35MtpBlock(self.args, layer_id, *self.make_ffn(layer_id))
 
     @property
     def rope_dim(self) -> int:

@@ -5,9 +5,17 @@
 (``qwen3_5_text``), or the released multimodal checkpoint's (``qwen3_5``,
 ``Qwen3_5ForConditionalGeneration``), whose language model's fields are under ``text_config``
 (``tie_word_embeddings`` at the top) and whose language-model tensors are named
-``model.language_model.*`` instead of ``model.*``. Its vision tower (``model.visual.*``) and the
-multi-token-prediction layer (``mtp.*``) are skipped on import. An export is always the text
-model (``qwen3_5_text``, ``model.*``), which transformers' ``Qwen3_5ForCausalLM`` reads.
+``model.language_model.*`` instead of ``model.*``. Its vision tower (``model.visual.*``) is
+skipped on import. An export is always the text model (``qwen3_5_text``, ``model.*``), which
+transformers' ``Qwen3_5ForCausalLM`` reads.
+
+The multi-token-prediction layer (``mtp_num_hidden_layers``, the model's ``n_mtp_layers``, built
+when ``model.mtp_layers = 1``; in both forms at the top level, ``mtp.*``, which transformers
+ignores; the layout of vLLM's ``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py``): ``mtp.fc`` (``2·dim ->
+dim``, the embedding's half first) ↔ ``layers.<n_layers>.eh_proj``, ``mtp.pre_fc_norm_embedding``
+/ ``mtp.pre_fc_norm_hidden`` / ``mtp.norm`` ↔ its ``enorm`` / ``hnorm`` / ``head_norm``, and
+``mtp.layers.0.*`` (a full-attention layer named as the others) ↔ its block. An export writes it
+with ``mtp_num_hidden_layers``, and without it ``mtp_num_hidden_layers = 0``.
 
 Names: ``model.layers.N.input_layernorm`` / ``post_attention_layernorm`` ↔ ``layers.N.attention_norm``
 / ``ffn_norm``; ``self_attn.{q,k,v,o}_proj`` ↔ ``attention.w{q,k,v,o}`` (the query projection
@@ -64,7 +72,8 @@ class Qwen35Adapter(StateDictAdapter):
     model_type = "qwen3_5_text"
     architectures = ("Qwen3_5ForCausalLM",)
     model_type_aliases = ("qwen3_5",)
-    training_fields = frozenset({"init_std", "hf_prefix"})
+    # The MTP depths built are the job's choice (model.mtp_layers), not compared with config.json.
+    training_fields = frozenset({"init_std", "hf_prefix", "n_mtp_layers"})
 
     def dense_fields(self, config: dict[str, Any]) -> dict[str, Any]:
         """The arguments both Qwen3.5 families read from ``config.json`` (either form), as a dict.
@@ -99,6 +108,7 @@ class Qwen35Adapter(StateDictAdapter):
             norm_eps=float_field(c, "rms_norm_eps", 1e-6), rope_theta=theta,
             max_seq_len=size_field(c, "max_position_embeddings"), tie_word_embeddings=bool(tied),
             hf_prefix=MULTIMODAL_PREFIX if multimodal else "model.",
+            n_mtp_layers=size_field(c, "mtp_num_hidden_layers", 0),
         )
 
     def args_from_hf(self, config: dict[str, Any]) -> Qwen35Args:
@@ -115,6 +125,7 @@ class Qwen35Adapter(StateDictAdapter):
             "linear_conv_kernel_dim": args.conv_kernel, "linear_key_head_dim": args.linear_k_head_dim,
             "linear_value_head_dim": args.linear_v_head_dim, "linear_num_key_heads": args.linear_k_heads,
             "linear_num_value_heads": args.linear_v_heads, "layer_types": list(args.layer_types),
+            "mtp_num_hidden_layers": args.n_mtp_layers,
             # An export is the text model: a multimodal import's nested configs do not carry over.
             "text_config": None, "vision_config": None,
             **rope_to_hf(args.rope_theta, None),
@@ -125,14 +136,34 @@ class Qwen35Adapter(StateDictAdapter):
         return dataclasses.replace(args, hf_prefix="model.")
 
     def skipped_prefixes(self, args: Qwen35Args) -> dict[str, str]:
-        return {"mtp.": "the multi-token-prediction layer is not built (speculative decoding only)",
-                "model.visual.": "the vision tower is not built (ray_titan trains the language model)"}
+        mtp = {} if args.n_mtp_layers else {
+            "mtp.": "config.json declares no multi-token-prediction layer (mtp_num_hidden_layers)"}
+        return {**mtp, "model.visual.": "the vision tower is not built (ray_titan trains the language model)"}
 
-    def ffn_sources(self, args: Qwen35Args, layer: int) -> dict[str, Source]:
-        """Layer ``layer``'s feed-forward entries (ray_titan name relative to the block → source)."""
-        hf = f"{args.hf_prefix}layers.{layer}.mlp."
+    def held_args(self, args: Qwen35Args, keys: set[str]) -> Qwen35Args:
+        """The MTP layer when the files hold it (``mtp.*``): a file saved by transformers has none."""
+        held = 1 if args.n_mtp_layers and any(k.startswith("mtp.") for k in keys) else 0
+        return dataclasses.replace(args, n_mtp_layers=held)
+
+    def ffn_sources(self, args: Qwen35Args, hf_layer: str) -> dict[str, Source]:
+        """The feed-forward entries of the layer named ``hf_layer`` (``model.layers.3.``,
+        ``mtp.layers.0.``): ray_titan name relative to the block → source."""
+        hf = f"{hf_layer}mlp."
         return {f"feed_forward.{rt}.weight": Source((f"{hf}{name}.weight",))
                 for rt, name in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
+
+    def layer_sources(self, args: Qwen35Args, hf: str, rt: str, kind: str) -> dict[str, Source]:
+        """One block's entries: ray_titan's ``rt`` (``layers.3.``) from the Hugging Face layer
+        ``hf`` (``model.layers.3.``), of ``kind`` (full or linear attention)."""
+        out = {rt + "attention_norm.weight": Source((hf + "input_layernorm.weight",)),
+               rt + "ffn_norm.weight": Source((hf + "post_attention_layernorm.weight",))}
+        if kind == FULL:
+            out |= {f"{rt}attention.{rt_name}.weight": Source((f"{hf}self_attn.{name}.weight",))
+                    for rt_name, name in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"),
+                                          ("q_norm", "q_norm"), ("k_norm", "k_norm"))}
+        else:
+            out |= {f"{rt}linear_attn.{t}": Source((f"{hf}linear_attn.{t}",)) for t in DELTANET_TENSORS}
+        return out | {rt + k: v for k, v in self.ffn_sources(args, hf).items()}
 
     def sources(self, args: Qwen35Args) -> dict[str, Source]:
         p = args.hf_prefix
@@ -140,14 +171,12 @@ class Qwen35Adapter(StateDictAdapter):
                "norm.weight": Source((f"{p}norm.weight",)),
                "output.weight": Source((f"{p}embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight",))}
         for i, kind in enumerate(args.layer_types):
-            hf, rt = f"{p}layers.{i}.", f"layers.{i}."
-            out |= {rt + "attention_norm.weight": Source((hf + "input_layernorm.weight",)),
-                    rt + "ffn_norm.weight": Source((hf + "post_attention_layernorm.weight",))}
-            if kind == FULL:
-                out |= {f"{rt}attention.{rt_name}.weight": Source((f"{hf}self_attn.{name}.weight",))
-                        for rt_name, name in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"),
-                                              ("q_norm", "q_norm"), ("k_norm", "k_norm"))}
-            else:
-                out |= {f"{rt}linear_attn.{t}": Source((f"{hf}linear_attn.{t}",)) for t in DELTANET_TENSORS}
-            out |= {rt + k: v for k, v in self.ffn_sources(args, i).items()}
+            out |= self.layer_sources(args, f"{p}layers.{i}.", f"layers.{i}.", kind)
+        if args.n_mtp_layers:  # one depth (Qwen35Args.max_mtp_layers), and a last stage's copy of the embedding
+            rt = f"layers.{args.n_layers}."
+            out |= self.layer_sources(args, "mtp.layers.0.", rt, FULL)
+            out |= {f"{rt}{a}.weight": Source((f"mtp.{b}.weight",))
+                    for a, b in (("eh_proj", "fc"), ("enorm", "pre_fc_norm_embedding"),
+                                 ("hnorm", "pre_fc_norm_hidden"), ("head_norm", "norm"))}
+            out["mtp_embeddings.weight"] = Source((f"{p}embed_tokens.weight",))
         return out

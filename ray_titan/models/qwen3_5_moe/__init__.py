@@ -11,9 +11,10 @@ from ray_titan.models.qwen3_5_moe.args import FLAVORS, Qwen35MoeArgs
 from ray_titan.models.qwen3_5_moe.costs import qwen3_5_moe_block_activations, qwen3_5_moe_flops_per_token
 from ray_titan.models.qwen3_5_moe.model import Qwen35Moe
 from ray_titan.models.qwen3_5_moe.state_dict_adapter import Qwen35MoeAdapter
-from ray_titan.models.spec import ModelSpec, moe_config_args
+from ray_titan.models.spec import ModelSpec, mtp_moe_config_args
 
 __all__ = ["FLAVORS", "SPEC", "Qwen35Moe", "Qwen35MoeAdapter", "Qwen35MoeArgs"]
 
 SPEC = ModelSpec("qwen3_5_moe", Qwen35Moe, FLAVORS, parallelize_qwen3_5, Qwen35MoeAdapter(),
-                 qwen3_5_moe_flops_per_token, qwen3_5_moe_block_activations, config_args=moe_config_args, moe=True)
+                 qwen3_5_moe_flops_per_token, qwen3_5_moe_block_activations, config_args=mtp_moe_config_args, moe=True,
+                 mtp=True)

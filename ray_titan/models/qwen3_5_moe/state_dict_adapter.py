@@ -33,7 +33,7 @@ class Qwen35MoeAdapter(Qwen35Adapter):
     model_type = "qwen3_5_moe_text"
     architectures = ("Qwen3_5MoeForCausalLM",)
     model_type_aliases = ("qwen3_5_moe",)
-    training_fields = frozenset({"init_std", "hf_prefix", "load_balance", "aux_loss_coeff", "bias_update_rate"})
+    training_fields = Qwen35Adapter.training_fields | {"load_balance", "aux_loss_coeff", "bias_update_rate"}
 
     def args_from_hf(self, config: dict[str, Any]) -> Qwen35MoeArgs:
         c, _ = text_config(config)
@@ -53,8 +53,8 @@ class Qwen35MoeAdapter(Qwen35Adapter):
                 "shared_expert_intermediate_size": args.shared_inter_dim, "num_experts": args.n_routed_experts,
                 "num_experts_per_tok": args.n_activated_experts, "router_aux_loss_coef": args.aux_loss_coeff}
 
-    def ffn_sources(self, args: Qwen35MoeArgs, layer: int) -> dict[str, Source]:  # type: ignore[override]
-        hf = f"{args.hf_prefix}layers.{layer}.mlp."
+    def ffn_sources(self, args: Qwen35MoeArgs, hf_layer: str) -> dict[str, Source]:  # type: ignore[override]
+        hf = f"{hf_layer}mlp."
         out = {"moe.router.weight": Source((hf + "gate.weight",)),
                "moe.router.expert_bias": Source((hf + "gate.expert_bias",), file=ROUTER_BIAS_FILE, optional=True),
                "moe.shared_gate.weight": Source((hf + "shared_expert_gate.weight",))}

@@ -30,14 +30,17 @@ def routed_flops_per_token(model_cls: type, args: Any, seq_len: int) -> int:
     ``model_cls(args)`` (Qwen3-MoE, GLM-4.5): :func:`~ray_titan.models.costs.transformer_flops_per_token`
     with N = its activated non-embedding parameters counted on the meta device (DeepSeek's count,
     :func:`ray_titan.models.deepseek_v2.model.activated_parameters`), L = ``n_layers`` and H·Q =
-    ``n_heads × head_dim``."""
+    ``n_heads × head_dim``. Multi-token prediction's ``n_mtp_layers`` depths (GLM-4.5) count as
+    DeepSeek-V3's do (:func:`~ray_titan.models.deepseek_v2.costs.deepseek_flops_per_token`): more
+    blocks, and the output head once more each."""
     import torch
 
     from ray_titan.models.deepseek_v2.model import activated_parameters
 
+    mtp = getattr(args, "n_mtp_layers", 0)
     with torch.device("meta"):
-        n = activated_parameters(model_cls(args))
-    return transformer_flops_per_token(n, args.n_layers, args.n_heads * args.head_dim, seq_len)
+        n = activated_parameters(model_cls(args)) + mtp * args.vocab_size * args.dim
+    return transformer_flops_per_token(n, args.n_layers + mtp, args.n_heads * args.head_dim, seq_len)
 
 
 def qwen3_moe_block_activations(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
@@ -45,9 +48,10 @@ def qwen3_moe_block_activations(a: Any, layer: int, e: int, seq: int, device: st
     """Bytes per token block ``layer`` saves: a dense layer is Qwen3's (Llama's formula); an MoE
     layer is Qwen3's attention and norms (Llama's formula with no feed-forward) plus
     :func:`~ray_titan.models.deepseek_v2.costs.moe_activations` (shared experts included: GLM-4.5's,
-    whose arguments have the same ``attention_args()`` and ``moe_layers``)."""
+    whose arguments have the same ``attention_args()`` and ``moe_layers``; its multi-token-prediction
+    depths, keyed from ``n_layers``, are MoE layers)."""
     attn = a.attention_args()
-    if layer not in a.moe_layers:
+    if layer not in a.moe_layers and layer < a.n_layers:
         return llama_block_activations(attn, layer, e, seq, device, rho, ep)
     base = llama_block_activations(dataclasses.replace(attn, ffn_dim=0), layer, e, seq, device, rho, ep)
     moe = moe_activations(a, e, rho, ep, 0.0, device=device, mm_before=LLAMA_MATMULS)  # norms: Llama's

@@ -82,7 +82,8 @@ class Qwen3MoeBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args.attention_args())
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        if layer_id in args.moe_layers:
+        # A multi-token-prediction depth (keyed past the main layers) is MoE (transformers' get_mtp_config).
+        if layer_id in args.moe_layers or layer_id >= args.n_layers:
             self.moe = self.MOE(args)
         else:
             self.feed_forward = FeedForward(args.dim, args.inter_dim)
@@ -106,11 +107,18 @@ class PooledBalanceLoss:
         """This module's MoE feed-forwards by layer index (only the layers it holds)."""
         return {int(i): cast(PooledBalanceMoE, b.moe) for i, b in self.layers.items() if hasattr(b, "moe")}
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        out = super().forward(x, positions)  # type: ignore[misc]
-        recorded = [m for m in self.moe_modules().values() if m.balance_stats is not None]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                tokens: torch.Tensor | None = None) -> Any:
+        """The decoder's output (a tensor, or under multi-token prediction its tuple, whose first
+        element carries the loss). ``tokens``: the input ids of a decoder with MTP depths
+        (``ray_titan.models.decoder.MtpDecoder``: Qwen3.5-MoE), passed on only when given. An MTP
+        depth's router (keyed past ``n_layers``) takes no part in the pooled loss, which is the
+        main model's (transformers', which has no MTP)."""
+        # (Qwen3-MoE's Decoder.forward takes no tokens)
+        out = super().forward(x, positions) if tokens is None else super().forward(x, positions, tokens)  # type: ignore[misc]
+        recorded = [m for i, m in self.moe_modules().items() if m.balance_stats is not None and i < self.args.n_layers]
         stats = [cast(tuple[torch.Tensor, torch.Tensor, int], m.balance_stats) for m in recorded]
-        for m in recorded:
+        for m in self.moe_modules().values():
             m.balance_stats = None
         if not stats:  # no balance loss (eval, no grad, or load_balance not aux_loss)
             return out
@@ -121,6 +129,8 @@ class PooledBalanceLoss:
         with torch.no_grad():  # reported per layer: the layers' sum is this forward's loss
             for m in recorded:
                 m.aux_loss_sum += aux.detach() / len(stats)
+        if isinstance(out, tuple):
+            return (_AddAuxLoss.apply(out[0], aux), *out[1:])
         return _AddAuxLoss.apply(out, aux)
 
     @torch.no_grad()
