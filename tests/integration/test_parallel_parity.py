@@ -88,21 +88,17 @@ MOE_V3 = {"pp2_dp_shard2_ep2": (4, ["--parallelism.pp=2", "--parallelism.dp_shar
 # on the last stage with its copy of the embedding (gradients summed with stage 0's), its experts
 # over ep, its labels cut at documents; its loss must match too (the mtp_losses column).
 MTP_FLAGS = ["--model.mtp_layers=1", "--training.document_mask=true"]
-QWEN35_FLAGS = ["--model.name=qwen3_5", "--model.mtp_layers=1"]
 QWEN35_MOE_FLAGS = ["--model.name=qwen3_5_moe", "--model.mtp_layers=1"]
 MTP = {"pp2_dp_shard2_ep2": (4, [*MOE_V3["pp2_dp_shard2_ep2"][1], *MTP_FLAGS]),
        # GLM-4.5's depth: its own block (GQA with q/k/v biases, partial rotary, q/k norms) around the same machinery.
        "glm4_moe_pp2_dp_shard2_ep2": (4, [*MOE_V3["pp2_dp_shard2_ep2"][1], *MTP_FLAGS]),
-       # Qwen3.5's depth (a full-attention block with zero-centred norms, fed the normed output) on the
-       # last of two stages that split DeltaNet from full attention; no document masks (DeltaNet refuses them).
-       "qwen3_5_pp2_dp_shard2": (4, [*QWEN35_FLAGS, "--parallelism.pp=2", "--parallelism.dp_shard=2",
-                                     "--parallelism.microbatches=2"]),
-       # Qwen3.5-MoE's depth with its experts over ep (the reference: the dp ranks' batches as
-       # microbatches, for the pooled balance loss, as QWEN35's).
+       # Qwen3.5-MoE's depth (a full-attention MoE block with zero-centred norms, fed the normed
+       # output) with its experts over ep (the reference: the dp ranks' batches as microbatches, for
+       # the pooled balance loss, as QWEN35's). The dense twin's depth is the same code without the
+       # experts (tests/unit/test_mtp.py); under pp the depths' machinery is DeepSeek's and GLM's.
        "qwen3_5_moe_dp_shard2_ep2": (2, [*QWEN35_MOE_FLAGS, "--parallelism.dp_shard=2", "--parallelism.ep=2"])}
 # The model of each MTP case (the others: deepseek_v3_mtp).
-MTP_MODEL = {"glm4_moe_pp2_dp_shard2_ep2": "glm4_moe_mtp", "qwen3_5_pp2_dp_shard2": "qwen3_5_mtp",
-             "qwen3_5_moe_dp_shard2_ep2": "qwen3_5_moe_mtp"}
+MTP_MODEL = {"glm4_moe_pp2_dp_shard2_ep2": "glm4_moe_mtp", "qwen3_5_moe_dp_shard2_ep2": "qwen3_5_moe_mtp"}
 # Qwen3-MoE under tensor parallel (per-head q/k norms on each rank's heads, experts split by
 # hidden units) with experts over ep; gpt-oss (sinks, sliding windows, expert biases sharded
 # over ep; tp refused) with experts over ep. Both families' balance loss (transformers') pools the
@@ -128,14 +124,14 @@ QWEN35 = {"qwen3_5": (4, ["--model.name=qwen3_5", "--parallelism.pp=2", "--paral
 TIED = {"qwen3": (2, ["--model.name=qwen3", "--parallelism.tp=2"]),
         "qwen3_chunked_loss": (2, ["--model.name=qwen3", "--parallelism.tp=2", CHUNKED])}
 REFERENCE_FLAGS = {"qwen3": ["--model.name=qwen3"], "qwen3_moe": ["--parallelism.microbatches=2"],
-                   "deepseek_v3_mtp": MTP_FLAGS, "glm4_moe_mtp": MTP_FLAGS, "qwen3_5_mtp": QWEN35_FLAGS,
+                   "deepseek_v3_mtp": MTP_FLAGS, "glm4_moe_mtp": MTP_FLAGS,
                    "qwen3_5_moe_mtp": [*QWEN35_MOE_FLAGS, "--parallelism.microbatches=2"],
                    "gpt_oss": ["--parallelism.microbatches=2"], "qwen3_5": ["--model.name=qwen3_5"],
                    "qwen3_5_moe": ["--model.name=qwen3_5_moe", "--parallelism.microbatches=2"]}
 CONFIGS = {"llama": "debug_llama.toml", "qwen3": "debug_llama.toml",
            "deepseek_v2": "debug_deepseek.toml", "deepseek_v3": "debug_deepseek_v3.toml",
            "deepseek_v3_mtp": "debug_deepseek_v3.toml", "glm4_moe_mtp": "debug_glm4_moe.toml",
-           "qwen3_5_mtp": "debug_llama.toml", "qwen3_5_moe_mtp": "debug_llama.toml",
+           "qwen3_5_moe_mtp": "debug_llama.toml",
            "qwen3_moe": "debug_qwen3_moe.toml", "gpt_oss": "debug_gpt_oss.toml", "glm4_moe": "debug_glm4_moe.toml",
            "minimax_m2": "debug_minimax_m2.toml", "qwen3_5": "debug_llama.toml", "qwen3_5_moe": "debug_llama.toml"}
 
