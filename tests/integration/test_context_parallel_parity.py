@@ -1,11 +1,12 @@
-"""Context parallelism (``parallelism.cp``) equal to one worker: Llama (GQA), DeepSeek-V2 (MLA)
-and DeepSeek-V3 (aux-loss-free routing) with the sequence split over 2 or 4 cp ranks, composed
+"""Context parallelism (``parallelism.cp``) equal to one worker: Llama (GQA), DeepSeek-V2 (MLA),
+DeepSeek-V3 (aux-loss-free routing) and GLM-4.5 with the sequence split over 2 or 4 cp ranks, composed
 with dp_shard, tp and pp; the step losses the collector assembles and the gradient norms over 10
 steps within the other parity tests' 1e-4 relative of the same one-process runs
 (tests/integration/test_parallel_parity.py's), with and without document masks.
 
-Below them, on 2 ranks without the trainer: the Llama (GQA), Qwen3 (q/k norms) and DeepSeek-V2
-(MLA, MoE balance loss) models give the one-rank logits and gradients, causal (the mask-free
+Below them, on 2 ranks without the trainer: the Llama (GQA), Qwen3 (q/k norms), DeepSeek-V2
+(MLA, MoE balance loss), GLM-4.5 (partial rotary) and MiniMax-M2 (q/k norms over all heads)
+models give the one-rank logits and gradients, causal (the mask-free
 path: one attention per chunk) and with several documents packed across the chunk boundaries
 (the masked path; the trainer's parity runs' 32-token windows rarely hold two),
 while a gather that keeps each rank's own keys (the negative control: the mutation that skips the
@@ -56,6 +57,10 @@ CP = {
     # routed experts FSDP-sharded over dp_shard / ep × cp.
     "deepseek_cp2_dp_shard2_ep2": ("deepseek_v2", 4, ["--parallelism.cp=2", "--parallelism.dp_shard=2",
                                                       "--parallelism.ep=2"], []),
+    # GLM-4.5: partial rotary at whole-sequence positions, q/k norms, and its aux-loss-free bias
+    # (DeepSeek-V3's router) moved by the load summed over dp_shard × cp. MiniMax-M2's attention
+    # (q/k norms over all heads) is in the two-rank model test below.
+    "glm4_moe_cp2_dp_shard2": ("glm4_moe", 4, ["--parallelism.cp=2", "--parallelism.dp_shard=2"], []),
 }
 
 
@@ -88,7 +93,8 @@ def test_checkpoint_reshards_from_cp2_to_cp1(corpus, references):  # noqa: F811
     np.testing.assert_allclose(_curve(table), _curve(references("llama")[1])[STEPS:], rtol=RTOL)
 
 
-FAMILIES = ("llama", "qwen3", "deepseek_v2")
+FAMILIES = ("llama", "qwen3", "deepseek_v2", "glm4_moe", "minimax_m2")
+CONTROL = ("llama", "deepseek_v2")
 
 
 def _rank_main(rank: int, out: str, env: dict[str, str], control: bool) -> None:
@@ -105,7 +111,8 @@ def _rank_main(rank: int, out: str, env: dict[str, str], control: bool) -> None:
             ContextParallel.gather = lambda self, t: t.repeat(1, 1, self.cp, 1)  # type: ignore[method-assign]
         tokens = torch.randint(0, 258, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
         lines = []
-        for family, pos in [(f, p) for f in FAMILIES for p in (positions(), None)]:
+        # The control mutates the gather every family shares: Llama's and DeepSeek-V2's show it.
+        for family, pos in [(f, p) for f in (CONTROL if control else FAMILIES) for p in (positions(), None)]:
             models = []
             for _ in range(2):
                 m = build_model(family, "debug", vocab_size=258)
@@ -140,7 +147,7 @@ def _run_ranks(tmp_path: Path, control: bool) -> dict[str, tuple[float, float]]:
         procs = [ctx.Process(target=_rank_main, args=(r, str(outs[r]), env, control)) for r in range(2)]
         for p in procs:
             p.start()
-        join_all(procs, 120)
+        join_all(procs, 300)
     texts = [o.read_text() for o in outs]
     assert all(p.exitcode == 0 for p in procs), texts
     diffs: dict[str, tuple[float, float]] = {}
@@ -158,6 +165,7 @@ def test_two_cp_ranks_give_the_one_rank_logits_and_gradients(tmp_path):
     for family, (d_logits, d_grad) in diffs.items():
         assert d_logits < 1e-5 and d_grad < 1e-4, (family, d_logits, d_grad)
     control = _run_ranks(tmp_path / "control", control=True)
+    assert set(control) == {f"{f}{d}" for f in CONTROL for d in ("", "_documents")}
     for family, (d_logits, _) in control.items():
         assert d_logits > 1e-3, (family, d_logits)  # 100 times the tolerance above
 

@@ -15,7 +15,7 @@ this package's counter: ``tests/unit/test_glm4_moe.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 from ray_titan.models.llama.args import LlamaArgs
 
@@ -80,10 +80,6 @@ class Glm4MoeArgs:
     bias_update_rate: float = 0.001
     """γ of auxiliary-loss-free balancing (when ``load_balance = "aux_free"``)."""
 
-    cp_unsupported: ClassVar[str] = (
-        "context parallel is not yet proven equal to one worker for this family (its parity tests cover "
-        "Llama, Qwen3 and DeepSeek-V2 attention only)")
-    """Why context parallel is refused (the pre-flight's ``_check_context_parallel`` reads it)."""
 
     @property
     def rotary_dim(self) -> int:

@@ -66,10 +66,6 @@ class MiniMaxM2Args:
         "would need the other ranks' heads)")
     """Why ``parallelism.tp > 1`` is refused (the pre-flight reads it, ``ray_titan.preflight.checks``)."""
 
-    cp_unsupported: ClassVar[str] = (
-        "context parallel is not yet proven equal to one worker for this family (its parity tests cover "
-        "Llama, Qwen3 and DeepSeek-V2 attention only)")
-    """Why context parallel is refused (the pre-flight's ``_check_context_parallel`` reads it)."""
 
     @property
     def moe_layers(self) -> list[int]:
