@@ -91,7 +91,7 @@ class Model(_Section):
     the token ``k`` ahead, through one more MoE block and the shared output head; its loss is
     added as ``training.mtp_loss_weight × mean of the depths' losses``. With
     ``checkpoint.initial_load_hf`` the checkpoint must hold at least this many (DeepSeek-V3 and
-    Kimi K2 hold 1), which are imported and exported with the model. Not with tensor parallelism."""
+    Kimi K2 hold 1), which are imported and exported with the model. Not with context parallelism."""
 
 
 class DataSource(_Section):
