@@ -89,10 +89,13 @@ MOE_V3 = {"pp2_dp_shard2_ep2": (4, ["--parallelism.pp=2", "--parallelism.dp_shar
 # over ep, its labels cut at documents; its loss must match too (the mtp_losses column).
 MTP_FLAGS = ["--model.mtp_layers=1", "--training.document_mask=true"]
 # Under tp with sequence and loss parallel: the depth's norms and projection on the sequence
-# shards, its logits vocabulary-sharded; with pp, the last stage's embedding copy split on the vocabulary.
+# shards, its logits vocabulary-sharded; with pp (sequence and loss parallel off: the depth on the
+# replicated stream, its logits all-gathered), the last stage's embedding copy split on the vocabulary.
 MTP = {"pp2_dp_shard2_ep2": (4, [*MOE_V3["pp2_dp_shard2_ep2"][1], *MTP_FLAGS]),
        "tp2": (2, ["--parallelism.tp=2", *MTP_FLAGS]),
-       "tp2_pp2": (4, ["--parallelism.tp=2", "--parallelism.pp=2", "--parallelism.microbatches=2", *MTP_FLAGS])}
+       "tp2_pp2_replicated": (4, ["--parallelism.tp=2", "--parallelism.pp=2", "--parallelism.microbatches=2",
+                                  "--parallelism.sequence_parallel=false", "--parallelism.loss_parallel=false",
+                                  *MTP_FLAGS])}
 # Qwen3-MoE under tensor parallel (per-head q/k norms on each rank's heads, experts split by
 # hidden units) with experts over ep; gpt-oss (sinks, sliding windows, expert biases sharded
 # over ep; tp refused) with experts over ep. Both families' balance loss (transformers') pools the
