@@ -2,7 +2,8 @@
 with FSDP, the zero-bubble and V-shaped ones; 1F1B is the main job's, on Ray, in
 tests/integration/test_main_job.py), each equal to one worker (fp32, gloo, no Ray): the step losses the
 collector assembles and the gradient norms, over 10 steps, within 1e-4 relative of one shared
-one-process run per model; a checkpoint resharded across tp and dp_replicate resumes the same curve.
+one-process run per model; a checkpoint resharded across tp and dp_replicate resumes the same curve,
+and one with multi-token prediction resumes it on another pipeline layout.
 
 Each composition runs its ranks as processes of the session's forkserver (``tests/support/ranks.py``),
 which imported torch and ray_titan once (the train loop, its reporter and the collector are those
