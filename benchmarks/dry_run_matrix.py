@@ -187,6 +187,12 @@ FLAVOR_CASES: list[Case] = [
     # GLM-4.5's depth: its own block (GQA, partial rotary, q/k norms; an MoE feed-forward).
     _case("glm4_moe debug pp2 dp2 ep2 mtp1", model="glm4_moe", **_MOE_DEBUG,  # type: ignore[arg-type]
           extra=("--model.mtp_layers=1", "--training.document_mask=true")),
+    # ... under tensor parallel with sequence and loss parallel: the depth's norms and projection
+    # on the sequence shards, its logits vocabulary-sharded, the embedding copy split on the vocabulary.
+    _case("deepseek_v3 debug pp2 dp2 tp2 ep2 mtp1", model="deepseek_v3", tp=2, **_MOE_DEBUG,  # type: ignore[arg-type]
+          extra=("--model.mtp_layers=1", "--training.document_mask=true")),
+    _case("deepseek_v3 16B pp2 dp4 tp2 ep4 seq4096 mtp1", model="deepseek_v3", flavor="16B", pp=2, dp=4, tp=2, ep=4,
+          n=2, mb=1, seq=4096, bf16=True, extra=("--model.mtp_layers=1",)),
     _case("qwen3_moe 30B-A3B pp4 dp8 ep8 seq4096", model="qwen3_moe", flavor="30B-A3B", pp=4, dp=8, ep=8, n=8,
           mb=1, seq=4096, bf16=True),
     _case("glm4_moe 106B-A12B pp4 dp8 ep8 seq4096", model="glm4_moe", flavor="106B-A12B", pp=4, dp=8, ep=8, n=8,

@@ -275,15 +275,8 @@ class Checkpointer:
         sd = self._state(0, model_only, same_mesh, metadata)
         # A checkpoint saved on CPU holds no CUDA generator state: not a reason to refuse it.
         reseed = _drop_missing_device_rng(sd, metadata.state_dict_metadata, self.rank)
-        # A last stage's copies of the embedding (a tied model's head, multi-token prediction's
-        # mtp_embeddings), saved without pipeline stages as the embedding only: read as it.
-        emb = "model.tok_embeddings.weight"
-        copies = [c for c in ("model.output.weight", "model.mtp_embeddings.weight")
-                  if c in sd and c not in metadata.state_dict_metadata and emb not in sd]
-        head = copies[0] if copies else ""
-        tied_copy = bool(copies)
-        if tied_copy:
-            sd[emb] = sd.pop(head)
+        # A last stage's copies of the embedding that the saving layout did not hold: read as it.
+        copies = _EmbeddingCopies(sd, metadata)
         _check_keys(sd, metadata, path)
         try:
             dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
@@ -294,11 +287,7 @@ class Checkpointer:
                 f"checkpoint {path} (saved on mesh {manifest['mesh']}) could not be loaded into this job's mesh "
                 f"{self.job['mesh']}: {e}; load it on the mesh that saved it, or with checkpoint.load_model_only = true"
             ) from e
-        if tied_copy:
-            sd[head] = sd.pop(emb)
-            with torch.no_grad():
-                for other in copies[1:]:
-                    sd[other].copy_(sd[head])
+        copies.fill(sd)
         if not all_finite([v for k, v in sd.items() if k.startswith("model.") and isinstance(v, torch.Tensor)],
                           self.device):
             raise CheckpointError(f"checkpoint {path} holds non-finite model weights; load an earlier checkpoint")
@@ -369,6 +358,56 @@ def _restore_rng(sd: dict[str, Any], rank: int, device: torch.device, seed: int,
     else:
         with torch.cuda.device(device):
             torch.cuda.manual_seed(_device_rng_seed(seed, step, rank))
+
+
+class _EmbeddingCopies:
+    """A last pipeline stage's copies of the token embedding (a tied model's output head,
+    ``output.weight``; multi-token prediction's ``mtp_embeddings.weight``:
+    ``ray_titan.parallel.pipeline.build_stage_module``) are kept equal to it
+    (``ray_titan.parallel.tied``), so a checkpoint saved on a layout without them (no pipeline, or
+    the copy's stage also held the embedding) holds them as the embedding only. Each value of
+    such a copy that the checkpoint lacks (its weight, its optimizer state ``optimizer.state.<fqn>.*``
+    and settings ``optimizer.param_groups.<fqn>.*``) is read from the embedding's: built before
+    the load, it puts the copy's slot in ``sd`` under the embedding's key where ``sd`` has none
+    (DCP fills it in place, resharded to the copy's layout), else sets it aside;
+    :meth:`fill` after the load puts every copy back, the set-aside ones equal to the embedding's
+    loaded value."""
+
+    EMBEDDING = "tok_embeddings.weight"
+    COPIES = ("output.weight", "mtp_embeddings.weight")
+    PREFIXES = ("model.", "optimizer.state.", "optimizer.param_groups.")
+
+    def __init__(self, sd: dict[str, Any], metadata: Metadata):
+        have = metadata.state_dict_metadata
+        self.source: dict[str, str] = {}  # a copy's key -> the embedding's key it is read from
+        for key in [k for k in sd if k not in have]:
+            for prefix in self.PREFIXES:
+                for copy in self.COPIES:
+                    rest = key.removeprefix(prefix + copy)
+                    if key.startswith(prefix) and rest != key and rest[:1] in ("", ".") \
+                            and prefix + self.EMBEDDING + rest in have:
+                        self.source[key] = prefix + self.EMBEDDING + rest
+        self.renamed: dict[str, str] = {}  # the embedding's key -> the copy's loaded under it
+        self.aside: dict[str, Any] = {}  # a copy's key -> its value, equal to its source after the load
+        for key, src in self.source.items():
+            if src in sd:
+                self.aside[key] = sd.pop(key)
+            else:
+                self.renamed[src] = key
+                sd[src] = sd.pop(key)
+
+    @torch.no_grad()
+    def fill(self, sd: dict[str, Any]) -> None:
+        """After the load: every copy back under its own key, loaded."""
+        for key, value in self.aside.items():
+            loaded = sd[self.source[key]]
+            if isinstance(value, torch.Tensor):
+                value.copy_(loaded)  # in place: the copy's own tensor (its DTensor layout)
+                sd[key] = value
+            else:  # a param group's setting (lr, betas)
+                sd[key] = loaded
+        for src, key in self.renamed.items():
+            sd[key] = sd.pop(src)
 
 
 def _check_keys(sd: dict[str, Any], metadata: Metadata, path: Path) -> None:

@@ -92,7 +92,8 @@ class Model(_Section):
     the token ``k`` ahead, through one more MoE block and the shared output head; its loss is
     added as ``training.mtp_loss_weight × mean of the depths' losses``. With
     ``checkpoint.initial_load_hf`` the checkpoint must hold at least this many (DeepSeek-V3, Kimi
-    K2, GLM-4.5 and Qwen3.5 hold 1), which are imported and exported with the model. Not with tensor parallelism."""
+    K2, GLM-4.5 and Qwen3.5 hold 1), which are imported and exported with the model. Under tensor parallelism
+    DeepSeek-V3's and GLM-4.5's; not with context parallelism."""
 
 
 class DataSource(_Section):

@@ -54,6 +54,10 @@ class ModelSpec:
     mtp: bool = False
     """Whether the family builds multi-token-prediction depths (``model.mtp_layers``: its
     ``config_args`` give them to the model as ``n_mtp_layers``)."""
+    mtp_tp: bool = False
+    """Whether its ``parallelize`` gives those depths a tensor-parallel plan
+    (``ray_titan.parallel.tp.mtp_depth_plan``); pre-flight refuses ``parallelism.tp > 1`` with
+    ``model.mtp_layers`` otherwise."""
 
 
 def moe_config_args(m: Model) -> dict[str, Any]:

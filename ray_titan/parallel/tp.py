@@ -49,6 +49,7 @@ __all__ = [
     "attention_plan",
     "decoder_ends_plan",
     "feed_forward_plan",
+    "mtp_depth_plan",
     "norm_plan",
     "reduce_grad",
     "sum_partial",
@@ -66,10 +67,13 @@ def _seq(sequence_parallel: bool) -> Placement:
 def decoder_ends_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> Plan:
     """Plan of a stage's token embedding (row-wise), final norm (SP) and output head
     (column-wise; vocabulary-sharded ``DTensor`` logits ``(batch, seq, vocab)`` ``Shard(2)`` with
-    ``loss_parallel``, plain replicated logits without), for those of them this stage holds."""
+    ``loss_parallel``, plain replicated logits without), for those of them this stage holds; a
+    last stage's copy of the embedding for multi-token prediction (``mtp_embeddings``) is split
+    as the embedding, so the two copies' shards hold the same rows (``ray_titan.parallel.tied``)."""
     plan: Plan = {}
-    if getattr(model, "tok_embeddings", None) is not None:
-        plan["tok_embeddings"] = VocabParallelEmbedding(output_layout=_seq(sequence_parallel))
+    for emb in ("tok_embeddings", "mtp_embeddings"):
+        if getattr(model, emb, None) is not None:
+            plan[emb] = VocabParallelEmbedding(output_layout=_seq(sequence_parallel))
     if getattr(model, "norm", None) is not None and sequence_parallel:
         plan["norm"] = SequenceParallel()
     if getattr(model, "output", None) is not None:
@@ -118,6 +122,24 @@ def attention_plan(prefix: str, colwise: list[str], rowwise: str, sequence_paral
         plan[prefix] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
                                           desired_input_layouts=(Replicate(), None, None, None), use_local_output=True)
     return plan
+
+
+def mtp_depth_plan(sequence_parallel: bool) -> Plan:
+    """Plan of the parts of a multi-token-prediction depth around its decoder block (DeepSeek-V3's
+    ``MtpBlock``, ``ray_titan.models.deepseek_v2.model``): the norms ``enorm`` (of the shifted
+    tokens' embedding), ``hnorm`` (of the previous depth's hidden state), ``head_norm`` (before
+    the shared head) and the projection ``eh_proj (dim, 2·dim)`` of their concatenation. Under SP
+    all four run on the sequence shards with a replicated weight (``SequenceParallel``; the
+    embedding and the hidden state are both ``Shard(1)``, and ``eh_proj`` works per token, so
+    nothing is gathered: DTensor keeps a ``Shard(1)`` input of a replicated ``Linear`` sharded
+    and sums the weight's ``Partial`` gradient over tp); ``eh_proj``'s output is a plain
+    ``(batch, seq / tp, dim)`` tensor, as a block's input is. Without SP: nothing (plain modules on
+    the replicated stream, computed alike on every tp rank). The depth's decoder block gets the
+    family's own block plan."""
+    if not sequence_parallel:
+        return {}
+    return {**{name: SequenceParallel() for name in ("enorm", "hnorm", "head_norm")},
+            "eh_proj": SequenceParallel(use_local_output=True)}
 
 
 def token_replicated_plan(prefix: str, sequence_parallel: bool) -> Plan:

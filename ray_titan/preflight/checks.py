@@ -197,21 +197,25 @@ def _check_expert_parallel(cfg: JobConfig, margs: Any) -> None:
 
 
 def _check_mtp(cfg: JobConfig, margs: Any) -> None:
-    """``model.mtp_layers > 0`` needs a family that builds multi-token prediction, no tensor
-    parallelism (the MTP blocks' projection has no tensor-parallel plan) and, importing a Hugging
-    Face checkpoint, at least that many MTP depths in it (checked with its files, :func:`_check_hf`)."""
+    """``model.mtp_layers > 0`` needs a family that builds multi-token prediction, under
+    ``parallelism.tp > 1`` one whose parallelize plans the MTP depths (``ModelSpec.mtp_tp``) and,
+    importing a Hugging Face checkpoint, at least that many MTP depths in it (checked with its
+    files, :func:`_check_hf`). Context parallelism is refused in :func:`_check_context_parallel`."""
     depths = cfg.model.mtp_layers
     if not depths:
         return
-    if not get_spec(cfg.model.name).mtp:
+    spec = get_spec(cfg.model.name)
+    if not spec.mtp:
         raise ConfigError(
             f"model.mtp_layers = {depths} but model.name = {cfg.model.name!r} builds no multi-token prediction; "
             f"use model.mtp_layers = 0 or a family that does ({', '.join(n for n in MODELS if get_spec(n).mtp)})"
         )
-    if cfg.parallelism.tp > 1:
+    if cfg.parallelism.tp > 1 and not spec.mtp_tp:
         raise ConfigError(
-            f"model.mtp_layers = {depths} with parallelism.tp = {cfg.parallelism.tp}: the multi-token-prediction "
-            "blocks have no tensor-parallel plan yet; use parallelism.tp = 1 or model.mtp_layers = 0"
+            f"model.mtp_layers = {depths} with parallelism.tp = {cfg.parallelism.tp}: {cfg.model.name}'s "
+            "multi-token-prediction depths have no tensor-parallel plan yet; use parallelism.tp = 1, "
+            f"model.mtp_layers = 0 or a family whose depths have one "
+            f"({', '.join(n for n in MODELS if get_spec(n).mtp_tp)})"
         )
     most = getattr(margs, "max_mtp_layers", None)  # a family whose layout holds fewer depths (Qwen3.5: 1)
     if most is not None and depths > most:

@@ -79,7 +79,9 @@ def _stage_params(whole: Any, layers: list[int], first: bool, last: bool, dp: in
                 else:  # left out of FSDP: each rank holds its experts whole, never gathered
                     out.unmanaged += math.prod(shape)
                 continue
-            if tp > 1 and len(shape) == 2:  # tensor parallel splits the block's matrices
+            # Tensor parallel splits the block's matrices; not an MTP depth's eh_proj (replicated:
+            # ray_titan.parallel.tp.mtp_depth_plan).
+            if tp > 1 and len(shape) == 2 and not name.endswith(".eh_proj.weight"):
                 shape = (math.ceil(shape[0] / tp), shape[1])
             out.blocks.setdefault(layer, _Group()).add(shape, dp)
         # A tied head's last stage (not the first) holds its own copy of the embedding

@@ -2,7 +2,8 @@
 with FSDP, the zero-bubble and V-shaped ones; 1F1B is the main job's, on Ray, in
 tests/integration/test_main_job.py), each equal to one worker (fp32, gloo, no Ray): the step losses the
 collector assembles and the gradient norms, over 10 steps, within 1e-4 relative of one shared
-one-process run per model; a checkpoint resharded across tp and dp_replicate resumes the same curve.
+one-process run per model; a checkpoint resharded across tp and dp_replicate resumes the same curve,
+and one with multi-token prediction resumes it on another pipeline layout.
 
 Each composition runs its ranks as processes of the session's forkserver (``tests/support/ranks.py``),
 which imported torch and ray_titan once (the train loop, its reporter and the collector are those
@@ -89,16 +90,25 @@ MOE_V3 = {"pp2_dp_shard2_ep2": (4, ["--parallelism.pp=2", "--parallelism.dp_shar
 # over ep, its labels cut at documents; its loss must match too (the mtp_losses column).
 MTP_FLAGS = ["--model.mtp_layers=1", "--training.document_mask=true"]
 QWEN35_MOE_FLAGS = ["--model.name=qwen3_5_moe", "--model.mtp_layers=1"]
+# Under tp with sequence and loss parallel: the depth's norms and projection on the sequence
+# shards, its logits vocabulary-sharded; with pp (sequence and loss parallel off: the depth on the
+# replicated stream, its logits all-gathered), the last stage's embedding copy split on the vocabulary.
 MTP = {"pp2_dp_shard2_ep2": (4, [*MOE_V3["pp2_dp_shard2_ep2"][1], *MTP_FLAGS]),
+       "tp2": (2, ["--parallelism.tp=2", *MTP_FLAGS]),
+       "tp2_pp2_replicated": (4, ["--parallelism.tp=2", "--parallelism.pp=2", "--parallelism.microbatches=2",
+                                  "--parallelism.sequence_parallel=false", "--parallelism.loss_parallel=false",
+                                  *MTP_FLAGS]),
        # GLM-4.5's depth: its own block (GQA with q/k/v biases, partial rotary, q/k norms) around the same machinery.
        "glm4_moe_pp2_dp_shard2_ep2": (4, [*MOE_V3["pp2_dp_shard2_ep2"][1], *MTP_FLAGS]),
+       "glm4_moe_tp2": (2, ["--parallelism.tp=2", *MTP_FLAGS]),
        # Qwen3.5-MoE's depth (a full-attention MoE block with zero-centred norms, fed the normed
        # output) with its experts over ep (the reference: the dp ranks' batches as microbatches, for
        # the pooled balance loss, as QWEN35's). The dense twin's depth is the same code without the
        # experts (tests/unit/test_mtp.py); under pp the depths' machinery is DeepSeek's and GLM's.
        "qwen3_5_moe_dp_shard2_ep2": (2, [*QWEN35_MOE_FLAGS, "--parallelism.dp_shard=2", "--parallelism.ep=2"])}
 # The model of each MTP case (the others: deepseek_v3_mtp).
-MTP_MODEL = {"glm4_moe_pp2_dp_shard2_ep2": "glm4_moe_mtp", "qwen3_5_moe_dp_shard2_ep2": "qwen3_5_moe_mtp"}
+MTP_MODEL = {"glm4_moe_pp2_dp_shard2_ep2": "glm4_moe_mtp", "glm4_moe_tp2": "glm4_moe_mtp",
+             "qwen3_5_moe_dp_shard2_ep2": "qwen3_5_moe_mtp"}
 # Qwen3-MoE under tensor parallel (per-head q/k norms on each rank's heads, experts split by
 # hidden units) with experts over ep; gpt-oss (sinks, sliding windows, expert biases sharded
 # over ep; tp refused) with experts over ep. Both families' balance loss (transformers') pools the
@@ -124,8 +134,8 @@ QWEN35 = {"qwen3_5": (4, ["--model.name=qwen3_5", "--parallelism.pp=2", "--paral
 TIED = {"qwen3": (2, ["--model.name=qwen3", "--parallelism.tp=2"]),
         "qwen3_chunked_loss": (2, ["--model.name=qwen3", "--parallelism.tp=2", CHUNKED])}
 REFERENCE_FLAGS = {"qwen3": ["--model.name=qwen3"], "qwen3_moe": ["--parallelism.microbatches=2"],
-                   "deepseek_v3_mtp": MTP_FLAGS, "glm4_moe_mtp": MTP_FLAGS,
-                   "qwen3_5_moe_mtp": [*QWEN35_MOE_FLAGS, "--parallelism.microbatches=2"],
+                   "deepseek_v3_mtp": [*MTP_FLAGS, "--checkpoint.interval=10"],  # saved at 10, for MTP_RESUMES
+                   "glm4_moe_mtp": MTP_FLAGS, "qwen3_5_moe_mtp": [*QWEN35_MOE_FLAGS, "--parallelism.microbatches=2"],
                    "gpt_oss": ["--parallelism.microbatches=2"], "qwen3_5": ["--model.name=qwen3_5"],
                    "qwen3_5_moe": ["--model.name=qwen3_5_moe", "--parallelism.microbatches=2"]}
 CONFIGS = {"llama": "debug_llama.toml", "qwen3": "debug_llama.toml",
@@ -219,7 +229,8 @@ def references(corpus):
 
     def get(model: str):
         if model not in cache:
-            cache[model] = _run(corpus / f"ref_{model}", model, 1, REFERENCE_FLAGS.get(model, []), steps=STEPS + 2)
+            cache[model] = _run(corpus / f"ref_{model}", model, 1, REFERENCE_FLAGS.get(model, []), steps=STEPS + 2,
+                                save=model == "deepseek_v3_mtp")
         return cache[model]
 
     return get
@@ -284,25 +295,74 @@ def test_deepseek_v3_composition_matches_one_worker(name, corpus, references):
     _check_parity(name, _run(corpus / f"v3_{name}", "deepseek_v3", *MOE_V3[name]), references("deepseek_v3"))
 
 
+@pytest.fixture(scope="module")
+def mtp_runs(corpus):
+    out = {}
+
+    def get(name):
+        if name not in out:  # pp2_dp_shard2_ep2 also saves a checkpoint, for MTP_RESUMES
+            out[name] = _run(corpus / f"mtp_{name}", MTP_MODEL.get(name, "deepseek_v3_mtp"), *MTP[name],
+                             save=name == "pp2_dp_shard2_ep2")
+        return out[name]
+
+    return get
+
+
+def _depth_curve(table):
+    """The MTP depth 1 loss per step: the mean of the last stage's data-parallel ranks'."""
+    last = table.filter(table["is_last_stage"]).to_pylist()
+    by_step: dict[int, list[float]] = {}
+    for row in last:
+        by_step.setdefault(row["step"], []).append(row["mtp_losses"][0])
+    return np.array([np.mean(by_step[s]) for s in sorted(by_step)])
+
+
 @pytest.mark.parametrize("name", list(MTP))
-def test_mtp_composition_matches_one_worker(name, corpus, references):
+def test_mtp_composition_matches_one_worker(name, corpus, mtp_runs, references):
     """The step loss (the main loss alone), the gradient norm and the MTP depth's loss (the mean
     of the last stage's data-parallel ranks, each over its equal share of tokens) against one
     worker's."""
     model = MTP_MODEL.get(name, "deepseek_v3_mtp")
-    run, ref = _run(corpus / f"mtp_{name}", model, *MTP[name]), references(model)
+    run, ref = mtp_runs(name), references(model)
     _check_parity(name, run, ref)
-
-    def depth_curve(table):
-        last = table.filter(table["is_last_stage"]).to_pylist()
-        by_step: dict[int, list[float]] = {}
-        for row in last:
-            by_step.setdefault(row["step"], []).append(row["mtp_losses"][0])
-        return np.array([np.mean(by_step[s]) for s in sorted(by_step)])
-
-    got, want = depth_curve(run[1]), depth_curve(ref[1])[:STEPS]
+    got, want = _depth_curve(run[1]), _depth_curve(ref[1])[:STEPS]
     assert want[0] > 1.0 and not np.allclose(want, _curve(ref[1])[:STEPS])  # a loss of its own
     np.testing.assert_allclose(got, want, rtol=RTOL, err_msg=f"{name}: MTP depth 1 loss")
+
+
+# A checkpoint with multi-token prediction resumed on another pipeline layout: the MTP block and
+# the last stage's copy of the embedding (mtp_embeddings) move between ranks, and a layout whose
+# last stage holds no embedding needs that copy (weights and optimizer state) from a checkpoint
+# that has only the embedding. Saved by: "pp2" the MTP case pp2_dp_shard2_ep2 (1F1B, 2 stages),
+# "pp1" the one worker; resumed by (ranks, flags).
+MTP_RESUMES = {
+    "pp2_to_pp1": ("pp2", 1, []),
+    "pp1_to_pp2_1F1B": ("pp1", 2, ["--parallelism.pp=2", "--parallelism.microbatches=2"]),
+    # 4 stages in a V: rank 0 holds the first and the last, with the embedding and its copy.
+    "pp2_to_pp2_ZBVZeroBubble": ("pp2", 2, [*V_SHAPED, "--parallelism.pipeline_schedule=ZBVZeroBubble"]),
+    "pp1_to_pp2_ZBVZeroBubble": ("pp1", 2, [*V_SHAPED, "--parallelism.pipeline_schedule=ZBVZeroBubble"]),
+}
+
+
+@pytest.mark.parametrize("name", list(MTP_RESUMES))
+def test_mtp_checkpoint_resumes_on_another_pipeline_layout(name, corpus, mtp_runs, references):
+    """Steps 11 and 12 resumed from step 10's checkpoint continue the one worker's curves: the
+    step loss and the MTP depth's loss."""
+    ref = references("deepseek_v3_mtp")
+    saved, nproc, flags = MTP_RESUMES[name]
+    if saved == "pp2":
+        assert mtp_runs("pp2_dp_shard2_ep2")[0]["errors"] == []
+        ckpt = corpus / "mtp_pp2_dp_shard2_ep2" / "run" / "checkpoints" / "step-00000010"
+    else:
+        ckpt = corpus / "ref_deepseek_v3_mtp" / "run" / "checkpoints" / "step-00000010"
+    assert ckpt.is_dir()
+    summary, table, _ = _run(corpus / f"mtp_resume_{name}", "deepseek_v3_mtp", nproc,
+                             [*MTP_FLAGS, *flags, f"--checkpoint.load_path={ckpt}"], steps=STEPS + 2)
+    assert summary["errors"] == []
+    assert sorted(set(table["step"].to_pylist())) == [STEPS + 1, STEPS + 2]
+    np.testing.assert_allclose(_curve(table), _curve(ref[1])[STEPS:], rtol=RTOL, err_msg=f"{name}: step loss")
+    np.testing.assert_allclose(_depth_curve(table), _depth_curve(ref[1])[STEPS:], rtol=RTOL,
+                               err_msg=f"{name}: MTP depth 1 loss")
 
 
 @pytest.mark.parametrize("model", list(MOE_2026))

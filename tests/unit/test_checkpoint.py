@@ -715,3 +715,61 @@ def test_a_failed_write_of_the_side_files_fails_the_save_cleanly(tmp_path, monke
                                               r"the filesystem is full\)$"):
         _tiny_checkpointer(tmp_path).save(3)
     assert not write_dir.exists()
+
+
+@pytest.mark.parametrize("holds_embedding", [False, True], ids=["last_stage_alone", "first_and_last_stages"])
+def test_embedding_copies_absent_from_a_checkpoint_are_read_as_the_embedding(tmp_path, holds_embedding):
+    """A checkpoint saved where no stage held a copy of the embedding (one stage: the tied head and
+    multi-token prediction's ``mtp_embeddings`` are the embedding) loaded by a last pipeline stage
+    that holds both copies: alone (they are read from the embedding's values) or beside the
+    first stage on one rank (a V-shaped schedule: set equal to the loaded embedding). Weights,
+    AdamW state and param-group settings equal the embedding's; the other weights load as saved."""
+    import torch
+    from torch import nn
+
+    from ray_titan.checkpoint import Checkpointer
+    from ray_titan.metrics.worker.report import Reporter
+
+    class Stage(nn.Module):
+        def __init__(self, first: bool, last: bool):
+            super().__init__()
+            self.tok_embeddings = nn.Embedding(10, 4) if first else None
+            self.layers = nn.ModuleDict({"0": nn.Linear(4, 4)} if first else {"1": nn.Linear(4, 4)})
+            if last and not first:
+                self.output = nn.Linear(4, 10, bias=False)  # a tied head's copy
+                self.mtp_embeddings = nn.Embedding(10, 4)
+            elif last:
+                self.layers["1"] = nn.Linear(4, 4)
+
+    cfg = _cfg(tmp_path, str(tmp_path / "cache"))
+    loader = type("Position", (), {"state_dict": lambda self: {"epoch": 0, "doc_pos": 0, "offset": 0},
+                                   "load_state_dict": lambda self, sd: None})()
+
+    def checkpointer(stages, lr, write):
+        params = [p for s in stages for p in s.parameters()]
+        opt = torch.optim.AdamW(params, lr=lr)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()  # state of its own in each slot: what the load must overwrite
+        storage = LocalCheckpointStorage(tmp_path / write, 0)
+        return Checkpointer(cfg, 0, stages, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0), loader,
+                            Reporter(), storage, 258, torch.device("cpu")), opt
+
+    torch.manual_seed(0)
+    whole = Stage(first=True, last=True)
+    saver, saved_opt = checkpointer([whole], 1e-3, "saved")
+    saver.save(3)
+    emb = whole.tok_embeddings.weight
+    want = {k: v.clone() for k, v in saved_opt.state[emb].items()}
+
+    last = Stage(first=False, last=True)
+    stages = [Stage(first=True, last=False), last] if holds_embedding else [last]
+    loading, opt = checkpointer(stages, 5e-2, "loading")
+    assert loading._load(tmp_path / "saved" / "step-00000003", model_only=False, own=False) == 3
+    torch.testing.assert_close(last.layers["1"].weight, whole.layers["1"].weight, rtol=0, atol=0)
+    for copy in (last.output.weight, last.mtp_embeddings.weight, *([stages[0].tok_embeddings.weight]
+                                                                   if holds_embedding else [])):
+        torch.testing.assert_close(copy, emb, rtol=0, atol=0)
+        for key, value in want.items():
+            torch.testing.assert_close(opt.state[copy][key], value, rtol=0, atol=0)
+    assert {g["lr"] for g in opt.param_groups} == {1e-3}

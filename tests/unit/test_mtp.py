@@ -266,15 +266,24 @@ def test_transformers_checkpoint_without_mtp_tensors_imports_without_depths(tmp_
 @pytest.mark.parametrize("flags, message", [
     (["--model.name=deepseek_v2", "--model.mtp_layers=1"],
      r"model.mtp_layers = 1 but model.name = 'deepseek_v2' builds no multi-token prediction"),
-    (["--model.name=deepseek_v3", "--model.mtp_layers=1", "--parallelism.tp=2"],
-     r"model.mtp_layers = 1 with parallelism.tp = 2"),
+    (["--model.name=deepseek_v3", "--model.mtp_layers=1", "--parallelism.tp=2", "mtp_tp=False"],
+     r"model.mtp_layers = 1 with parallelism.tp = 2: deepseek_v3's multi-token-prediction depths have no "
+     r"tensor-parallel plan"),
 ])
-def test_preflight_refuses_what_mtp_cannot_run(flags, message):
+def test_preflight_refuses_what_mtp_cannot_run(flags, message, monkeypatch):
+    """A family that builds no MTP; one whose parallelize plans no MTP under tp (``mtp_tp=False``:
+    DeepSeek-V3's spec with its plan declared absent). DeepSeek-V3's own passes under tp."""
+    import dataclasses
+
     from ray_titan.config import load_config
     from ray_titan.config.schema import ConfigError
+    from ray_titan.models.registry import MODELS
     from ray_titan.preflight.checks import validate_job
 
-    cfg = load_config(None, ["--parallelism.pp=1", "--parallelism.dp_shard=1", *flags])
+    cfg = load_config(None, ["--parallelism.pp=1", "--parallelism.dp_shard=1", *flags[:3]])
+    if "mtp_tp=False" in flags:
+        validate_job(cfg, check_data=False)  # planned: accepted
+        monkeypatch.setitem(MODELS, "deepseek_v3", dataclasses.replace(MODELS["deepseek_v3"], mtp_tp=False))
     with pytest.raises(ConfigError, match=message):
         validate_job(cfg, check_data=False)
 

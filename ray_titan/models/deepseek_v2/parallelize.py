@@ -19,6 +19,13 @@ Tensor parallel (``ray_titan.parallel.tp``), as torchtitan applies it to DeepSee
   costs one all-reduce of the experts' outputs and no token exchange, and EP stays within
   ``dp_shard``, where the tokens differ.
 - Embedding row-wise, output head column-wise with loss parallel, norms sequence-parallel.
+- **Multi-token prediction** (DeepSeek-V3's ``MtpBlock``, on the last stage): its MoE block as
+  any other; under sequence parallel its norms (``enorm``, ``hnorm``, ``head_norm``) and the
+  projection ``eh_proj`` run on the sequence shards with replicated weights (``SequenceParallel``:
+  the embedding and hidden state it joins are both ``Shard(1)``, the projection is per token), so
+  nothing is gathered; without it they are plain modules every tp rank computes alike. A last
+  stage's copy of the embedding, ``mtp_embeddings``, is split as ``tok_embeddings``
+  (``decoder_ends_plan``), and each depth's logits go through the shared head, with loss parallel.
 
 Then expert parallelism (``ray_titan.parallel.expert``) shards the routed experts over ``ep``
 before FSDP2, which shards the experts over what ``ep`` leaves of ``dp_shard``
@@ -43,6 +50,7 @@ from ray_titan.parallel.tp import (
     attention_plan,
     decoder_ends_plan,
     feed_forward_plan,
+    mtp_depth_plan,
     norm_plan,
     token_replicated_plan,
 )
@@ -61,6 +69,8 @@ def _block_tp_plan(block: Any, sp: bool) -> dict:
             plan.update(feed_forward_plan("moe.shared_experts", sequence_parallel=False, norm=None))
     else:
         plan.update(feed_forward_plan("feed_forward", sp))
+    if hasattr(block, "eh_proj"):  # a multi-token-prediction depth (MtpBlock)
+        plan.update(mtp_depth_plan(sp))
     return plan
 
 

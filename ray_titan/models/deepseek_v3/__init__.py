@@ -19,4 +19,4 @@ __all__ = ["FLAVORS", "SPEC", "DeepSeekV3Adapter"]
 # multi-token prediction (model.mtp_layers).
 SPEC = ModelSpec("deepseek_v3", DeepSeekV2, FLAVORS, parallelize_deepseek_v2, DeepSeekV3Adapter(),
                  deepseek_flops_per_token, deepseek_block_activations, config_args=mtp_moe_config_args, moe=True,
-                 mtp=True)
+                 mtp=True, mtp_tp=True)

@@ -18,4 +18,4 @@ __all__ = ["FLAVORS", "SPEC", "Glm4Moe", "Glm4MoeAdapter", "Glm4MoeArgs"]
 
 SPEC = ModelSpec("glm4_moe", Glm4Moe, FLAVORS, parallelize_qwen3_moe, Glm4MoeAdapter(), glm4_moe_flops_per_token,
                  glm4_moe_block_activations, config_args=mtp_moe_config_args, moe=True,
-                 mtp=True)
+                 mtp=True, mtp_tp=True)

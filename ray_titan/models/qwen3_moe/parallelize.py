@@ -27,6 +27,7 @@ from ray_titan.parallel.tp import (
     attention_plan,
     decoder_ends_plan,
     feed_forward_plan,
+    mtp_depth_plan,
     norm_plan,
     token_replicated_plan,
 )
@@ -50,6 +51,8 @@ def parallelize_qwen3_moe(model: nn.Module, dims: ParallelDims, meshes: Meshes |
                     plan.update(feed_forward_plan("moe.shared_experts", sequence_parallel=False, norm=None))
             else:
                 plan.update(feed_forward_plan("feed_forward", sp))
+            if hasattr(block, "eh_proj"):  # GLM-4.5's multi-token-prediction depth (Glm4MtpBlock)
+                plan.update(mtp_depth_plan(sp))
             apply_tp(block, meshes["tp"], plan)
         apply_expert_tensor_parallel(model, meshes["tp"])
     apply_after_tp(model, dims, meshes, cfg, fullgraph=False)  # MoE routing breaks full graphs
