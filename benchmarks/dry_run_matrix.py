@@ -119,10 +119,13 @@ CASES: list[Case] = [
     # Expert parallel under cp: tokens exchanged within a cp rank, experts sharded over dp_shard / ep × cp.
     _case("deepseek_v3 cp2 dp2 ep2 bf16", model="deepseek_v3", cp=2, dp=2, ep=2, bf16=True, seq=512),
     # MoE under tensor parallel: the routed experts' tokens gathered from the sequence-parallel
-    # shards. With op SAC it FAILs (2026-11-28: temporaries 5.85 MiB planned, 9.19 simulated): the
-    # plan divides a block's recomputed and backward tensors by tp, and an MoE's are mostly whole.
+    # shards. An MoE block's recomputed and backward tensors are mostly whole on every tp rank
+    # (BlockActivations.transient_unsplit; before 2026-11-28 the plan divided them by tp: op SAC
+    # temporaries 5.85 MiB planned, 9.19 simulated, full AC 6.68 and 9.50).
     _case("deepseek tp2 dp2 ep2 bf16", model="deepseek_v2", tp=2, dp=2, ep=2, bf16=True, seq=512),
     _case("deepseek_v3 tp2 dp2 ep2 bf16 sel-op", model="deepseek_v3", tp=2, dp=2, ep=2, bf16=True, ac="op", seq=512),
+    _case("deepseek_v3 tp2 dp2 ep2 bf16 full-AC", model="deepseek_v3", tp=2, dp=2, ep=2, bf16=True, ac="full",
+          seq=512),
     _case("deepseek cp2 tp2 ep2 bf16", model="deepseek_v2", cp=2, tp=2, dp=2, ep=2, bf16=True, seq=512),
 ]
 # One realistic mesh per flavor of every family, bf16, 1F1B, no activation checkpointing, one

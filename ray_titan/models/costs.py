@@ -73,7 +73,9 @@ class BlockActivations:
     saved so by the projection: measured on the simulated GPU, ``ray-titan dry-run``);
     ``weight_step``: what a zero-bubble schedule's input-gradient step keeps for the block's
     weight-gradient step (:meth:`weight_step_inputs`); ``whole_op``: the part of ``op`` that
-    tensor parallel does not split, where a family counts it apart from ``whole`` (None: ``whole``)."""
+    tensor parallel does not split, where a family counts it apart from ``whole`` (None: ``whole``);
+    ``backward_whole``: the part of ``backward`` that tensor parallel does not split (an MoE
+    layer's combine of the routed outputs: the routed copies of the whole, gathered sequence)."""
 
     none: float
     op: float
@@ -84,6 +86,7 @@ class BlockActivations:
     whole: float = 0.0
     weight_step: float | None = None
     whole_op: float | None = None
+    backward_whole: float = 0.0
 
     def weight_step_inputs(self) -> float:
         """Bytes per token a zero-bubble input-gradient step (``I``) keeps until the block's
@@ -100,6 +103,12 @@ class BlockActivations:
         if checkpointed == "op" and self.whole_op is not None:
             return self.whole_op
         return 0.0 if checkpointed == "full" else self.whole
+
+    def transient_unsplit(self, checkpointed: str) -> float:
+        """Bytes per token within :meth:`recompute` and ``backward`` that every tensor-parallel
+        rank holds whole while the block's backward runs: what it recomputes of ``whole`` (the
+        whole part of ``none`` less that of :meth:`kept`) and ``backward_whole``."""
+        return max(0.0, self.unsplit("none") - self.unsplit(checkpointed)) + self.backward_whole
 
     def experts(self, checkpointed: str) -> float:
         """Bytes per token of the MoE dispatch and expert activations within :meth:`kept`."""

@@ -216,9 +216,9 @@ def _scan_blocks(j: _Job, s: int, act_modes: dict[str, float]) -> _BlockScan:
         # whole (unsplit by tp) part of them comes back whole: (tp - 1) more of it before the / tp.
         whole = blk.whole if whole_moved else 0.0
         back = off + prev_off + (whole + prev_whole) * (j.tp - 1)
-        scan.append((kept_so_far, blk.recompute(how) + blk.backward + back, layer))
-        if kept_so_far + blk.recompute(how) + blk.backward + back > backward_peak:
-            backward_peak, kept_at_peak = kept_so_far + blk.recompute(how) + blk.backward + back, kept_so_far
+        scan.append((kept_so_far, _block_transient(j, blk, how) + back, layer))
+        if kept_so_far + _block_transient(j, blk, how) + back > backward_peak:
+            backward_peak, kept_at_peak = kept_so_far + _block_transient(j, blk, how) + back, kept_so_far
         prev_off, prev_whole = off, whole
         moe_part += 0.0 if whole_moved else blk.experts(how)
         unsplit += 0.0 if whole_moved else blk.unsplit(how)
@@ -228,6 +228,15 @@ def _scan_blocks(j: _Job, s: int, act_modes: dict[str, float]) -> _BlockScan:
         act_modes["selective_op"] += blk.op
         act_modes["selective_layer"] += blk.input if lay else blk.none
     return _BlockScan(kept_so_far, backward_peak, kept_at_peak, moe_part, unsplit, host, blocks, scan)
+
+
+def _block_transient(j: _Job, blk: BlockActivations, how: str) -> float:
+    """Bytes per token of a microbatch, before the plan's division by ``tp``, that block ``blk``
+    checkpointed ``how`` holds above its kept activations while its backward runs: what it
+    recomputes and its backward's transient, their whole part
+    (:meth:`~ray_titan.models.costs.BlockActivations.transient_unsplit`) counted ``tp`` times so
+    that each tensor-parallel rank's ``1/tp`` of it is the whole of it."""
+    return blk.recompute(how) + blk.backward + blk.transient_unsplit(how) * (j.tp - 1)
 
 
 def _loss_backward(j: _Job) -> float:
@@ -278,7 +287,7 @@ def _zero_bubble_terms(j: _Job, s: int, blocks: list[tuple[Any, str, int]],
     # I: from the last block back, each block's backward above the gradients already held.
     so_far, input_t = head, loss_bwd
     for (blk, how, _), h in zip(reversed(blocks), reversed(held)):
-        input_t = max(input_t, so_far + blk.recompute(how) + blk.backward)
+        input_t = max(input_t, so_far + _block_transient(j, blk, how))
         so_far += h
     input_t = max(input_t, so_far)
     recomputed = [(sum(1 for _ in j.whole.layers[str(layer)].parameters()), blk.recompute(how))

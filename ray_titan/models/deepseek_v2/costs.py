@@ -68,7 +68,11 @@ def moe_activations(a: Any, e: int, rho: float, ep: int, norm_in: float, *, devi
     recomputed (a biased router's is an ``addmm``, saved: its family adds it); each local expert
     runs three (w1, w3, w2, rows or none), so alternate experts save w1's and w2's outputs or
     w3's; bf16 on a GPU (``device`` not ``"cpu"``) runs ``torch._grouped_mm``, which op SAC
-    recomputes and does not count; then the shared experts' three."""
+    recomputes and does not count; then the shared experts' three; under expert parallel also the
+    two all-to-alls' outputs (``whole_op``: whole under tensor parallel). ``backward_whole``: the
+    part of ``backward`` tensor parallel does not split (all but the experts' hidden units: the
+    routed rows are of the whole, gathered sequence; measured on the simulated GPU, DeepSeek-V3
+    debug under tp = dp = ep = 2 with op SAC)."""
     d = a.dim
     k, m, ns, n_exp = a.n_activated_experts, a.moe_inter_dim, a.n_shared_experts, a.n_routed_experts
     routed = rho * k if ep > 1 else k  # copies this rank's experts process per token
@@ -91,6 +95,11 @@ def moe_activations(a: Any, e: int, rho: float, ep: int, norm_in: float, *, devi
     # ``norm_in`` or the caller's norms count) is saved only where shared experts read it.
     upcast = 0 if e == F32 else F32 * d - (0 if ns else e * d)
     none = norm_in + route + upcast + experts_none + e * 4 * ns * m
+    # Under expert parallel op SAC also saves both all-to-alls' outputs (``run_remote_experts``:
+    # the received rows and the outputs sent back, ``all_to_all_single`` being one of the ops it
+    # saves): rows of the whole, gathered sequence under tensor parallel.
+    a2a = 2 * e * routed * d if ep > 1 else 0.0
+    experts_op += a2a
     op = experts_op + (op_sac_saved([e * ns * m, e * ns * m, e * d], shared_before) if ns else 0.0)
     backward = e * (routed * (2 * m + 2 * d) + 2 * ns * m)
     # Its forward's transient where the routed outputs are combined (route_tokens): the weighted
@@ -107,8 +116,12 @@ def moe_activations(a: Any, e: int, rho: float, ep: int, norm_in: float, *, devi
     # Under tensor parallel the MoE's input is gathered whole (every tp rank routes the whole
     # sequence) and only the experts' hidden units are split: all but the norm and those is whole.
     whole = none - norm_in - e * 4 * m * (routed + ns)
-    return BlockActivations(none, op, 0.0, max(backward, forward, combine, returned), experts_none, experts_op,
-                            whole)
+    # Of the transient, likewise all but the hidden units' (the backward's SwiGLU gradients) is
+    # whole: the combine's, the returned and the forward's tensors are rows of the whole sequence.
+    transient, transient_whole = max((backward, e * routed * 2 * d), (forward, forward), (combine, combine),
+                                     (returned, returned))
+    return BlockActivations(none, op, 0.0, transient, experts_none, experts_op, whole, whole_op=a2a,
+                            backward_whole=transient_whole)
 
 
 def deepseek_block_activations(a: Any, layer: int, e: int, seq: int, device: str, rho: float,
@@ -150,6 +163,8 @@ def deepseek_block_activations(a: Any, layer: int, e: int, seq: int, device: str
         moe = moe_activations(a, e, rho, ep, norm_in, device=device, mm_before=len(mms))
         return BlockActivations(attention + moe.none, attention_op + moe.op, F32 * d, moe.backward,
                                 moe.experts_none, moe.experts_op, attention_whole + moe.whole,
-                                whole_op=attention_whole_op + e * d)  # and the MoE's gathered input
+                                # and the MoE's gathered input, and under EP its all-to-alls' outputs
+                                whole_op=attention_whole_op + e * d + (moe.whole_op or 0.0),
+                                backward_whole=moe.backward_whole)
     return BlockActivations(attention + ffn, attention_op + ffn_op, F32 * d, backward, whole=attention_whole + e * d,
                             whole_op=attention_whole_op + e * d)

@@ -56,4 +56,5 @@ def qwen3_moe_block_activations(a: Any, layer: int, e: int, seq: int, device: st
     base = llama_block_activations(dataclasses.replace(attn, ffn_dim=0), layer, e, seq, device, rho, ep)
     moe = moe_activations(a, e, rho, ep, 0.0, device=device, mm_before=LLAMA_MATMULS)  # norms: Llama's
     return BlockActivations(base.none + moe.none, base.op + moe.op, base.input, base.backward + moe.backward,
-                            moe.experts_none, moe.experts_op, base.whole + moe.whole)
+                            moe.experts_none, moe.experts_op, base.whole + moe.whole,
+                            backward_whole=moe.backward_whole)
