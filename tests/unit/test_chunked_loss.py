@@ -139,21 +139,30 @@ def test_chunks_lower_the_peak_of_the_loss():
 def test_memory_plan_follows_the_setting_on_the_8b_row():
     """Issue 41's row (Llama 3.1 8B, FSDP 8, 2 × 8192 tokens, vocabulary 128256, bf16, selective
     op AC): the plain loss's transient is its fp32 gradients over the vocabulary (15.7 GiB);
-    in chunks of 2048 tokens it falls at least 4× (to a block's backward), and the activations
+    in chunks of 2048 tokens the loss's own backward holds at least 4× less, and the rank's
+    transient at its peak falls 3.2× (to a block's backward), and the activations
     lose the log-softmax the plain loss keeps (4 bytes × tokens × vocabulary)."""
     from ray_titan.config import load_config
     from ray_titan.preflight.memory_plan import memory_plan
     from tests.conftest import REPO
 
-    def rank0(chunk):
-        cfg = load_config(REPO / "configs" / "debug_llama.toml", [
+    from ray_titan.preflight.plan_activations import _loss_backward
+    from ray_titan.preflight.plan_job import _job
+
+    def config(chunk):
+        return load_config(REPO / "configs" / "debug_llama.toml", [
             "--model.name=llama", "--model.flavor=3.1-8B", "--parallelism.pp=1", "--parallelism.dp_shard=8",
             "--parallelism.microbatches=1", "--training.seq_len=8192", "--training.global_batch_size=16",
             "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=op",
             "--training.mixed_precision=bf16", f"--training.loss_chunk_tokens={chunk}"])
-        return memory_plan(cfg, device="cuda", levers=False, vocab_size=128256).ranks[0]
+
+    def rank0(chunk):
+        return memory_plan(config(chunk), device="cuda", levers=False, vocab_size=128256).ranks[0]
 
     plain, chunked = rank0(0), rank0(2048)
+    # The loss's own backward (bytes per token above what is kept): at least 4× less in chunks.
+    loss_plain, loss_chunked = (_loss_backward(_job(config(c), "cuda", 1.0, 128256)) for c in (0, 2048))
+    assert loss_plain / loss_chunked >= 4.0
     tokens_x_vocab = 2 * 8192 * 128256
     assert plain.transient == pytest.approx(2 * 4 * tokens_x_vocab, rel=1e-3)
     print(f"8B row transient: plain {plain.transient / 2**30:.2f} GiB, chunked {chunked.transient / 2**30:.2f} GiB")
