@@ -26,6 +26,7 @@ parallelisms are applied by the parallelize step (``ray_titan.parallel.stack``).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -157,6 +158,7 @@ class ContextParallel:
         # in the step (selective AC's, ray-titan dry-run's fake tensors) would refuse to wrap.
         with unset_fake_temporarily():
             self._causal = [(end, _LowerRightCausal(chunk, end)) for end in ends]
+        self._bias: tuple[weakref.ref, weakref.ref, torch.dtype] | None = None  # (mask, its bias, dtype)
 
     def positions_and_mask(self, positions: torch.Tensor | None,
                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -193,7 +195,7 @@ class ContextParallel:
         head_dim)``."""
         k, v = self.gather(k), self.gather(v)
         if attn_mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self._additive(attn_mask, q.dtype), **kwargs)
         order = torch.argsort(self.gathered).to(k.device)  # gathered order → sequence order
         k, v = k.index_select(2, order), v.index_select(2, order)
         chunk = self.seq_len // (2 * self.cp)
@@ -203,6 +205,22 @@ class ContextParallel:
                 q[:, :, j * chunk:(j + 1) * chunk], k[:, :, :end], v[:, :, :end], attn_mask=bias, **kwargs))
         return torch.cat(outs, dim=2)
 
+
+    def _additive(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The additive form of a bool ``mask`` (0 where it holds, −inf elsewhere) in ``dtype``,
+        made once for all the layers that attend with the same mask while it lives. Given the
+        bool mask, the memory-efficient and cuDNN kernels convert it themselves, and autograd keeps
+        each layer's copy for its backward: ``seq_len² / cp`` elements a sequence per layer
+        (bf16: 128 GiB over 32 layers at 131,072 tokens, cp = 8) where this keeps one. Under
+        ``torch.compile`` the bool mask is passed on unchanged."""
+        if mask.dtype != torch.bool or torch.compiler.is_compiling():
+            return mask
+        held = self._bias
+        bias = held[1]() if held is not None and held[0]() is mask and held[2] == dtype else None
+        if bias is None:
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self._bias = (weakref.ref(mask), weakref.ref(bias), dtype)
+        return bias
 
     def sequence_sum(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``t`` summed over the cp group (no gradient: the MoE balance loss's routing counts) and

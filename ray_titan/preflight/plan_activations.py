@@ -22,12 +22,17 @@ def _cp_gathered(j: _Job) -> float:
     keeps above its own keys and values, the ``cp − 1`` other ranks' all-gathered (what the
     attention saves for backward is the whole sequence's ``k`` and ``v``: ``cp`` times the local
     ones). Their width from the model's arguments: MLA's reconstructed keys and values (``n_heads
-    · (qk_head_dim + v_head_dim)``), else grouped-query ``2 · n_kv_heads · head_dim``. 0 at cp = 1."""
+    · (qk_head_dim + v_head_dim)``), else grouped-query ``2 · n_kv_heads · head_dim``, with document
+    masks ``2 · n_heads · head_dim`` for all ``cp`` ranks (the heads repeated). 0 at cp = 1."""
     cp, a = j.dims.cp, j.args
     if cp == 1:
         return 0.0
     if getattr(a, "qk_head_dim", None):
         width = a.n_heads * (a.qk_head_dim + a.v_head_dim)
+    elif j.cfg.training.document_mask and a.n_kv_heads != a.n_heads:
+        # With a mask, SDPA's memory-efficient kernel takes no grouped heads: it attends over keys
+        # and values repeated to every query head, and saves those (the simulated GPU's clone).
+        return j.e * (cp * 2 * a.n_heads * a.head_dim - 2 * a.n_kv_heads * a.head_dim)
     else:
         width = 2 * a.n_kv_heads * a.head_dim
     return (cp - 1) * j.e * width
@@ -36,14 +41,15 @@ def _cp_gathered(j: _Job) -> float:
 def _with_cp(j: _Job, blk: BlockActivations) -> BlockActivations:
     """A block's activations under context parallel (as they are at cp = 1): the gathered keys
     and values (:func:`_cp_gathered`) kept without AC, recomputed (gathered again) under op and
-    full AC; with document masks each attention's bias, the bool mask made a bias in the
-    activations' dtype (PyTorch's memory-efficient kernel; the dry run's shim as it), saved for
-    backward and made again while backward runs: ``seq_len`` elements a local token."""
+    full AC; with document masks the attention bias (the bool mask made additive in the
+    activations' dtype, ``ContextParallel._additive``: ``seq_len`` elements a local token) made
+    again while a recomputing backward runs. The bias the layers share is the stage's
+    (:func:`_stage_activations`), not each block's."""
     gathered = _cp_gathered(j)
     if not gathered:
         return blk
     bias = j.e * j.cfg.training.seq_len if j.cfg.training.document_mask else 0
-    return dataclasses.replace(blk, none=blk.none + gathered + bias, backward=blk.backward + bias)
+    return dataclasses.replace(blk, none=blk.none + gathered, backward=blk.backward + bias)
 
 
 def _with_residual_dtype(j: _Job, blk: BlockActivations) -> BlockActivations:
@@ -133,9 +139,10 @@ def _stage_activations(j: _Job, s: int, act_modes: dict[str, float]) -> _StageAc
         act_modes[key] += head
     per_token = kept_so_far + head + (_I64 if first else 0)
     if j.dims.cp > 1 and tr.document_mask:
-        # The document mask of the local queries over the whole sequence, bool, once a stage
-        # (every attention saves the same tensor): seq_len bytes a local token.
-        per_token += tr.seq_len
+        # The document mask of the local queries over the whole sequence, bool, once a stage, and
+        # its additive bias in the activations' dtype that every attention shares and saves (made
+        # again in each block under full AC: _with_cp): seq_len bytes a local token, and e times it.
+        per_token += tr.seq_len * (1 + (0 if cfg.activation_checkpoint.mode == "full" else j.e))
     # At the transient's moment (a block's backward) the blocks after it and the head are freed
     # already: kept bytes that the plan's split counts as temporaries then, not activations. Not
     # a last stage's logits under PP: the stage output, held by torch's backward_one_chunk until

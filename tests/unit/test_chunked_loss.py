@@ -144,10 +144,9 @@ def test_memory_plan_follows_the_setting_on_the_8b_row():
     lose the log-softmax the plain loss keeps (4 bytes × tokens × vocabulary)."""
     from ray_titan.config import load_config
     from ray_titan.preflight.memory_plan import memory_plan
-    from tests.conftest import REPO
-
     from ray_titan.preflight.plan_activations import _loss_backward
     from ray_titan.preflight.plan_job import _job
+    from tests.conftest import REPO
 
     def config(chunk):
         return load_config(REPO / "configs" / "debug_llama.toml", [
