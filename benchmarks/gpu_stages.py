@@ -144,8 +144,8 @@ def _train(ctx: StageContext, cfg, callbacks: list | None = None) -> dict[str, A
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     run = train_here(cfg, ctx.device, callbacks=callbacks)
-    tail = (torch.cuda.max_memory_allocated(ctx.device), torch.cuda.max_memory_reserved(ctx.device)) if ctx.cuda \
-        else None
+    stats = torch.cuda.memory_stats(ctx.device) if ctx.cuda else None
+    tail = (stats.get("active_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0)) if stats else None
     run["peak_active"], run["peak_reserved"] = run_peaks(run["steps"], tail)
     return run
 
@@ -153,7 +153,8 @@ def _train(ctx: StageContext, cfg, callbacks: list | None = None) -> dict[str, A
 def run_peaks(steps, tail: tuple[int, int] | None) -> tuple[int | None, int | None]:
     """A run's device peaks ``(active, reserved)`` in bytes: the largest of its metrics
     table's per-step ``device_peak_active_bytes`` / ``device_peak_reserved_bytes`` and ``tail``,
-    the device counters read after the run (``max_memory_allocated``, ``max_memory_reserved``);
+    the device's peak counters read after the run (``active_bytes.all.peak``,
+    ``reserved_bytes.all.peak``);
     ``(None, None)`` when ``tail`` is None (CPU). The counters alone are not the run's peak: the
     memory sampler resets them at every sample, so after a run they hold only what followed the
     last one (the H100 levers table of 2026-11-27 read that tail as the peak). The per-step

@@ -9,9 +9,9 @@ read for the design, not copied), on CUDA:
 - **pack** (forward, each tensor a block saves): the copy into a pinned host tensor runs on a side
   stream that first waits for the compute stream, so it overlaps the compute that follows. The
   device tensor stays referenced by its block's group until the compute stream has waited for the
-  group's copies, which it does when the block after the next one starts its forward
-  (:data:`FORWARD_LAG` blocks later): at most that many blocks' saved tensors are still on the
-  device in forward, whatever the host link's speed. Marking the tensor as used by the side
+  group's copies, which it does when the block ``FORWARD_LAG + 1`` blocks later starts its forward
+  (any block of the stage, offloaded or not): at most ``FORWARD_LAG + 1`` blocks' saved tensors
+  are still on the device in forward, whatever the host link's speed. Marking the tensor as used by the side
   stream (``Tensor.record_stream``), as a first version did, bounds nothing: where the copies are
   slower than the compute, the freed blocks wait for them while compute allocates new ones (on an
   H100 the reserve grew 1.54×, benchmarks/results/2026-11-27-first-contact-h100.md). torchtune
@@ -22,8 +22,10 @@ read for the design, not copied), on CUDA:
   block's tensors and those of the block before it (the next backward) are copied back on the
   side stream into device tensors allocated on the compute stream (the caching allocator keeps a
   pool per stream: tensors allocated on the side stream would return to its pool, which compute
-  never reuses), so the copy of block ``k − 1`` overlaps block ``k``'s backward. A block whose
-  device tensors are still held (the last ones of the forward) hands those over without a copy.
+  never reuses; each is marked as used by the side stream too, so that one no unpack takes is not
+  reused before its copy ends), so the copy of block ``k − 1`` overlaps block ``k``'s backward. A
+  block whose device tensors are still held (the last ones of the forward) hands those over
+  without a copy.
 - **unpack** (backward): the compute stream waits for the prefetch's event and takes the device
   tensor; a tensor not prefetched is copied back on the compute stream. The host copy stays
   until autograd drops the saved tensor (a graph kept with ``retain_graph``, the zero-bubble
@@ -61,8 +63,8 @@ torchtune's ``min_offload_size``)."""
 
 FORWARD_LAG = 1
 """Blocks whose copies to the host may still run when a block's forward starts: block ``k``'s
-forward first waits for the copies of block ``k − 1 − FORWARD_LAG`` and lets go of their device
-tensors. 1 lets block ``k − 1``'s copies overlap block ``k``'s compute."""
+forward (offloaded or not) first waits for the copies of the blocks up to ``k − 1 − FORWARD_LAG``
+and lets go of their device tensors. 1 lets block ``k − 1``'s copies overlap block ``k``'s compute."""
 
 
 @dataclass
@@ -123,6 +125,7 @@ class _Group:
         self.fetched = False  # prefetched once: a second backward (retain_graph) copies on demand
         self.copied: Any = None  # the side stream's event after this block's last copy to the host
         self.holds = False  # some handle still holds its device tensor
+        self.order = 0  # the stage's block forward it belongs to (ActivationOffloader._started)
         # While the block's forward runs: the tensors copied so far, by storage and view, with a
         # weak reference to the tensor (alive: the storage is not another's yet), so that a
         # tensor several ops save (a norm's output, the input of q, k and v) is copied once.
@@ -142,6 +145,7 @@ class ActivationOffloader:
         self._stream: Any = None
         self._last: weakref.ref[_Group] | None = None
         self._holding: collections.deque[_Group] = collections.deque()  # forward's groups, oldest first
+        self._started = 0  # block forwards started on this stage (offloaded or not), in order
 
     def reset(self) -> OffloadStats:
         """Return the counts so far and start new ones."""
@@ -196,13 +200,17 @@ class ActivationOffloader:
             if packed.event is not None:
                 current.wait_event(packed.event)
             return t
+        if packed.held is not None:  # not prefetched, still on the device
+            return packed.held
         current.wait_stream(self._side_stream())  # the copy to the host is done
         return packed.host.to(packed.device, non_blocking=True)
 
-    def _release(self, keep: int) -> None:
-        """Let go of the device tensors of all but the newest ``keep`` forward groups, once the
-        compute stream has waited for their copies to the host."""
-        while len(self._holding) > keep:
+    def _block_starts(self) -> None:
+        """A block's forward starts (any block of the stage): let go of the device tensors of the
+        groups more than :data:`FORWARD_LAG` block forwards old, once the compute stream has
+        waited for their copies to the host."""
+        self._started += 1
+        while self._holding and self._holding[0].order < self._started - FORWARD_LAG:
             group = self._holding.popleft()
             if group.copied is not None:
                 torch.cuda.current_stream().wait_event(group.copied)
@@ -226,9 +234,8 @@ class ActivationOffloader:
             if handle is None or handle.on_device is not None:
                 continue
             if handle.held is not None:  # still on the device: no copy back
-                handle.on_device, handle.held = handle.held, None
-                if handle.device.type == "cuda":  # its copy to the host may still read it
-                    handle.on_device.record_stream(self._side_stream())
+                # Its copy to the host may still read it: the unpack waits for that copy.
+                handle.on_device, handle.held, handle.event = handle.held, None, group.copied
                 self.stats.reused += 1
                 continue
             self.stats.prefetched += 1
@@ -242,6 +249,7 @@ class ActivationOffloader:
             with torch.cuda.stream(stream):
                 on_device.copy_(handle.host, non_blocking=True)
                 handle.event = stream.record_event()
+            on_device.record_stream(stream)  # freed untaken (the graph dies first): not reused mid-copy
             handle.on_device = on_device
 
     def _backward_starts(self, group: _Group) -> None:
@@ -256,6 +264,19 @@ class ActivationOffloader:
     def _on_output_grad(self, group: _Group, grad: torch.Tensor) -> None:
         self._backward_starts(group)
 
+    def count(self, block: nn.Module) -> None:
+        """Count ``block``'s forwards (a block of the stage whose tensors stay) among the block
+        forwards that release the held groups (:data:`FORWARD_LAG`): replaced on the instance,
+        as :meth:`wrap` does, so a recomputing backward, which calls the inner forward, counts none."""
+        inner = block.forward
+
+        @functools.wraps(inner)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            self._block_starts()
+            return inner(*args, **kwargs)
+
+        block.forward = forward
+
     def wrap(self, block: nn.Module, layer: int, root: nn.Module) -> None:
         """Install the hooks around ``block``'s forward (replaced on the instance, as activation
         checkpointing does, so parameter names stay); ``root``: the stage module, whose buffers
@@ -268,7 +289,8 @@ class ActivationOffloader:
             last = self._last() if self._last is not None else None
             group = _Group(layer, last)
             self._last = weakref.ref(group)
-            self._release(FORWARD_LAG)
+            self._block_starts()
+            group.order = self._started
             self._holding.append(group)
             self.stats.held_blocks = max(self.stats.held_blocks, len(self._holding))
             skip = {_storage_key(t) for t in [*block.parameters(), *block.buffers()]}
@@ -318,4 +340,7 @@ def apply_activation_offload(model: nn.Module, setting: str | int, min_bytes: in
     offloader = ActivationOffloader(min_bytes=min_bytes, copy_on_host=copy_on_host)
     for layer, block in blocks:
         offloader.wrap(block, layer, model)
+    for key, block in layers.items():  # the other blocks' forwards advance the lag too
+        if not offloads(setting, int(key)):
+            offloader.count(block)
     return offloader

@@ -97,12 +97,14 @@ def test_hooks_pack_what_the_blocks_save_but_the_weights():
     assert stats.packed_bytes <= count.bytes - before_bytes - weights
 
 
-def test_the_forward_holds_the_device_tensors_of_the_last_blocks_only():
-    """Each block's forward lets go of the device tensors of the blocks more than FORWARD_LAG
-    before it (on a GPU once their copies to the host are done): at the end of the forward only
-    the last FORWARD_LAG + 1 blocks still hold theirs, whatever the copies' speed. Holding every
-    block until its copy ends (``record_stream``) kept all of them on an H100."""
-    model, off = _model("none", "all", copy=True)
+@pytest.mark.parametrize("setting", ["all", 2])
+def test_the_forward_holds_the_device_tensors_of_the_last_blocks_only(setting):
+    """Each block's forward (offloaded or not) lets go of the device tensors of the blocks more
+    than FORWARD_LAG before it (on a GPU once their copies to the host are done): at the end of
+    the forward only the last FORWARD_LAG + 1 blocks still hold theirs, whatever the copies'
+    speed; with the first 2 of 4 blocks offloaded, none does. Holding every block until its copy
+    ends (``record_stream``) kept all of them on an H100."""
+    model, off = _model("none", setting, copy=True)
     assert off is not None
     tokens = torch.randint(0, 258, (2, 32))
     logits = model(tokens)
@@ -111,9 +113,11 @@ def test_the_forward_holds_the_device_tensors_of_the_last_blocks_only():
     while group is not None:
         groups.append(group)
         group = group.prev() if group.prev is not None else None
-    assert [g.layer for g in groups] == list(range(len(model.layers)))[::-1]
+    n = len(model.layers)
+    chosen = n if setting == "all" else int(setting)
+    assert [g.layer for g in groups] == list(range(chosen))[::-1]
     held = {g.layer: [h().held is not None for h in g.handles if h() is not None] for g in groups}
-    last = len(model.layers) - 1 - FORWARD_LAG
+    last = n - 1 - FORWARD_LAG
     assert all(all(v) and v for k, v in held.items() if k >= last)
     assert not any(any(v) for k, v in held.items() if k < last)
     del logits

@@ -208,5 +208,7 @@ def test_the_layers_share_one_additive_document_mask():
     assert bias.dtype == torch.float32 and cp._additive(mask, torch.float32) is bias
     assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=bias),
                        F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-    assert cp._additive(mask, torch.bfloat16).dtype == torch.bfloat16  # another dtype: its own
-    assert cp._additive(mask.clone(), torch.float32) is not bias  # another mask (the next microbatch)
+    other = cp._additive(mask.clone(), torch.float32)  # another mask (the next microbatch): its own
+    assert other is not bias and torch.equal(other, bias)
+    half = cp._additive(mask, torch.bfloat16)  # another dtype: its own
+    assert half.dtype == torch.bfloat16 and cp._additive(mask, torch.bfloat16) is half
