@@ -124,7 +124,6 @@ class _Group:
         self.prev = weakref.ref(prev) if prev is not None else None
         self.fetched = False  # prefetched once: a second backward (retain_graph) copies on demand
         self.copied: Any = None  # the side stream's event after this block's last copy to the host
-        self.holds = False  # some handle still holds its device tensor
         self.order = 0  # the stage's block forward it belongs to (ActivationOffloader._started)
         # While the block's forward runs: the tensors copied so far, by storage and view, with a
         # weak reference to the tensor (alive: the storage is not another's yet), so that a
@@ -183,7 +182,6 @@ class ActivationOffloader:
                 host.copy_(t, non_blocking=True)
                 group.copied = stream.record_event()
         handle = _Handle(host, t.device, nbytes, held=t)
-        group.holds = True
         group.handles.append(weakref.ref(handle))
         group.seen[key] = (weakref.ref(t), handle)
         return handle
@@ -218,7 +216,6 @@ class ActivationOffloader:
                 handle = ref()
                 if handle is not None:
                     handle.held = None
-            group.holds = False
 
     def _prefetch(self, group: _Group | None) -> None:
         if group is None or group.fetched:
@@ -226,9 +223,8 @@ class ActivationOffloader:
         # Once: a second backward over the graph (a zero-bubble schedule's weight step) may not
         # unpack every tensor, and a copy no unpack takes would stay until the graph dies.
         group.fetched = True
-        if group.holds:
+        if group in self._holding:  # its device tensors are handed over below
             self._holding.remove(group)
-            group.holds = False
         for ref in group.handles:
             handle = ref()
             if handle is None or handle.on_device is not None:

@@ -223,9 +223,10 @@ def _scan_blocks(j: _Job, s: int, act_modes: dict[str, float]) -> _BlockScan:
         # whole (unsplit by tp) part of them comes back whole: (tp - 1) more of it before the / tp.
         whole = blk.whole if whole_moved else 0.0
         back = off + prev_off + (whole + prev_whole) * (j.tp - 1)
-        scan.append((kept_so_far, _block_transient(j, blk, how) + back, layer))
-        if kept_so_far + _block_transient(j, blk, how) + back > backward_peak:
-            backward_peak, kept_at_peak = kept_so_far + _block_transient(j, blk, how) + back, kept_so_far
+        transient = _block_transient(j, blk, how) + back
+        scan.append((kept_so_far, transient, layer))
+        if kept_so_far + transient > backward_peak:
+            backward_peak, kept_at_peak = kept_so_far + transient, kept_so_far
         prev_off, prev_whole = off, whole
         moe_part += 0.0 if whole_moved else blk.experts(how)
         unsplit += 0.0 if whole_moved else blk.unsplit(how)
