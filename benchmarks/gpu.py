@@ -77,7 +77,8 @@ STAGES = (
     Stage("gpu_checks", "the checks only a GPU can make", 150, 60),
     Stage("main_mesh", "the main job's mesh, pp=2 × dp_shard=2, on the one GPU", 75, 30),
     Stage("compile", "training.compile = true: first step and tokens/s", 90, 30),
-    Stage("memory_levers", "the 1B shape under activation offloading and full AC: tokens/s and peaks", 120, 40),
+    Stage("memory_levers", "the 1B shape under each memory lever: tokens/s, peaks, loss gaps", 240, 60),
+    Stage("families", "every family's debug flavor: device against CPU losses", 150, 40),
 )
 
 

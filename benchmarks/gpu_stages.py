@@ -12,6 +12,7 @@ cpu`` the facts only a device has are recorded as :data:`NA`. Nothing here impor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
 import math
@@ -20,7 +21,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -323,40 +324,127 @@ def stage_llama_1b(ctx: StageContext) -> None:
 
 
 # The memory levers at the 1B shape: (name, flags). Offloading's copies and their overlap exist
-# only on a GPU (on a CPU its hooks move nothing), so this is where its cost is measured.
+# only on a GPU (on a CPU its hooks move nothing), so this is where its cost is measured. The
+# "128K vocab" pair widens the byte tokenizer to Llama 3's vocabulary size (a model whose logits
+# dominate: wide_vocab), where the chunked loss is meant to act.
+WIDE_VOCAB = 128256
 LEVERS = (("none", ()), ("offload all", ("--memory.activation_offload=all",)),
+          ("offload half", ("HALF",)),
           ("full AC", ("--activation_checkpoint.mode=full",)),
-          ("full AC + offload all", ("--activation_checkpoint.mode=full", "--memory.activation_offload=all")))
+          ("selective op", ("--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=op")),
+          ("full AC + offload all", ("--activation_checkpoint.mode=full", "--memory.activation_offload=all")),
+          ("128K vocab", ("WIDE",)),
+          ("128K vocab + chunked loss", ("WIDE", "--training.loss_chunk_tokens=2048")))
+LEVER_BASE: dict[str, str | None] = {"128K vocab": None, "128K vocab + chunked loss": "128K vocab"}
+"""The lever each is compared with (``none`` unless named here; None: none)."""
+
+
+@contextlib.contextmanager
+def wide_vocab(vocab_size: int = WIDE_VOCAB) -> Iterator[None]:
+    """Within: the byte tokenizer declares ``vocab_size`` ids (those above 257 unused), so the
+    model's embedding and head, the logits and the plan are that wide; this process only (the
+    levers run in it). A stand-in for a real tokenizer of that size: the node may lack
+    ``tokenizers``, and its wheel does not fit beside the wheelhouse in one command's carry."""
+    from ray_titan.data.tokenizer import ByteTokenizer
+
+    before = ByteTokenizer.vocab_size
+    ByteTokenizer.vocab_size = vocab_size
+    try:
+        yield
+    finally:
+        ByteTokenizer.vocab_size = before
+
+
+def largest_gap(a: list[float | None], b: list[float | None]) -> float | None:
+    """The largest ``|a[i] − b[i]|`` over the steps both logged (None: none in common)."""
+    gaps = [abs(x - y) for x, y in zip(a, b) if x is not None and y is not None]
+    return max(gaps) if gaps else None
 
 
 def stage_memory_levers(ctx: StageContext) -> None:
     """The 1B stage's shape (``--small``: its stand-in) under each of :data:`LEVERS`, one rank:
-    per lever its tokens/s (median of steps 3 on), device peaks allocated and reserved, the
-    plan's peak and the last loss, as facts named ``<lever>: ...``; then each lever's tokens/s
-    and reserved peak against ``none``'s."""
+    per lever its tokens/s (median of steps 3 on), device peaks active and reserved, the plan's
+    peak, the last loss and the largest per-step loss gap to its base lever (:data:`LEVER_BASE`;
+    same seed and data, so offloading, which only moves tensors, should give 0), as facts named
+    ``<lever>: ...``; then its tokens/s and peaks against the base's."""
+    from ray_titan.models.registry import get_model_args
+
     steps = 4 if ctx.small else 10
-    base: dict[str, float] = {}
+    seen: dict[str, dict[str, Any]] = {}
     for name, flags in LEVERS:
+        vocab = wide_vocab() if "WIDE" in flags else contextlib.nullcontext()
+        flags = tuple(f for f in flags if f != "WIDE")
+        if "HALF" in flags:  # the first half of the blocks (8 of the 1B shape's 16)
+            m = _llama_1b(ctx, steps).model
+            flags = (f"--memory.activation_offload={get_model_args(m.name, m.flavor).n_layers // 2}",)
         cfg = _llama_1b(ctx, steps).with_overrides(list(flags))
-        plan = ctx.attempt(f"{name}: memory plan", lambda cfg=cfg: memory_plan_peak(cfg))
-        run = ctx.attempt(f"{name}: run", lambda cfg=cfg: _train(ctx, cfg))
+        with vocab:
+            plan = ctx.attempt(f"{name}: memory plan", lambda cfg=cfg: memory_plan_peak(cfg))
+            run = ctx.attempt(f"{name}: run", lambda cfg=cfg: _train(ctx, cfg))
         if run is None:
             continue
         t = run["steps"]
         tps = _tokens_per_s(cfg, t, range(3, steps + 1))
-        losses = [x for x in t["step_loss"].to_pylist() if x is not None]
+        losses = t["step_loss"].to_pylist()
+        seen[name] = {"tps": tps, "losses": losses, "active": run["peak_active"], "reserved": run["peak_reserved"]}
         ctx.log.add(f"{name}: tokens/s", round(tps, 1), "tok/s")
-        ctx.log.add(f"{name}: last loss", losses[-1] if losses else None)
+        ctx.log.add(f"{name}: last loss", next((x for x in reversed(losses) if x is not None), None))
         if plan is not None:
             ctx.log.add(f"{name}: plan peak", round(plan / MiB, 1), "MiB")
         if ctx.cuda:
             for what in ("active", "reserved"):
-                ctx.log.add(f"{name}: device peak {what}", round(run[f"peak_{what}"] / MiB, 1), "MiB")
-            if name == "none":
-                base = {"tps": tps, "reserved": run["peak_reserved"]}
-            elif base:
-                ctx.log.add(f"{name}: tokens/s / none's", round(tps / base["tps"], 3))
-                ctx.log.add(f"{name}: peak reserved / none's", round(run["peak_reserved"] / base["reserved"], 3))
+                ctx.log.add(f"{name}: device peak {what}", round(run[f"peak_{what}"] / MiB, 1), "MiB",
+                            note=f"measured/plan {run[f'peak_{what}'] / plan:.3f}" if plan else "")
+        base_name = LEVER_BASE.get(name, "none")
+        base = seen.get(base_name) if base_name else None
+        if base is None or base is seen[name]:
+            continue
+        ctx.log.add(f"{name}: largest loss gap to {base_name}",
+                    largest_gap(losses, base["losses"]), note=f"over {len(losses)} steps, same seed and data")
+        ctx.log.add(f"{name}: tokens/s / base's", round(tps / base["tps"], 3))
+        if ctx.cuda:
+            for what in ("active", "reserved"):
+                ctx.log.add(f"{name}: peak {what} / base's", round(run[f"peak_{what}"] / base[what], 3))
+
+
+FAMILY_STEPS = 3
+
+
+def stage_families(ctx: StageContext) -> None:
+    """Every registered family's ``debug`` flavor (with one multi-token-prediction depth where the
+    family has them), fp32, one rank, :data:`FAMILY_STEPS` steps on the device and then on the
+    host CPU, same seed and data: per family the largest per-step loss gap between the two (the
+    device's kernels against the CPU's, TF32 off), the device's tokens/s and peak active
+    memory. Qwen3.5's Gated DeltaNet runs its plain PyTorch path unless flash-linear-attention is
+    installed (a fact says which)."""
+    from benchmarks.gpu_checks import train_here
+    from ray_titan.models.registry import FAMILIES, MODELS
+
+    ctx.log.add("flash-linear-attention present", _importable("fla"))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for family in FAMILIES:
+        flags = [f"--model.name={family}", "--model.flavor=debug", "--training.global_batch_size=4",
+                 "--training.seq_len=256", "--training.mixed_precision=fp32"]
+        if MODELS[family].mtp:
+            flags.append("--model.mtp_layers=1")
+        cfg = _one_rank(ctx, f"family-{family}", FAMILY_STEPS, *flags)
+        here = ctx.attempt(f"{family}: run on {ctx.device.type}", lambda cfg=cfg: _train(ctx, cfg))
+        there = ctx.attempt(f"{family}: run on cpu", lambda cfg=cfg: train_here(cfg, "cpu")) if ctx.cuda else here
+        if here is None or there is None:
+            continue
+        losses = here["steps"]["step_loss"].to_pylist()
+        ctx.log.add(f"{family}: losses finite", all(x is not None and math.isfinite(x) for x in losses),
+                    note=f"{len(losses)} steps" + (", 1 MTP depth" if MODELS[family].mtp else ""))
+        ctx.log.add(f"{family}: largest loss gap, {ctx.device.type} vs cpu",
+                    largest_gap(losses, there["steps"]["step_loss"].to_pylist()), note="fp32, same seed and data")
+        t = here["steps"]
+        times = [x for x in t["step_time_s"].to_pylist()[1:] if x]
+        if times:
+            ctx.log.add(f"{family}: tokens/s", round(4 * 256 / statistics.median(times), 1), "tok/s",
+                        note="median of steps 2 on")
+        if ctx.cuda:
+            ctx.log.add(f"{family}: device peak active", round(here["peak_active"] / MiB, 1), "MiB")
 
 
 def memory_plan_peak(cfg) -> int:
@@ -448,7 +536,7 @@ def stage_compile(ctx: StageContext) -> None:
 STAGE_FUNCS: dict[str, Callable[[StageContext], None]] = {
     "environment": stage_environment, "main_job": stage_main_job, "llama_1b": stage_llama_1b,
     "torchtitan": stage_torchtitan, "gpu_checks": stage_gpu_checks, "main_mesh": stage_main_mesh,
-    "compile": stage_compile, "memory_levers": stage_memory_levers,
+    "compile": stage_compile, "memory_levers": stage_memory_levers, "families": stage_families,
 }
 
 

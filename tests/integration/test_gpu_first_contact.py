@@ -17,6 +17,7 @@ import pytest
 
 from benchmarks.facts import read_facts
 from benchmarks.gpu import STAGES
+from ray_titan.models.registry import FAMILIES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +41,7 @@ def test_cpu_rehearsal_streams_every_stage_without_ray(tmp_path):
     assert all(f"[{f['stage']}] {f['name']}:" in proc.stdout for f in facts)
     # Ray is blocked, and nothing needed it.
     assert value["environment", "dependencies"]["ray"] is None and value["environment", "ray_titan imports"] is True
-    for stage in ("environment", "main_job", "llama_1b", "torchtitan", "main_mesh"):
+    for stage in ("environment", "main_job", "llama_1b", "torchtitan", "main_mesh", "memory_levers", "families"):
         assert value[stage, "outcome"] == "ok", (stage, got[stage, "outcome"].get("note"))
     assert value["environment", "gpu"] == "n/a on cpu"
     # The main job's model: the plan before the run, the run, the device facts n/a, the host syncs.
@@ -59,6 +60,11 @@ def test_cpu_rehearsal_streams_every_stage_without_ray(tmp_path):
     assert value["main_mesh", "collectives staged through host"].get("batch_p2p", 0) > 0
     assert value["compile", "outcome"] == "timed out after 1 s"
     assert (out / "stages" / "main_job.stderr").is_file()
+    # The levers: offloading moves tensors and nothing else; the widened vocabulary reaches the plan.
+    assert value["memory_levers", "offload all: largest loss gap to none"] == 0
+    assert value["memory_levers", "128K vocab: plan peak"] > 10 * value["memory_levers", "none: plan peak"]
+    assert [k[1] for k in value if k[0] == "families" and k[1].endswith("losses finite") and value[k]] == [
+        f"{family}: losses finite" for family in FAMILIES]
 
 
 def test_a_stage_killed_takes_every_process_below_it_other_sessions_included():
