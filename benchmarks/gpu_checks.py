@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import re
 import sys
@@ -316,6 +317,7 @@ def train_here(cfg, device: torch.device | str, storage: Any = None, callbacks: 
     finally:
         outcome = collector.finish()
         if device.type == "cuda":
+            gc.collect()  # the wrapped blocks' reference cycles hold the model until a collection
             torch.cuda.empty_cache()  # the next run (or torchtitan's process) gets the memory back
     return {"summary": summary, "outcome": outcome, "run_dir": run_dir, "steps": read_steps(run_dir).sort_by("step")}
 

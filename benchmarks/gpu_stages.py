@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import gc
 import importlib.metadata
 import importlib.util
 import math
@@ -328,7 +330,7 @@ def stage_llama_1b(ctx: StageContext) -> None:
 # "128K vocab" pair widens the byte tokenizer to Llama 3's vocabulary size (a model whose logits
 # dominate: wide_vocab), where the chunked loss is meant to act.
 WIDE_VOCAB = 128256
-LEVERS = (("none", ()), ("offload all", ("--memory.activation_offload=all",)),
+LEVERS = (("none", ()), ("none again", ()), ("offload all", ("--memory.activation_offload=all",)),
           ("offload half", ("HALF",)),
           ("full AC", ("--activation_checkpoint.mode=full",)),
           ("selective op", ("--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=op")),
@@ -361,6 +363,78 @@ def largest_gap(a: list[float | None], b: list[float | None]) -> float | None:
     return max(gaps) if gaps else None
 
 
+def _owner(frames: list[dict[str, Any]]) -> str:
+    """Who made an allocation: its innermost frame in ray_titan (``file.py:function``), else its
+    innermost Python frame, else ``"no Python frame"`` (the autograd engine's device thread:
+    backward)."""
+    for f in frames:
+        name = f.get("filename", "")
+        if "ray_titan/" in name and "ray_titan/metrics/" not in name:
+            return f"{name.rsplit('ray_titan/', 1)[1]}:{f.get('name', '?')}"
+    for f in frames:
+        if f.get("filename", "").endswith(".py"):
+            return f"{f['filename'].rsplit('/', 1)[-1]}:{f.get('name', '?')}"
+    return "no Python frame"
+
+
+def peak_owners(snapshot: dict[str, Any], top: int = 8) -> dict[str, Any]:
+    """Where the device memory peak of a recorded window (a step's
+    ``torch.cuda.memory._snapshot()``, ``memory.snapshot_steps``) comes from, by replaying
+    device 0's allocation events: ``peak_bytes`` (the memory allocated before the window, from
+    the segments at its end less the window's net change, plus the window's largest rise),
+    ``before_bytes``, ``at`` (the peak's event index of ``events``), ``maker`` (the owner,
+    :func:`_owner`, of the allocation that made the peak) and ``owners``: the ``top`` owners of
+    the window's allocations still live at the peak, ``[owner, bytes]``, largest first.
+    An allocation counts until its ``free_completed`` (as the allocator's active bytes do)."""
+    trace = (snapshot.get("device_traces") or [[]])[0]
+    live: dict[int, tuple[int, str]] = {}
+    rise = best = 0
+    at = -1
+    best_live: dict[int, tuple[int, str]] = {}
+    maker = ""
+    for i, e in enumerate(trace):
+        action = e.get("action")
+        if action == "alloc":
+            who = _owner(e.get("frames") or [])
+            live[e["addr"]] = (e["size"], who)
+            rise += e["size"]
+            if rise > best:
+                best, at, maker, best_live = rise, i, who, dict(live)
+        elif action == "free_completed" and e["addr"] in live:
+            rise -= live.pop(e["addr"])[0]
+    end = sum(b["size"] for seg in snapshot.get("segments", []) if seg.get("device", 0) == 0
+              for b in seg.get("blocks", []) if b.get("state") == "active_allocated")
+    before = end - rise
+    owners: Counter[str] = Counter()
+    for size, who in best_live.values():
+        owners[who] += size
+    return {"peak_bytes": before + best, "before_bytes": before, "at": at, "events": len(trace), "maker": maker,
+            "owners": [[who, n] for who, n in owners.most_common(top)]}
+
+
+@contextlib.contextmanager
+def offloaders() -> Iterator[list[Any]]:
+    """Within: every ``ActivationOffloader`` made in this process, in order (its ``stats`` are
+    the run's, from its first step: the trainer never resets them)."""
+    from ray_titan.parallel.offload import ActivationOffloader
+
+    made: list[Any] = []
+    init = ActivationOffloader.__init__
+
+    def record(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    ActivationOffloader.__init__ = record  # type: ignore[method-assign]
+    try:
+        yield made
+    finally:
+        ActivationOffloader.__init__ = init  # type: ignore[method-assign]
+
+
+SNAPSHOT_STEP = 3
+
+
 def stage_memory_levers(ctx: StageContext) -> None:
     """The 1B stage's shape (``--small``: its stand-in) under each of :data:`LEVERS`, one rank:
     per lever its tokens/s (median of steps 3 on), device peaks active and reserved, the plan's
@@ -377,12 +451,20 @@ def stage_memory_levers(ctx: StageContext) -> None:
         if "HALF" in flags:  # the first half of the blocks (8 of the 1B shape's 16)
             m = _llama_1b(ctx, steps).model
             flags = (f"--memory.activation_offload={get_model_args(m.name, m.flavor).n_layers // 2}",)
-        cfg = _llama_1b(ctx, steps).with_overrides(list(flags))
-        with vocab:
+        cfg = _llama_1b(ctx, steps).with_overrides([*flags, f"--memory.snapshot_steps=[{SNAPSHOT_STEP}]"])
+        gc.collect()  # a run's reference cycles (its wrapped blocks) would hold its model into the next
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+            ctx.log.add(f"{name}: device allocated before the run", round(torch.cuda.memory_allocated() / MiB, 1),
+                        "MiB")
+        with vocab, offloaders() as made:
             plan = ctx.attempt(f"{name}: memory plan", lambda cfg=cfg: memory_plan_peak(cfg))
             run = ctx.attempt(f"{name}: run", lambda cfg=cfg: _train(ctx, cfg))
         if run is None:
             continue
+        if made:
+            ctx.log.add(f"{name}: offloader", dataclasses.asdict(made[-1].stats), note=f"over {steps} steps")
+        _snapshot_facts(ctx, name, run)
         t = run["steps"]
         tps = _tokens_per_s(cfg, t, range(3, steps + 1))
         losses = t["step_loss"].to_pylist()
@@ -445,6 +527,22 @@ def stage_families(ctx: StageContext) -> None:
                         note="median of steps 2 on")
         if ctx.cuda:
             ctx.log.add(f"{family}: device peak active", round(here["peak_active"] / MiB, 1), "MiB")
+
+
+def _snapshot_facts(ctx: StageContext, name: str, run: dict[str, Any]) -> None:
+    """``peak_owners`` of the run's step-:data:`SNAPSHOT_STEP` snapshot (CUDA only), as facts."""
+    import pickle
+
+    paths = sorted(Path(run["run_dir"]).glob(f"memory/rank0-step{SNAPSHOT_STEP}.pickle"))
+    if not ctx.cuda or not paths:
+        return
+    with open(paths[0], "rb") as f:
+        found = peak_owners(pickle.load(f))
+    ctx.log.add(f"{name}: step {SNAPSHOT_STEP} peak", round(found["peak_bytes"] / MiB, 1), "MiB",
+                note=f"{found['before_bytes'] / MiB:.0f} MiB before the step; the peak at event {found['at']} of "
+                     f"{found['events']}, made by {found['maker']}")
+    ctx.log.add(f"{name}: step {SNAPSHOT_STEP} peak's owners", [[w, round(n / MiB, 1)] for w, n in found["owners"]],
+                "MiB", note="the step's allocations live at the peak, by their innermost ray_titan frame")
 
 
 def memory_plan_peak(cfg) -> int:

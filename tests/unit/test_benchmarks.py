@@ -358,3 +358,33 @@ def test_a_runs_device_peak_is_the_largest_step_peak_not_the_counters_after_it()
     assert run_peaks(steps, (20, 30)) == (20, 30)
     assert run_peaks(pa.table({"step": [1]}), (3, 10)) == (3, 10)
     assert run_peaks(steps, None) == (None, None)
+
+
+def test_a_snapshots_peak_is_replayed_from_its_events_with_what_was_live_then():
+    """peak_owners: the window's largest rise over what was allocated before it (the segments at
+    its end less its net change), the owners of what was live at that moment (a block freed only
+    once its stream is done, free_completed, still counts), and who made the peak."""
+    from benchmarks.gpu_stages import peak_owners
+
+    def frames(path: str, fn: str) -> list[dict]:
+        return [{"filename": "/usr/lib/python3/site-packages/torch/nn/functional.py", "name": "linear"},
+                {"filename": f"/root/repo/ray_titan/{path}", "name": fn}]
+
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": frames("models/llama/model.py", "forward")},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": frames("parallel/offload.py", "_prefetch")},
+        {"action": "free_requested", "addr": 1, "size": 100},  # still active until completed
+        {"action": "alloc", "addr": 3, "size": 30, "frames": []},  # the peak: 180 above the start
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "free_completed", "addr": 3, "size": 30},
+        {"action": "alloc", "addr": 4, "size": 40, "frames": frames("trainer/step.py", "step")},  # 90 < 180
+    ]
+    # At the end: 1000 from before the window plus the live 2 and 4.
+    segments = [{"device": 0, "blocks": [{"size": 1000, "state": "active_allocated"},
+                                         {"size": 90, "state": "active_allocated"},
+                                         {"size": 500, "state": "inactive"}]}]
+    found = peak_owners({"device_traces": [trace], "segments": segments})
+    assert found["before_bytes"] == 1000 and found["peak_bytes"] == 1180
+    assert found["at"] == 3 and found["events"] == 7 and found["maker"] == "no Python frame"
+    assert found["owners"] == [["models/llama/model.py:forward", 100], ["parallel/offload.py:_prefetch", 50],
+                               ["no Python frame", 30]]
