@@ -18,10 +18,12 @@ import gc
 import importlib.metadata
 import importlib.util
 import math
+import os
 import platform
 import statistics
 import sys
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -73,6 +75,7 @@ class StageContext:
         try:
             return fn()
         except Exception as e:
+            traceback.print_exc()  # the whole of it into the stage's stderr file
             self.log.add(f"{what} failed", f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:300]}")
             return None
 
@@ -336,8 +339,10 @@ LEVERS = (("none", ()), ("none again", ()), ("offload all", ("--memory.activatio
           ("selective op", ("--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=op")),
           ("full AC + offload all", ("--activation_checkpoint.mode=full", "--memory.activation_offload=all")),
           ("128K vocab", ("WIDE",)),
-          ("128K vocab + chunked loss", ("WIDE", "--training.loss_chunk_tokens=2048")))
-LEVER_BASE: dict[str, str | None] = {"128K vocab": None, "128K vocab + chunked loss": "128K vocab"}
+          ("128K vocab + chunked loss", ("WIDE", "--training.loss_chunk_tokens=2048")),
+          ("128K vocab + chunked loss without snapshot", ("WIDE", "NOSNAP", "--training.loss_chunk_tokens=2048")))
+LEVER_BASE: dict[str, str | None] = {"128K vocab": None, "128K vocab + chunked loss": "128K vocab",
+                                     "128K vocab + chunked loss without snapshot": "128K vocab"}
 """The lever each is compared with (``none`` unless named here; None: none)."""
 
 
@@ -385,7 +390,8 @@ def peak_owners(snapshot: dict[str, Any], top: int = 8) -> dict[str, Any]:
     ``before_bytes``, ``at`` (the peak's event index of ``events``), ``maker`` (the owner,
     :func:`_owner`, of the allocation that made the peak) and ``owners``: the ``top`` owners of
     the window's allocations still live at the peak, ``[owner, bytes]``, largest first.
-    An allocation counts until its ``free_completed`` (as the allocator's active bytes do)."""
+    An allocation counts until its ``free_completed`` (as the allocator's active bytes do); one
+    freed in the window but made before it lowers the rise from there on."""
     trace = (snapshot.get("device_traces") or [[]])[0]
     live: dict[int, tuple[int, str]] = {}
     rise = best = 0
@@ -400,8 +406,8 @@ def peak_owners(snapshot: dict[str, Any], top: int = 8) -> dict[str, Any]:
             rise += e["size"]
             if rise > best:
                 best, at, maker, best_live = rise, i, who, dict(live)
-        elif action == "free_completed" and e["addr"] in live:
-            rise -= live.pop(e["addr"])[0]
+        elif action == "free_completed":  # of the window's allocation, or of one made before it
+            rise -= live.pop(e["addr"])[0] if e["addr"] in live else e["size"]
     end = sum(b["size"] for seg in snapshot.get("segments", []) if seg.get("device", 0) == 0
               for b in seg.get("blocks", []) if b.get("state") == "active_allocated")
     before = end - rise
@@ -437,7 +443,8 @@ SNAPSHOT_STEP = 3
 
 def stage_memory_levers(ctx: StageContext) -> None:
     """The 1B stage's shape (``--small``: its stand-in) under each of :data:`LEVERS`, one rank:
-    per lever its tokens/s (median of steps 3 on), device peaks active and reserved, the plan's
+    (``GPU_LEVERS``, a comma-separated list of their names, picks some) per lever its tokens/s
+    (median of steps 3 on), device peaks active and reserved, the plan's
     peak, the last loss and the largest per-step loss gap to its base lever (:data:`LEVER_BASE`;
     same seed and data, so offloading, which only moves tensors, should give 0), as facts named
     ``<lever>: ...``; then its tokens/s and peaks against the base's."""
@@ -445,13 +452,17 @@ def stage_memory_levers(ctx: StageContext) -> None:
 
     steps = 4 if ctx.small else 10
     seen: dict[str, dict[str, Any]] = {}
+    only = [n.strip() for n in os.environ.get("GPU_LEVERS", "").split(",") if n.strip()]
     for name, flags in LEVERS:
+        if only and name not in only:
+            continue
         vocab = wide_vocab() if "WIDE" in flags else contextlib.nullcontext()
-        flags = tuple(f for f in flags if f != "WIDE")
+        snapshot = [] if "NOSNAP" in flags else [f"--memory.snapshot_steps=[{SNAPSHOT_STEP}]"]
+        flags = tuple(f for f in flags if f not in ("WIDE", "NOSNAP"))
         if "HALF" in flags:  # the first half of the blocks (8 of the 1B shape's 16)
             m = _llama_1b(ctx, steps).model
             flags = (f"--memory.activation_offload={get_model_args(m.name, m.flavor).n_layers // 2}",)
-        cfg = _llama_1b(ctx, steps).with_overrides([*flags, f"--memory.snapshot_steps=[{SNAPSHOT_STEP}]"])
+        cfg = _llama_1b(ctx, steps).with_overrides([*flags, *snapshot])
         gc.collect()  # a run's reference cycles (its wrapped blocks) would hold its model into the next
         if ctx.cuda:
             torch.cuda.empty_cache()

@@ -22,9 +22,13 @@ read for the design, not copied), on CUDA:
   block's tensors and those of the block before it (the next backward) are copied back on the
   side stream into device tensors allocated on the compute stream (the caching allocator keeps a
   pool per stream: tensors allocated on the side stream would return to its pool, which compute
-  never reuses; each is marked as used by the side stream too, so that one no unpack takes is not
-  reused before its copy ends), so the copy of block ``k − 1`` overlaps block ``k``'s backward. A
-  block whose device tensors are still held (the last ones of the forward) hands those over
+  never reuses), so the copy of block ``k − 1`` overlaps block ``k``'s backward. The compute
+  stream waits for the copy before it uses the tensor, so freeing it after use is safe without
+  ``record_stream``; a copy no unpack takes makes the compute stream wait for it when its handle
+  ends. (``record_stream`` held every freed copy until the side stream had caught up with the
+  host, which queues the whole backward ahead of the device: on an H200 all 16 blocks' copies were
+  live at once, the peak 1.08× no offloading; benchmarks/results/2026-11-28-gpu-levers-h200.md.)
+  A block whose device tensors are still held (the last ones of the forward) hands those over
   without a copy.
 - **unpack** (backward): the compute stream waits for the prefetch's event and takes the device
   tensor; a tensor not prefetched is copied back on the compute stream. The host copy stays
@@ -103,6 +107,18 @@ class _Handle:
         self.held = held  # the device tensor, until the compute stream has waited for its copy
         self.on_device: torch.Tensor | None = None
         self.event: Any = None
+
+    def __del__(self) -> None:
+        # A prefetched copy no unpack took (the graph died first) may still be being written by
+        # the side stream: the compute stream, which may reuse its memory now, waits for that
+        # copy first. (Marking it used by the side stream instead, record_stream, kept every
+        # prefetched block from reuse until the side stream caught up with the host, which in
+        # backward runs far ahead: on an H200 the whole stage's activations were back at once.)
+        if self.on_device is not None and self.event is not None:
+            try:
+                torch.cuda.current_stream(self.device).wait_event(self.event)
+            except Exception:  # interpreter shutdown: nothing runs on the device any more
+                pass
 
     def take(self) -> torch.Tensor | None:
         """The prefetched device copy for one unpack (None: not prefetched), dropped after the
@@ -245,8 +261,7 @@ class ActivationOffloader:
             with torch.cuda.stream(stream):
                 on_device.copy_(handle.host, non_blocking=True)
                 handle.event = stream.record_event()
-            on_device.record_stream(stream)  # freed untaken (the graph dies first): not reused mid-copy
-            handle.on_device = on_device
+            handle.on_device = on_device  # freed untaken: the handle's end waits for the copy
 
     def _backward_starts(self, group: _Group) -> None:
         """The gradient of ``group``'s block output arrived: bring back its tensors and those of

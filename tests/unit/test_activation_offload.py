@@ -251,3 +251,26 @@ def test_the_pinned_pool_is_warm_up_for_the_host_verdict_and_a_growing_one_is_no
     assert GROWING not in {v.verdict for v in verdicts} and verdicts[-1].verdict == STABLE
     leaking = _host_verdicts(steps, base + (pool + steps) * 2.0**20)
     assert leaking[-1].verdict == GROWING
+
+
+def test_a_prefetched_copy_nobody_took_makes_compute_wait_for_it_and_a_taken_one_does_not(monkeypatch):
+    """No ``record_stream`` on the copies back (it kept every freed one from reuse until the side
+    stream caught up with the host: on an H200 the whole backward's copies were live at once).
+    Instead the compute stream waits for a copy's event where its handle ends untaken; a taken
+    copy was waited for by its unpack already."""
+    from ray_titan.parallel.offload import _Handle
+
+    waited: list[object] = []
+
+    class Stream:
+        def wait_event(self, event: object) -> None:
+            waited.append(event)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    untaken = _Handle(torch.zeros(4), torch.device("cuda", 0), 16)
+    untaken.on_device, untaken.event = torch.zeros(4), "copy of untaken"
+    taken = _Handle(torch.zeros(4), torch.device("cuda", 0), 16)
+    taken.on_device, taken.event = torch.zeros(4), "copy of taken"
+    assert taken.take() is not None
+    del untaken, taken
+    assert waited == ["copy of untaken"]
