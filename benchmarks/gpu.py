@@ -12,8 +12,10 @@ device peak beside the memory plan, host synchronisations per step counted by th
 the dry run's count), ``llama_1b`` (a Llama 3.2 1B-shaped model: tokens/s, MFU against the
 datasheet and a measured bf16 matmul peak, device peak beside the plan), ``torchtitan`` (the same
 shape, batch and dtype; the ratio), ``gpu_checks`` (``benchmarks/gpu_checks.py``, one fact per
-check), ``main_mesh`` (the main job's pp=2 × dp_shard=2 on the one GPU) and ``compile``
-(``training.compile = true``).
+check), ``main_mesh`` (the main job's pp=2 × dp_shard=2 on the one GPU), ``compile``
+(``training.compile = true``), ``memory_levers`` (the 1B shape under each memory lever: peaks
+beside the plan, the step-3 snapshot's peak and its owners, loss gaps) and ``families`` (every
+family's debug flavor on the device and on the CPU: the loss gap).
 
 **Facts.** Every fact goes to ``DIR/facts.jsonl`` the moment it is known, flushed and fsynced
 (``benchmarks/facts.py``), and as a line on stdout; so a run killed at any point keeps

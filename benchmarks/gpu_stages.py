@@ -446,7 +446,8 @@ def stage_memory_levers(ctx: StageContext) -> None:
     (``GPU_LEVERS``, a comma-separated list of their names, picks some) per lever its tokens/s
     (median of steps 3 on), device peaks active and reserved, the plan's
     peak, the last loss and the largest per-step loss gap to its base lever (:data:`LEVER_BASE`;
-    same seed and data, so offloading, which only moves tensors, should give 0), as facts named
+    same seed and data: 0 on a CPU for the levers that only move or recompute tensors, the
+    backward kernels' nondeterminism on a GPU, which ``none again`` measures), as facts named
     ``<lever>: ...``; then its tokens/s and peaks against the base's."""
     from ray_titan.models.registry import get_model_args
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ray_titan.data.loader import IGNORE_INDEX
 
@@ -70,7 +70,15 @@ class ChunkedCrossEntropy:
         total: torch.Tensor | None = None
         for h, y in zip(flat.split(self.chunk), targets.split(self.chunk)):
             if torch.is_grad_enabled():
-                part = checkpoint(_chunk_loss, self.head, h, y, use_reentrant=False, preserve_rng_state=False)
+                # The whole chunk is recomputed, without checkpoint's early stop: that stop is an
+                # exception raised from a saved-tensor hook inside the recomputed
+                # cross_entropy_loss, and with CUDA's memory history recording
+                # (memory.snapshot_steps) that call failed as "SystemError: ... returned NULL
+                # without setting an exception" (torch 2.11, an H200; the same run without the
+                # recording passed). The early stop is the suspect, not yet confirmed on a GPU;
+                # it would save only the loss's last reduction.
+                with set_checkpoint_early_stop(False):
+                    part = checkpoint(_chunk_loss, self.head, h, y, use_reentrant=False, preserve_rng_state=False)
             else:
                 part = _chunk_loss(self.head, h, y)
             total = part if total is None else total + part
