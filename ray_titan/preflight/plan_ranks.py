@@ -80,6 +80,17 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
             with_grads = base + fb.activations + fb.transient + fb.grads - fb.gathered_less
             a_grads, transient, freed, grads_during = fb.activations, fb.transient, 0.0, fb.grads
             gathered_less = fb.gathered_less
+    if gathered and not dims.fsdp and pp == 1 and n == 1:
+        # Autocast's bf16 weights (``gathered`` here): its region ends with the forward, so from
+        # then on each block's copies live only in the tensors its backward saved, and go with
+        # them. When a lone microbatch's backward ends, all its gradients made, at most the first
+        # block's remain. (An H200, the 1B shape under full AC: the plan had counted all of them
+        # there, 1.7 GiB above the measured peak; benchmarks/results/2026-11-28-gpu-levers-h200.md.)
+        keep = 2.0 * max((g.local for p in params.values() for g in [*p.blocks.values(), *p.experts.values()]),
+                         default=0)
+        with_grads -= gathered - keep
+        if with_grads >= before_grads:
+            gathered_less = gathered - keep
     if pp > 1 and j.rule is not None and j.rule.stages_per_rank != 1:
         # Several stages per rank (interleaved, zero-bubble, DualPipeV): the peak's moment found
         # by walking the rank's actions, each stage's backward with what is in flight then, and
