@@ -27,7 +27,9 @@ def test_cpu_rehearsal_streams_every_stage_without_ray(tmp_path):
     block = tmp_path / "block"
     block.mkdir()
     (block / "sitecustomize.py").write_text("import sys\nsys.modules['ray'] = None  # `import ray` fails\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(block), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    # The levers the assertions read: the others differ only in their flags (tested on their own).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(block), str(REPO)]), "OMP_NUM_THREADS": "1",
+           "GPU_LEVERS": "none,offload all,128K vocab"}
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "gpu", "--out", str(out), "--device", "cpu",
                            "--small", "--deadline", "400", "--timeout", "gpu_checks=1", "--timeout", "compile=1"],
