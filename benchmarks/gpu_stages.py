@@ -408,14 +408,21 @@ def peak_owners(snapshot: dict[str, Any], top: int = 8) -> dict[str, Any]:
                 best, at, maker, best_live = rise, i, who, dict(live)
         elif action == "free_completed":  # of the window's allocation, or of one made before it
             rise -= live.pop(e["addr"])[0] if e["addr"] in live else e["size"]
+    # Active at the end: allocated, or freed but waiting for another stream (record_stream).
     end = sum(b["size"] for seg in snapshot.get("segments", []) if seg.get("device", 0) == 0
-              for b in seg.get("blocks", []) if b.get("state") == "active_allocated")
+              for b in seg.get("blocks", []) if b.get("state") in ("active_allocated", "active_pending_free"))
     before = end - rise
     owners: Counter[str] = Counter()
     for size, who in best_live.values():
         owners[who] += size
     return {"peak_bytes": before + best, "before_bytes": before, "at": at, "events": len(trace), "maker": maker,
             "owners": [[who, n] for who, n in owners.most_common(top)]}
+
+
+def _ring_note(found: dict[str, Any], max_entries: int) -> str:
+    """A warning where the replayed window filled the history's ring (its start was overwritten)."""
+    return f"; the ring's {max_entries} events are full: the step's start is lost" if found["events"] >= max_entries \
+        else ""
 
 
 @contextlib.contextmanager
@@ -476,7 +483,7 @@ def stage_memory_levers(ctx: StageContext) -> None:
             continue
         if made:
             ctx.log.add(f"{name}: offloader", dataclasses.asdict(made[-1].stats), note=f"over {steps} steps")
-        _snapshot_facts(ctx, name, run)
+        _snapshot_facts(ctx, name, run, cfg)
         t = run["steps"]
         tps = _tokens_per_s(cfg, t, range(3, steps + 1))
         losses = t["step_loss"].to_pylist()
@@ -541,7 +548,7 @@ def stage_families(ctx: StageContext) -> None:
             ctx.log.add(f"{family}: device peak active", round(here["peak_active"] / MiB, 1), "MiB")
 
 
-def _snapshot_facts(ctx: StageContext, name: str, run: dict[str, Any]) -> None:
+def _snapshot_facts(ctx: StageContext, name: str, run: dict[str, Any], cfg) -> None:
     """``peak_owners`` of the run's step-:data:`SNAPSHOT_STEP` snapshot (CUDA only), as facts."""
     import pickle
 
@@ -552,7 +559,8 @@ def _snapshot_facts(ctx: StageContext, name: str, run: dict[str, Any]) -> None:
         found = peak_owners(pickle.load(f))
     ctx.log.add(f"{name}: step {SNAPSHOT_STEP} peak", round(found["peak_bytes"] / MiB, 1), "MiB",
                 note=f"{found['before_bytes'] / MiB:.0f} MiB before the step; the peak at event {found['at']} of "
-                     f"{found['events']}, made by {found['maker']}")
+                     f"{found['events']}, made by {found['maker']}"
+                     + _ring_note(found, cfg.memory.history_max_entries))
     ctx.log.add(f"{name}: step {SNAPSHOT_STEP} peak's owners", [[w, round(n / MiB, 1)] for w, n in found["owners"]],
                 "MiB", note="the step's allocations live at the peak, by their innermost ray_titan frame")
 

@@ -13,11 +13,10 @@ read for the design, not copied), on CUDA:
   (any block of the stage, offloaded or not): at most ``FORWARD_LAG + 1`` blocks' saved tensors
   are still on the device in forward, whatever the host link's speed. Marking the tensor as used by the side
   stream (``Tensor.record_stream``), as a first version did, bounds nothing: where the copies are
-  slower than the compute, the freed blocks wait for them while compute allocates new ones (on an
-  H100 the reserve grew 1.54×, benchmarks/results/2026-11-27-first-contact-h100.md). torchtune
+  slower than the compute, the freed blocks wait for them while compute allocates new ones. torchtune
   bounds its forward stash the same way (``max_fwd_stash_size``). Parameters, buffers (their
-  storages: FSDP2's unsharded weights, the rotary tables) and tensors under
-  :data:`MIN_OFFLOAD_BYTES` stay where they are.
+  storages: FSDP2's unsharded weights, the rotary tables), autocast's copies of the weights
+  (:func:`_weight_copy`) and tensors under :data:`MIN_OFFLOAD_BYTES` stay where they are.
 - **prefetch**: when the gradient of a block's output arrives (its backward is next), that
   block's tensors and those of the block before it (the next backward) are copied back on the
   side stream into device tensors allocated on the compute stream (the caching allocator keeps a
@@ -26,8 +25,9 @@ read for the design, not copied), on CUDA:
   stream waits for the copy before it uses the tensor, so freeing it after use is safe without
   ``record_stream``; a copy no unpack takes makes the compute stream wait for it when its handle
   ends. (``record_stream`` held every freed copy until the side stream had caught up with the
-  host, which queues the whole backward ahead of the device: on an H200 all 16 blocks' copies were
-  live at once, the peak 1.08× no offloading; benchmarks/results/2026-11-28-gpu-levers-h200.md.)
+  host, which queues the whole backward ahead of the device: on an H200 the copies back of all 14
+  copied blocks, 14,407 MiB, were live at once, the peak 1.08× no offloading;
+  benchmarks/results/2026-11-28-gpu-levers-h200.md.)
   A block whose device tensors are still held (the last ones of the forward) hands those over
   without a copy.
 - **unpack** (backward): the compute stream waits for the prefetch's event and takes the device
@@ -97,7 +97,7 @@ class _Handle:
     still run (``held``), and, once prefetched, the device copy and the event that ends its copy
     (None: nothing to wait for)."""
 
-    __slots__ = ("__weakref__", "device", "event", "held", "host", "nbytes", "on_device", "uses")
+    __slots__ = ("__weakref__", "device", "event", "held", "host", "nbytes", "on_device", "stream", "uses")
 
     def __init__(self, host: torch.Tensor, device: torch.device, nbytes: int, held: torch.Tensor | None = None) -> None:
         self.host = host
@@ -107,6 +107,7 @@ class _Handle:
         self.held = held  # the device tensor, until the compute stream has waited for its copy
         self.on_device: torch.Tensor | None = None
         self.event: Any = None
+        self.stream: Any = None  # the stream whose pool the device copy returns to (compute's)
 
     def __del__(self) -> None:
         # A prefetched copy no unpack took (the graph died first) may still be being written by
@@ -116,7 +117,7 @@ class _Handle:
         # backward runs far ahead: on an H200 the whole stage's activations were back at once.)
         if self.on_device is not None and self.event is not None:
             try:
-                torch.cuda.current_stream(self.device).wait_event(self.event)
+                (self.stream or torch.cuda.current_stream(self.device)).wait_event(self.event)
             except Exception:  # interpreter shutdown: nothing runs on the device any more
                 pass
 
@@ -174,7 +175,7 @@ class ActivationOffloader:
 
     def _pack(self, group: _Group, skip: set[int], t: torch.Tensor) -> Any:
         nbytes = t.numel() * t.element_size()
-        if nbytes < self.min_bytes or _storage_key(t) in skip:
+        if nbytes < self.min_bytes or _storage_key(t) in skip or _weight_copy(t):
             self.stats.kept += 1
             return t
         self.stats.packed += 1
@@ -248,6 +249,7 @@ class ActivationOffloader:
             if handle.held is not None:  # still on the device: no copy back
                 # Its copy to the host may still read it: the unpack waits for that copy.
                 handle.on_device, handle.held, handle.event = handle.held, None, group.copied
+                handle.stream = torch.cuda.current_stream() if handle.device.type == "cuda" else None
                 self.stats.reused += 1
                 continue
             self.stats.prefetched += 1
@@ -262,6 +264,7 @@ class ActivationOffloader:
                 on_device.copy_(handle.host, non_blocking=True)
                 handle.event = stream.record_event()
             handle.on_device = on_device  # freed untaken: the handle's end waits for the copy
+            handle.stream = torch.cuda.current_stream()
 
     def _backward_starts(self, group: _Group) -> None:
         """The gradient of ``group``'s block output arrived: bring back its tensors and those of
@@ -316,6 +319,32 @@ class ActivationOffloader:
             return out
 
         block.forward = forward
+
+
+_CAST_OR_VIEW = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0",
+                           "ViewBackward0", "UnsafeViewBackward0", "ExpandBackward0", "AliasBackward0"})
+"""Autograd nodes of a cast or a view: what ``torch.autocast`` does to a weight before a matmul."""
+
+
+def _weight_copy(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a parameter cast or viewed (``torch.autocast``'s bf16 copy of a weight, its
+    transpose): its autograd history is casts and views down to a parameter's gradient
+    accumulator. Those stay on the device: autocast's cache holds them through the forward anyway,
+    and the memory plan counts them there (on an H200 they were 1.95 of the 17.3 GB a step's
+    offloading of the 1B shape moved, benchmarks/results/2026-11-28-gpu-levers-h200.md)."""
+    fn = t.grad_fn
+    for _ in range(4):
+        if fn is None:
+            return False
+        if type(fn).__name__ == "AccumulateGrad":
+            return isinstance(getattr(fn, "variable", None), nn.Parameter)
+        if type(fn).__name__ not in _CAST_OR_VIEW:
+            return False
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if len(nxt) != 1:
+            return False
+        fn = nxt[0]
+    return False
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -26,7 +26,8 @@ FSDP unsharded        while a stage computes, FSDP2 holds the all-gathered param
                       reduce-scatter until the last microbatch's backward. Under
                       ``training.mixed_precision = "bf16"`` the gathered parameters are bf16
                       (2 bytes) and the gradients are accumulated and reduced in fp32; without
-                      FSDP, ``torch.autocast`` caches a bf16 copy of every weight (2 bytes).
+                      FSDP, ``torch.autocast`` caches a bf16 copy of every weight (2 bytes)
+                      for the forward; each block's backward frees its own.
 activations           per microbatch of ``T = (global batch / dp / microbatches) × seq_len``
                       tokens, the tensors autograd saves for backward (below), times the
                       microbatches the pipeline schedule keeps in flight on the stage

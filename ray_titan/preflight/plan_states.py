@@ -133,6 +133,7 @@ def _model_states(j: _Job, params: dict[int, _StageParams]) -> tuple[int, int, i
         first_bwd, unmanaged = (last.full if loop else full), sum(p.unmanaged for p in held)
         grads_during = _F32 * (first_bwd + unmanaged) if n > 1 else _F32 * local + (pe + _F32) * biggest
     else:
-        # Autocast's cache: a bf16 copy of every weight, alive until the step's region ends.
+        # Autocast's cache: a bf16 copy of every weight, cached until the forward ends, then held
+        # by the tensors each block's backward saved (ray_titan.preflight.plan_ranks).
         gathered, grads_during = (2.0 * local if j.bf16 and not dims.fsdp else 0.0), float(grads_after)
     return param_b, opt_b, grads_after, gathered, grads_during

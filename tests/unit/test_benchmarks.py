@@ -379,13 +379,16 @@ def test_a_snapshots_peak_is_replayed_from_its_events_with_what_was_live_then():
         {"action": "free_completed", "addr": 3, "size": 30},
         {"action": "alloc", "addr": 4, "size": 40, "frames": frames("trainer/step.py", "step")},  # 90 < 180
         {"action": "free_completed", "addr": 99, "size": 20},  # made before the window
+        {"action": "free_requested", "addr": 4, "size": 40},
     ]
-    # At the end: 1000 of the 1020 from before the window, plus the live 2 and 4.
+    # At the end: 1000 of the 1020 from before the window, plus the live 2 and 4 (4's free is
+    # pending: another stream may still use it; active until completed).
     segments = [{"device": 0, "blocks": [{"size": 1000, "state": "active_allocated"},
-                                         {"size": 90, "state": "active_allocated"},
+                                         {"size": 50, "state": "active_allocated"},
+                                         {"size": 40, "state": "active_pending_free"},
                                          {"size": 500, "state": "inactive"}]}]
     found = peak_owners({"device_traces": [trace], "segments": segments})
     assert found["before_bytes"] == 1020 and found["peak_bytes"] == 1200
-    assert found["at"] == 3 and found["events"] == 8 and found["maker"] == "no Python frame"
+    assert found["at"] == 3 and found["events"] == 9 and found["maker"] == "no Python frame"
     assert found["owners"] == [["models/llama/model.py:forward", 100], ["parallel/offload.py:_prefetch", 50],
                                ["no Python frame", 30]]
