@@ -53,18 +53,15 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
     acts = {s: _stage_activations(j, s, act_modes) for s in stage_ids}
     pipe = sum(a.pipe for a in acts.values())
     param_b, opt_b, grads_after, gathered, grads_during = _model_states(j, params)
-    batch_bytes = 2 * _I64 * j.mb * n * tr.seq_len  # inputs and labels of the step
-    buffers = sum(p.buffers for p in params.values()) + batch_bytes
+    buffers = sum(p.buffers for p in params.values()) + 2 * _I64 * j.mb * n * tr.seq_len  # and the step's batch
     a_peak = sum(c * acts[s].kept for c, s in zip(flight.peak, stage_ids))
     a_grads = sum(c * acts[s].kept for c, s in zip(flight.with_grads, stage_ids))
     transient, freed = max((a.transient, a.freed) for a in acts.values())
-    resident = 0.0 if j.offload else param_b + opt_b
-    base = resident + gathered + pipe + buffers
+    base = (0.0 if j.offload else param_b + opt_b) + gathered + pipe + buffers
     before_grads = base + a_peak + transient
     with_grads = base + grads_during + a_grads + transient
-    # The first stage's backward ends with the embedding's whole gradient in the compute dtype
-    # beside FSDP2's fp32 accumulation of it, the microbatch just done freed (gpt-oss-120B rank 0:
-    # 1.1 GiB, on the simulated GPU).
+    # The first stage's backward ends with the embedding's whole gradient in the compute dtype beside
+    # FSDP2's fp32 accumulation of it, the microbatch just done freed (gpt-oss-120B rank 0: 1.1 GiB).
     emb_grad = j.e * j.vocab * j.args.dim / j.tp if 0 in stage_ids and dims.fsdp_shard > 1 else 0.0
     a_after = sum(max(c - 1, 0) * acts[s].kept for c, s in zip(flight.peak, stage_ids))
     if emb_grad and base + grads_during + a_after + emb_grad > max(before_grads, with_grads):
@@ -80,17 +77,9 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
             with_grads = base + fb.activations + fb.transient + fb.grads - fb.gathered_less
             a_grads, transient, freed, grads_during = fb.activations, fb.transient, 0.0, fb.grads
             gathered_less = fb.gathered_less
-    if gathered and not dims.fsdp and pp == 1 and n == 1:
-        # Autocast's bf16 weights (``gathered`` here): its region ends with the forward, so from
-        # then on each block's copies live only in the tensors its backward saved, and go with
-        # them. When a lone microbatch's backward ends, all its gradients made, at most the first
-        # block's remain. (An H200, the 1B shape under full AC: the plan had counted all of them
-        # there, 1.7 GiB above the measured peak; benchmarks/results/2026-11-28-gpu-levers-h200.md.)
-        keep = 2.0 * max((g.local for p in params.values() for g in [*p.blocks.values(), *p.experts.values()]),
-                         default=0)
-        with_grads -= gathered - keep
-        if with_grads >= before_grads:
-            gathered_less = gathered - keep
+    elif gathered and pp == 1 and n == 1:  # one rank under autocast: ``gathered`` is its weight copies
+        with_grads -= (casts := _autocast_freed(params, gathered))
+        gathered_less = casts if with_grads >= before_grads else 0.0
     if pp > 1 and j.rule is not None and j.rule.stages_per_rank != 1:
         # Several stages per rank (interleaved, zero-bubble, DualPipeV): the peak's moment found
         # by walking the rank's actions, each stage's backward with what is in flight then, and
@@ -127,6 +116,16 @@ def _pp_rank_plans(j: _Job, pp_rank: int) -> list[RankPlan]:
             activations_freed_at_peak=int(min(freed, a_peak if before_grads >= with_grads else a_grads)),
         ))
     return plans
+
+
+def _autocast_freed(params: dict[int, _StageParams], gathered: float) -> float:
+    """Of autocast's bf16 weight copies (``gathered``, bytes; one rank without FSDP2), those gone
+    when a lone microbatch's backward ends: autocast's region ends with the forward, so from then
+    on each block's copies live only in the tensors its backward saved, and go with them; the
+    first block's remain. (An H200, the 1B shape under full AC: counting them all there put the
+    plan 1.7 GiB above the measured peak; benchmarks/results/2026-11-28-gpu-levers-h200.md.)"""
+    keep = 2.0 * max((g.local for p in params.values() for g in [*p.blocks.values(), *p.experts.values()]), default=0)
+    return gathered - keep
 
 
 def _loss_moment_without_blocks(j: _Job, acts: Any, params: Any, gathered: float) -> tuple[float, float, float]:
