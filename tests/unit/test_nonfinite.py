@@ -1,6 +1,6 @@
 """The non-finite policy (a pure decision from a step's facts), the update backup that an undo
-restores, and the ``[debug]`` fault injection: each alone, without a train loop (the loop's acting
-on the decisions is tests/unit/test_checkpoint.py's, end to end)."""
+restores, the ``[debug]`` fault injection and the flag of non-finite weights: each alone, without
+a train loop (the loop's acting on the decisions is tests/unit/test_checkpoint.py's, end to end)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 import ray_titan.trainer.nonfinite as nonfinite_module
 from ray_titan.config.schema import Debug
+from ray_titan.parallel.finite import nonfinite_flag
 from ray_titan.trainer import fault_injection
 from ray_titan.trainer.backup import UpdateBackup
 from ray_titan.trainer.fault_injection import FaultInjection
@@ -175,3 +176,30 @@ def test_the_kill_hits_its_rank_at_its_step_in_the_first_group_only(monkeypatch,
     assert kills == ([(fault_injection.os.getpid(), fault_injection.signal.SIGKILL)] if killed else [])
     FaultInjection(Debug(), rank=rank).kill_if_due(step, restarted)  # no kill_at_step: never
     assert len(kills) == int(killed)
+
+
+# Shapes of a few parameters of different sizes: shorter than a vector register, a vector's
+# multiple, and a long one with a ragged tail, where a vectorised reduction has separate paths.
+FLAG_SHAPES = [(3,), (16,), (64, 129)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64])
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+def test_the_nonfinite_flag_finds_any_nonfinite_element_of_any_tensor(dtype, value):
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(s, generator=gen).to(dtype) for s in FLAG_SHAPES]
+    assert nonfinite_flag(base, torch.device("cpu")).tolist() == [0.0]
+    for i, t in enumerate(base):
+        for pos in {0, t.numel() // 2, t.numel() - 1}:
+            tensors = [x.clone() for x in base]
+            flat = tensors[i].view(-1)
+            flat[pos] = complex(0.0, value) if dtype.is_complex else value  # the imaginary part of a complex
+            assert nonfinite_flag(tensors, torch.device("cpu")).tolist() == [1.0], (i, pos)
+
+
+def test_the_nonfinite_flag_takes_huge_finite_values_and_ignores_what_is_not_floating():
+    # A sum or a norm of these overflows; each value is finite.
+    huge = [torch.full((1000,), 3e38), torch.full((10,), -3e38), torch.full((4,), 1e300, dtype=torch.float64)]
+    ignored = [torch.empty(0), torch.tensor([2**62, -(2**62)]), torch.tensor([True])]
+    assert nonfinite_flag(huge + ignored, torch.device("cpu")).tolist() == [0.0]
+    assert nonfinite_flag([], torch.device("cpu")).tolist() == [0.0]
