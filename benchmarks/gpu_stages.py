@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import importlib.metadata
 import importlib.util
 import math
@@ -459,6 +458,7 @@ def stage_memory_levers(ctx: StageContext) -> None:
     from ray_titan.models.registry import get_model_args
 
     steps = 4 if ctx.small else 10
+    shape = _llama_1b(ctx, steps)
     seen: dict[str, dict[str, Any]] = {}
     only = [n.strip() for n in os.environ.get("GPU_LEVERS", "").split(",") if n.strip()]
     for name, flags in LEVERS:
@@ -468,12 +468,10 @@ def stage_memory_levers(ctx: StageContext) -> None:
         snapshot = [] if "NOSNAP" in flags else [f"--memory.snapshot_steps=[{SNAPSHOT_STEP}]"]
         flags = tuple(f for f in flags if f not in ("WIDE", "NOSNAP"))
         if "HALF" in flags:  # the first half of the blocks (8 of the 1B shape's 16)
-            m = _llama_1b(ctx, steps).model
-            flags = (f"--memory.activation_offload={get_model_args(m.name, m.flavor).n_layers // 2}",)
-        cfg = _llama_1b(ctx, steps).with_overrides([*flags, *snapshot])
-        gc.collect()  # a run's reference cycles (its wrapped blocks) would hold its model into the next
-        if ctx.cuda:
-            torch.cuda.empty_cache()
+            n_layers = get_model_args(shape.model.name, shape.model.flavor).n_layers
+            flags = (f"--memory.activation_offload={n_layers // 2}",)
+        cfg = shape.with_overrides([*flags, *snapshot])
+        if ctx.cuda:  # what the run before left (train_here collects its reference cycles)
             ctx.log.add(f"{name}: device allocated before the run", round(torch.cuda.memory_allocated() / MiB, 1),
                         "MiB")
         with vocab, offloaders() as made:
@@ -539,11 +537,8 @@ def stage_families(ctx: StageContext) -> None:
                     note=f"{len(losses)} steps" + (", 1 MTP depth" if MODELS[family].mtp else ""))
         ctx.log.add(f"{family}: largest loss gap, {ctx.device.type} vs cpu",
                     largest_gap(losses, there["steps"]["step_loss"].to_pylist()), note="fp32, same seed and data")
-        t = here["steps"]
-        times = [x for x in t["step_time_s"].to_pylist()[1:] if x]
-        if times:
-            ctx.log.add(f"{family}: tokens/s", round(4 * 256 / statistics.median(times), 1), "tok/s",
-                        note="median of steps 2 on")
+        ctx.log.add(f"{family}: tokens/s", round(_tokens_per_s(cfg, here["steps"], range(2, FAMILY_STEPS + 1)), 1),
+                    "tok/s", note="median of steps 2 on")
         if ctx.cuda:
             ctx.log.add(f"{family}: device peak active", round(here["peak_active"] / MiB, 1), "MiB")
 

@@ -115,9 +115,9 @@ class _Handle:
         # copy first. (Marking it used by the side stream instead, record_stream, kept every
         # prefetched block from reuse until the side stream caught up with the host, which in
         # backward runs far ahead: on an H200 the whole stage's activations were back at once.)
-        if self.on_device is not None and self.event is not None:
+        if self.on_device is not None and self.event is not None and self.stream is not None:
             try:
-                (self.stream or torch.cuda.current_stream(self.device)).wait_event(self.event)
+                self.stream.wait_event(self.event)
             except Exception:  # interpreter shutdown: nothing runs on the device any more
                 pass
 

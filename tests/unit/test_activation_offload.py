@@ -253,7 +253,7 @@ def test_the_pinned_pool_is_warm_up_for_the_host_verdict_and_a_growing_one_is_no
     assert leaking[-1].verdict == GROWING
 
 
-def test_a_prefetched_copy_nobody_took_makes_compute_wait_for_it_and_a_taken_one_does_not(monkeypatch):
+def test_a_prefetched_copy_nobody_took_makes_compute_wait_for_it_and_a_taken_one_does_not():
     """No ``record_stream`` on the copies back (it kept every freed one from reuse until the side
     stream caught up with the host: on an H200 the whole backward's copies were live at once).
     Instead the compute stream waits for a copy's event where its handle ends untaken; a taken
@@ -266,11 +266,10 @@ def test_a_prefetched_copy_nobody_took_makes_compute_wait_for_it_and_a_taken_one
         def wait_event(self, event: object) -> None:
             waited.append(event)
 
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     untaken = _Handle(torch.zeros(4), torch.device("cuda", 0), 16)
-    untaken.on_device, untaken.event = torch.zeros(4), "copy of untaken"
+    untaken.on_device, untaken.event, untaken.stream = torch.zeros(4), "copy of untaken", Stream()
     taken = _Handle(torch.zeros(4), torch.device("cuda", 0), 16)
-    taken.on_device, taken.event = torch.zeros(4), "copy of taken"
+    taken.on_device, taken.event, taken.stream = torch.zeros(4), "copy of taken", Stream()
     assert taken.take() is not None
     del untaken, taken
     assert waited == ["copy of untaken"]
