@@ -566,9 +566,10 @@ class Memory(_Section):
     fit: Literal["off", "auto"] = "off"
     """``auto``: where the memory plan's peak does not fit the device (``device_memory``, less the
     plan's margin), the job is rewritten before any worker starts with the cheapest levers that
-    keep its devices and its model states on them (more microbatches, activation checkpointing,
-    ranked by their compute cost; not activation offloading, which an H100 did not show saving;
-    never ``dp_shard``, ``tp``, ``pp`` or CPU offload), one line printed saying what was chosen;
+    keep its devices and its model states on them (more microbatches, activation offloading and
+    checkpointing, ranked by their cost: offloading before the recomputation where its copies hide
+    behind the forward's compute, after it where they do not; never ``dp_shard``, ``tp``, ``pp`` or
+    CPU offload), one line printed saying what was chosen;
     where none fits, a ``ConfigError`` says what would (more devices). Off by default: the driver of
     a Ray run often cannot see the workers' GPUs, so the capacity must be known
     (``device_memory``, else the CUDA device of the planning process); without one, nothing changes."""

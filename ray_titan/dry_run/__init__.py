@@ -90,7 +90,8 @@ class RankResult:
 def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = None, steps: int = 2,
             timeout: float = 600.0, host_backend: bool | None = None) -> list[RankResult]:
     """Simulate ``ranks`` (default: rank 0) of the job ``config`` + ``overrides`` for ``steps``
-    steps each, one child process per rank, in turn. ``host_backend``: whether the process
+    steps each, one child process per rank, in turn: the job a run would train, ``memory.fit =
+    "auto"`` applied (its line printed on stdout, as a run prints it). ``host_backend``: whether the process
     groups accept host tensors (None: as the job would make them,
     ``ray_titan.parallel.dims.process_group_backend``; False: NCCL only). Raises ``ConfigError`` for a bad job,
     a rank off the mesh or ``steps`` < 1 (before anything runs), :class:`~ray_titan.dry_run.shim.ShimError`
@@ -101,6 +102,7 @@ def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = 
     from ray_titan.dry_run.shim import build_shim
     from ray_titan.preflight.checks import _check_vocab, validate_job
     from ray_titan.preflight.memory_plan import memory_plan
+    from ray_titan.preflight.prepare import fit_memory
 
     if steps < 1:  # zero steps would simulate nothing and say it ran
         raise ConfigError(f"steps = {steps}: simulate at least 1 training step")
@@ -115,12 +117,15 @@ def dry_run(config: str | None, overrides: list[str], ranks: list[int] | None = 
         raise ConfigError(f"rank {bad[0]} is not on the mesh of {world} ranks; valid: 0 to {world - 1}")
     # Planned with the vocabulary the simulation builds (the flavor's), not the tokenizer's.
     vocab = job_model_args(cfg).vocab_size
-    plan = memory_plan(cfg, device="cuda", levers=False, vocab_size=vocab)
+    cfg, fitted, line = fit_memory(cfg, "cuda", vocab_size=vocab, check_data=False)
+    if line:
+        print(f"ray_titan: {line}", flush=True)
+    plan = fitted if fitted is not None else memory_plan(cfg, device="cuda", levers=False, vocab_size=vocab)
     shim = build_shim()
     results = []
     with tempfile.TemporaryDirectory(prefix="rt_dry_run_") as tmp:
         for rank in ranks:
-            spec = {"shim": str(shim) if shim else None, "config": config, "overrides": overrides, "rank": rank,
+            spec = {"shim": str(shim) if shim else None, "job": cfg.model_dump(mode="json"), "rank": rank,
                     "steps": steps, "out": str(Path(tmp) / f"rank{rank}.json"), "host_backend": host_backend}
             spec_file = Path(tmp) / f"spec{rank}.json"
             spec_file.write_text(json.dumps(spec))

@@ -134,16 +134,17 @@ class _Job:
 
     @classmethod
     def load(cls, spec: dict[str, Any]) -> _Job:
-        """The job of ``spec`` (config and overrides; ``host_backend`` None: the job's own)."""
+        """The job of ``spec`` (the validated job, as ``JobConfig.model_dump(mode="json")``;
+        ``host_backend`` None: the job's own)."""
         import torch
 
         from ray_titan.checkpoint import job_model_args
-        from ray_titan.config import load_config
+        from ray_titan.config.schema import JobConfig
         from ray_titan.parallel.dims import process_group_backend
         from ray_titan.parallel.fsdp import resolve_mixed_precision
         from ray_titan.trainer.build import parallel_dims
 
-        cfg = load_config(spec["config"], spec["overrides"])
+        cfg = JobConfig.from_dict(spec["job"])
         # The groups a GPU job makes: with a host backend beside NCCL, host tensors are valid.
         host_backend = spec.get("host_backend")
         if host_backend is None:
@@ -246,7 +247,7 @@ def _train_and_report(spec: dict[str, Any], job: _Job, mode: Any, tally: _Device
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``SPEC.json``: ``{"shim": path or null, "config", "overrides", "rank", "steps", "out",
+    """``SPEC.json``: ``{"shim": path or null, "job", "rank", "steps", "out",
     "host_backend": true, false or null (the job's own)}``;
     writes the report (or ``{"error": ...}``) to ``out``; exit 0, or 1 on an error."""
     spec = json.loads(Path((argv or sys.argv[1:])[0]).read_text())

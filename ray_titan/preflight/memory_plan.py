@@ -77,15 +77,17 @@ AC modes: ``tests/integration/test_memory_plan.py`` (a handful) and ``python -m 
 full table), within 15 %. On GPUs the caching allocator adds its own reserve and fragmentation
 on top (``device_reserved`` − ``device_allocated``); bf16 figures are estimates.
 
-**Levers.** When a rank does not fit ``device_memory``, the plan re-plans the job with each
-lever and ranks them by cost: more microbatches (smaller ones; no extra compute), selective
-then full activation checkpointing (recomputation), ``reshard_after_forward`` (more
-all-gathers), CPU offload (host traffic, optimizer on the CPU), then more devices: a larger
-``dp_shard``, tensor parallel where the mesh has it, more pipeline stages. The recommendation is
-the cheapest prefix of those levers, applied together, that fits. ``lever_groups`` restricts
-both to some groups of levers: ``memory.fit = "auto"`` asks for the cheapest fitting set of
-microbatches and activation checkpointing alone (:data:`FIT_GROUPS`), which keep the devices and
-the model states on them, and applies it (:func:`ray_titan.preflight.prepare.fit_memory`).
+**Levers.** When a rank does not fit ``device_memory``, the plan re-plans the job with each lever
+and ranks them by cost: more microbatches (smaller ones; no extra compute), selective then full
+activation checkpointing (recomputation), activation offloading (host copies: before the
+recomputation where they hide behind the forward, after it where they do not),
+``reshard_after_forward`` (more all-gathers), CPU offload (host traffic, optimizer on the CPU),
+then more devices: a larger ``dp_shard``, tensor parallel where the mesh has it, more pipeline
+stages. The recommendation is the cheapest prefix of those levers, applied together, that fits.
+``lever_groups`` restricts both to some groups of levers: ``memory.fit = "auto"`` asks for the
+cheapest fitting set of microbatches, activation offloading and activation checkpointing alone
+(:data:`FIT_GROUPS`), which keep the devices and the model states on them, and applies it
+(:func:`ray_titan.preflight.prepare.fit_memory`).
 
 **Where each part is.** This module is the entry (:func:`memory_plan`, :func:`write_memory_plan`;
 the names below are importable from it too). The job as the plan reads it (mesh, model on meta,

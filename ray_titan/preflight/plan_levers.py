@@ -109,21 +109,25 @@ LEVER_GROUPS = tuple(dict.fromkeys(group for _, group, _ in _LEVERS))
 """The groups of levers, cheapest first: ``microbatches``, ``act_offload`` (activation offloading),
 ``ac`` (activation checkpointing), ``reshard``, ``offload``, ``dp_shard``, ``tp``, ``pp``, ``cp``."""
 
-FIT_GROUPS = ("microbatches", "ac")
+FIT_GROUPS = ("microbatches", "act_offload", "ac")
 """The groups ``memory.fit = "auto"`` may apply: they keep the job's devices and its model states on
-them. Not ``act_offload``: on an H100 (2026-11-27, the Llama 3.2 1B shape at 4 × 2,048 tokens,
-bf16, one rank; ``benchmarks/results/2026-11-27-first-contact-h100.md``) offloading every block
-raised the peak reserved 1.54× (with full AC 1.33×), where the plan counted it lower (that run's
-"peak allocated" was only the counters' tail after the last memory sample, not the run's peak):
-until a GPU shows it saving what the plan says, the plan lists it with its cost and a user may set
-it, but the automatic choice does not make it."""
+them. Activation offloading is ranked as for the plan's list (:func:`_offload_cost`): right after
+more microbatches where its copies hide behind the forward's compute, after full AC where they do
+not. An H200 (2026-11-28, the Llama 3.2 1B shape at 4 × 2,048 tokens, bf16, one rank;
+``benchmarks/results/2026-11-28-gpu-levers-h200.md``) bore out both sides of that test: offloading
+every block without AC, which the plan calls not hidden with up to ~475 ms more per step, took
+490 ms more (0.616 s against 0.126 s); under full AC, where the plan calls the block inputs' copies
+hidden, it cost nothing measurable (0.795 × no AC's tokens/s against full AC's 0.797). Its copies
+run on one side stream, so they took at least 0.548 s (34.5 GB at PCIe 5.0 x16's 63 GB/s): at least
+46 % of the step's 0.126 s of compute ran under them (docs/memory.md)."""
 
 HOST_LINK_BYTES_PER_S = 50e9
 """Host-device copy bandwidth per direction the activation-offload lever assumes, bytes/s: an H100
 SXM's PCIe Gen5 x16 link, 64 GB/s per direction by the PCIe 5.0 specification, of which pinned
-``cudaMemcpyAsync`` copies reach ~50 GB/s (NVIDIA's ``nvbandwidth`` figures for Gen5 hosts). Not
-measured by this project yet (no GPU lent when it was written): a GPU's first-contact run should
-replace it."""
+``cudaMemcpyAsync`` copies reach ~50 GB/s (NVIDIA's ``nvbandwidth`` figures for Gen5 hosts). An
+H200 offloading every block of the 1B shape moved 17.26 GB each way in a 0.616 s step: 56 GB/s
+if all of the step's compute hid under the copies, and the step this figure predicts (0.601 s) is
+2.5 % short of it (:data:`FIT_GROUPS`)."""
 
 ASSUMED_MFU = 0.4
 """Model FLOPs utilisation the lever assumes to turn a step's FLOPs into seconds of compute on an

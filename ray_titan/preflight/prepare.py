@@ -105,14 +105,17 @@ def prepare_job(config: JobConfig | str | Path | None, overrides: list[str] | No
 
 
 def fit_memory(cfg: JobConfig, device: str | None, device_memory: int | str | None = None, *,
-               dataset: bool = False, margin: float | None = None) -> tuple[JobConfig, MemoryPlan | None, str]:
+               dataset: bool = False, margin: float | None = None,
+               vocab_size: int | None = None, check_data: bool = True) -> tuple[JobConfig, MemoryPlan | None, str]:
     """``memory.fit = "auto"``: ``cfg`` rewritten with the cheapest microbatches / activation
     offloading / activation checkpointing levers (:data:`~ray_titan.preflight.plan_levers.FIT_GROUPS`) that make its
     memory plan fit, re-validated and re-planned; returns ``(config, its plan, the line to print)``.
 
     The capacity is ``device_memory`` (bytes or ``"80GiB"``), else ``memory.device_memory``, else
     the CUDA device this process sees; ``device`` and ``margin`` as in
-    :func:`~ray_titan.preflight.memory_plan.memory_plan`. ``cfg`` unchanged (with an empty line)
+    :func:`~ray_titan.preflight.memory_plan.memory_plan`, and ``vocab_size`` (None: the tokenizer's;
+    the dry run's, the flavor's it builds); ``check_data`` as in
+    :func:`~ray_titan.preflight.checks.validate_job`, for the rewritten job. ``cfg`` unchanged (with an empty line)
     where ``memory.fit = "off"`` (and no plan) or the job fits; with a note as the line where no
     capacity is known. Raises :class:`~ray_titan.config.ConfigError` naming ``memory.fit`` where
     no such lever fits (saying what would: more devices) or the plan cannot be made.
@@ -121,7 +124,7 @@ def fit_memory(cfg: JobConfig, device: str | None, device_memory: int | str | No
         return cfg, None, ""
     capacity = device_memory if device_memory is not None else cfg.memory.device_memory
     try:
-        plan = memory_plan(cfg, capacity, device, lever_groups=FIT_GROUPS, margin=margin)
+        plan = memory_plan(cfg, capacity, device, vocab_size=vocab_size, lever_groups=FIT_GROUPS, margin=margin)
     except ConfigError:
         raise
     except Exception as e:
@@ -137,16 +140,16 @@ def fit_memory(cfg: JobConfig, device: str | None, device_memory: int | str | No
             f"{format_bytes(plan.device_memory)}"
             + (f" ({format_bytes(plan.usable)} usable)" if plan.usable != plan.device_memory else ""))
     if plan.recommendation is None:
-        every = memory_plan(cfg, capacity, device, margin=margin).recommendation
+        every = memory_plan(cfg, capacity, device, vocab_size=vocab_size, margin=margin).recommendation
         would = (f"; what would fit: {' '.join(every)}" if every
                  else "; no lever the plan knows fits, not even more devices (a smaller model, microbatch or sequence)")
-        raise ConfigError(f"{head}, and no choice of microbatches and activation "
+        raise ConfigError(f"{head}, and no choice of microbatches, activation offloading and activation "
                           "checkpointing fits (the levers "
                           f"memory.fit = 'auto' may apply){would}; give the job more devices, or set "
                           "memory.fit = 'off'")
     new = cfg.with_overrides(plan.recommendation)
-    new = validate_job(new, has_dataset=dataset)
-    after = memory_plan(new, capacity, device, levers=False, margin=margin)
+    new = validate_job(new, check_data=check_data, has_dataset=dataset)
+    after = memory_plan(new, capacity, device, vocab_size=vocab_size, levers=False, margin=margin)
     chosen = [lv for lv in plan.levers if set(lv.overrides) <= set(plan.recommendation)]
     why = "; ".join(f"{lv.name}: {lv.cost}" for lv in chosen)
     return new, after, (f"{head}; training with {' '.join(plan.recommendation)} (peak {format_bytes(after.max_peak)}), "

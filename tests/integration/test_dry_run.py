@@ -40,6 +40,18 @@ def test_ranks_of_a_pp_fsdp_tp_mesh_train_on_the_simulated_device():
     assert "pp=1, dp_shard=1, tp=1" in table and "host synchronisations per step" in table
 
 
+def test_the_dry_run_simulates_the_job_memory_fit_auto_makes(capsys):
+    """With ``memory.fit = "auto"`` a run trains the plan's choice, so the dry run simulates that
+    job, not the one given: the debug Llama without AC (12.1 MiB planned) on 11 MiB trains with
+    8 microbatches; its simulated peak is that job's, below the usable 10.1 MiB. It simulated the
+    given job's 12 MiB before."""
+    flags = ["--activation_checkpoint.mode=none", "--memory.fit=auto", '--memory.device_memory="11MiB"']
+    (r,) = dry_run(LLAMA, flags, steps=2)  # the second step holds the optimizer state
+    assert "training with --parallelism.microbatches=8" in capsys.readouterr().out
+    assert r.plan_peak_bytes is not None and r.peak_device_bytes < 0.92 * 11 * 2**20
+    assert abs(r.peak_device_bytes / r.plan_peak_bytes - 1) < 0.1
+
+
 def test_a_host_tensor_on_an_nccl_group_is_named_with_its_op_and_frame():
     """memory.cpu_offload keeps FSDP2's shards and gradients on the host: the gradient norm's
     all-reduce then reduces a host tensor. On NCCL-only groups (what ray_titan made before

@@ -187,9 +187,9 @@ def test_the_plan_moves_the_offloaded_bytes_from_device_activations_to_the_host(
     assert memory_plan(off, None, "cpu", levers=False).max_peak == memory_plan(cfg, None, "cpu", levers=False).max_peak
 
 
-def test_offloading_is_ranked_by_whether_its_copies_hide_and_fit_auto_does_not_choose_it():
-    """The lever's cost says whether the copies hide behind the forward's compute; memory.fit =
-    "auto" leaves it to the user (FIT_GROUPS: on an H100 it did not lower the peak)."""
+def test_offloading_is_ranked_by_whether_its_copies_hide_and_fit_auto_applies_it_so():
+    """The lever's cost says whether the copies hide behind the forward's compute, which places it
+    before or after the recomputation, for the plan's list and for memory.fit = "auto" alike."""
     from ray_titan.preflight.memory_plan import memory_plan
     from ray_titan.preflight.prepare import fit_memory
 
@@ -197,8 +197,10 @@ def test_offloading_is_ranked_by_whether_its_copies_hide_and_fit_auto_does_not_c
     full = memory_plan(cfg, None, "cuda", levers=False).max_peak
     moved = memory_plan(cfg.with_overrides(["--memory.activation_offload=all"]), None, "cuda", levers=False).max_peak
     capacity = int((moved + full) / 2 / 0.92)  # the offloaded job fits with the margin, the given one not
-    with pytest.raises(ConfigError, match="what would fit: --memory.activation_offload=all"):
-        fit_memory(cfg, "cuda", capacity)  # only offloading fits: said, not applied
+    new, after, line = fit_memory(cfg, "cuda", capacity)  # only offloading fits: applied, and said why
+    assert new.memory.activation_offload == "all" and after is not None and after.fits
+    assert after.max_peak == moved and new.activation_checkpoint == cfg.activation_checkpoint
+    assert "training with --memory.activation_offload=all" in line and "hidden behind compute" in line
     (lever,) = [lv for lv in memory_plan(cfg, capacity, "cuda").levers if "offload (all" in lv.name]
     assert "hidden behind compute" in lever.cost and "not hidden" not in lever.cost
     # The debug Llama: copies longer than its forward's compute, ranked after full AC.
