@@ -233,3 +233,33 @@ def test_the_hub_name_num_experts_is_read(tiny):
     hub = {k: v for k, v in config.items() if k != "num_local_experts"} | {"num_experts": 8}
     assert adapter.args_from_hf(hub) == adapter.args_from_hf(config)
     assert np.array_equal(adapter.args_from_hf(hub).moe_layers, [0, 2])
+
+
+def test_the_balance_loss_leaves_the_fsdp_wrapped_models_output_a_fresh_tensor():
+    """Qwen3-MoE adds its pooled balance loss at the model's end (``_AddAuxLoss``): its output,
+    the FSDP2 root's, was a view of the logits, and FSDP2 warned on every run ("returned a view
+    tensor"). It is not a view now. (That the balance loss's gradient is transformers': the test
+    above, through the same ``_AddAuxLoss``.)"""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ray_titan.parallel.fsdp import apply_fsdp
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build_model("qwen3_moe", "debug")
+        model.init_weights(0)
+        apply_fsdp(model, init_device_mesh("cpu", (1,)), True)
+        x = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(0))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = model(x)
+        assert out._base is None
+        assert not [w for w in seen if "returned a view tensor" in str(w.message)]
+        out.float().logsumexp(-1).mean().backward()
+        router = model.get_parameter("layers.1.moe.router.weight")
+        assert router.grad is not None and router.grad.full_tensor().abs().sum() > 0
+    finally:
+        dist.destroy_process_group()

@@ -316,7 +316,10 @@ class _AddAuxLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
         ctx.aux_shape = aux_loss.shape
-        return x
+        # ``x`` returned as is would come out as a view of it (autograd's rule for a Function
+        # returning an input), which FSDP2 warns about when it is a wrapped module's output
+        # (Qwen3-MoE's model); detach() shares the storage and the version counter, no copy.
+        return x.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
