@@ -238,13 +238,10 @@ def _update(parts: TrainParts, step: int, loss: torch.Tensor | None, max_norm: f
     t2 = time.perf_counter()
     optimizer = parts.optimizer
     with record_function("ray_titan/optimizer"):
-        # Whether the loss is finite on every rank travels with the norm's all-reduce.
-        norm, losses_bad = clip_grad_norm_(parts.params, max_norm, parts.pp_group, exclude,
-                                           flags=_loss_flag(loss, parts.device))
-        assert losses_bad is not None
-        loss_bad = (losses_bad > 0).to(torch.float32)
+        norm = clip_grad_norm_(parts.params, max_norm, parts.pp_group, exclude)
         lr = float(parts.scheduler.get_last_lr()[0])  # typed float | Tensor; a float here
         # A non-finite loss or norm withholds the update: the same on every rank, on the device.
+        loss_bad = _loss_flag(loss, parts.device)
         norm_bad = ~torch.isfinite(norm.detach().to(loss_bad.device))  # cpu_offload: the norm is on the host
         bad = torch.maximum(loss_bad, norm_bad.to(loss_bad.dtype).reshape(1))
         if parts.backup is not None:  # training.on_nonfinite = "skip" may have to undo this update
@@ -310,11 +307,14 @@ def _reduce_over_cp(parts: TrainParts, loss: torch.Tensor, masked: tuple[float, 
 
 
 def _loss_flag(loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """``(1,)`` float32 on ``device``: 1 when this rank's loss (``loss``; None off the last stage)
-    is not finite, else 0. Local; summed over the ranks with the gradient norm's all-reduce."""
-    if loss is None:
-        return torch.zeros(1, device=device)
-    return (~torch.isfinite(loss.detach().reshape(1).to(device))).to(torch.float32)
+    """``(1,)`` float32 on ``device``: 1 when the loss (``loss``, this rank's; None off the last
+    stage) is not finite on some rank. One tiny all-reduce, no host sync."""
+    flag = torch.zeros(1, device=device)
+    if loss is not None:
+        flag = (~torch.isfinite(loss.detach().reshape(1).to(device))).to(flag.dtype)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag
 
 
 def _nonfinite_grad_stages(parts: TrainParts) -> tuple[int, ...]:

@@ -53,18 +53,16 @@ def test_the_dry_run_simulates_the_job_memory_fit_auto_makes(capsys):
 
 
 def test_a_host_tensor_on_an_nccl_group_is_named_with_its_op_and_frame():
-    """memory.cpu_offload keeps FSDP2's shards and gradients on the host: the last stage's copy of
-    a tied embedding (Qwen3 on pp=2) then sums its gradient with the first stage's over a host
-    tensor. On NCCL-only groups (what ray_titan made before process_group_backend) the dry run
-    fails naming the op, the device and tied.py; with the job's own groups (cuda:nccl,cpu:gloo
-    under cpu_offload) the same rank runs. (The gradient norm's all-reduce was the example here
-    until it moved its host shards' share to the device.)"""
-    overrides = ["--model.name=qwen3", "--model.flavor=debug", "--parallelism.pp=2", "--parallelism.dp_shard=2",
-                 "--memory.cpu_offload=true"]
-    with pytest.raises(DryRunError, match=r"allreduce.* on a cpu tensor .* issued at parallel/tied\.py:\d+"):
-        dry_run(LLAMA, overrides, ranks=[3], steps=1, host_backend=False)
-    (ok,) = dry_run(LLAMA, overrides, ranks=[3], steps=1)
+    """memory.cpu_offload keeps FSDP2's shards and gradients on the host: the gradient norm's
+    all-reduce then reduces a host tensor. On NCCL-only groups (what ray_titan made before
+    process_group_backend) the dry run fails naming the op, the device and grad_norm.py; with
+    the job's own groups (cuda:nccl,cpu:gloo under cpu_offload) the same rank runs."""
+    overrides = ["--parallelism.pp=1", "--parallelism.dp_shard=2", "--memory.cpu_offload=true"]
+    with pytest.raises(DryRunError, match=r"all_reduce.* on a cpu tensor .* issued at parallel/grad_norm\.py:\d+"):
+        dry_run(LLAMA, overrides, steps=1, host_backend=False)
+    (ok,) = dry_run(LLAMA, overrides, steps=1)
     assert ok.steps == 1
+
 
 def test_the_moe_job_with_expert_parallelism_syncs_once_per_dispatch_and_runs_grouped_gemm():
     """The MoE job's last rank (pp=2 × dp_shard=2 × ep=2, bf16 by default on CUDA), two steps:
