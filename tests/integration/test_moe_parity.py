@@ -15,7 +15,6 @@ import torch.multiprocessing as mp
 from ray_titan.models.deepseek_v2.model import (
     route_tokens,
 )
-from tests.support.ranks import free_port
 from tests.unit.test_moe import DEBUG, _moe
 
 # -- expert parallelism over 2 gloo ranks -------------------------------------------------------
@@ -29,9 +28,8 @@ EP_CASES = {
 }
 
 
-def _ep_worker(rank: int, port: int, out_dir: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _ep_worker(rank: int, init_method: str, out_dir: str):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     from torch.distributed.device_mesh import init_device_mesh
 
     from ray_titan.parallel.expert import apply_expert_parallel
@@ -81,6 +79,10 @@ def _ep_worker(rank: int, port: int, out_dir: str):
     # Neither rank tears gloo down while the other may still be sending (an abort at exit).
     dist.barrier()
     dist.destroy_process_group()
+    # The mesh and the DTensor experts still hold the process groups; freed during interpreter
+    # finalization, gloo aborted rank 0 ("terminate called without an active exception") about
+    # once in 25 runs. The results are written: leave without finalizing.
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +91,8 @@ def ep_results(tmp_path_factory):
     # which may hold a Ray driver (the shared test cluster), and a forked Ray client broke
     # the next Ray Train run (its controller hung before starting workers).
     out = tmp_path_factory.mktemp("ep")
-    mp.spawn(_ep_worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    # A file store: no port to race for and no store server thread in rank 0.
+    mp.spawn(_ep_worker, args=(f"file://{out / 'store'}", str(out)), nprocs=2, join=True)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
 
 
