@@ -5,6 +5,8 @@ ids outside the vocabulary raise, as they do without tp."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,6 +71,9 @@ def _checks(rank: int, world: int, init: str) -> None:
             VocabParallelEmbedding(output_layout=Replicate())._apply(nn.Embedding(9, 4, padding_idx=0), mesh)
     finally:
         dist.destroy_process_group()
+    # A spawned child finalizes the interpreter, where gloo groups the mesh still holds can abort
+    # the process (seen in test_moe_parity): passed, so leave without finalizing.
+    os._exit(0)
 
 
 def test_the_split_embedding_matches_one_embedding_and_keeps_its_own_rows_gradient(tmp_path):
