@@ -31,6 +31,7 @@ from ray_titan.config.schema import JobConfig
 from ray_titan.models.registry import ModelSpec, get_model_args, get_spec
 from ray_titan.models.rope import RopeScaling
 from ray_titan.models.state_dict_adapter import HFConfigError, Source
+from ray_titan.parallel.finite import finite_each
 
 __all__ = ["ExportResult", "export_hf", "save_last_hf"]
 
@@ -213,11 +214,10 @@ class _CheckedReader:
         sd = {f"model.{name}": torch.empty(shape, dtype=self.saved[f"model.{name}"].properties.dtype)  # type: ignore[union-attr]
               for name, _, shape in group}
         dcp.load(sd, storage_reader=SafeFileSystemReader(str(self.path)), planner=SafeLoadPlanner(), no_dist=True)
-        # As resume refuses them: a max-abs per tensor (NaN propagates; no tensor-sized temporary).
+        # As resume refuses them (no tensor-sized temporary).
         names = [k for k, t in sd.items() if t.is_floating_point() and t.numel()]
-        norms = torch._foreach_norm([sd[k] for k in names], float("inf")) if names else []
-        for key, norm in zip(names, norms):
-            if not math.isfinite(float(norm)):
+        for key, finite in zip(names, finite_each([sd[k] for k in names])):
+            if not finite:
                 hf_key = self.sources[key.removeprefix("model.")].keys[0]
                 raise CheckpointError(f"checkpoint {self.path} holds non-finite model weights: {key} (Hugging Face "
                                       f"{hf_key}) has NaN or infinite values; export an earlier checkpoint")

@@ -13,7 +13,7 @@ import torch
 
 import ray_titan.trainer.nonfinite as nonfinite_module
 from ray_titan.config.schema import Debug
-from ray_titan.parallel.finite import nonfinite_flag
+from ray_titan.parallel.finite import finite_each, nonfinite_flag
 from ray_titan.trainer import fault_injection
 from ray_titan.trainer.backup import UpdateBackup
 from ray_titan.trainer.fault_injection import FaultInjection
@@ -189,12 +189,15 @@ def test_the_nonfinite_flag_finds_any_nonfinite_element_of_any_tensor(dtype, val
     gen = torch.Generator().manual_seed(0)
     base = [torch.randn(s, generator=gen).to(dtype) for s in FLAG_SHAPES]
     assert nonfinite_flag(base, torch.device("cpu")).tolist() == [0.0]
+    assert finite_each(base) == [True] * len(base)
     for i, t in enumerate(base):
         for pos in {0, t.numel() // 2, t.numel() - 1}:
             tensors = [x.clone() for x in base]
             flat = tensors[i].view(-1)
             flat[pos] = complex(0.0, value) if dtype.is_complex else value  # the imaginary part of a complex
             assert nonfinite_flag(tensors, torch.device("cpu")).tolist() == [1.0], (i, pos)
+            # Per tensor (the HF export names the one): that one only.
+            assert finite_each(tensors) == [j != i for j in range(len(tensors))], (i, pos)
 
 
 def test_the_nonfinite_flag_takes_huge_finite_values_and_ignores_what_is_not_floating():
@@ -202,4 +205,5 @@ def test_the_nonfinite_flag_takes_huge_finite_values_and_ignores_what_is_not_flo
     huge = [torch.full((1000,), 3e38), torch.full((10,), -3e38), torch.full((4,), 1e300, dtype=torch.float64)]
     ignored = [torch.empty(0), torch.tensor([2**62, -(2**62)]), torch.tensor([True])]
     assert nonfinite_flag(huge + ignored, torch.device("cpu")).tolist() == [0.0]
+    assert finite_each(huge) == [True] * len(huge)
     assert nonfinite_flag([], torch.device("cpu")).tolist() == [0.0]
