@@ -107,15 +107,17 @@ def baseline_env(cfg) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", **worker_env_vars(cfg.memory.allocator)}
 
 
-def run_torchtitan(work: Path, cfg, device: str = "cpu", timeout: float | None = None) -> dict[str, Any]:
+def run_torchtitan(work: Path, cfg, device: str = "cpu", timeout: float | None = None,
+                   fuse_qkv: bool = True) -> dict[str, Any]:
     """torchtitan 0.3.0 at ``cfg``'s shape and mesh under ``torchrun`` (``benchmarks/torchtitan_cpu.py``;
-    ``device`` ``"cuda"``: natively, one GPU per rank), killed after ``timeout`` seconds. Returns
+    ``device`` ``"cuda"``: natively, one GPU per rank), killed after ``timeout`` seconds;
+    ``fuse_qkv`` False: its attention with separate q, k and v projections. Returns
     ``tokens_per_s``, ``rss_bytes`` and ``logged_losses``; raises RuntimeError when it fails
     (its whole stderr kept beside its output) and ``subprocess.TimeoutExpired`` past ``timeout``."""
     out = work / "runs" / f"torchtitan-{time.time_ns()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.world_size}",
            "-m", "benchmarks.torchtitan_cpu", "--config-json", cfg.model_dump_json(), "--out", str(out),
-           f"--device={device}"]
+           f"--device={device}", *([] if fuse_qkv else ["--unfused-qkv"])]
     proc = run_bounded(cmd, timeout, cwd=REPO, env=baseline_env(cfg))
     if proc.returncode:
         out.mkdir(parents=True, exist_ok=True)

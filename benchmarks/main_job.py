@@ -161,7 +161,8 @@ def bench_torchtitan_ac(bench: Bench) -> list[Row]:
     """Step time under each activation-checkpointing mode, ray_titan vs torchtitan 0.3.0, both
     under torchrun on dp_shard = 2 (FSDP2) with the main job's model, batch and data: ``none``,
     ``full`` and selective ``op`` (torchtitan's ``SelectiveAC``, whose policy ray_titan's ``op``
-    follows). Issue 41's "not slower on CPU" for the memory comparison's policies."""
+    follows), and without AC once more against torchtitan with its q, k and v projections unfused
+    (ray_titan's layout). Issue 41's "not slower on CPU" for the memory comparison's policies."""
     rows = []
     for mode in ("none", "full", "selective"):
         cfg = bench.job("torchtitan_ac", "--parallelism.pp=1", "--parallelism.dp_shard=2",
@@ -175,6 +176,14 @@ def bench_torchtitan_ac(bench: Bench) -> list[Row]:
             "A/B ≥ 1.0", "", 2, cfg,
         )
         rows.append(row)
+        if mode == "none":  # the share of torchtitan's fused q/k/v (its Llama 3 default) in the gap
+            row, _, _ = compare(
+                bench, "vs torchtitan 0.3.0 with q, k, v unfused, AC none (dp_shard=2, fp32)",
+                "ray_titan (torchrun)", lambda cfg=cfg: run_torchrun(bench, cfg),
+                "torchtitan Trainer, fuse_qkv=False", lambda cfg=cfg: run_torchtitan(bench.work, cfg, fuse_qkv=False),
+                "", "the same projection layout on both sides (ray_titan's, as Hugging Face's)", 2, cfg,
+            )
+            rows.append(row)
     return rows
 
 
